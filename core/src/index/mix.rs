@@ -1,0 +1,60 @@
+//! A fast hasher for maps keyed by integers that are mostly hashes already.
+//!
+//! Engine block hashes can also be small counters (tests, some engines), so keys are still
+//! mixed: one multiply and a fold, enough to spread sequential keys over a table.
+
+use std::hash::{BuildHasherDefault, Hasher};
+
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        let x = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        x ^ (x >> 29)
+    }
+
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+
+    #[inline]
+    fn write_u8(&mut self, i: u8) {
+        self.write_u64(i as u64);
+    }
+
+    #[inline]
+    fn write_u32(&mut self, i: u32) {
+        self.write_u64(i as u64);
+    }
+
+    #[inline]
+    fn write_u64(&mut self, i: u64) {
+        self.0 = (self.0.rotate_left(23) ^ i).wrapping_mul(0xA076_1D64_78BD_642F);
+    }
+
+    #[inline]
+    fn write_usize(&mut self, i: usize) {
+        self.write_u64(i as u64);
+    }
+}
+
+pub(crate) type MixState = BuildHasherDefault<MixHasher>;
+
+/// Heap bytes of a `HashMap`/`HashSet` with `capacity` usable entries of `T` (hashbrown keeps
+/// a power-of-two bucket count at most 7/8 full, one control byte per bucket plus a group).
+pub(crate) fn set_bytes<T>(capacity: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 {
+        (capacity + 1).next_power_of_two()
+    } else {
+        (capacity * 8 / 7).next_power_of_two()
+    };
+    buckets * (std::mem::size_of::<T>() + 1) + 16
+}

@@ -1,0 +1,800 @@
+//! The sharded prefix index: for a prompt's block hashes, which ranks hold how many leading
+//! blocks, in which storage tier.
+//!
+//! ```text
+//!   shard = f(first block hash)          one writer (PrefixIndex), readers anywhere (IndexReader)
+//!   ┌ shard 0 ──────────────────────────────────────────────────────────────┐
+//!   │ child table: (parent run, offset, next hash) -> run                    │
+//!   │ runs (ArcSwap slots):  [h0 h1 h2 .. h63] holders: rank/tier -> bitmask │
+//!   └────────────────────────────────────────────────────────────────────────┘
+//!   engine block hash -> (shard, run, offset)       writer only: removals, parents
+//! ```
+//!
+//! Chains live in runs of up to 64 blocks; a chain that diverges mid-run continues in a child
+//! run linked from the divergence point, so a run is never split and a block never moves. A
+//! match compares the query against each run's hashes in one loop and probes the child table
+//! once per run. Every chain lives in the shard of its first block, so a match visits one shard.
+//!
+//! Engines name blocks by their own opaque hashes. One map from engine hash to position serves
+//! every rank that uses the same name for the same block (the common case); a rank that uses a
+//! name already taken by another position gets a private entry. Physical copies of one block in
+//! one (rank, tier) are counted, so the block leaves only with its last copy.
+//!
+//! See `docs/ARCHITECTURE.md` for the measurements behind these choices.
+
+mod mix;
+mod read;
+pub mod reference;
+mod run;
+mod shard;
+mod slots;
+mod table;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use self::mix::{set_bytes, MixState};
+use self::shard::{DroppedHold, Pos, ShardShared, ShardWriter};
+use crate::event::{
+    BlockHash, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock, WorkerId,
+    WorkerRank,
+};
+use crate::hash::LocalHash;
+
+/// Index configuration.
+#[derive(Clone, Debug)]
+pub struct IndexConfig {
+    /// Number of shards; 0 means one per available core.
+    pub shards: usize,
+    /// Upper bound of the index's own memory, in bytes; `None` means unbounded. Over it, the
+    /// least recently stored leaf blocks are evicted.
+    pub memory_budget: Option<usize>,
+    /// Register a rank on its first event. When false, ranks must be registered with
+    /// [`PrefixIndex::register_rank`] and events of other ranks are rejected.
+    pub auto_register: bool,
+    /// Most ranks the index tracks at once.
+    pub max_ranks: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            shards: 0,
+            memory_budget: None,
+            auto_register: true,
+            max_ranks: 1 << 16,
+        }
+    }
+}
+
+/// Options of one match.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MatchOptions {
+    /// Stop walking once a single rank is left holding the whole prefix so far: its score is
+    /// then a lower bound, and every other score is exact.
+    pub early_exit: bool,
+}
+
+/// One rank's overlap with a query.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RankScore {
+    pub rank: WorkerRank,
+    /// Leading blocks of the query held, in any tier.
+    pub blocks: u32,
+    /// The same blocks split by the fastest tier each is held in.
+    pub per_tier: [u32; StorageTier::COUNT],
+}
+
+/// Result of a match: one entry per rank holding at least the first block. Reuse one value
+/// across calls to [`IndexReader::find_matches_into`] to match without allocating.
+#[derive(Clone, Debug, Default)]
+pub struct OverlapScores {
+    pub scores: Vec<RankScore>,
+    /// Ranks still holding every block so far: (rank id, index in `scores`).
+    active: Vec<(u32, u32)>,
+}
+
+impl OverlapScores {
+    /// The score of one rank (0 blocks when absent).
+    pub fn blocks(&self, rank: WorkerRank) -> u32 {
+        self.scores
+            .iter()
+            .find(|s| s.rank == rank)
+            .map_or(0, |s| s.blocks)
+    }
+
+    /// The best score.
+    pub fn max_blocks(&self) -> u32 {
+        self.scores.iter().map(|s| s.blocks).max().unwrap_or(0)
+    }
+}
+
+/// Why an event or call was rejected. Every rejection is also counted in [`ErrorCounts`].
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum IndexError {
+    #[error("stored event of {rank} continues parent block {parent:?}, which the rank does not hold; the rank needs resynchronisation")]
+    UnknownParent { rank: WorkerRank, parent: BlockHash },
+    #[error("removed event of {rank} names {count} block(s) the rank does not hold in that tier (first: {first:?}); the others were removed")]
+    UnknownBlocks {
+        rank: WorkerRank,
+        count: usize,
+        first: BlockHash,
+    },
+    #[error("stored event of {rank} names block {block:?} as its own parent or twice in a row")]
+    InvalidChain { rank: WorkerRank, block: BlockHash },
+    #[error("event of unregistered rank {rank}")]
+    UnknownRank { rank: WorkerRank },
+    #[error("unknown worker {worker:?}")]
+    UnknownWorker { worker: WorkerId },
+    #[error("rank {rank} cannot be registered: the index already tracks {limit} ranks")]
+    TooManyRanks { rank: WorkerRank, limit: usize },
+}
+
+/// Rejections, per kind. `unknown_blocks` counts blocks, the others count events or calls.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ErrorCounts {
+    pub unknown_parent: u64,
+    pub unknown_blocks: u64,
+    pub invalid_chain: u64,
+    pub unknown_rank: u64,
+    pub unknown_worker: u64,
+    pub too_many_ranks: u64,
+}
+
+/// Event-id bookkeeping, summed over ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventCounts {
+    /// Events applied (rejected ones included).
+    pub events: u64,
+    /// Times an event id jumped ahead of the next expected one.
+    pub gaps: u64,
+    /// Event ids skipped over by those jumps.
+    pub missing: u64,
+    /// Events whose id was not above the last one seen (duplicates and late arrivals).
+    pub reordered: u64,
+}
+
+/// Where a rank's event stream stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankStatus {
+    pub rank: WorkerRank,
+    /// The highest event id applied.
+    pub last_event: Option<EventId>,
+    /// The stream no longer fits the index (a gap, an unknown parent): the rank's blocks should
+    /// be re-read from the worker.
+    pub needs_resync: bool,
+    /// Gaps seen on this rank.
+    pub gaps: u64,
+}
+
+/// Counters and sizes.
+#[derive(Clone, Debug, Default)]
+pub struct IndexStats {
+    pub shards: usize,
+    pub ranks: usize,
+    pub runs: usize,
+    /// Blocks in the structure (distinct positions).
+    pub blocks: usize,
+    /// (rank, block, tier) holds.
+    pub stored_pairs: u64,
+    /// Extra physical copies beyond the first of a (rank, block, tier).
+    pub duplicate_copies: u64,
+    /// Bytes the index accounts for itself.
+    pub memory_bytes: usize,
+    pub memory_budget: Option<usize>,
+    /// Blocks evicted to stay within the budget, and the holds they took along.
+    pub evicted_blocks: u64,
+    pub evicted_pairs: u64,
+    pub errors: ErrorCounts,
+    pub events: EventCounts,
+    pub ranks_needing_resync: usize,
+}
+
+#[derive(Debug)]
+struct RankState {
+    rank: WorkerRank,
+    last_event: Option<u64>,
+    needs_resync: bool,
+    gaps: u64,
+}
+
+struct Shared {
+    shards: Vec<Arc<ShardShared>>,
+    /// Rank id -> rank, for turning holders into scores.
+    ranks: ArcSwap<Vec<Option<WorkerRank>>>,
+}
+
+/// A cheap, cloneable, thread-safe handle that matches queries lock-free.
+#[derive(Clone)]
+pub struct IndexReader {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for IndexReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IndexReader")
+            .field("shards", &self.shared.shards.len())
+            .finish()
+    }
+}
+
+#[inline]
+fn shard_of(h: LocalHash, n: usize) -> usize {
+    let x = h.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+    ((x * n as u64) >> 32) as usize
+}
+
+impl IndexReader {
+    /// Scores every rank against `query`, allocating the result.
+    pub fn find_matches(&self, query: &[LocalHash], opts: MatchOptions) -> OverlapScores {
+        let mut out = OverlapScores::default();
+        self.find_matches_into(query, opts, &mut out);
+        out
+    }
+
+    /// Scores every rank against `query` into `out` (cleared first). Lock-free; allocates
+    /// nothing once `out` has grown to the number of ranks that match.
+    pub fn find_matches_into(
+        &self,
+        query: &[LocalHash],
+        opts: MatchOptions,
+        out: &mut OverlapScores,
+    ) {
+        out.scores.clear();
+        out.active.clear();
+        let Some(first) = query.first() else {
+            return;
+        };
+        let shards = &self.shared.shards;
+        let shard = &shards[shard_of(*first, shards.len())];
+        let ranks = self.shared.ranks.load();
+        read::walk(shard, &ranks, query, opts.early_exit, out);
+    }
+}
+
+/// The prefix index, as its single writer sees it. Reads go through [`PrefixIndex::reader`]
+/// handles, from any thread, while this value applies events.
+pub struct PrefixIndex {
+    config: IndexConfig,
+    reader: IndexReader,
+    shards: Vec<ShardWriter>,
+    ranks: Vec<Option<RankState>>,
+    rank_ids: HashMap<WorkerRank, u32>,
+    free_rank_ids: Vec<u32>,
+    /// Engine block hash -> packed position, shared by the ranks that use the same name.
+    names: HashMap<u64, u64, MixState>,
+    /// (rank, engine hash) -> position, where the rank's name is taken by another position.
+    private_names: HashMap<(u32, u64), u64, MixState>,
+    /// Position -> further names pointing at it, besides the one it was created under.
+    aliases: HashMap<u64, Vec<u64>, MixState>,
+    /// (rank, tier, position) -> copies beyond the first.
+    copies: HashMap<(u32, u8, u64), u32, MixState>,
+    tick: u64,
+    stored_pairs: u64,
+    duplicate_copies: u64,
+    evicted_blocks: u64,
+    evicted_pairs: u64,
+    errors: ErrorCounts,
+    events: EventCounts,
+    dropped: Vec<DroppedHold>,
+}
+
+impl std::fmt::Debug for PrefixIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixIndex")
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+#[inline]
+fn pack(shard: usize, pos: Pos) -> u64 {
+    ((shard as u64) << 40) | ((pos.slot as u64) << 8) | pos.off as u64
+}
+
+#[inline]
+fn unpack(loc: u64) -> (usize, Pos) {
+    (
+        (loc >> 40) as usize,
+        Pos {
+            slot: (loc >> 8) as u32,
+            off: loc as u8,
+        },
+    )
+}
+
+impl PrefixIndex {
+    pub fn new(config: IndexConfig) -> Self {
+        let n = match config.shards {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+        .min(1 << 16);
+        let track_lru = config.memory_budget.is_some();
+        let shards: Vec<ShardWriter> = (0..n).map(|i| ShardWriter::new(i, track_lru)).collect();
+        let shared = Arc::new(Shared {
+            shards: shards.iter().map(|s| Arc::clone(&s.shared)).collect(),
+            ranks: ArcSwap::from_pointee(Vec::new()),
+        });
+        PrefixIndex {
+            config,
+            reader: IndexReader { shared },
+            shards,
+            ranks: Vec::new(),
+            rank_ids: HashMap::new(),
+            free_rank_ids: Vec::new(),
+            names: HashMap::default(),
+            private_names: HashMap::default(),
+            aliases: HashMap::default(),
+            copies: HashMap::default(),
+            tick: 0,
+            stored_pairs: 0,
+            duplicate_copies: 0,
+            evicted_blocks: 0,
+            evicted_pairs: 0,
+            errors: ErrorCounts::default(),
+            events: EventCounts::default(),
+            dropped: Vec::new(),
+        }
+    }
+
+    /// A reading handle; clone it into every thread that routes.
+    pub fn reader(&self) -> IndexReader {
+        self.reader.clone()
+    }
+
+    /// See [`IndexReader::find_matches`].
+    pub fn find_matches(&self, query: &[LocalHash], opts: MatchOptions) -> OverlapScores {
+        self.reader.find_matches(query, opts)
+    }
+
+    /// See [`IndexReader::find_matches_into`].
+    pub fn find_matches_into(
+        &self,
+        query: &[LocalHash],
+        opts: MatchOptions,
+        out: &mut OverlapScores,
+    ) {
+        self.reader.find_matches_into(query, opts, out);
+    }
+
+    // ---- ranks ----
+
+    /// Registers a rank (a no-op when it is known).
+    pub fn register_rank(&mut self, rank: WorkerRank) -> Result<(), IndexError> {
+        self.rank_id_or_register(rank).map(|_| ())
+    }
+
+    fn rank_id_or_register(&mut self, rank: WorkerRank) -> Result<u32, IndexError> {
+        if let Some(&id) = self.rank_ids.get(&rank) {
+            return Ok(id);
+        }
+        if self.rank_ids.len() >= self.config.max_ranks {
+            self.errors.too_many_ranks += 1;
+            return Err(IndexError::TooManyRanks {
+                rank,
+                limit: self.config.max_ranks,
+            });
+        }
+        let id = self.free_rank_ids.pop().unwrap_or(self.ranks.len() as u32);
+        if id as usize == self.ranks.len() {
+            self.ranks.push(None);
+        }
+        self.ranks[id as usize] = Some(RankState {
+            rank,
+            last_event: None,
+            needs_resync: false,
+            gaps: 0,
+        });
+        self.rank_ids.insert(rank, id);
+        self.publish_ranks();
+        Ok(id)
+    }
+
+    fn publish_ranks(&self) {
+        let list = self
+            .ranks
+            .iter()
+            .map(|r| r.as_ref().map(|s| s.rank))
+            .collect();
+        self.reader.shared.ranks.store(Arc::new(list));
+    }
+
+    /// The rank id for an event, registering the rank when allowed; counts the event id.
+    fn event_rank(&mut self, header: EventHeader) -> Result<u32, IndexError> {
+        self.events.events += 1;
+        let id = match self.rank_ids.get(&header.source) {
+            Some(&id) => id,
+            None if self.config.auto_register => self.rank_id_or_register(header.source)?,
+            None => {
+                self.errors.unknown_rank += 1;
+                return Err(IndexError::UnknownRank {
+                    rank: header.source,
+                });
+            }
+        };
+        if let Some(Some(state)) = self.ranks.get_mut(id as usize) {
+            let id_now = header.event_id.0;
+            match state.last_event {
+                None => state.last_event = Some(id_now),
+                Some(last) if id_now == last.wrapping_add(1) => state.last_event = Some(id_now),
+                Some(last) if id_now > last => {
+                    self.events.gaps += 1;
+                    self.events.missing += id_now - last - 1;
+                    state.gaps += 1;
+                    state.needs_resync = true;
+                    state.last_event = Some(id_now);
+                }
+                Some(_) => self.events.reordered += 1,
+            }
+        }
+        Ok(id)
+    }
+
+    fn flag_resync(&mut self, rank: u32) {
+        if let Some(Some(state)) = self.ranks.get_mut(rank as usize) {
+            state.needs_resync = true;
+        }
+    }
+
+    /// Status of every tracked rank.
+    pub fn rank_status(&self) -> Vec<RankStatus> {
+        self.ranks
+            .iter()
+            .flatten()
+            .map(|s| RankStatus {
+                rank: s.rank,
+                last_event: s.last_event.map(EventId),
+                needs_resync: s.needs_resync,
+                gaps: s.gaps,
+            })
+            .collect()
+    }
+
+    /// Ranks whose event stream no longer fits the index.
+    pub fn ranks_needing_resync(&self) -> Vec<WorkerRank> {
+        self.ranks
+            .iter()
+            .flatten()
+            .filter(|s| s.needs_resync)
+            .map(|s| s.rank)
+            .collect()
+    }
+
+    /// Clears a rank's resynchronisation flag (after its blocks were re-read).
+    pub fn mark_resynced(&mut self, rank: WorkerRank) {
+        if let Some(&id) = self.rank_ids.get(&rank) {
+            if let Some(Some(state)) = self.ranks.get_mut(id as usize) {
+                state.needs_resync = false;
+            }
+        }
+    }
+
+    // ---- events ----
+
+    /// Applies one event.
+    pub fn apply(&mut self, event: &KvEvent) -> Result<(), IndexError> {
+        match &event.data {
+            KvEventData::Stored { parent, blocks } => {
+                self.apply_stored(event.header, *parent, blocks)
+            }
+            KvEventData::Removed { blocks } => self.apply_removed(event.header, blocks),
+            KvEventData::Cleared => self.apply_cleared(event.header),
+        }
+    }
+
+    fn lookup(&self, rank: u32, eh: u64) -> Option<u64> {
+        if !self.private_names.is_empty() {
+            if let Some(&loc) = self.private_names.get(&(rank, eh)) {
+                return Some(loc);
+            }
+        }
+        self.names.get(&eh).copied()
+    }
+
+    fn holds(&self, loc: u64, rank: u32, tier: Option<u8>) -> bool {
+        let (shard, pos) = unpack(loc);
+        self.shards
+            .get(shard)
+            .is_some_and(|s| s.holds(pos, rank, tier))
+    }
+
+    /// Applies a Stored event given by parts (the form a received frame is read in).
+    pub fn apply_stored(
+        &mut self,
+        header: EventHeader,
+        parent: Option<BlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        let rank = self.event_rank(header)?;
+        let Some(first) = blocks.first() else {
+            return Ok(());
+        };
+        let self_parent = parent.and_then(|p| blocks.iter().find(|b| b.block_hash == p));
+        let repeated = blocks
+            .windows(2)
+            .find(|w| w[0].block_hash == w[1].block_hash)
+            .map(|w| &w[1]);
+        if let Some(bad) = self_parent.or(repeated) {
+            self.errors.invalid_chain += 1;
+            return Err(IndexError::InvalidChain {
+                rank: header.source,
+                block: bad.block_hash,
+            });
+        }
+        let (shard, start) = match parent {
+            None => (shard_of(first.local_hash, self.shards.len()), None),
+            Some(p) => match self.lookup(rank, p.0) {
+                Some(loc) if self.holds(loc, rank, None) => {
+                    let (s, pos) = unpack(loc);
+                    (s, Some(pos))
+                }
+                _ => {
+                    self.errors.unknown_parent += 1;
+                    self.flag_resync(rank);
+                    return Err(IndexError::UnknownParent {
+                        rank: header.source,
+                        parent: p,
+                    });
+                }
+            },
+        };
+        self.tick += 1;
+        let tier = header.tier as u8;
+        let mut cur = start;
+        for b in blocks {
+            let eh = b.block_hash.0;
+            let writer = &mut self.shards[shard];
+            let (pos, created) = writer.advance(cur, b.local_hash, eh);
+            let already = writer.hold(pos, rank, tier, self.tick);
+            let loc = pack(shard, pos);
+            if already {
+                *self.copies.entry((rank, tier, loc)).or_insert(0) += 1;
+                self.duplicate_copies += 1;
+            } else {
+                self.stored_pairs += 1;
+            }
+            match self.names.get(&eh) {
+                None => {
+                    self.names.insert(eh, loc);
+                    if !created {
+                        self.aliases.entry(loc).or_default().push(eh);
+                    }
+                }
+                Some(&l) if l == loc => {}
+                Some(_) => {
+                    self.private_names.insert((rank, eh), loc);
+                }
+            }
+            cur = Some(pos);
+        }
+        self.shards[shard].commit();
+        self.enforce_budget();
+        Ok(())
+    }
+
+    /// Applies a Removed event given by parts. Blocks the rank does not hold are skipped,
+    /// counted and reported; the others are removed.
+    pub fn apply_removed(
+        &mut self,
+        header: EventHeader,
+        blocks: &[BlockHash],
+    ) -> Result<(), IndexError> {
+        let rank = self.event_rank(header)?;
+        let tier = header.tier as u8;
+        let mut unknown = 0usize;
+        let mut first_unknown = None;
+        let mut touched = 0u64;
+        for b in blocks {
+            let eh = b.0;
+            let Some(loc) = self
+                .lookup(rank, eh)
+                .filter(|&loc| self.holds(loc, rank, Some(tier)))
+            else {
+                unknown += 1;
+                first_unknown.get_or_insert(*b);
+                continue;
+            };
+            if let Some(c) = self.copies.get_mut(&(rank, tier, loc)) {
+                *c -= 1;
+                if *c == 0 {
+                    self.copies.remove(&(rank, tier, loc));
+                }
+                self.duplicate_copies -= 1;
+                continue;
+            }
+            let (shard, pos) = unpack(loc);
+            self.shards[shard].unhold(pos, rank, tier);
+            touched |= 1 << (shard % 64);
+            self.stored_pairs -= 1;
+            if !self.private_names.is_empty()
+                && !self.shards[shard].holds(pos, rank, None)
+                && self.private_names.get(&(rank, eh)) == Some(&loc)
+            {
+                self.private_names.remove(&(rank, eh));
+            }
+        }
+        self.commit_touched(touched);
+        if unknown > 0 {
+            self.errors.unknown_blocks += unknown as u64;
+            return Err(IndexError::UnknownBlocks {
+                rank: header.source,
+                count: unknown,
+                first: first_unknown.unwrap_or_default(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Applies a Cleared event: the rank holds nothing any more, in any tier. Its stream fits
+    /// the index again.
+    pub fn apply_cleared(&mut self, header: EventHeader) -> Result<(), IndexError> {
+        let rank = self.event_rank(header)?;
+        self.clear_rank(rank);
+        if let Some(Some(state)) = self.ranks.get_mut(rank as usize) {
+            state.needs_resync = false;
+        }
+        Ok(())
+    }
+
+    fn clear_rank(&mut self, rank: u32) {
+        let mut dropped = std::mem::take(&mut self.dropped);
+        dropped.clear();
+        for s in &mut self.shards {
+            s.clear_rank(rank, &mut dropped);
+        }
+        self.stored_pairs -= dropped.len() as u64;
+        let mut copies_gone = 0u64;
+        self.copies.retain(|&(r, _, _), n| {
+            if r == rank {
+                copies_gone += *n as u64;
+            }
+            r != rank
+        });
+        self.duplicate_copies -= copies_gone;
+        self.private_names.retain(|&(r, _), _| r != rank);
+        self.dropped = dropped;
+        self.commit_touched(u64::MAX);
+    }
+
+    /// Removes every rank of a worker and all they hold.
+    pub fn remove_worker(&mut self, worker: WorkerId) -> Result<(), IndexError> {
+        let ranks: Vec<(WorkerRank, u32)> = self
+            .rank_ids
+            .iter()
+            .filter(|(r, _)| r.worker == worker)
+            .map(|(r, id)| (*r, *id))
+            .collect();
+        if ranks.is_empty() {
+            self.errors.unknown_worker += 1;
+            return Err(IndexError::UnknownWorker { worker });
+        }
+        for (rank, id) in ranks {
+            self.clear_rank(id);
+            self.rank_ids.remove(&rank);
+            self.ranks[id as usize] = None;
+            self.free_rank_ids.push(id);
+        }
+        self.publish_ranks();
+        Ok(())
+    }
+
+    /// Commits the shards in `mask` (bit = shard % 64) and forgets the names of blocks that
+    /// died.
+    fn commit_touched(&mut self, mask: u64) {
+        for (i, s) in self.shards.iter_mut().enumerate() {
+            if mask & (1 << (i % 64)) == 0 {
+                continue;
+            }
+            s.commit();
+            for d in std::mem::take(&mut s.dead) {
+                let loc = pack(i, d.pos);
+                if self.names.get(&d.eh) == Some(&loc) {
+                    self.names.remove(&d.eh);
+                }
+                if !self.aliases.is_empty() {
+                    for eh in self.aliases.remove(&loc).unwrap_or_default() {
+                        if self.names.get(&eh) == Some(&loc) {
+                            self.names.remove(&eh);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- memory ----
+
+    /// Bytes the index accounts for itself: runs, tables, maps and bookkeeping, by capacity.
+    pub fn memory_bytes(&self) -> usize {
+        let shards: usize = self.shards.iter().map(|s| s.bytes()).sum();
+        let alias_vecs: usize = self.aliases.values().map(|v| v.capacity() * 8).sum();
+        shards
+            + set_bytes::<(u64, u64)>(self.names.capacity())
+            + set_bytes::<((u32, u64), u64)>(self.private_names.capacity())
+            + set_bytes::<(u64, Vec<u64>)>(self.aliases.capacity())
+            + alias_vecs
+            + set_bytes::<((u32, u8, u64), u32)>(self.copies.capacity())
+            + set_bytes::<(WorkerRank, u32)>(self.rank_ids.capacity())
+            + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
+            + self.ranks.len() * std::mem::size_of::<Option<WorkerRank>>()
+            + std::mem::size_of::<Self>()
+    }
+
+    fn enforce_budget(&mut self) {
+        let Some(budget) = self.config.memory_budget else {
+            return;
+        };
+        let mut nothing_left = false;
+        while !nothing_left && self.memory_bytes() > budget {
+            let mut dropped = std::mem::take(&mut self.dropped);
+            dropped.clear();
+            let mut evicted = 0u64;
+            let mut touched = 0u64;
+            'batch: for _ in 0..32 {
+                let mut any = false;
+                for (i, s) in self.shards.iter_mut().enumerate() {
+                    if s.evict_one(&mut dropped) {
+                        evicted += 1;
+                        any = true;
+                        touched |= 1 << (i % 64);
+                    }
+                }
+                if !any {
+                    nothing_left = true;
+                    break 'batch;
+                }
+            }
+            self.evicted_blocks += evicted;
+            self.evicted_pairs += dropped.len() as u64;
+            for d in &dropped {
+                let loc = pack(d.shard, d.pos);
+                if let Some(n) = self.copies.remove(&(d.rank, d.tier, loc)) {
+                    self.duplicate_copies -= n as u64;
+                }
+            }
+            self.stored_pairs -= dropped.len() as u64;
+            if !self.private_names.is_empty() {
+                let gone: std::collections::HashSet<(u32, u64)> = dropped
+                    .iter()
+                    .map(|d| (d.rank, pack(d.shard, d.pos)))
+                    .collect();
+                self.private_names
+                    .retain(|&(r, _), loc| !gone.contains(&(r, *loc)));
+            }
+            self.dropped = dropped;
+            self.commit_touched(touched);
+            if self.names.len() * 4 < self.names.capacity() {
+                self.names.shrink_to(self.names.len() * 2);
+            }
+        }
+    }
+
+    // ---- statistics ----
+
+    pub fn stats(&self) -> IndexStats {
+        IndexStats {
+            shards: self.shards.len(),
+            ranks: self.rank_ids.len(),
+            runs: self.shards.iter().map(|s| s.runs()).sum(),
+            blocks: self.shards.iter().map(|s| s.positions()).sum(),
+            stored_pairs: self.stored_pairs,
+            duplicate_copies: self.duplicate_copies,
+            memory_bytes: self.memory_bytes(),
+            memory_budget: self.config.memory_budget,
+            evicted_blocks: self.evicted_blocks,
+            evicted_pairs: self.evicted_pairs,
+            errors: self.errors,
+            events: self.events,
+            ranks_needing_resync: self
+                .ranks
+                .iter()
+                .flatten()
+                .filter(|s| s.needs_resync)
+                .count(),
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! The read path: walk a shard's runs along a query and score every rank.
+//!
+//! The walk follows the child table from the root to the run that starts with the query's
+//! first block, compares the query against the run's hashes in one loop, scores the ranks that
+//! hold the matched blocks, and continues into the child that branches off where the comparison
+//! stopped. A rank stays in the running only while it holds every block so far; its score is
+//! the number of leading blocks it holds, split by the fastest tier it holds each in.
+//!
+//! Nothing here locks or writes shared memory: runs are loaded through `ArcSwapOption`, and
+//! every child found is checked against the position it was looked up from, so a walk that
+//! races with the writer sees each run either before or after a change, never torn.
+
+use std::sync::Arc;
+
+use super::run::Holder;
+use super::shard::ShardShared;
+use super::table::{ChildKey, ROOT};
+use super::{OverlapScores, RankScore};
+use crate::event::{StorageTier, WorkerRank};
+use crate::hash::LocalHash;
+
+/// Leading blocks of `mask` held from offset 0, at most `limit`.
+#[inline]
+fn leading(mask: u64, limit: usize) -> usize {
+    (mask.trailing_ones() as usize).min(limit)
+}
+
+/// Adds the first `lead` blocks of one rank's holders to its score, each under its fastest tier.
+#[inline]
+fn add_tiers(score: &mut RankScore, holders: &[Holder], lead: usize) {
+    let lead_mask = if lead >= 64 { !0 } else { (1u64 << lead) - 1 };
+    let mut assigned = 0u64;
+    for h in holders {
+        let bits = h.mask & lead_mask & !assigned;
+        if let Some(t) = score.per_tier.get_mut(h.tier as usize) {
+            *t += bits.count_ones();
+        }
+        assigned |= bits;
+    }
+    score.blocks += lead as u32;
+}
+
+pub(crate) fn walk(
+    shard: &ShardShared,
+    ranks: &Arc<Vec<Option<WorkerRank>>>,
+    query: &[LocalHash],
+    early_exit: bool,
+    out: &mut OverlapScores,
+) {
+    let Some(first) = query.first() else {
+        return;
+    };
+    let table = shard.children.load();
+    let mut key = ChildKey {
+        parent: ROOT,
+        off: 0,
+        hash: first.0,
+    };
+    let mut pos = 0usize;
+    let mut started = false;
+    while let Some(slot) = table.get(key) {
+        let Some(cell) = shard.slots.get(slot) else {
+            break;
+        };
+        let guard = cell.load();
+        let Some(run) = guard.as_ref() else {
+            break;
+        };
+        let rest = &query[pos..];
+        if run.parent != key.parent
+            || run.parent_off != key.off
+            || run.hashes.first() != rest.first()
+        {
+            break; // the slot was reused since the link was read
+        }
+        let m = run
+            .hashes
+            .iter()
+            .zip(rest)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if !started {
+            started = true;
+            for group in run.holders.chunk_by(|a, b| a.rank == b.rank) {
+                let union = group.iter().fold(0, |u, h| u | h.mask);
+                let lead = leading(union, m);
+                let Some(Some(rank)) = ranks.get(group[0].rank as usize) else {
+                    continue;
+                };
+                if lead == 0 {
+                    continue;
+                }
+                let mut score = RankScore {
+                    rank: *rank,
+                    blocks: 0,
+                    per_tier: [0; StorageTier::COUNT],
+                };
+                add_tiers(&mut score, group, lead);
+                if lead == m {
+                    out.active.push((group[0].rank, out.scores.len() as u32));
+                }
+                out.scores.push(score);
+            }
+        } else {
+            let holders = &run.holders[..];
+            let mut h = 0usize;
+            out.active.retain(|&(rank, idx)| {
+                while h < holders.len() && holders[h].rank < rank {
+                    h += 1;
+                }
+                let start = h;
+                while h < holders.len() && holders[h].rank == rank {
+                    h += 1;
+                }
+                let group = &holders[start..h];
+                let union = group.iter().fold(0, |u, x| u | x.mask);
+                let lead = leading(union, m);
+                if lead > 0 {
+                    add_tiers(&mut out.scores[idx as usize], group, lead);
+                }
+                lead == m
+            });
+        }
+        pos += m;
+        if out.active.is_empty() || pos >= query.len() || (early_exit && out.active.len() == 1) {
+            break;
+        }
+        key = ChildKey {
+            parent: slot,
+            off: (m - 1) as u8,
+            hash: query[pos].0,
+        };
+    }
+    out.active.clear();
+}

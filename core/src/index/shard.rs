@@ -1,0 +1,527 @@
+//! One shard of the index: the runs whose chains start with a block that hashes to this shard,
+//! the child table that links them, and the single writer's bookkeeping.
+//!
+//! The writer changes runs inside a transaction per event: the first change to a run copies it
+//! into a working buffer, and `commit` publishes every changed run once, then the new links,
+//! then removes dead links and frees dead slots. Readers therefore never find a link to a run
+//! that is not yet published, and a run is copied once per event however many of its blocks
+//! the event touches.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::sync::Arc;
+
+use super::mix::MixState;
+use super::run::{run_bytes, Run, RunBuf, RUN_CAP};
+use super::slots::Slots;
+use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
+use crate::hash::LocalHash;
+
+/// What readers share.
+pub(crate) struct ShardShared {
+    pub slots: Slots<Run>,
+    pub children: ChildTable,
+}
+
+/// A position: a block of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Pos {
+    pub slot: u32,
+    pub off: u8,
+}
+
+/// Writer-only facts about a live run.
+#[derive(Debug, Default)]
+struct SlotMeta {
+    /// The engine hash each block was first stored under (used to drop index entries when the
+    /// block dies).
+    ehs: Vec<u64>,
+    /// Offsets that have children, with how many.
+    child_offs: Vec<(u8, u32)>,
+    /// Last event that stored into the run.
+    touch: u64,
+    live: bool,
+}
+
+impl SlotMeta {
+    fn children_at(&self, off: u8) -> u32 {
+        self.child_offs
+            .iter()
+            .find(|(o, _)| *o == off)
+            .map_or(0, |(_, n)| *n)
+    }
+
+    fn add_child(&mut self, off: u8) {
+        match self.child_offs.iter_mut().find(|(o, _)| *o == off) {
+            Some((_, n)) => *n += 1,
+            None => self.child_offs.push((off, 1)),
+        }
+    }
+
+    fn remove_child(&mut self, off: u8) {
+        if let Some(i) = self.child_offs.iter().position(|(o, _)| *o == off) {
+            self.child_offs[i].1 -= 1;
+            if self.child_offs[i].1 == 0 {
+                self.child_offs.swap_remove(i);
+            }
+        }
+    }
+}
+
+/// A block that left the structure, with the engine hash it was stored under.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeadBlock {
+    pub pos: Pos,
+    pub eh: u64,
+}
+
+/// One (rank, tier) hold dropped by eviction.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DroppedHold {
+    pub shard: usize,
+    pub pos: Pos,
+    pub rank: u32,
+    pub tier: u8,
+}
+
+pub(crate) struct ShardWriter {
+    index: usize,
+    pub shared: Arc<ShardShared>,
+    table: ChildTableWriter,
+    metas: Vec<SlotMeta>,
+    free: Vec<u32>,
+    /// Runs each rank has a holder entry in, per rank id.
+    rank_slots: Vec<HashSet<u32, MixState>>,
+    /// Bytes of published runs.
+    run_bytes: usize,
+    /// Blocks in the structure (live runs' lengths).
+    positions: usize,
+    live_runs: usize,
+    lru: Option<BinaryHeap<Reverse<(u64, u32)>>>,
+    // Transaction state.
+    dirty: HashMap<u32, RunBuf, MixState>,
+    new_links: Vec<(ChildKey, u32)>,
+    dead_links: Vec<ChildKey>,
+    dead_slots: Vec<u32>,
+    /// Blocks that died in this transaction.
+    pub dead: Vec<DeadBlock>,
+}
+
+impl ShardWriter {
+    pub(crate) fn new(index: usize, track_lru: bool) -> Self {
+        ShardWriter {
+            index,
+            shared: Arc::new(ShardShared {
+                slots: Slots::new(),
+                children: ChildTable::new(),
+            }),
+            table: ChildTableWriter::default(),
+            metas: Vec::new(),
+            free: Vec::new(),
+            rank_slots: Vec::new(),
+            run_bytes: 0,
+            positions: 0,
+            live_runs: 0,
+            lru: track_lru.then(BinaryHeap::new),
+            dirty: HashMap::default(),
+            new_links: Vec::new(),
+            dead_links: Vec::new(),
+            dead_slots: Vec::new(),
+            dead: Vec::new(),
+        }
+    }
+
+    pub(crate) fn positions(&self) -> usize {
+        self.positions
+    }
+
+    pub(crate) fn runs(&self) -> usize {
+        self.live_runs
+    }
+
+    /// Heap bytes of everything this shard owns.
+    pub(crate) fn bytes(&self) -> usize {
+        let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>()
+            + self
+                .metas
+                .iter()
+                .map(|m| m.ehs.capacity() * 8 + m.child_offs.capacity() * 8)
+                .sum::<usize>();
+        let rank_slots = self
+            .rank_slots
+            .iter()
+            .map(|s| super::mix::set_bytes::<u32>(s.capacity()))
+            .sum::<usize>()
+            + self.rank_slots.capacity() * std::mem::size_of::<HashSet<u32, MixState>>();
+        let lru = self.lru.as_ref().map_or(0, |h| {
+            h.capacity() * std::mem::size_of::<Reverse<(u64, u32)>>()
+        });
+        self.run_bytes
+            + self.shared.slots.bytes()
+            + self.table.bytes(&self.shared.children)
+            + metas
+            + rank_slots
+            + lru
+            + self.free.capacity() * 4
+    }
+
+    // ---- reading the writer's current view (working copies first) ----
+
+    fn with_run<R>(&self, slot: u32, f: impl FnOnce(u32, u8, &[LocalHash]) -> R) -> Option<R> {
+        if let Some(b) = self.dirty.get(&slot) {
+            return Some(f(b.parent, b.parent_off, &b.hashes));
+        }
+        let guard = self.shared.slots.get(slot)?.load();
+        let run = guard.as_ref()?;
+        Some(f(run.parent, run.parent_off, &run.hashes))
+    }
+
+    fn run_mut(&mut self, slot: u32) -> &mut RunBuf {
+        let shared = &self.shared;
+        self.dirty.entry(slot).or_insert_with(|| {
+            let guard = shared.slots.get(slot).map(|c| c.load_full());
+            match guard.flatten() {
+                Some(run) => RunBuf::from_run(&run),
+                None => RunBuf {
+                    parent: ROOT,
+                    parent_off: 0,
+                    hashes: Vec::new(),
+                    holders: Vec::new(),
+                },
+            }
+        })
+    }
+
+    fn link(&self, key: ChildKey) -> Option<u32> {
+        self.new_links
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, s)| *s)
+            .or_else(|| self.table.get(&self.shared.children, key))
+    }
+
+    /// Whether (rank, tier) holds `pos` in the writer's current view.
+    pub(crate) fn holds(&self, pos: Pos, rank: u32, tier: Option<u8>) -> bool {
+        let bit = 1u64 << pos.off;
+        let test = |h: &super::run::Holder| {
+            h.rank == rank && tier.is_none_or(|t| t == h.tier) && h.mask & bit != 0
+        };
+        if let Some(b) = self.dirty.get(&pos.slot) {
+            return b.holders.iter().any(test);
+        }
+        self.shared
+            .slots
+            .get(pos.slot)
+            .and_then(|c| c.load_full())
+            .is_some_and(|r| r.holders.iter().any(test))
+    }
+
+    // ---- building chains ----
+
+    fn alloc_slot(&mut self) -> u32 {
+        let slot = self.free.pop().unwrap_or_else(|| {
+            let s = self.metas.len() as u32;
+            self.metas.push(SlotMeta::default());
+            s
+        });
+        self.shared.slots.ensure(slot);
+        let meta = &mut self.metas[slot as usize];
+        meta.live = true;
+        meta.ehs.clear();
+        meta.child_offs.clear();
+        self.live_runs += 1;
+        slot
+    }
+
+    /// The position after `from` (the root when `None`) that continues with `hash`: found, or
+    /// created (appended to the run when the run ends there and has room, else a new child
+    /// run). Returns the position and whether it was created.
+    pub(crate) fn advance(&mut self, from: Option<Pos>, hash: LocalHash, eh: u64) -> (Pos, bool) {
+        let key = match from {
+            None => ChildKey {
+                parent: ROOT,
+                off: 0,
+                hash: hash.0,
+            },
+            Some(p) => {
+                let next = self
+                    .with_run(p.slot, |_, _, h| h.get(p.off as usize + 1).copied())
+                    .flatten();
+                if next == Some(hash) {
+                    return (
+                        Pos {
+                            slot: p.slot,
+                            off: p.off + 1,
+                        },
+                        false,
+                    );
+                }
+                ChildKey {
+                    parent: p.slot,
+                    off: p.off,
+                    hash: hash.0,
+                }
+            }
+        };
+        if let Some(child) = self.link(key) {
+            return (
+                Pos {
+                    slot: child,
+                    off: 0,
+                },
+                false,
+            );
+        }
+        self.positions += 1;
+        if let Some(p) = from {
+            let len = self.with_run(p.slot, |_, _, h| h.len()).unwrap_or(0);
+            if p.off as usize + 1 == len && len < RUN_CAP {
+                self.run_mut(p.slot).hashes.push(hash);
+                self.metas[p.slot as usize].ehs.push(eh);
+                return (
+                    Pos {
+                        slot: p.slot,
+                        off: p.off + 1,
+                    },
+                    true,
+                );
+            }
+            self.metas[p.slot as usize].add_child(p.off);
+        }
+        let slot = self.alloc_slot();
+        self.metas[slot as usize].ehs.push(eh);
+        self.dirty.insert(
+            slot,
+            RunBuf {
+                parent: key.parent,
+                parent_off: key.off,
+                hashes: vec![hash],
+                holders: Vec::new(),
+            },
+        );
+        self.new_links.push((key, slot));
+        (Pos { slot, off: 0 }, true)
+    }
+
+    /// Marks `pos` held by (rank, tier). Returns whether it already was.
+    pub(crate) fn hold(&mut self, pos: Pos, rank: u32, tier: u8, tick: u64) -> bool {
+        let (held, new_entry) = self.run_mut(pos.slot).hold(rank, tier, pos.off as usize);
+        if new_entry {
+            if self.rank_slots.len() <= rank as usize {
+                self.rank_slots
+                    .resize_with(rank as usize + 1, HashSet::default);
+            }
+            self.rank_slots[rank as usize].insert(pos.slot);
+        }
+        self.touch(pos.slot, tick);
+        held
+    }
+
+    fn touch(&mut self, slot: u32, tick: u64) {
+        let meta = &mut self.metas[slot as usize];
+        if meta.touch != tick {
+            meta.touch = tick;
+            if let Some(lru) = &mut self.lru {
+                lru.push(Reverse((tick, slot)));
+            }
+        }
+    }
+
+    /// Clears (rank, tier)'s hold of `pos`. Returns whether it was held.
+    pub(crate) fn unhold(&mut self, pos: Pos, rank: u32, tier: u8) -> bool {
+        let buf = self.run_mut(pos.slot);
+        let was = buf.unhold(rank, tier, pos.off as usize);
+        if was && !buf.has_rank(rank) {
+            if let Some(s) = self.rank_slots.get_mut(rank as usize) {
+                s.remove(&pos.slot);
+            }
+        }
+        if was {
+            self.prune(pos.slot);
+        }
+        was
+    }
+
+    /// Drops every hold of `rank` (all tiers) in this shard. Returns the holds dropped.
+    pub(crate) fn clear_rank(&mut self, rank: u32, dropped: &mut Vec<DroppedHold>) {
+        let Some(slots) = self.rank_slots.get_mut(rank as usize).map(std::mem::take) else {
+            return;
+        };
+        let shard = self.index;
+        for slot in slots {
+            let buf = self.run_mut(slot);
+            buf.holders.retain(|h| {
+                if h.rank != rank {
+                    return true;
+                }
+                let mut m = h.mask;
+                while m != 0 {
+                    let off = m.trailing_zeros() as u8;
+                    dropped.push(DroppedHold {
+                        shard,
+                        pos: Pos { slot, off },
+                        rank,
+                        tier: h.tier,
+                    });
+                    m &= m - 1;
+                }
+                false
+            });
+            self.prune(slot);
+        }
+    }
+
+    /// Removes trailing blocks of `slot` that nobody holds and nothing branches from, and frees
+    /// the run when it empties, walking up to the parent.
+    fn prune(&mut self, mut slot: u32) {
+        loop {
+            let meta_children = |s: &Self, off: u8| s.metas[slot as usize].children_at(off);
+            let buf = self.run_mut(slot);
+            let held = buf.held_mask();
+            let mut len = buf.hashes.len();
+            let first = buf.hashes.first().copied();
+            let (parent, parent_off) = (buf.parent, buf.parent_off);
+            while len > 0
+                && held & (1u64 << (len - 1)) == 0
+                && meta_children(self, (len - 1) as u8) == 0
+            {
+                len -= 1;
+                let eh = self.metas[slot as usize].ehs.get(len).copied().unwrap_or(0);
+                self.dead.push(DeadBlock {
+                    pos: Pos {
+                        slot,
+                        off: len as u8,
+                    },
+                    eh,
+                });
+                self.positions -= 1;
+            }
+            let buf = self.run_mut(slot);
+            if len == buf.hashes.len() {
+                return;
+            }
+            buf.hashes.truncate(len);
+            self.metas[slot as usize].ehs.truncate(len);
+            if len > 0 {
+                return;
+            }
+            // The run is empty: unlink it and free the slot.
+            if let Some(first) = first {
+                self.dead_links.push(ChildKey {
+                    parent,
+                    off: parent_off,
+                    hash: first.0,
+                });
+            }
+            self.metas[slot as usize].live = false;
+            self.dead_slots.push(slot);
+            self.live_runs -= 1;
+            if parent == ROOT {
+                return;
+            }
+            self.metas[parent as usize].remove_child(parent_off);
+            // The parent's last block may have just become a leaf.
+            let touch = self.metas[parent as usize].touch;
+            if let Some(lru) = &mut self.lru {
+                lru.push(Reverse((touch, parent)));
+            }
+            slot = parent;
+        }
+    }
+
+    /// Publishes the transaction.
+    pub(crate) fn commit(&mut self) {
+        let shared = Arc::clone(&self.shared);
+        let dead_slots = std::mem::take(&mut self.dead_slots);
+        for (slot, buf) in self.dirty.drain() {
+            if dead_slots.contains(&slot) {
+                continue;
+            }
+            let Some(cell) = shared.slots.get(slot) else {
+                continue;
+            };
+            if let Some(old) = cell.load_full() {
+                self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
+            }
+            let run = buf.into_run();
+            self.run_bytes += run_bytes(run.hashes.len(), run.holders.len());
+            cell.store(Some(Arc::new(run)));
+        }
+        for (key, slot) in std::mem::take(&mut self.new_links) {
+            if !dead_slots.contains(&slot) {
+                self.table.insert(&shared.children, key, slot);
+            }
+        }
+        for key in std::mem::take(&mut self.dead_links) {
+            self.table.remove(&shared.children, key);
+        }
+        for &slot in &dead_slots {
+            if let Some(cell) = shared.slots.get(slot) {
+                if let Some(old) = cell.swap(None) {
+                    self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
+                }
+            }
+            self.free.push(slot);
+        }
+        self.dead_slots = dead_slots;
+        self.dead_slots.clear();
+        if let Some(lru) = &mut self.lru {
+            if lru.len() > 4 * self.live_runs + 1024 {
+                let metas = &self.metas;
+                lru.retain(|Reverse((t, s))| {
+                    let m = &metas[*s as usize];
+                    m.live && m.touch == *t
+                });
+            }
+        }
+    }
+
+    /// Evicts the least recently stored leaf block of this shard, dropping every hold of it.
+    /// Returns false when there is nothing to evict. Commit afterwards.
+    pub(crate) fn evict_one(&mut self, dropped: &mut Vec<DroppedHold>) -> bool {
+        loop {
+            let Some(Reverse((tick, slot))) = self.lru.as_mut().and_then(|l| l.pop()) else {
+                return false;
+            };
+            let meta = &self.metas[slot as usize];
+            if !meta.live || meta.touch != tick {
+                continue;
+            }
+            let len = self.with_run(slot, |_, _, h| h.len()).unwrap_or(0);
+            if len == 0 || meta.children_at((len - 1) as u8) > 0 {
+                continue;
+            }
+            let off = (len - 1) as u8;
+            let shard = self.index;
+            let buf = self.run_mut(slot);
+            let bit = 1u64 << off;
+            for h in buf.holders.iter_mut().filter(|h| h.mask & bit != 0) {
+                h.mask &= !bit;
+                dropped.push(DroppedHold {
+                    shard,
+                    pos: Pos { slot, off },
+                    rank: h.rank,
+                    tier: h.tier,
+                });
+            }
+            let gone: Vec<u32> = {
+                let before: Vec<u32> = buf.holders.iter().map(|h| h.rank).collect();
+                buf.holders.retain(|h| h.mask != 0);
+                before.into_iter().filter(|r| !buf.has_rank(*r)).collect()
+            };
+            for r in gone {
+                if let Some(s) = self.rank_slots.get_mut(r as usize) {
+                    s.remove(&slot);
+                }
+            }
+            self.prune(slot);
+            // The run may still have older blocks to give up later.
+            if self.metas[slot as usize].live {
+                if let Some(lru) = &mut self.lru {
+                    lru.push(Reverse((tick, slot)));
+                }
+            }
+            return true;
+        }
+    }
+}

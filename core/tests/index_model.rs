@@ -1,0 +1,246 @@
+//! Random sequences of events and matches, applied to the index and to the reference model;
+//! every answer, every error and the pair count must agree.
+
+use kvroute_core::hash::{next_seq_hash, SeqHash};
+use kvroute_core::index::reference::ReferenceIndex;
+use kvroute_core::{
+    BlockHash, EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, PrefixIndex,
+    StorageTier, StoredBlock, WorkerId, WorkerRank,
+};
+use proptest::prelude::*;
+
+const WORKERS: u64 = 3;
+const RANKS: u32 = 2;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Store {
+        rank: (u64, u32),
+        tier: u8,
+        prompt: usize,
+        from: usize,
+        len: usize,
+    },
+    Remove {
+        rank: (u64, u32),
+        tier: u8,
+        prompt: usize,
+        positions: Vec<usize>,
+    },
+    RemoveBogus {
+        rank: (u64, u32),
+        name: u64,
+    },
+    SelfParent {
+        rank: (u64, u32),
+        prompt: usize,
+        at: usize,
+    },
+    Clear {
+        rank: (u64, u32),
+    },
+    RemoveWorker {
+        worker: u64,
+    },
+    Query {
+        prompt: usize,
+        len: usize,
+    },
+}
+
+fn tier(t: u8) -> StorageTier {
+    StorageTier::ALL[(t % 3) as usize]
+}
+
+/// Prompts that share prefixes: each extends a prefix of an earlier one with a random tail.
+fn prompts() -> impl Strategy<Value = Vec<Vec<LocalHash>>> {
+    prop::collection::vec(
+        (
+            0usize..8,
+            0usize..160,
+            prop::collection::vec(0u64..4, 1..160),
+        ),
+        2..8,
+    )
+    .prop_map(|specs| {
+        let mut out: Vec<Vec<LocalHash>> = Vec::new();
+        for (base, cut, tail) in specs {
+            let mut p = match out.get(base % out.len().max(1)) {
+                Some(b) => b[..cut.min(b.len())].to_vec(),
+                None => Vec::new(),
+            };
+            p.extend(tail.into_iter().map(LocalHash));
+            out.push(p);
+        }
+        out
+    })
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let rank = (0..WORKERS, 0..RANKS);
+    prop_oneof![
+        6 => (rank.clone(), any::<u8>(), any::<usize>(), any::<usize>(), 1usize..100).prop_map(
+            |(rank, tier, prompt, from, len)| Op::Store { rank, tier, prompt, from, len }
+        ),
+        3 => (rank.clone(), any::<u8>(), any::<usize>(), prop::collection::vec(any::<usize>(), 1..20))
+            .prop_map(|(rank, tier, prompt, positions)| Op::Remove { rank, tier, prompt, positions }),
+        1 => (rank.clone(), any::<u64>()).prop_map(|(rank, name)| Op::RemoveBogus { rank, name }),
+        1 => (rank.clone(), any::<usize>(), any::<usize>())
+            .prop_map(|(rank, prompt, at)| Op::SelfParent { rank, prompt, at }),
+        1 => rank.clone().prop_map(|rank| Op::Clear { rank }),
+        1 => (0..WORKERS + 1).prop_map(|worker| Op::RemoveWorker { worker }),
+        6 => (any::<usize>(), any::<usize>()).prop_map(|(prompt, len)| Op::Query { prompt, len }),
+    ]
+}
+
+/// A rank's name for the block at the end of `prefix`: the chained hash of the prefix, salted
+/// for ranks of odd workers so that ranks name the same block differently.
+fn name(rank: WorkerRank, prefix: &[LocalHash]) -> BlockHash {
+    let mut h = SeqHash(0);
+    for (i, l) in prefix.iter().enumerate() {
+        h = if i == 0 {
+            SeqHash(l.0)
+        } else {
+            next_seq_hash(h, *l)
+        };
+    }
+    let salt = if rank.worker.0 % 2 == 1 {
+        0x5bd1_e995 * (rank.worker.0 * 8 + rank.dp_rank.0 as u64 + 1)
+    } else {
+        0
+    };
+    BlockHash(h.0 ^ salt)
+}
+
+fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
+    let mut index = PrefixIndex::new(IndexConfig {
+        shards,
+        ..IndexConfig::default()
+    });
+    let reader = index.reader();
+    let mut model = ReferenceIndex::new();
+    let mut next_id = std::collections::HashMap::new();
+    let mut header = |rank: (u64, u32), t: u8| {
+        let r = WorkerRank::new(rank.0, rank.1);
+        let id = next_id.entry(r).or_insert(0u64);
+        *id += 1;
+        EventHeader {
+            source: r,
+            event_id: EventId(*id),
+            tier: tier(t),
+        }
+    };
+    for (step, op) in ops.iter().enumerate() {
+        match op {
+            Op::Store {
+                rank,
+                tier,
+                prompt,
+                from,
+                len,
+            } => {
+                let p = &prompts[prompt % prompts.len()];
+                let from = from % p.len();
+                let end = (from + len).min(p.len());
+                let h = header(*rank, *tier);
+                let parent = (from > 0).then(|| name(h.source, &p[..from]));
+                let blocks: Vec<StoredBlock> = (from..end)
+                    .map(|i| StoredBlock {
+                        block_hash: name(h.source, &p[..=i]),
+                        local_hash: p[i],
+                    })
+                    .collect();
+                let a = index.apply_stored(h, parent, &blocks);
+                let b = model.apply_stored(h, parent, &blocks);
+                assert_eq!(a, b, "step {step}: {op:?}");
+            }
+            Op::Remove {
+                rank,
+                tier,
+                prompt,
+                positions,
+            } => {
+                let p = &prompts[prompt % prompts.len()];
+                let h = header(*rank, *tier);
+                let names: Vec<BlockHash> = positions
+                    .iter()
+                    .map(|i| name(h.source, &p[..=(i % p.len())]))
+                    .collect();
+                let a = index.apply_removed(h, &names);
+                let b = model.apply_removed(h, &names);
+                assert_eq!(a, b, "step {step}: {op:?}");
+            }
+            Op::RemoveBogus { rank, name } => {
+                let h = header(*rank, 0);
+                let a = index.apply_removed(h, &[BlockHash(*name)]);
+                let b = model.apply_removed(h, &[BlockHash(*name)]);
+                assert_eq!(a, b, "step {step}: {op:?}");
+            }
+            Op::SelfParent { rank, prompt, at } => {
+                let p = &prompts[prompt % prompts.len()];
+                let at = at % p.len();
+                let h = header(*rank, 0);
+                let block = StoredBlock {
+                    block_hash: name(h.source, &p[..=at]),
+                    local_hash: p[at],
+                };
+                let a = index.apply_stored(h, Some(block.block_hash), &[block]);
+                let b = model.apply_stored(h, Some(block.block_hash), &[block]);
+                assert!(
+                    a.is_err(),
+                    "step {step}: a block that is its own parent was accepted"
+                );
+                assert_eq!(a, b, "step {step}: {op:?}");
+            }
+            Op::Clear { rank } => {
+                let h = header(*rank, 0);
+                index
+                    .apply_cleared(h)
+                    .expect("clear never fails for a known rank");
+                model.apply_cleared(h);
+            }
+            Op::RemoveWorker { worker } => {
+                let a = index.remove_worker(WorkerId(*worker));
+                let b = model.remove_worker(WorkerId(*worker));
+                assert_eq!(a, b, "step {step}: {op:?}");
+            }
+            Op::Query { prompt, len } => {
+                let p = &prompts[prompt % prompts.len()];
+                let q = &p[..=(len % p.len())];
+                let mut got = reader.find_matches(q, MatchOptions::default()).scores;
+                got.sort();
+                let want = model.find_matches(q);
+                assert_eq!(got, want, "step {step}: query of {} blocks", q.len());
+            }
+        }
+        assert_eq!(
+            index.stats().stored_pairs,
+            model.stored_pairs(),
+            "step {step}: pair count after {op:?}"
+        );
+    }
+    // Every prompt, every length, at the end.
+    for p in prompts {
+        for len in [1, p.len() / 2 + 1, p.len()] {
+            let mut got = reader
+                .find_matches(&p[..len], MatchOptions::default())
+                .scores;
+            got.sort();
+            assert_eq!(got, model.find_matches(&p[..len]), "final query");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    #[test]
+    fn index_equals_reference_one_shard(prompts in prompts(), ops in prop::collection::vec(op(), 1..160)) {
+        run(1, &prompts, &ops);
+    }
+
+    #[test]
+    fn index_equals_reference_three_shards(prompts in prompts(), ops in prop::collection::vec(op(), 1..160)) {
+        run(3, &prompts, &ops);
+    }
+}
