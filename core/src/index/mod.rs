@@ -798,3 +798,6 @@ impl PrefixIndex {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

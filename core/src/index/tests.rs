@@ -1,0 +1,490 @@
+//! Rules of the index, one test each.
+
+use super::*;
+use crate::hash::LocalHash;
+
+fn idx() -> PrefixIndex {
+    PrefixIndex::new(IndexConfig {
+        shards: 2,
+        ..IndexConfig::default()
+    })
+}
+
+fn hdr(w: u64, dp: u32, id: u64, tier: StorageTier) -> EventHeader {
+    EventHeader {
+        source: WorkerRank::new(w, dp),
+        event_id: EventId(id),
+        tier,
+    }
+}
+
+/// Blocks `from..to` of a chain whose local hashes are `i + 1` and engine names `1000 + i`
+/// (plus `salt`).
+fn chain(from: u64, to: u64, salt: u64) -> Vec<StoredBlock> {
+    (from..to)
+        .map(|i| StoredBlock {
+            block_hash: BlockHash(1000 + i + salt),
+            local_hash: LocalHash(i + 1),
+        })
+        .collect()
+}
+
+fn query(n: u64) -> Vec<LocalHash> {
+    (0..n).map(|i| LocalHash(i + 1)).collect()
+}
+
+fn device() -> StorageTier {
+    StorageTier::Device
+}
+
+#[test]
+fn scores_count_leading_blocks_per_rank() {
+    let mut ix = idx();
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 100, 0))
+        .unwrap();
+    ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 30, 0))
+        .unwrap();
+    let s = ix.find_matches(&query(120), MatchOptions::default());
+    assert_eq!(s.blocks(WorkerRank::new(1, 0)), 100);
+    assert_eq!(s.blocks(WorkerRank::new(2, 0)), 30);
+    assert_eq!(s.scores.len(), 2);
+    let s = ix.find_matches(&query(10), MatchOptions::default());
+    assert_eq!(s.blocks(WorkerRank::new(1, 0)), 10);
+    assert!(ix
+        .find_matches(&[], MatchOptions::default())
+        .scores
+        .is_empty());
+    assert!(ix
+        .find_matches(&[LocalHash(77)], MatchOptions::default())
+        .scores
+        .is_empty());
+}
+
+#[test]
+fn a_chain_continues_from_its_parent_across_runs() {
+    let mut ix = idx();
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 70, 0))
+        .unwrap();
+    ix.apply_stored(
+        hdr(1, 0, 1, device()),
+        Some(BlockHash(1000 + 69)),
+        &chain(70, 150, 0),
+    )
+    .unwrap();
+    let s = ix.find_matches(&query(200), MatchOptions::default());
+    assert_eq!(s.blocks(WorkerRank::new(1, 0)), 150);
+}
+
+#[test]
+fn a_hole_ends_the_leading_count_and_refilling_it_restores_it() {
+    let mut ix = idx();
+    let r = WorkerRank::new(1, 0);
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 10, 0))
+        .unwrap();
+    ix.apply_removed(hdr(1, 0, 1, device()), &[BlockHash(1000 + 4)])
+        .unwrap();
+    assert_eq!(
+        ix.find_matches(&query(10), MatchOptions::default())
+            .blocks(r),
+        4
+    );
+    ix.apply_stored(
+        hdr(1, 0, 2, device()),
+        Some(BlockHash(1000 + 3)),
+        &chain(4, 5, 0),
+    )
+    .unwrap();
+    assert_eq!(
+        ix.find_matches(&query(10), MatchOptions::default())
+            .blocks(r),
+        10
+    );
+}
+
+#[test]
+fn duplicate_copies_leave_with_their_last_copy() {
+    let mut ix = idx();
+    let r = WorkerRank::new(1, 0);
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 3, 0))
+        .unwrap();
+    ix.apply_stored(hdr(1, 0, 1, device()), None, &chain(0, 3, 0))
+        .unwrap();
+    assert_eq!(ix.stats().duplicate_copies, 3);
+    assert_eq!(ix.stats().stored_pairs, 3);
+    ix.apply_removed(hdr(1, 0, 2, device()), &[BlockHash(1002)])
+        .unwrap();
+    assert_eq!(
+        ix.find_matches(&query(3), MatchOptions::default())
+            .blocks(r),
+        3
+    );
+    ix.apply_removed(hdr(1, 0, 3, device()), &[BlockHash(1002)])
+        .unwrap();
+    assert_eq!(
+        ix.find_matches(&query(3), MatchOptions::default())
+            .blocks(r),
+        2
+    );
+    assert_eq!(ix.stats().duplicate_copies, 2);
+}
+
+#[test]
+fn copies_are_counted_per_tier() {
+    let mut ix = idx();
+    let r = WorkerRank::new(1, 0);
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 4, 0))
+        .unwrap();
+    ix.apply_stored(hdr(1, 0, 1, StorageTier::HostPinned), None, &chain(0, 4, 0))
+        .unwrap();
+    assert_eq!(ix.stats().duplicate_copies, 0);
+    assert_eq!(ix.stats().stored_pairs, 8);
+    // Removing the device copy of blocks 2 and 3 leaves them in host memory.
+    ix.apply_removed(hdr(1, 0, 2, device()), &[BlockHash(1002), BlockHash(1003)])
+        .unwrap();
+    let s = ix.find_matches(&query(4), MatchOptions::default());
+    assert_eq!(s.blocks(r), 4);
+    assert_eq!(s.scores[0].per_tier, [2, 2, 0, 0]);
+}
+
+#[test]
+fn tier_split_gives_each_block_its_fastest_tier() {
+    // The reference router's case: device 2 blocks, host 1, disk 2 on the first worker;
+    // host 1 on the second.
+    let mut ix = idx();
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 2, 0))
+        .unwrap();
+    ix.apply_stored(
+        hdr(1, 0, 1, StorageTier::HostPinned),
+        Some(BlockHash(1001)),
+        &chain(2, 3, 0),
+    )
+    .unwrap();
+    ix.apply_stored(
+        hdr(1, 0, 2, StorageTier::Disk),
+        Some(BlockHash(1002)),
+        &chain(3, 5, 0),
+    )
+    .unwrap();
+    ix.apply_stored(hdr(2, 0, 0, StorageTier::HostPinned), None, &chain(0, 1, 0))
+        .unwrap();
+    let s = ix.find_matches(&query(5), MatchOptions::default());
+    let first = s.scores.iter().find(|x| x.rank.worker.0 == 1).unwrap();
+    assert_eq!((first.blocks, first.per_tier), (5, [2, 1, 2, 0]));
+    let second = s.scores.iter().find(|x| x.rank.worker.0 == 2).unwrap();
+    assert_eq!((second.blocks, second.per_tier), (1, [0, 1, 0, 0]));
+}
+
+#[test]
+fn dp_ranks_are_separate_caches() {
+    let mut ix = idx();
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 5, 0))
+        .unwrap();
+    ix.apply_stored(hdr(1, 1, 0, device()), None, &chain(0, 2, 0))
+        .unwrap();
+    let s = ix.find_matches(&query(5), MatchOptions::default());
+    assert_eq!(s.blocks(WorkerRank::new(1, 0)), 5);
+    assert_eq!(s.blocks(WorkerRank::new(1, 1)), 2);
+    // The parent is looked up in the event's own rank.
+    let err = ix
+        .apply_stored(
+            hdr(1, 1, 1, device()),
+            Some(BlockHash(1004)),
+            &chain(5, 6, 0),
+        )
+        .unwrap_err();
+    assert!(matches!(err, IndexError::UnknownParent { .. }));
+}
+
+#[test]
+fn unknown_parent_is_rejected_counted_and_flags_resync() {
+    let mut ix = idx();
+    let r = WorkerRank::new(1, 0);
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 3, 0))
+        .unwrap();
+    let err = ix
+        .apply_stored(hdr(1, 0, 1, device()), Some(BlockHash(9)), &chain(3, 5, 0))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        IndexError::UnknownParent {
+            rank: r,
+            parent: BlockHash(9)
+        }
+    );
+    assert!(err.to_string().contains("does not hold"));
+    assert_eq!(ix.stats().errors.unknown_parent, 1);
+    assert_eq!(ix.ranks_needing_resync(), vec![r]);
+    assert_eq!(
+        ix.find_matches(&query(5), MatchOptions::default())
+            .blocks(r),
+        3
+    );
+    ix.mark_resynced(r);
+    assert!(ix.ranks_needing_resync().is_empty());
+}
+
+#[test]
+fn unknown_removals_are_counted_and_the_rest_applied() {
+    let mut ix = idx();
+    let r = WorkerRank::new(1, 0);
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 3, 0))
+        .unwrap();
+    let err = ix
+        .apply_removed(
+            hdr(1, 0, 1, device()),
+            &[BlockHash(5), BlockHash(1002), BlockHash(6)],
+        )
+        .unwrap_err();
+    assert_eq!(
+        err,
+        IndexError::UnknownBlocks {
+            rank: r,
+            count: 2,
+            first: BlockHash(5)
+        }
+    );
+    assert_eq!(ix.stats().errors.unknown_blocks, 2);
+    assert_eq!(
+        ix.find_matches(&query(3), MatchOptions::default())
+            .blocks(r),
+        2
+    );
+    // A removal in a tier the block is not held in is unknown too.
+    let err = ix
+        .apply_removed(hdr(1, 0, 2, StorageTier::Disk), &[BlockHash(1000)])
+        .unwrap_err();
+    assert!(matches!(err, IndexError::UnknownBlocks { count: 1, .. }));
+    assert_eq!(
+        ix.find_matches(&query(3), MatchOptions::default())
+            .blocks(r),
+        2
+    );
+}
+
+#[test]
+fn a_block_that_is_its_own_parent_is_rejected() {
+    let mut ix = idx();
+    let blocks = chain(0, 2, 0);
+    let err = ix
+        .apply_stored(hdr(1, 0, 0, device()), Some(blocks[1].block_hash), &blocks)
+        .unwrap_err();
+    assert!(matches!(err, IndexError::InvalidChain { .. }));
+    let twice = [blocks[0], blocks[0]];
+    assert!(ix
+        .apply_stored(hdr(1, 0, 1, device()), None, &twice)
+        .is_err());
+    assert_eq!(ix.stats().errors.invalid_chain, 2);
+    assert_eq!(ix.stats().stored_pairs, 0);
+    assert!(ix
+        .find_matches(&query(2), MatchOptions::default())
+        .scores
+        .is_empty());
+}
+
+#[test]
+fn event_id_gaps_and_reorders_are_counted_per_rank() {
+    let mut ix = idx();
+    let r = WorkerRank::new(3, 0);
+    ix.apply_cleared(hdr(3, 0, 10, device())).unwrap();
+    ix.apply_cleared(hdr(3, 0, 11, device())).unwrap();
+    ix.apply_cleared(hdr(3, 0, 15, device())).unwrap();
+    ix.apply_cleared(hdr(3, 0, 12, device())).unwrap();
+    let st = ix.stats().events;
+    assert_eq!((st.events, st.gaps, st.missing, st.reordered), (4, 1, 3, 1));
+    let status = ix.rank_status();
+    assert_eq!(status.len(), 1);
+    assert_eq!(status[0].last_event, Some(EventId(15)));
+    assert_eq!(status[0].gaps, 1);
+    // A gap flags the rank for resync; only a cleared cache or an explicit resync clears it.
+    ix.apply_stored(hdr(3, 0, 20, device()), None, &chain(0, 1, 0))
+        .unwrap();
+    assert_eq!(ix.ranks_needing_resync(), vec![r]);
+    ix.apply_cleared(hdr(3, 0, 21, device())).unwrap();
+    assert!(ix.ranks_needing_resync().is_empty());
+}
+
+#[test]
+fn cleared_and_remove_worker_drop_everything_of_the_rank() {
+    let mut ix = idx();
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 90, 0))
+        .unwrap();
+    ix.apply_stored(hdr(1, 1, 0, device()), None, &chain(0, 90, 7))
+        .unwrap();
+    ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 50, 0))
+        .unwrap();
+    ix.apply_cleared(hdr(2, 0, 1, device())).unwrap();
+    let s = ix.find_matches(&query(90), MatchOptions::default());
+    assert_eq!(s.scores.len(), 2);
+    ix.remove_worker(WorkerId(1)).unwrap();
+    assert!(ix
+        .find_matches(&query(90), MatchOptions::default())
+        .scores
+        .is_empty());
+    let st = ix.stats();
+    assert_eq!((st.stored_pairs, st.blocks, st.runs), (0, 0, 0));
+    assert_eq!(
+        ix.remove_worker(WorkerId(1)),
+        Err(IndexError::UnknownWorker {
+            worker: WorkerId(1)
+        })
+    );
+    assert_eq!(ix.stats().errors.unknown_worker, 1);
+}
+
+#[test]
+fn ranks_that_name_one_block_differently_share_it() {
+    let mut ix = idx();
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 5, 0))
+        .unwrap();
+    ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 5, 500))
+        .unwrap();
+    assert_eq!(ix.stats().blocks, 5);
+    ix.apply_removed(hdr(2, 0, 1, device()), &[BlockHash(1504)])
+        .unwrap();
+    ix.apply_removed(hdr(1, 0, 1, device()), &[BlockHash(1002)])
+        .unwrap();
+    let s = ix.find_matches(&query(5), MatchOptions::default());
+    assert_eq!(s.blocks(WorkerRank::new(1, 0)), 2);
+    assert_eq!(s.blocks(WorkerRank::new(2, 0)), 4);
+    // Rank 2 stores a different block under a name rank 1 uses: each keeps its own meaning.
+    let other = [StoredBlock {
+        block_hash: BlockHash(1000),
+        local_hash: LocalHash(99),
+    }];
+    ix.apply_stored(hdr(2, 0, 2, device()), None, &other)
+        .unwrap();
+    ix.apply_removed(hdr(2, 0, 3, device()), &[BlockHash(1000)])
+        .unwrap();
+    let s = ix.find_matches(&query(5), MatchOptions::default());
+    assert_eq!(s.blocks(WorkerRank::new(1, 0)), 2);
+    assert!(ix
+        .find_matches(&[LocalHash(99)], MatchOptions::default())
+        .scores
+        .is_empty());
+}
+
+#[test]
+fn unregistered_ranks_are_rejected_without_auto_registration() {
+    let mut ix = PrefixIndex::new(IndexConfig {
+        shards: 1,
+        auto_register: false,
+        ..IndexConfig::default()
+    });
+    let err = ix
+        .apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 2, 0))
+        .unwrap_err();
+    assert!(matches!(err, IndexError::UnknownRank { .. }));
+    assert_eq!(ix.stats().errors.unknown_rank, 1);
+    ix.register_rank(WorkerRank::new(1, 0)).unwrap();
+    ix.apply_stored(hdr(1, 0, 1, device()), None, &chain(0, 2, 0))
+        .unwrap();
+    assert_eq!(ix.stats().stored_pairs, 2);
+}
+
+#[test]
+fn rank_limit_is_enforced() {
+    let mut ix = PrefixIndex::new(IndexConfig {
+        shards: 1,
+        max_ranks: 2,
+        ..IndexConfig::default()
+    });
+    ix.register_rank(WorkerRank::new(1, 0)).unwrap();
+    ix.register_rank(WorkerRank::new(2, 0)).unwrap();
+    let err = ix
+        .apply_stored(hdr(3, 0, 0, device()), None, &chain(0, 1, 0))
+        .unwrap_err();
+    assert!(matches!(err, IndexError::TooManyRanks { limit: 2, .. }));
+    ix.remove_worker(WorkerId(1)).unwrap();
+    ix.apply_stored(hdr(3, 0, 0, device()), None, &chain(0, 1, 0))
+        .unwrap();
+}
+
+#[test]
+fn early_exit_stops_when_one_rank_is_left() {
+    let mut ix = idx();
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 200, 0))
+        .unwrap();
+    ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 10, 0))
+        .unwrap();
+    let full = ix.find_matches(&query(200), MatchOptions::default());
+    let early = ix.find_matches(&query(200), MatchOptions { early_exit: true });
+    assert_eq!(full.blocks(WorkerRank::new(1, 0)), 200);
+    assert_eq!(early.blocks(WorkerRank::new(2, 0)), 10);
+    let lone = early.blocks(WorkerRank::new(1, 0));
+    assert!((10..200).contains(&lone), "early exit scored {lone}");
+}
+
+#[test]
+fn memory_budget_evicts_least_recently_stored_leaves() {
+    let budget = 200_000;
+    let mut ix = PrefixIndex::new(IndexConfig {
+        shards: 2,
+        memory_budget: Some(budget),
+        ..IndexConfig::default()
+    });
+    // Many distinct prompts, each 40 blocks, on 4 ranks.
+    for p in 0..400u64 {
+        let blocks: Vec<StoredBlock> = (0..40u64)
+            .map(|i| StoredBlock {
+                block_hash: BlockHash(p * 1000 + i),
+                local_hash: LocalHash(p * 1000 + i + 1),
+            })
+            .collect();
+        ix.apply_stored(hdr(p % 4, 0, p / 4, device()), None, &blocks)
+            .unwrap();
+        assert!(
+            ix.memory_bytes() <= budget,
+            "after prompt {p}: {} bytes over a budget of {budget}",
+            ix.memory_bytes()
+        );
+    }
+    let st = ix.stats();
+    assert!(st.evicted_blocks > 0 && st.evicted_pairs >= st.evicted_blocks);
+    assert_eq!(st.stored_pairs + st.evicted_pairs, 400 * 40);
+    // The newest prompt survives whole; the oldest is gone; leaves went before their parents.
+    let newest: Vec<LocalHash> = (0..40u64).map(|i| LocalHash(399_000 + i + 1)).collect();
+    assert_eq!(
+        ix.find_matches(&newest, MatchOptions::default())
+            .max_blocks(),
+        40
+    );
+    let oldest: Vec<LocalHash> = (0..40u64).map(|i| LocalHash(i + 1)).collect();
+    assert_eq!(
+        ix.find_matches(&oldest, MatchOptions::default())
+            .max_blocks(),
+        0
+    );
+    for p in 0..400u64 {
+        let q: Vec<LocalHash> = (0..40u64).map(|i| LocalHash(p * 1000 + i + 1)).collect();
+        let s = ix.find_matches(&q, MatchOptions::default());
+        // Whatever is left of a prompt is a prefix of it.
+        if let Some(score) = s.scores.first() {
+            assert!(score.blocks <= 40);
+        }
+    }
+    // Removing an evicted block is an unknown block, counted, and harmless.
+    let err = ix.apply_removed(hdr(0, 0, 100, device()), &[BlockHash(0)]);
+    assert!(matches!(err, Err(IndexError::UnknownBlocks { .. })));
+}
+
+#[test]
+fn accounted_memory_grows_with_content_and_returns_when_cleared() {
+    let mut ix = idx();
+    let empty = ix.memory_bytes();
+    for p in 0..50u64 {
+        let blocks: Vec<StoredBlock> = (0..64u64)
+            .map(|i| StoredBlock {
+                block_hash: BlockHash(p * 1000 + i),
+                local_hash: LocalHash(p * 1000 + i + 1),
+            })
+            .collect();
+        ix.apply_stored(hdr(1, 0, p, device()), None, &blocks)
+            .unwrap();
+    }
+    let full = ix.memory_bytes();
+    let per_block = (full - empty) / (50 * 64);
+    assert!((8..200).contains(&per_block), "{per_block} bytes per block");
+    ix.apply_cleared(hdr(1, 0, 50, device())).unwrap();
+    let st = ix.stats();
+    assert_eq!((st.blocks, st.runs), (0, 0));
+}
