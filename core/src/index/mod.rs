@@ -23,6 +23,7 @@
 //! See `docs/ARCHITECTURE.md` for the measurements behind these choices.
 
 mod mix;
+mod primitive;
 mod read;
 pub mod reference;
 mod run;

@@ -6,22 +6,31 @@
 //! entry per child, with nothing copied when a child is added.
 //!
 //! Entries are three atomic words `[meta, hash, value]` in open addressing with linear probing.
-//! `meta` is 0 for an empty slot, 1 for a tombstone, or the packed parent position. The writer
-//! fills `hash` and `value` before it publishes `meta` with `Release`; a reader loads `meta` with
-//! `Acquire` before the other two words. A reader racing with the reuse of a tombstone may pair
-//! an old `meta` with a new `hash`, so readers validate what they find against the child run
-//! itself (its recorded parent position and first hash). When the table fills up, the writer
-//! builds a larger one and publishes it through an `ArcSwap`; readers still holding the old one
-//! finish on it, and it is freed when the last of them lets go.
+//! `meta` packs the parent position, a 16-bit version and a state (empty, tombstone, busy,
+//! live). Each entry is a small seqlock: the writer marks it busy, writes `hash` and `value`,
+//! then publishes the new `meta` with `Release`; a reader loads `meta` with `Acquire`, reads
+//! the other two words, and accepts them only if `meta` has not changed in between. When the
+//! table fills up, the writer builds a larger one and publishes it through an `ArcSwap`;
+//! readers still holding the old one finish on it, and it is freed when the last of them lets go.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+use super::primitive::{fence, AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
 const EMPTY: u64 = 0;
 const TOMB: u64 = 1;
+const BUSY: u64 = 3;
+const LIVE: u64 = 2;
+const STATE: u64 = 0xFF;
+const VERSION: u64 = 0xFFFF << 8;
+/// The bits of `meta` that name the key.
+const KEY: u64 = !(VERSION | STATE);
+#[cfg(not(loom))]
 const MIN_CAPACITY: usize = 256;
+#[cfg(loom)]
+const MIN_CAPACITY: usize = 2;
 
 /// Parent slot value that stands for the shard's root.
 pub(crate) const ROOT: u32 = u32::MAX;
@@ -35,11 +44,18 @@ pub(crate) struct ChildKey {
 }
 
 impl ChildKey {
+    /// The key bits of `meta`: parent slot and offset.
     #[inline]
     fn meta(self) -> u64 {
-        // Low byte 2 keeps every live meta distinct from EMPTY and TOMB.
-        ((self.parent as u64) << 32) | ((self.off as u64) << 8) | 2
+        ((self.parent as u64) << 32) | ((self.off as u64) << 24)
     }
+}
+
+/// `meta` with its version advanced by one and the given state.
+#[inline]
+fn next_meta(old: u64, key: u64, state: u64) -> u64 {
+    let version = (old.wrapping_add(1 << 8)) & VERSION;
+    key | version | state
 }
 
 #[inline]
@@ -71,18 +87,30 @@ impl TableInner {
     pub(crate) fn get(&self, key: ChildKey) -> Option<u32> {
         let meta = key.meta();
         let mut i = home(meta, key.hash, self.mask);
-        for _ in 0..=self.mask {
+        let mut probes = 0;
+        while probes <= self.mask {
             let w = &self.words[i * 3..i * 3 + 3];
-            // Acquire: pairs with the writer's Release store of meta, so that hash and value
-            // written before it are visible.
-            let m = w[0].load(Ordering::Acquire);
-            if m == EMPTY {
+            // Acquire: pairs with the writer's Release store of meta, so that the hash and
+            // value written before it are visible.
+            let m1 = w[0].load(Ordering::Acquire);
+            if m1 == EMPTY {
                 return None;
             }
-            if m == meta && w[1].load(Ordering::Relaxed) == key.hash {
-                return Some(w[2].load(Ordering::Relaxed) as u32);
+            if m1 & STATE == LIVE && m1 & KEY == meta {
+                let hash = w[1].load(Ordering::Relaxed);
+                let value = w[2].load(Ordering::Relaxed);
+                // Acquire fence: if either load saw a later write, the writer's Release fence
+                // before that write makes its busy mark visible to the re-check below.
+                fence(Ordering::Acquire);
+                if w[0].load(Ordering::Relaxed) != m1 {
+                    continue; // rewritten while read: look at the same entry again
+                }
+                if hash == key.hash {
+                    return Some(value as u32);
+                }
             }
             i = (i + 1) & self.mask;
+            probes += 1;
         }
         None
     }
@@ -94,12 +122,16 @@ impl TableInner {
         loop {
             let w = &self.words[i * 3..i * 3 + 3];
             let m = w[0].load(Ordering::Relaxed);
-            if m == EMPTY || m == TOMB {
+            if m == EMPTY || m & STATE == TOMB {
+                let busy = next_meta(m, m & KEY, BUSY);
+                w[0].store(busy, Ordering::Relaxed);
+                // Release fence: a reader that sees either write below also sees `busy`.
+                fence(Ordering::Release);
                 w[1].store(key.hash, Ordering::Relaxed);
                 w[2].store(value as u64, Ordering::Relaxed);
                 // Release: publishes hash and value together with the key.
-                w[0].store(meta, Ordering::Release);
-                return m == TOMB;
+                w[0].store(next_meta(busy, meta, LIVE), Ordering::Release);
+                return m != EMPTY;
             }
             i = (i + 1) & self.mask;
         }
@@ -115,9 +147,9 @@ impl TableInner {
             if m == EMPTY {
                 return false;
             }
-            if m == meta && w[1].load(Ordering::Relaxed) == key.hash {
+            if m & STATE == LIVE && m & KEY == meta && w[1].load(Ordering::Relaxed) == key.hash {
                 // Release: orders the tombstone after everything the writer did before it.
-                w[0].store(TOMB, Ordering::Release);
+                w[0].store(next_meta(m, m & KEY, TOMB), Ordering::Release);
                 return true;
             }
             i = (i + 1) & self.mask;
@@ -128,7 +160,7 @@ impl TableInner {
     fn live_entries(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
         self.words.chunks_exact(3).filter_map(|w| {
             let m = w[0].load(Ordering::Relaxed);
-            (m != EMPTY && m != TOMB).then(|| {
+            (m & STATE == LIVE).then(|| {
                 (
                     m,
                     w[1].load(Ordering::Relaxed),
@@ -206,7 +238,7 @@ impl ChildTableWriter {
         for (m, h, v) in old.live_entries() {
             let key = ChildKey {
                 parent: (m >> 32) as u32,
-                off: (m >> 8) as u8,
+                off: (m >> 24) as u8,
                 hash: h,
             };
             new.insert(key, v as u32);
@@ -222,7 +254,7 @@ impl ChildTableWriter {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::collections::HashMap;
@@ -259,5 +291,45 @@ mod tests {
             hash: 1,
         };
         assert_eq!(t.load().get(absent), None);
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    /// Two keys of one parent position whose probes start at the same entry.
+    fn colliding_keys(mask: usize) -> (ChildKey, ChildKey) {
+        let a = ChildKey {
+            parent: 7,
+            off: 3,
+            hash: 1,
+        };
+        let target = home(a.meta(), a.hash, mask);
+        let hash = (2..)
+            .find(|h| home(a.meta(), *h, mask) == target)
+            .expect("some hash collides");
+        (a, ChildKey { hash, ..a })
+    }
+
+    #[test]
+    fn a_reader_never_pairs_a_key_with_another_keys_value() {
+        loom::model(|| {
+            let table = Arc::new(TableInner::with_capacity(2));
+            let (k1, k2) = colliding_keys(table.mask);
+            let reader = {
+                let table = Arc::clone(&table);
+                loom::thread::spawn(move || (table.get(k1), table.get(k2)))
+            };
+            table.insert(k1, 11);
+            table.remove(k1);
+            table.insert(k2, 22);
+            let (got1, got2) = reader.join().expect("reader");
+            assert!(got1.is_none() || got1 == Some(11), "k1 -> {got1:?}");
+            assert!(got2.is_none() || got2 == Some(22), "k2 -> {got2:?}");
+            assert_eq!(table.get(k1), None);
+            assert_eq!(table.get(k2), Some(22));
+        });
     }
 }
