@@ -198,7 +198,7 @@ pub(crate) struct ChildTableWriter {
 }
 
 impl ChildTableWriter {
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn len(&self) -> usize {
         self.live
     }
