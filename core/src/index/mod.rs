@@ -7,7 +7,7 @@
 //!   │ child table: (parent run, offset, next hash) -> run                    │
 //!   │ runs (ArcSwap slots):  [h0 h1 h2 .. h63] holders: rank/tier -> bitmask │
 //!   └────────────────────────────────────────────────────────────────────────┘
-//!   engine block hash -> (shard, run, offset)       writer only: removals, parents
+//!   per rank: engine block hash -> (shard, run, offset)    writer only: removals, parents
 //! ```
 //!
 //! Chains live in runs of up to 64 blocks; a chain that diverges mid-run continues in a child
@@ -15,14 +15,16 @@
 //! match compares the query against each run's hashes in one loop and probes the child table
 //! once per run. Every chain lives in the shard of its first block, so a match visits one shard.
 //!
-//! Engines name blocks by their own opaque hashes. One map from engine hash to position serves
-//! every rank that uses the same name for the same block (the common case); a rank that uses a
-//! name already taken by another position gets a private entry. Physical copies of one block in
-//! one (rank, tier) are counted, so the block leaves only with its last copy.
+//! Engines name blocks by their own opaque hashes. Each rank keeps its own map from name to
+//! position: the names of one rank's events are looked up in one small map that stays warm in
+//! cache while that rank's events are applied, and two ranks never see each other's names.
+//! Physical copies of one block in one (rank, tier) are counted, so the block leaves only with
+//! its last copy.
 //!
 //! See `docs/ARCHITECTURE.md` for the measurements behind these choices.
 
 mod mix;
+mod names;
 mod primitive;
 mod read;
 pub mod reference;
@@ -37,6 +39,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use self::mix::{set_bytes, MixState};
+use self::names::NameMap;
 use self::shard::{DroppedHold, Pos, ShardShared, ShardWriter};
 use crate::event::{
     BlockHash, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock, WorkerId,
@@ -191,11 +194,15 @@ pub struct IndexStats {
     pub errors: ErrorCounts,
     pub events: EventCounts,
     pub ranks_needing_resync: usize,
+    /// Engine block names the ranks' maps resolve.
+    pub names: usize,
 }
 
 #[derive(Debug)]
 struct RankState {
     rank: WorkerRank,
+    /// The rank's block names -> packed position.
+    names: NameMap,
     last_event: Option<u64>,
     needs_resync: bool,
     gaps: u64,
@@ -264,12 +271,6 @@ pub struct PrefixIndex {
     ranks: Vec<Option<RankState>>,
     rank_ids: HashMap<WorkerRank, u32>,
     free_rank_ids: Vec<u32>,
-    /// Engine block hash -> packed position, shared by the ranks that use the same name.
-    names: HashMap<u64, u64, MixState>,
-    /// (rank, engine hash) -> position, where the rank's name is taken by another position.
-    private_names: HashMap<(u32, u64), u64, MixState>,
-    /// Position -> further names pointing at it, besides the one it was created under.
-    aliases: HashMap<u64, Vec<u64>, MixState>,
     /// (rank, tier, position) -> copies beyond the first.
     copies: HashMap<(u32, u8, u64), u32, MixState>,
     tick: u64,
@@ -290,6 +291,9 @@ impl std::fmt::Debug for PrefixIndex {
             .finish()
     }
 }
+
+/// How many names ahead the apply loops prefetch.
+const PREFETCH_AHEAD: usize = 6;
 
 #[inline]
 fn pack(shard: usize, pos: Pos) -> u64 {
@@ -327,9 +331,6 @@ impl PrefixIndex {
             ranks: Vec::new(),
             rank_ids: HashMap::new(),
             free_rank_ids: Vec::new(),
-            names: HashMap::default(),
-            private_names: HashMap::default(),
-            aliases: HashMap::default(),
             copies: HashMap::default(),
             tick: 0,
             stored_pairs: 0,
@@ -386,6 +387,7 @@ impl PrefixIndex {
         }
         self.ranks[id as usize] = Some(RankState {
             rank,
+            names: NameMap::default(),
             last_event: None,
             needs_resync: false,
             gaps: 0,
@@ -487,13 +489,15 @@ impl PrefixIndex {
         }
     }
 
+    fn names(&mut self, rank: u32) -> &mut NameMap {
+        &mut self.ranks[rank as usize]
+            .as_mut()
+            .expect("event_rank returned a live rank id")
+            .names
+    }
+
     fn lookup(&self, rank: u32, eh: u64) -> Option<u64> {
-        if !self.private_names.is_empty() {
-            if let Some(&loc) = self.private_names.get(&(rank, eh)) {
-                return Some(loc);
-            }
-        }
-        self.names.get(&eh).copied()
+        self.ranks.get(rank as usize)?.as_ref()?.names.get(eh)
     }
 
     fn holds(&self, loc: u64, rank: u32, tier: Option<u8>) -> bool {
@@ -546,7 +550,10 @@ impl PrefixIndex {
         self.tick += 1;
         let tier = header.tier as u8;
         let mut cur = start;
-        for b in blocks {
+        for (i, b) in blocks.iter().enumerate() {
+            if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                self.names(rank).prefetch(ahead.block_hash.0);
+            }
             let eh = b.block_hash.0;
             let writer = &mut self.shards[shard];
             let (pos, created) = writer.advance(cur, b.local_hash, eh);
@@ -558,18 +565,10 @@ impl PrefixIndex {
             } else {
                 self.stored_pairs += 1;
             }
-            match self.names.get(&eh) {
-                None => {
-                    self.names.insert(eh, loc);
-                    if !created {
-                        self.aliases.entry(loc).or_default().push(eh);
-                    }
-                }
-                Some(&l) if l == loc => {}
-                Some(_) => {
-                    self.private_names.insert((rank, eh), loc);
-                }
+            if !created {
+                self.shards[shard].note_name(pos, eh);
             }
+            self.names(rank).insert(eh, loc);
             cur = Some(pos);
         }
         self.shards[shard].commit();
@@ -589,17 +588,28 @@ impl PrefixIndex {
         let mut unknown = 0usize;
         let mut first_unknown = None;
         let mut touched = 0u64;
-        for b in blocks {
-            let eh = b.0;
-            let Some(loc) = self
-                .lookup(rank, eh)
-                .filter(|&loc| self.holds(loc, rank, Some(tier)))
-            else {
+        let Some(Some(state)) = self.ranks.get_mut(rank as usize) else {
+            return Ok(());
+        };
+        let names = &mut state.names;
+        for (i, b) in blocks.iter().enumerate() {
+            if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                names.prefetch(ahead.0);
+            }
+            let held = names.find(b.0).filter(|&(_, loc)| {
+                let (shard, pos) = unpack(loc);
+                self.shards[shard].holds(pos, rank, Some(tier))
+            });
+            let Some((entry, loc)) = held else {
                 unknown += 1;
                 first_unknown.get_or_insert(*b);
                 continue;
             };
-            if let Some(c) = self.copies.get_mut(&(rank, tier, loc)) {
+            let extra = match self.copies.is_empty() {
+                true => None,
+                false => self.copies.get_mut(&(rank, tier, loc)),
+            };
+            if let Some(c) = extra {
                 *c -= 1;
                 if *c == 0 {
                     self.copies.remove(&(rank, tier, loc));
@@ -611,11 +621,8 @@ impl PrefixIndex {
             self.shards[shard].unhold(pos, rank, tier);
             touched |= 1 << (shard % 64);
             self.stored_pairs -= 1;
-            if !self.private_names.is_empty()
-                && !self.shards[shard].holds(pos, rank, None)
-                && self.private_names.get(&(rank, eh)) == Some(&loc)
-            {
-                self.private_names.remove(&(rank, eh));
+            if !self.shards[shard].holds(pos, rank, None) {
+                names.remove_at(entry);
             }
         }
         self.commit_touched(touched);
@@ -656,7 +663,9 @@ impl PrefixIndex {
             r != rank
         });
         self.duplicate_copies -= copies_gone;
-        self.private_names.retain(|&(r, _), _| r != rank);
+        if let Some(Some(state)) = self.ranks.get_mut(rank as usize) {
+            state.names = NameMap::default();
+        }
         self.dropped = dropped;
         self.commit_touched(u64::MAX);
     }
@@ -683,26 +692,11 @@ impl PrefixIndex {
         Ok(())
     }
 
-    /// Commits the shards in `mask` (bit = shard % 64) and forgets the names of blocks that
-    /// died.
+    /// Commits the shards in `mask` (bit = shard % 64).
     fn commit_touched(&mut self, mask: u64) {
         for (i, s) in self.shards.iter_mut().enumerate() {
-            if mask & (1 << (i % 64)) == 0 {
-                continue;
-            }
-            s.commit();
-            for d in std::mem::take(&mut s.dead) {
-                let loc = pack(i, d.pos);
-                if self.names.get(&d.eh) == Some(&loc) {
-                    self.names.remove(&d.eh);
-                }
-                if !self.aliases.is_empty() {
-                    for eh in self.aliases.remove(&loc).unwrap_or_default() {
-                        if self.names.get(&eh) == Some(&loc) {
-                            self.names.remove(&eh);
-                        }
-                    }
-                }
+            if mask & (1 << (i % 64)) != 0 {
+                s.commit();
             }
         }
     }
@@ -712,12 +706,9 @@ impl PrefixIndex {
     /// Bytes the index accounts for itself: runs, tables, maps and bookkeeping, by capacity.
     pub fn memory_bytes(&self) -> usize {
         let shards: usize = self.shards.iter().map(|s| s.bytes()).sum();
-        let alias_vecs: usize = self.aliases.values().map(|v| v.capacity() * 8).sum();
+        let names: usize = self.ranks.iter().flatten().map(|r| r.names.bytes()).sum();
         shards
-            + set_bytes::<(u64, u64)>(self.names.capacity())
-            + set_bytes::<((u32, u64), u64)>(self.private_names.capacity())
-            + set_bytes::<(u64, Vec<u64>)>(self.aliases.capacity())
-            + alias_vecs
+            + names
             + set_bytes::<((u32, u8, u64), u32)>(self.copies.capacity())
             + set_bytes::<(WorkerRank, u32)>(self.rank_ids.capacity())
             + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
@@ -758,19 +749,23 @@ impl PrefixIndex {
                 }
             }
             self.stored_pairs -= dropped.len() as u64;
-            if !self.private_names.is_empty() {
-                let gone: std::collections::HashSet<(u32, u64)> = dropped
-                    .iter()
-                    .map(|d| (d.rank, pack(d.shard, d.pos)))
-                    .collect();
-                self.private_names
-                    .retain(|&(r, _), loc| !gone.contains(&(r, *loc)));
+            // Forget the names of the holds dropped, unless the rank still holds the block in
+            // another tier. A rank that named the block other than it was first stored under
+            // is searched for it.
+            for d in &dropped {
+                let loc = pack(d.shard, d.pos);
+                if self.shards[d.shard].holds(d.pos, d.rank, None) {
+                    continue;
+                }
+                let names = self.names(d.rank);
+                if names.get(d.eh) == Some(loc) {
+                    names.remove(d.eh);
+                } else if d.renamed {
+                    names.retain(|_, l| l != loc);
+                }
             }
             self.dropped = dropped;
             self.commit_touched(touched);
-            if self.names.len() * 4 < self.names.capacity() {
-                self.names.shrink_to(self.names.len() * 2);
-            }
         }
     }
 
@@ -796,6 +791,7 @@ impl PrefixIndex {
                 .flatten()
                 .filter(|s| s.needs_resync)
                 .count(),
+            names: self.ranks.iter().flatten().map(|r| r.names.len()).sum(),
         }
     }
 }

@@ -8,7 +8,7 @@
 //! the event touches.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::{BinaryHeap, HashSet};
 use std::sync::Arc;
 
 use super::mix::MixState;
@@ -30,17 +30,38 @@ pub(crate) struct Pos {
     pub off: u8,
 }
 
+const CLEAN: u32 = u32::MAX;
+
 /// Writer-only facts about a live run.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct SlotMeta {
-    /// The engine hash each block was first stored under (used to drop index entries when the
-    /// block dies).
+    /// What readers see in the slot: the writer's own reference, read without atomics.
+    run: Option<Arc<Run>>,
+    /// Index of the run's working copy in the transaction, or `CLEAN`.
+    dirty: u32,
+    /// The engine hash each block was first stored under (used to forget names on eviction).
     ehs: Vec<u64>,
+    /// Some rank named a block of this run other than it was first stored under.
+    renamed: bool,
     /// Offsets that have children, with how many.
     child_offs: Vec<(u8, u32)>,
     /// Last event that stored into the run.
     touch: u64,
     live: bool,
+}
+
+impl Default for SlotMeta {
+    fn default() -> Self {
+        SlotMeta {
+            run: None,
+            dirty: CLEAN,
+            ehs: Vec::new(),
+            renamed: false,
+            child_offs: Vec::new(),
+            touch: 0,
+            live: false,
+        }
+    }
 }
 
 impl SlotMeta {
@@ -68,13 +89,6 @@ impl SlotMeta {
     }
 }
 
-/// A block that left the structure, with the engine hash it was stored under.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct DeadBlock {
-    pub pos: Pos,
-    pub eh: u64,
-}
-
 /// One (rank, tier) hold dropped by eviction.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DroppedHold {
@@ -82,6 +96,10 @@ pub(crate) struct DroppedHold {
     pub pos: Pos,
     pub rank: u32,
     pub tier: u8,
+    /// The name the block was first stored under.
+    pub eh: u64,
+    /// Whether some rank named a block of its run otherwise.
+    pub renamed: bool,
 }
 
 pub(crate) struct ShardWriter {
@@ -99,23 +117,22 @@ pub(crate) struct ShardWriter {
     live_runs: usize,
     lru: Option<BinaryHeap<Reverse<(u64, u32)>>>,
     // Transaction state.
-    dirty: HashMap<u32, RunBuf, MixState>,
+    dirty: Vec<(u32, RunBuf)>,
     new_links: Vec<(ChildKey, u32)>,
     dead_links: Vec<ChildKey>,
     dead_slots: Vec<u32>,
-    /// Blocks that died in this transaction.
-    pub dead: Vec<DeadBlock>,
 }
 
 impl ShardWriter {
     pub(crate) fn new(index: usize, track_lru: bool) -> Self {
+        let shared = Arc::new(ShardShared {
+            slots: Slots::new(),
+            children: ChildTable::new(),
+        });
         ShardWriter {
             index,
-            shared: Arc::new(ShardShared {
-                slots: Slots::new(),
-                children: ChildTable::new(),
-            }),
-            table: ChildTableWriter::default(),
+            table: ChildTableWriter::new(&shared.children),
+            shared,
             metas: Vec::new(),
             free: Vec::new(),
             rank_slots: Vec::new(),
@@ -123,11 +140,10 @@ impl ShardWriter {
             positions: 0,
             live_runs: 0,
             lru: track_lru.then(BinaryHeap::new),
-            dirty: HashMap::default(),
+            dirty: Vec::new(),
             new_links: Vec::new(),
             dead_links: Vec::new(),
             dead_slots: Vec::new(),
-            dead: Vec::new(),
         }
     }
 
@@ -158,7 +174,7 @@ impl ShardWriter {
         });
         self.run_bytes
             + self.shared.slots.bytes()
-            + self.table.bytes(&self.shared.children)
+            + self.table.bytes()
             + metas
             + rank_slots
             + lru
@@ -168,28 +184,31 @@ impl ShardWriter {
     // ---- reading the writer's current view (working copies first) ----
 
     fn with_run<R>(&self, slot: u32, f: impl FnOnce(u32, u8, &[LocalHash]) -> R) -> Option<R> {
-        if let Some(b) = self.dirty.get(&slot) {
+        let meta = self.metas.get(slot as usize)?;
+        if meta.dirty != CLEAN {
+            let b = &self.dirty[meta.dirty as usize].1;
             return Some(f(b.parent, b.parent_off, &b.hashes));
         }
-        let guard = self.shared.slots.get(slot)?.load();
-        let run = guard.as_ref()?;
+        let run = meta.run.as_deref()?;
         Some(f(run.parent, run.parent_off, &run.hashes))
     }
 
     fn run_mut(&mut self, slot: u32) -> &mut RunBuf {
-        let shared = &self.shared;
-        self.dirty.entry(slot).or_insert_with(|| {
-            let guard = shared.slots.get(slot).map(|c| c.load_full());
-            match guard.flatten() {
-                Some(run) => RunBuf::from_run(&run),
+        let meta = &mut self.metas[slot as usize];
+        if meta.dirty == CLEAN {
+            let buf = match meta.run.as_deref() {
+                Some(run) => RunBuf::from_run(run),
                 None => RunBuf {
                     parent: ROOT,
                     parent_off: 0,
                     hashes: Vec::new(),
                     holders: Vec::new(),
                 },
-            }
-        })
+            };
+            meta.dirty = self.dirty.len() as u32;
+            self.dirty.push((slot, buf));
+        }
+        &mut self.dirty[meta.dirty as usize].1
     }
 
     fn link(&self, key: ChildKey) -> Option<u32> {
@@ -197,22 +216,23 @@ impl ShardWriter {
             .iter()
             .find(|(k, _)| *k == key)
             .map(|(_, s)| *s)
-            .or_else(|| self.table.get(&self.shared.children, key))
+            .or_else(|| self.table.get(key))
     }
 
-    /// Whether (rank, tier) holds `pos` in the writer's current view.
+    /// Whether (rank, tier) holds `pos` in the writer's current view (any tier when `None`).
     pub(crate) fn holds(&self, pos: Pos, rank: u32, tier: Option<u8>) -> bool {
         let bit = 1u64 << pos.off;
         let test = |h: &super::run::Holder| {
             h.rank == rank && tier.is_none_or(|t| t == h.tier) && h.mask & bit != 0
         };
-        if let Some(b) = self.dirty.get(&pos.slot) {
-            return b.holders.iter().any(test);
+        let Some(meta) = self.metas.get(pos.slot as usize) else {
+            return false;
+        };
+        if meta.dirty != CLEAN {
+            return self.dirty[meta.dirty as usize].1.holders.iter().any(test);
         }
-        self.shared
-            .slots
-            .get(pos.slot)
-            .and_then(|c| c.load_full())
+        meta.run
+            .as_ref()
             .is_some_and(|r| r.holders.iter().any(test))
     }
 
@@ -227,6 +247,7 @@ impl ShardWriter {
         self.shared.slots.ensure(slot);
         let meta = &mut self.metas[slot as usize];
         meta.live = true;
+        meta.renamed = false;
         meta.ehs.clear();
         meta.child_offs.clear();
         self.live_runs += 1;
@@ -263,14 +284,19 @@ impl ShardWriter {
                 }
             }
         };
-        if let Some(child) = self.link(key) {
-            return (
-                Pos {
-                    slot: child,
-                    off: 0,
-                },
-                false,
-            );
+        // Only look for a child where the run has one (the root always may).
+        let may_branch =
+            key.parent == ROOT || self.metas[key.parent as usize].children_at(key.off) > 0;
+        if may_branch {
+            if let Some(child) = self.link(key) {
+                return (
+                    Pos {
+                        slot: child,
+                        off: 0,
+                    },
+                    false,
+                );
+            }
         }
         self.positions += 1;
         if let Some(p) = from {
@@ -290,17 +316,20 @@ impl ShardWriter {
         }
         let slot = self.alloc_slot();
         self.metas[slot as usize].ehs.push(eh);
-        self.dirty.insert(
-            slot,
-            RunBuf {
-                parent: key.parent,
-                parent_off: key.off,
-                hashes: vec![hash],
-                holders: Vec::new(),
-            },
-        );
+        let buf = self.run_mut(slot);
+        buf.parent = key.parent;
+        buf.parent_off = key.off;
+        buf.hashes.push(hash);
         self.new_links.push((key, slot));
         (Pos { slot, off: 0 }, true)
+    }
+
+    /// Records that a rank stored the existing block `pos` under `eh`.
+    pub(crate) fn note_name(&mut self, pos: Pos, eh: u64) {
+        let meta = &mut self.metas[pos.slot as usize];
+        if meta.ehs.get(pos.off as usize) != Some(&eh) {
+            meta.renamed = true;
+        }
     }
 
     /// Marks `pos` held by (rank, tier). Returns whether it already was.
@@ -362,6 +391,8 @@ impl ShardWriter {
                         pos: Pos { slot, off },
                         rank,
                         tier: h.tier,
+                        eh: 0,
+                        renamed: false,
                     });
                     m &= m - 1;
                 }
@@ -386,14 +417,6 @@ impl ShardWriter {
                 && meta_children(self, (len - 1) as u8) == 0
             {
                 len -= 1;
-                let eh = self.metas[slot as usize].ehs.get(len).copied().unwrap_or(0);
-                self.dead.push(DeadBlock {
-                    pos: Pos {
-                        slot,
-                        off: len as u8,
-                    },
-                    eh,
-                });
                 self.positions -= 1;
             }
             let buf = self.run_mut(slot);
@@ -432,39 +455,41 @@ impl ShardWriter {
     /// Publishes the transaction.
     pub(crate) fn commit(&mut self) {
         let shared = Arc::clone(&self.shared);
-        let dead_slots = std::mem::take(&mut self.dead_slots);
-        for (slot, buf) in self.dirty.drain() {
-            if dead_slots.contains(&slot) {
-                continue;
+        for (slot, buf) in self.dirty.drain(..) {
+            let meta = &mut self.metas[slot as usize];
+            meta.dirty = CLEAN;
+            if !meta.live {
+                continue; // freed below
             }
             let Some(cell) = shared.slots.get(slot) else {
                 continue;
             };
-            if let Some(old) = cell.load_full() {
+            if let Some(old) = &meta.run {
                 self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
             }
-            let run = buf.into_run();
+            let run = Arc::new(buf.into_run());
             self.run_bytes += run_bytes(run.hashes.len(), run.holders.len());
-            cell.store(Some(Arc::new(run)));
+            cell.store(Some(Arc::clone(&run)));
+            meta.run = Some(run);
         }
         for (key, slot) in std::mem::take(&mut self.new_links) {
-            if !dead_slots.contains(&slot) {
+            if self.metas[slot as usize].live {
                 self.table.insert(&shared.children, key, slot);
             }
         }
         for key in std::mem::take(&mut self.dead_links) {
-            self.table.remove(&shared.children, key);
+            self.table.remove(key);
         }
-        for &slot in &dead_slots {
+        for slot in std::mem::take(&mut self.dead_slots) {
+            let meta = &mut self.metas[slot as usize];
+            if let Some(old) = meta.run.take() {
+                self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
+            }
             if let Some(cell) = shared.slots.get(slot) {
-                if let Some(old) = cell.swap(None) {
-                    self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
-                }
+                cell.store(None);
             }
             self.free.push(slot);
         }
-        self.dead_slots = dead_slots;
-        self.dead_slots.clear();
         if let Some(lru) = &mut self.lru {
             if lru.len() > 4 * self.live_runs + 1024 {
                 let metas = &self.metas;
@@ -493,6 +518,8 @@ impl ShardWriter {
             }
             let off = (len - 1) as u8;
             let shard = self.index;
+            let eh = meta.ehs.get(off as usize).copied().unwrap_or(0);
+            let renamed = meta.renamed;
             let buf = self.run_mut(slot);
             let bit = 1u64 << off;
             for h in buf.holders.iter_mut().filter(|h| h.mask & bit != 0) {
@@ -502,6 +529,8 @@ impl ShardWriter {
                     pos: Pos { slot, off },
                     rank: h.rank,
                     tier: h.tier,
+                    eh,
+                    renamed,
                 });
             }
             let gone: Vec<u32> = {

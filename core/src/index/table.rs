@@ -190,39 +190,48 @@ impl ChildTable {
     }
 }
 
-/// The writer's bookkeeping for one [`ChildTable`].
-#[derive(Debug, Default)]
+/// The writer's side of one [`ChildTable`]: the current table, held directly so that the
+/// writer's own lookups cost no atomic read-modify-write, and the fill counts.
 pub(crate) struct ChildTableWriter {
+    current: Arc<TableInner>,
     live: usize,
     tombs: usize,
 }
 
 impl ChildTableWriter {
+    pub(crate) fn new(table: &ChildTable) -> Self {
+        ChildTableWriter {
+            current: table.inner.load_full(),
+            live: 0,
+            tombs: 0,
+        }
+    }
+
     #[cfg(all(test, not(loom)))]
     pub(crate) fn len(&self) -> usize {
         self.live
     }
 
-    pub(crate) fn get(&self, table: &ChildTable, key: ChildKey) -> Option<u32> {
-        table.inner.load().get(key)
+    #[inline]
+    pub(crate) fn get(&self, key: ChildKey) -> Option<u32> {
+        self.current.get(key)
     }
 
     /// Inserts `key`, which must be absent.
     pub(crate) fn insert(&mut self, table: &ChildTable, key: ChildKey, value: u32) {
-        let cap = table.inner.load().capacity();
         // Keep live + tombstones under 3/4 of the slots so that probes stay short and every
         // probe sequence meets an empty slot.
-        if (self.live + self.tombs + 1) * 4 > cap * 3 {
+        if (self.live + self.tombs + 1) * 4 > self.current.capacity() * 3 {
             self.rebuild(table, (self.live + 1) * 2);
         }
-        if table.inner.load().insert(key, value) {
+        if self.current.insert(key, value) {
             self.tombs -= 1;
         }
         self.live += 1;
     }
 
-    pub(crate) fn remove(&mut self, table: &ChildTable, key: ChildKey) -> bool {
-        let removed = table.inner.load().remove(key);
+    pub(crate) fn remove(&mut self, key: ChildKey) -> bool {
+        let removed = self.current.remove(key);
         if removed {
             self.live -= 1;
             self.tombs += 1;
@@ -231,11 +240,10 @@ impl ChildTableWriter {
     }
 
     fn rebuild(&mut self, table: &ChildTable, want: usize) {
-        let old = table.inner.load_full();
-        let cap = want.max(old.capacity() / 2).max(MIN_CAPACITY);
+        let cap = want.max(self.current.capacity() / 2).max(MIN_CAPACITY);
         let new = TableInner::with_capacity(cap);
         let mut n = 0;
-        for (m, h, v) in old.live_entries() {
+        for (m, h, v) in self.current.live_entries() {
             let key = ChildKey {
                 parent: (m >> 32) as u32,
                 off: (m >> 24) as u8,
@@ -246,11 +254,12 @@ impl ChildTableWriter {
         }
         self.live = n;
         self.tombs = 0;
-        table.inner.store(Arc::new(new));
+        self.current = Arc::new(new);
+        table.inner.store(Arc::clone(&self.current));
     }
 
-    pub(crate) fn bytes(&self, table: &ChildTable) -> usize {
-        table.inner.load().capacity() * 3 * 8 + std::mem::size_of::<TableInner>()
+    pub(crate) fn bytes(&self) -> usize {
+        self.current.capacity() * 3 * 8 + std::mem::size_of::<TableInner>()
     }
 }
 
@@ -262,7 +271,7 @@ mod tests {
     #[test]
     fn table_matches_a_hashmap_under_inserts_and_removes() {
         let t = ChildTable::new();
-        let mut w = ChildTableWriter::default();
+        let mut w = ChildTableWriter::new(&t);
         let mut model = HashMap::new();
         let mut x = 0x1234_5678_u64;
         for i in 0..20_000u32 {
@@ -275,7 +284,7 @@ mod tests {
                 hash: x % 1000,
             };
             if model.remove(&key).is_some() {
-                assert!(w.remove(&t, key));
+                assert!(w.remove(key));
             } else {
                 w.insert(&t, key, i);
                 model.insert(key, i);
