@@ -203,9 +203,6 @@ impl Indexer for Kvroute {
     }
 
     fn accounted_bytes(&self) -> Option<usize> {
-        if std::env::var_os("KVROUTE_DEBUG_STATS").is_some() {
-            eprintln!("{:#?}", self.index.stats());
-        }
         Some(self.index.stats().memory_bytes)
     }
 }

@@ -39,7 +39,8 @@ struct SlotMeta {
     run: Option<Arc<Run>>,
     /// Index of the run's working copy in the transaction, or `CLEAN`.
     dirty: u32,
-    /// The engine hash each block was first stored under (used to forget names on eviction).
+    /// The engine hash each block was first stored under, kept only under a memory budget
+    /// (eviction uses it to forget the evicted block's names).
     ehs: Vec<u64>,
     /// Some rank named a block of this run other than it was first stored under.
     renamed: bool,
@@ -65,6 +66,11 @@ impl Default for SlotMeta {
 }
 
 impl SlotMeta {
+    fn heap_bytes(&self) -> usize {
+        self.ehs.capacity() * std::mem::size_of::<u64>()
+            + self.child_offs.capacity() * std::mem::size_of::<(u8, u32)>()
+    }
+
     fn children_at(&self, off: u8) -> u32 {
         self.child_offs
             .iter()
@@ -116,6 +122,8 @@ pub(crate) struct ShardWriter {
     positions: usize,
     live_runs: usize,
     lru: Option<BinaryHeap<Reverse<(u64, u32)>>>,
+    /// Heap bytes of the metas' vectors.
+    meta_heap: usize,
     // Transaction state.
     dirty: Vec<(u32, RunBuf)>,
     new_links: Vec<(ChildKey, u32)>,
@@ -140,6 +148,7 @@ impl ShardWriter {
             positions: 0,
             live_runs: 0,
             lru: track_lru.then(BinaryHeap::new),
+            meta_heap: 0,
             dirty: Vec::new(),
             new_links: Vec::new(),
             dead_links: Vec::new(),
@@ -157,12 +166,7 @@ impl ShardWriter {
 
     /// Heap bytes of everything this shard owns.
     pub(crate) fn bytes(&self) -> usize {
-        let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>()
-            + self
-                .metas
-                .iter()
-                .map(|m| m.ehs.capacity() * 8 + m.child_offs.capacity() * 8)
-                .sum::<usize>();
+        let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>() + self.meta_heap;
         let rank_slots = self
             .rank_slots
             .iter()
@@ -179,6 +183,15 @@ impl ShardWriter {
             + rank_slots
             + lru
             + self.free.capacity() * 4
+    }
+
+    /// Changes the writer-only facts of a slot, keeping the byte count.
+    fn meta_mut<R>(&mut self, slot: u32, f: impl FnOnce(&mut SlotMeta) -> R) -> R {
+        let meta = &mut self.metas[slot as usize];
+        let before = meta.heap_bytes();
+        let r = f(meta);
+        self.meta_heap = self.meta_heap + meta.heap_bytes() - before;
+        r
     }
 
     // ---- reading the writer's current view (working copies first) ----
@@ -303,7 +316,7 @@ impl ShardWriter {
             let len = self.with_run(p.slot, |_, _, h| h.len()).unwrap_or(0);
             if p.off as usize + 1 == len && len < RUN_CAP {
                 self.run_mut(p.slot).hashes.push(hash);
-                self.metas[p.slot as usize].ehs.push(eh);
+                self.note_new_name(p.slot, eh);
                 return (
                     Pos {
                         slot: p.slot,
@@ -312,10 +325,10 @@ impl ShardWriter {
                     true,
                 );
             }
-            self.metas[p.slot as usize].add_child(p.off);
+            self.meta_mut(p.slot, |m| m.add_child(p.off));
         }
         let slot = self.alloc_slot();
-        self.metas[slot as usize].ehs.push(eh);
+        self.note_new_name(slot, eh);
         let buf = self.run_mut(slot);
         buf.parent = key.parent;
         buf.parent_off = key.off;
@@ -324,8 +337,18 @@ impl ShardWriter {
         (Pos { slot, off: 0 }, true)
     }
 
-    /// Records that a rank stored the existing block `pos` under `eh`.
+    /// Records the name a new block (the run's last) was stored under, when names are kept.
+    fn note_new_name(&mut self, slot: u32, eh: u64) {
+        if self.lru.is_some() {
+            self.meta_mut(slot, |m| m.ehs.push(eh));
+        }
+    }
+
+    /// Records that a rank stored the existing block `pos` under `eh`, when names are kept.
     pub(crate) fn note_name(&mut self, pos: Pos, eh: u64) {
+        if self.lru.is_none() {
+            return;
+        }
         let meta = &mut self.metas[pos.slot as usize];
         if meta.ehs.get(pos.off as usize) != Some(&eh) {
             meta.renamed = true;
@@ -424,7 +447,7 @@ impl ShardWriter {
                 return;
             }
             buf.hashes.truncate(len);
-            self.metas[slot as usize].ehs.truncate(len);
+            self.meta_mut(slot, |m| m.ehs.truncate(len));
             if len > 0 {
                 return;
             }
@@ -442,7 +465,7 @@ impl ShardWriter {
             if parent == ROOT {
                 return;
             }
-            self.metas[parent as usize].remove_child(parent_off);
+            self.meta_mut(parent, |m| m.remove_child(parent_off));
             // The parent's last block may have just become a leaf.
             let touch = self.metas[parent as usize].touch;
             if let Some(lru) = &mut self.lru {
