@@ -8,6 +8,36 @@
 //!                                      ▲
 //!  KV events (Stored / Removed / Cleared) ──apply──┘  one writer, lock-free readers
 //! ```
+//!
+//! ```
+//! use kvroute_core::hash::BlockHasher;
+//! use kvroute_core::{
+//!     BlockHash, EventHeader, EventId, IndexConfig, MatchOptions, PrefixIndex, StorageTier,
+//!     StoredBlock, WorkerRank,
+//! };
+//!
+//! let mut index = PrefixIndex::new(IndexConfig::default());
+//! let reader = index.reader(); // clone into every routing thread; matches are lock-free
+//!
+//! let prompt: Vec<u32> = (0..256).collect();
+//! let locals = BlockHasher::new(64).local_hashes(&prompt);
+//!
+//! // A worker reports the blocks it cached (engine block hashes are opaque names).
+//! let blocks: Vec<StoredBlock> = locals
+//!     .iter()
+//!     .enumerate()
+//!     .map(|(i, h)| StoredBlock { block_hash: BlockHash(1000 + i as u64), local_hash: *h })
+//!     .collect();
+//! let header = EventHeader {
+//!     source: WorkerRank::new(7, 0),
+//!     event_id: EventId(0),
+//!     tier: StorageTier::Device,
+//! };
+//! index.apply_stored(header, None, &blocks).unwrap();
+//!
+//! let scores = reader.find_matches(&locals, MatchOptions::default());
+//! assert_eq!(scores.blocks(WorkerRank::new(7, 0)), 4);
+//! ```
 #![deny(unsafe_code)]
 
 pub mod event;

@@ -293,7 +293,7 @@ impl std::fmt::Debug for PrefixIndex {
 }
 
 /// How many names ahead the apply loops prefetch.
-const PREFETCH_AHEAD: usize = 6;
+const PREFETCH_AHEAD: usize = 8;
 
 #[inline]
 fn pack(shard: usize, pos: Pos) -> u64 {
