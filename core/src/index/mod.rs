@@ -293,7 +293,7 @@ impl std::fmt::Debug for PrefixIndex {
 }
 
 /// How many names ahead the apply loops prefetch.
-const PREFETCH_AHEAD: usize = 8;
+const PREFETCH_AHEAD: usize = 16;
 
 #[inline]
 fn pack(shard: usize, pos: Pos) -> u64 {
@@ -596,15 +596,12 @@ impl PrefixIndex {
             if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
                 names.prefetch(ahead.0);
             }
-            let held = names.find(b.0).filter(|&(_, loc)| {
-                let (shard, pos) = unpack(loc);
-                self.shards[shard].holds(pos, rank, Some(tier))
-            });
-            let Some((entry, loc)) = held else {
+            let Some((entry, loc)) = names.find(b.0) else {
                 unknown += 1;
                 first_unknown.get_or_insert(*b);
                 continue;
             };
+            // Extra copies exist only while the block is held in that tier.
             let extra = match self.copies.is_empty() {
                 true => None,
                 false => self.copies.get_mut(&(rank, tier, loc)),
@@ -618,11 +615,18 @@ impl PrefixIndex {
                 continue;
             }
             let (shard, pos) = unpack(loc);
-            self.shards[shard].unhold(pos, rank, tier);
-            touched |= 1 << (shard % 64);
-            self.stored_pairs -= 1;
-            if !self.shards[shard].holds(pos, rank, None) {
-                names.remove_at(entry);
+            match self.shards[shard].unhold(pos, rank, tier) {
+                None => {
+                    unknown += 1;
+                    first_unknown.get_or_insert(*b);
+                }
+                Some(other_tier) => {
+                    touched |= 1 << (shard % 64);
+                    self.stored_pairs -= 1;
+                    if !other_tier {
+                        names.remove_at(entry);
+                    }
+                }
             }
         }
         self.commit_touched(touched);

@@ -10,7 +10,10 @@
 //!
 //! A holder's mask has bit `i` set when the rank holds block `i` of the run in that tier, so a
 //! rank that holds only part of a run, or has a hole in it, needs no split and no copy of the
-//! hashes. Runs are immutable once published; the writer replaces a changed run whole.
+//! hashes. Runs are immutable once published; the writer replaces a changed run whole, sharing
+//! the hash array with the old version when only holders changed.
+
+use std::sync::Arc;
 
 use crate::hash::LocalHash;
 
@@ -32,9 +35,44 @@ pub(crate) struct Run {
     pub parent: u32,
     /// Offset in the parent of the block this run continues after.
     pub parent_off: u8,
-    pub hashes: Box<[LocalHash]>,
+    pub hashes: Arc<[LocalHash]>,
     /// Sorted by (rank, tier).
     pub holders: Box<[Holder]>,
+}
+
+/// A working copy's hashes: still those of the published run, or the writer's own.
+#[derive(Clone, Debug)]
+pub(crate) enum Hashes {
+    Shared(Arc<[LocalHash]>),
+    Owned(Vec<LocalHash>),
+}
+
+impl Hashes {
+    #[inline]
+    pub(crate) fn as_slice(&self) -> &[LocalHash] {
+        match self {
+            Hashes::Shared(a) => a,
+            Hashes::Owned(v) => v,
+        }
+    }
+
+    /// The hashes to change, copied out of the published run on first use.
+    pub(crate) fn to_mut(&mut self) -> &mut Vec<LocalHash> {
+        if let Hashes::Shared(a) = self {
+            *self = Hashes::Owned(a.to_vec());
+        }
+        match self {
+            Hashes::Owned(v) => v,
+            Hashes::Shared(_) => unreachable!("just made owned"),
+        }
+    }
+
+    fn into_shared(self) -> Arc<[LocalHash]> {
+        match self {
+            Hashes::Shared(a) => a,
+            Hashes::Owned(v) => v.into(),
+        }
+    }
 }
 
 /// The writer's working copy of a run during one event.
@@ -42,7 +80,7 @@ pub(crate) struct Run {
 pub(crate) struct RunBuf {
     pub parent: u32,
     pub parent_off: u8,
-    pub hashes: Vec<LocalHash>,
+    pub hashes: Hashes,
     pub holders: Vec<Holder>,
 }
 
@@ -51,7 +89,7 @@ impl RunBuf {
         RunBuf {
             parent: run.parent,
             parent_off: run.parent_off,
-            hashes: run.hashes.to_vec(),
+            hashes: Hashes::Shared(Arc::clone(&run.hashes)),
             holders: run.holders.to_vec(),
         }
     }
@@ -60,7 +98,7 @@ impl RunBuf {
         Run {
             parent: self.parent,
             parent_off: self.parent_off,
-            hashes: self.hashes.into_boxed_slice(),
+            hashes: self.hashes.into_shared(),
             holders: self.holders.into_boxed_slice(),
         }
     }
@@ -91,22 +129,24 @@ impl RunBuf {
         }
     }
 
-    /// Clears the bit of `off` for (rank, tier). Returns whether it was set.
-    pub(crate) fn unhold(&mut self, rank: u32, tier: u8, off: usize) -> bool {
+    /// Clears the bit of `off` for (rank, tier). Returns `None` when it was not set, else
+    /// whether the rank still holds the block in another tier.
+    pub(crate) fn unhold(&mut self, rank: u32, tier: u8, off: usize) -> Option<bool> {
         let bit = 1u64 << off;
-        match self
+        let i = self
             .holders
             .binary_search_by_key(&(rank, tier), |h| (h.rank, h.tier))
-        {
-            Ok(i) if self.holders[i].mask & bit != 0 => {
-                self.holders[i].mask &= !bit;
-                if self.holders[i].mask == 0 {
-                    self.holders.remove(i);
-                }
-                true
-            }
-            _ => false,
+            .ok()
+            .filter(|&i| self.holders[i].mask & bit != 0)?;
+        self.holders[i].mask &= !bit;
+        if self.holders[i].mask == 0 {
+            self.holders.remove(i);
         }
+        Some(
+            self.holders
+                .iter()
+                .any(|h| h.rank == rank && h.mask & bit != 0),
+        )
     }
 
     /// Whether `rank` still has any holder entry in the run.
@@ -122,7 +162,8 @@ impl RunBuf {
 
 /// Heap bytes of a published run, `Arc` header included.
 pub(crate) fn run_bytes(hashes: usize, holders: usize) -> usize {
-    2 * std::mem::size_of::<usize>()
+    // Two `Arc` headers: the run's and its hash array's.
+    4 * std::mem::size_of::<usize>()
         + std::mem::size_of::<Run>()
         + hashes * std::mem::size_of::<LocalHash>()
         + holders * std::mem::size_of::<Holder>()
@@ -137,7 +178,7 @@ mod tests {
         let mut r = RunBuf {
             parent: 0,
             parent_off: 0,
-            hashes: vec![LocalHash(1), LocalHash(2)],
+            hashes: Hashes::Owned(vec![LocalHash(1), LocalHash(2)]),
             holders: vec![],
         };
         assert_eq!(r.hold(3, 0, 0), (false, true));
@@ -146,9 +187,11 @@ mod tests {
         assert_eq!(r.hold(1, 1, 0), (false, true));
         assert_eq!(r.holders[0].rank, 1);
         assert_eq!(r.held_mask(), 0b11);
-        assert!(r.unhold(3, 0, 0));
-        assert!(!r.unhold(3, 0, 0));
-        assert!(r.unhold(3, 0, 1));
+        assert_eq!(r.unhold(3, 0, 0), Some(false));
+        assert_eq!(r.unhold(3, 0, 0), None);
+        r.hold(3, 1, 1);
+        assert_eq!(r.unhold(3, 0, 1), Some(true));
+        assert_eq!(r.unhold(3, 1, 1), Some(false));
         assert!(!r.has_rank(3));
         assert!(r.has_rank(1));
     }

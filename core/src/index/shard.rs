@@ -12,7 +12,7 @@ use std::collections::{BinaryHeap, HashSet};
 use std::sync::Arc;
 
 use super::mix::MixState;
-use super::run::{run_bytes, Run, RunBuf, RUN_CAP};
+use super::run::{run_bytes, Hashes, Run, RunBuf, RUN_CAP};
 use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use crate::hash::LocalHash;
@@ -129,6 +129,8 @@ pub(crate) struct ShardWriter {
     new_links: Vec<(ChildKey, u32)>,
     dead_links: Vec<ChildKey>,
     dead_slots: Vec<u32>,
+    /// Runs that lost holds in this transaction.
+    prune_pending: Vec<u32>,
 }
 
 impl ShardWriter {
@@ -153,6 +155,7 @@ impl ShardWriter {
             new_links: Vec::new(),
             dead_links: Vec::new(),
             dead_slots: Vec::new(),
+            prune_pending: Vec::new(),
         }
     }
 
@@ -200,7 +203,7 @@ impl ShardWriter {
         let meta = self.metas.get(slot as usize)?;
         if meta.dirty != CLEAN {
             let b = &self.dirty[meta.dirty as usize].1;
-            return Some(f(b.parent, b.parent_off, &b.hashes));
+            return Some(f(b.parent, b.parent_off, b.hashes.as_slice()));
         }
         let run = meta.run.as_deref()?;
         Some(f(run.parent, run.parent_off, &run.hashes))
@@ -214,7 +217,7 @@ impl ShardWriter {
                 None => RunBuf {
                     parent: ROOT,
                     parent_off: 0,
-                    hashes: Vec::new(),
+                    hashes: Hashes::Owned(Vec::new()),
                     holders: Vec::new(),
                 },
             };
@@ -315,7 +318,7 @@ impl ShardWriter {
         if let Some(p) = from {
             let len = self.with_run(p.slot, |_, _, h| h.len()).unwrap_or(0);
             if p.off as usize + 1 == len && len < RUN_CAP {
-                self.run_mut(p.slot).hashes.push(hash);
+                self.run_mut(p.slot).hashes.to_mut().push(hash);
                 self.note_new_name(p.slot, eh);
                 return (
                     Pos {
@@ -332,7 +335,7 @@ impl ShardWriter {
         let buf = self.run_mut(slot);
         buf.parent = key.parent;
         buf.parent_off = key.off;
-        buf.hashes.push(hash);
+        buf.hashes.to_mut().push(hash);
         self.new_links.push((key, slot));
         (Pos { slot, off: 0 }, true)
     }
@@ -379,19 +382,18 @@ impl ShardWriter {
         }
     }
 
-    /// Clears (rank, tier)'s hold of `pos`. Returns whether it was held.
-    pub(crate) fn unhold(&mut self, pos: Pos, rank: u32, tier: u8) -> bool {
+    /// Clears (rank, tier)'s hold of `pos`. Returns `None` when it was not held, else whether
+    /// the rank still holds the block in another tier. Emptied blocks are pruned at commit.
+    pub(crate) fn unhold(&mut self, pos: Pos, rank: u32, tier: u8) -> Option<bool> {
         let buf = self.run_mut(pos.slot);
-        let was = buf.unhold(rank, tier, pos.off as usize);
-        if was && !buf.has_rank(rank) {
+        let other_tier = buf.unhold(rank, tier, pos.off as usize)?;
+        if !buf.has_rank(rank) {
             if let Some(s) = self.rank_slots.get_mut(rank as usize) {
                 s.remove(&pos.slot);
             }
         }
-        if was {
-            self.prune(pos.slot);
-        }
-        was
+        self.prune_pending.push(pos.slot);
+        Some(other_tier)
     }
 
     /// Drops every hold of `rank` (all tiers) in this shard. Returns the holds dropped.
@@ -432,8 +434,8 @@ impl ShardWriter {
             let meta_children = |s: &Self, off: u8| s.metas[slot as usize].children_at(off);
             let buf = self.run_mut(slot);
             let held = buf.held_mask();
-            let mut len = buf.hashes.len();
-            let first = buf.hashes.first().copied();
+            let mut len = buf.hashes.as_slice().len();
+            let first = buf.hashes.as_slice().first().copied();
             let (parent, parent_off) = (buf.parent, buf.parent_off);
             while len > 0
                 && held & (1u64 << (len - 1)) == 0
@@ -443,10 +445,10 @@ impl ShardWriter {
                 self.positions -= 1;
             }
             let buf = self.run_mut(slot);
-            if len == buf.hashes.len() {
+            if len == buf.hashes.as_slice().len() {
                 return;
             }
-            buf.hashes.truncate(len);
+            buf.hashes.to_mut().truncate(len);
             self.meta_mut(slot, |m| m.ehs.truncate(len));
             if len > 0 {
                 return;
@@ -477,6 +479,16 @@ impl ShardWriter {
 
     /// Publishes the transaction.
     pub(crate) fn commit(&mut self) {
+        let mut pending = std::mem::take(&mut self.prune_pending);
+        pending.sort_unstable();
+        pending.dedup();
+        for &slot in &pending {
+            if self.metas[slot as usize].live {
+                self.prune(slot);
+            }
+        }
+        pending.clear();
+        self.prune_pending = pending;
         let shared = Arc::clone(&self.shared);
         for (slot, buf) in self.dirty.drain(..) {
             let meta = &mut self.metas[slot as usize];
