@@ -137,7 +137,8 @@ pub struct PeerConfig {
 // kvroute
 // ---------------------------------------------------------------------------------------------
 
-struct Kvroute {
+/// kvroute's index behind the benchmark's trait.
+pub struct Kvroute {
     index: PrefixIndex,
     scores: OverlapScores,
     errors: u64,
@@ -145,11 +146,21 @@ struct Kvroute {
 
 impl Kvroute {
     fn new() -> Self {
+        Self::with_config(IndexConfig::default())
+    }
+
+    /// kvroute's index with a configuration of its own (a memory budget, a shard count).
+    pub fn with_config(config: IndexConfig) -> Self {
         Kvroute {
-            index: PrefixIndex::new(IndexConfig::default()),
+            index: PrefixIndex::new(config),
             scores: OverlapScores::default(),
             errors: 0,
         }
+    }
+
+    /// The index's statistics.
+    pub fn stats(&self) -> kvroute_core::IndexStats {
+        self.index.stats()
     }
 
     fn header(worker: u32, event_id: u64) -> EventHeader {
