@@ -138,6 +138,7 @@ pub struct PeerConfig {
 // ---------------------------------------------------------------------------------------------
 
 /// kvroute's index behind the benchmark's trait.
+#[derive(Debug)]
 pub struct Kvroute {
     index: PrefixIndex,
     scores: OverlapScores,
