@@ -49,6 +49,8 @@ struct SlotMeta {
     /// Last event that stored into the run.
     touch: u64,
     live: bool,
+    /// Queued in `prune_pending`.
+    prune_queued: bool,
 }
 
 impl Default for SlotMeta {
@@ -61,6 +63,7 @@ impl Default for SlotMeta {
             child_offs: Vec::new(),
             touch: 0,
             live: false,
+            prune_queued: false,
         }
     }
 }
@@ -392,7 +395,11 @@ impl ShardWriter {
                 s.remove(&pos.slot);
             }
         }
-        self.prune_pending.push(pos.slot);
+        let meta = &mut self.metas[pos.slot as usize];
+        if !meta.prune_queued {
+            meta.prune_queued = true;
+            self.prune_pending.push(pos.slot);
+        }
         Some(other_tier)
     }
 
@@ -480,10 +487,10 @@ impl ShardWriter {
     /// Publishes the transaction.
     pub(crate) fn commit(&mut self) {
         let mut pending = std::mem::take(&mut self.prune_pending);
-        pending.sort_unstable();
-        pending.dedup();
         for &slot in &pending {
-            if self.metas[slot as usize].live {
+            let meta = &mut self.metas[slot as usize];
+            meta.prune_queued = false;
+            if meta.live {
                 self.prune(slot);
             }
         }
