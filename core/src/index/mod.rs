@@ -367,7 +367,9 @@ impl PrefixIndex {
 
     /// Registers a rank (a no-op when it is known).
     pub fn register_rank(&mut self, rank: WorkerRank) -> Result<(), IndexError> {
-        self.rank_id_or_register(rank).map(|_| ())
+        self.rank_id_or_register(rank)?;
+        self.enforce_budget();
+        Ok(())
     }
 
     fn rank_id_or_register(&mut self, rank: WorkerRank) -> Result<u32, IndexError> {
@@ -426,7 +428,7 @@ impl PrefixIndex {
                 Some(last) if id_now == last.wrapping_add(1) => state.last_event = Some(id_now),
                 Some(last) if id_now > last => {
                     self.events.gaps += 1;
-                    self.events.missing += id_now - last - 1;
+                    self.events.missing = self.events.missing.saturating_add(id_now - last - 1);
                     state.gaps += 1;
                     state.needs_resync = true;
                     state.last_event = Some(id_now);
@@ -516,14 +518,14 @@ impl PrefixIndex {
     ) -> Result<(), IndexError> {
         let rank = self.event_rank(header)?;
         let Some(first) = blocks.first() else {
+            self.enforce_budget();
             return Ok(());
         };
-        let self_parent = parent.and_then(|p| blocks.iter().find(|b| b.block_hash == p));
-        let repeated = blocks
-            .windows(2)
-            .find(|w| w[0].block_hash == w[1].block_hash)
-            .map(|w| &w[1]);
-        if let Some(bad) = self_parent.or(repeated) {
+        // The first block that names itself as the chain's parent, or repeats its predecessor.
+        let invalid = blocks.iter().enumerate().find(|(i, b)| {
+            Some(b.block_hash) == parent || (*i > 0 && blocks[i - 1].block_hash == b.block_hash)
+        });
+        if let Some((_, bad)) = invalid {
             self.errors.invalid_chain += 1;
             return Err(IndexError::InvalidChain {
                 rank: header.source,
@@ -630,6 +632,7 @@ impl PrefixIndex {
             }
         }
         self.commit_touched(touched);
+        self.enforce_budget();
         if unknown > 0 {
             self.errors.unknown_blocks += unknown as u64;
             return Err(IndexError::UnknownBlocks {
@@ -646,6 +649,7 @@ impl PrefixIndex {
     pub fn apply_cleared(&mut self, header: EventHeader) -> Result<(), IndexError> {
         let rank = self.event_rank(header)?;
         self.clear_rank(rank);
+        self.enforce_budget();
         if let Some(Some(state)) = self.ranks.get_mut(rank as usize) {
             state.needs_resync = false;
         }

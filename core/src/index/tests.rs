@@ -488,3 +488,66 @@ fn accounted_memory_grows_with_content_and_returns_when_cleared() {
     let st = ix.stats();
     assert_eq!((st.blocks, st.runs), (0, 0));
 }
+
+#[test]
+fn huge_event_id_jumps_saturate_the_missing_count() {
+    // Found by fuzzing: two ranks jumping to ids near 2^64 overflowed the sum of missing ids.
+    let mut ix = idx();
+    for dp in 0..2 {
+        ix.apply_cleared(hdr(0, dp, 1, device())).unwrap();
+        ix.apply_cleared(hdr(0, dp, u64::MAX, device())).unwrap();
+    }
+    let st = ix.stats().events;
+    assert_eq!((st.gaps, st.missing), (2, u64::MAX));
+}
+
+#[test]
+fn an_invalid_chain_names_its_first_offending_block() {
+    // Found by fuzzing: blocks [A, A, P] with parent P name A (the second block), as the
+    // reference model does.
+    let mut ix = idx();
+    let a = StoredBlock {
+        block_hash: BlockHash(1),
+        local_hash: LocalHash(1),
+    };
+    let p = StoredBlock {
+        block_hash: BlockHash(2),
+        local_hash: LocalHash(2),
+    };
+    let err = ix
+        .apply_stored(hdr(1, 0, 0, device()), Some(p.block_hash), &[a, a, p])
+        .unwrap_err();
+    assert_eq!(
+        err,
+        IndexError::InvalidChain {
+            rank: WorkerRank::new(1, 0),
+            block: a.block_hash
+        }
+    );
+}
+
+#[test]
+fn the_budget_holds_after_every_kind_of_call() {
+    let budget = 60_000;
+    let mut ix = PrefixIndex::new(IndexConfig {
+        shards: 1,
+        memory_budget: Some(budget),
+        ..IndexConfig::default()
+    });
+    for p in 0..200u64 {
+        let blocks: Vec<StoredBlock> = (0..20u64)
+            .map(|i| StoredBlock {
+                block_hash: BlockHash(p * 100 + i),
+                local_hash: LocalHash(p * 100 + i + 1),
+            })
+            .collect();
+        let _ = ix.apply_stored(hdr(p % 7, 0, p, device()), None, &blocks);
+        let _ = ix.register_rank(WorkerRank::new(1000 + p % 13, 0));
+        let _ = ix.apply_removed(hdr(p % 7, 0, p + 1000, device()), &[BlockHash(p * 100)]);
+        assert!(
+            ix.memory_bytes() <= budget,
+            "after prompt {p}: {}",
+            ix.memory_bytes()
+        );
+    }
+}
