@@ -1,4 +1,5 @@
-//! kvroute's routing core: block hashing, the KV event model and the sharded prefix index.
+//! kvroute's routing core: block hashing, the KV event model, the sharded prefix index, and
+//! routing decisions (worker registry, load tracking, selection, the [`router::Router`] facade).
 //!
 //! The core does no I/O and starts no threads. It is data structures and decisions, driven by
 //! whoever embeds it: a transport's shard loops, a test, a benchmark.
@@ -40,10 +41,17 @@
 //! ```
 #![deny(unsafe_code)]
 
+pub mod config;
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod load;
+pub mod registry;
+pub mod rng;
+pub mod router;
+pub mod select;
 
+pub use config::{ConfigError, Policy, RouterConfig};
 pub use event::{
     BlockHash, DpRank, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock,
     WorkerId, WorkerRank,
@@ -53,3 +61,6 @@ pub use index::{
     IndexConfig, IndexError, IndexReader, IndexStats, MatchOptions, OverlapScores, PrefixIndex,
     RankScore,
 };
+pub use load::{LoadView, RequestId};
+pub use registry::{WorkerConfig, WorkerRole};
+pub use router::{Decision, RequestGuard, RouteError, RouteHints, RouteRequest, Router};

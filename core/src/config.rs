@@ -1,0 +1,361 @@
+//! The router's configuration: one struct, validated once, with the reference router's defaults.
+//!
+//! Every knob that changes a decision lives here, so that a decision can be explained from the
+//! request, the load snapshot and this value alone. [`RouterConfig::validate`] rejects a bad
+//! value with an error naming the field; [`crate::router::Router::new`] refuses to start
+//! without it.
+//!
+//! | field | default | meaning |
+//! |---|---|---|
+//! | `block_size` | 16 | tokens per KV block (the index's and the workers' block size) |
+//! | `overlap_credit` | 1.0 | cost credit per device-tier cached block |
+//! | `prefill_load_scale` | 1.0 | weight of prefill blocks against decode blocks |
+//! | `tier_weights` | 0.75 / 0.25 / 0.25 | credit of host-pinned / disk / external blocks |
+//! | `temperature` | 0.0 | 0 = cheapest worker (random ties), > 0 = softmax sampling |
+//! | `busy` | off | fractions of capacity over which a rank leaves selection |
+//! | `request_expiry` | 600 s | bookings older than this are freed by [`crate::router::Router::expire`] |
+//! | `min_workers` | 0 | workers that must join before the router is ready |
+//! | `policy` | `KvAware` | how a worker is chosen (see [`Policy`]) |
+//! | `seed` | fixed | seed of the router's random draws (ties, softmax, random policies) |
+//! | `timing` | `Off` | record the hash / match / select overhead split in histograms |
+
+use std::time::Duration;
+
+/// Why a configuration was rejected.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum ConfigError {
+    #[error("config field `{field}` is invalid: {reason}")]
+    Invalid {
+        field: &'static str,
+        reason: &'static str,
+    },
+}
+
+/// Overlap credit of a block held in a tier below device memory (device blocks earn
+/// [`RouterConfig::overlap_credit`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TierWeights {
+    pub host_pinned: f64,
+    pub disk: f64,
+    pub external: f64,
+}
+
+impl Default for TierWeights {
+    fn default() -> Self {
+        TierWeights {
+            host_pinned: 0.75,
+            disk: 0.25,
+            external: 0.25,
+        }
+    }
+}
+
+/// Load levels over which a rank is "busy" and leaves selection while some rank is under them.
+/// `None` turns a threshold off.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct BusyThresholds {
+    /// Active decode blocks (prompt and output) over this fraction of the rank's KV capacity.
+    pub decode_blocks_fraction: Option<f64>,
+    /// Active prefill tokens over this fraction of the worker's max batched tokens.
+    pub prefill_tokens_fraction: Option<f64>,
+}
+
+/// How a worker is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum Policy {
+    /// The reference's cost function: prefill blocks after overlap credit plus decode blocks.
+    #[default]
+    KvAware,
+    /// Ranks in turn.
+    RoundRobin,
+    /// A uniformly random rank.
+    Random,
+    /// The rank with the fewest active blocks and tokens (random ties).
+    LeastLoaded,
+    /// The less loaded of two random ranks.
+    PowerOfTwo,
+    /// Consistent hashing of the first `prefix_blocks` blocks onto a ring of ranks, skipping a
+    /// rank whose load exceeds `load_factor` times the mean (bounded-load consistent hashing).
+    PrefixHash {
+        prefix_blocks: u32,
+        load_factor: f64,
+    },
+    /// The best-matching rank when its match ratio is at least `min_match_ratio` and the fleet
+    /// is balanced (max load - min load ≤ `balance_abs` blocks, or max ≤ `balance_rel` × min);
+    /// otherwise the least-loaded rank.
+    CacheThreshold {
+        min_match_ratio: f64,
+        balance_abs: u64,
+        balance_rel: f64,
+    },
+}
+
+/// Whether decisions record their overhead split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Timing {
+    /// No clock reads on the route path.
+    #[default]
+    Off,
+    /// Hash, match and select times go into histograms ([`crate::router::Router::timings`]).
+    On,
+}
+
+/// The router's configuration. Build it with struct update syntax over `Default`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterConfig {
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Cost credit per cached device block.
+    pub overlap_credit: f64,
+    /// Weight of prefill blocks in the cost.
+    pub prefill_load_scale: f64,
+    /// Credit of blocks in lower tiers.
+    pub tier_weights: TierWeights,
+    /// Softmax temperature; 0 picks the cheapest.
+    pub temperature: f64,
+    /// Busy thresholds.
+    pub busy: BusyThresholds,
+    /// Age after which a request that never ended is freed by `expire`.
+    pub request_expiry: Duration,
+    /// Workers that must have joined before the router is ready.
+    pub min_workers: usize,
+    /// Selection policy.
+    pub policy: Policy,
+    /// Seed of the router's random draws.
+    pub seed: u64,
+    /// Overhead timing.
+    pub timing: Timing,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            block_size: 16,
+            overlap_credit: 1.0,
+            prefill_load_scale: 1.0,
+            tier_weights: TierWeights::default(),
+            temperature: 0.0,
+            busy: BusyThresholds::default(),
+            request_expiry: Duration::from_secs(600),
+            min_workers: 0,
+            policy: Policy::KvAware,
+            seed: 0x6b76_726f_7574_6521,
+            timing: Timing::Off,
+        }
+    }
+}
+
+fn non_negative(field: &'static str, x: f64) -> Result<(), ConfigError> {
+    if x.is_finite() && x >= 0.0 {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid {
+            field,
+            reason: "must be a finite number ≥ 0",
+        })
+    }
+}
+
+fn fraction(field: &'static str, x: Option<f64>) -> Result<(), ConfigError> {
+    match x {
+        Some(x) if !(x.is_finite() && x > 0.0) => Err(ConfigError::Invalid {
+            field,
+            reason: "must be a finite number > 0",
+        }),
+        _ => Ok(()),
+    }
+}
+
+impl RouterConfig {
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0 {
+            return Err(ConfigError::Invalid {
+                field: "block_size",
+                reason: "must be > 0",
+            });
+        }
+        non_negative("overlap_credit", self.overlap_credit)?;
+        non_negative("prefill_load_scale", self.prefill_load_scale)?;
+        non_negative("tier_weights.host_pinned", self.tier_weights.host_pinned)?;
+        non_negative("tier_weights.disk", self.tier_weights.disk)?;
+        non_negative("tier_weights.external", self.tier_weights.external)?;
+        non_negative("temperature", self.temperature)?;
+        fraction(
+            "busy.decode_blocks_fraction",
+            self.busy.decode_blocks_fraction,
+        )?;
+        fraction(
+            "busy.prefill_tokens_fraction",
+            self.busy.prefill_tokens_fraction,
+        )?;
+        if self.request_expiry.is_zero() {
+            return Err(ConfigError::Invalid {
+                field: "request_expiry",
+                reason: "must be > 0",
+            });
+        }
+        match self.policy {
+            Policy::PrefixHash {
+                prefix_blocks,
+                load_factor,
+            } => {
+                if prefix_blocks == 0 {
+                    return Err(ConfigError::Invalid {
+                        field: "policy.prefix_blocks",
+                        reason: "must be > 0",
+                    });
+                }
+                if !(load_factor.is_finite() && load_factor >= 1.0) {
+                    return Err(ConfigError::Invalid {
+                        field: "policy.load_factor",
+                        reason: "must be a finite number ≥ 1",
+                    });
+                }
+            }
+            Policy::CacheThreshold {
+                min_match_ratio,
+                balance_rel,
+                ..
+            } => {
+                if !(0.0..=1.0).contains(&min_match_ratio) {
+                    return Err(ConfigError::Invalid {
+                        field: "policy.min_match_ratio",
+                        reason: "must be in [0, 1]",
+                    });
+                }
+                if !(balance_rel.is_finite() && balance_rel >= 1.0) {
+                    return Err(ConfigError::Invalid {
+                        field: "policy.balance_rel",
+                        reason: "must be a finite number ≥ 1",
+                    });
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The overlap credit of one block in each tier, in [`crate::StorageTier::ALL`] order.
+    pub fn tier_credits(&self) -> [f64; crate::StorageTier::COUNT] {
+        [
+            self.overlap_credit,
+            self.tier_weights.host_pinned,
+            self.tier_weights.disk,
+            self.tier_weights.external,
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_references_and_valid() {
+        let c = RouterConfig::default();
+        assert_eq!(c.overlap_credit, 1.0);
+        assert_eq!(c.prefill_load_scale, 1.0);
+        assert_eq!(c.tier_credits(), [1.0, 0.75, 0.25, 0.25]);
+        assert_eq!(c.temperature, 0.0);
+        assert_eq!(c.min_workers, 0);
+        assert_eq!(c.policy, Policy::KvAware);
+        c.validate().unwrap();
+    }
+
+    fn field_of(c: RouterConfig) -> &'static str {
+        match c.validate() {
+            Err(ConfigError::Invalid { field, .. }) => field,
+            Ok(()) => "ok",
+        }
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let d = RouterConfig::default;
+        assert_eq!(
+            field_of(RouterConfig {
+                block_size: 0,
+                ..d()
+            }),
+            "block_size"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                overlap_credit: -1.0,
+                ..d()
+            }),
+            "overlap_credit"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                prefill_load_scale: f64::NAN,
+                ..d()
+            }),
+            "prefill_load_scale"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                tier_weights: TierWeights {
+                    disk: f64::INFINITY,
+                    ..TierWeights::default()
+                },
+                ..d()
+            }),
+            "tier_weights.disk"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                temperature: -0.1,
+                ..d()
+            }),
+            "temperature"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                busy: BusyThresholds {
+                    decode_blocks_fraction: Some(0.0),
+                    prefill_tokens_fraction: None,
+                },
+                ..d()
+            }),
+            "busy.decode_blocks_fraction"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                request_expiry: Duration::ZERO,
+                ..d()
+            }),
+            "request_expiry"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                policy: Policy::PrefixHash {
+                    prefix_blocks: 4,
+                    load_factor: 0.5
+                },
+                ..d()
+            }),
+            "policy.load_factor"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                policy: Policy::CacheThreshold {
+                    min_match_ratio: 1.5,
+                    balance_abs: 10,
+                    balance_rel: 1.5
+                },
+                ..d()
+            }),
+            "policy.min_match_ratio"
+        );
+        let msg = RouterConfig {
+            temperature: -1.0,
+            ..d()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(msg.contains("`temperature`"), "{msg}");
+    }
+}

@@ -1,0 +1,408 @@
+//! The worker registry: which workers exist, how they are configured, and each rank's load
+//! state, published as one immutable snapshot.
+//!
+//! ```text
+//!   join / leave (rare, serialised) ──build──▶ Fleet { workers (by id), ranks (by rank) }
+//!                                                  │ ArcSwap::store
+//!   route (any thread) ◀──── ArcSwap::load ────────┘  one snapshot = one consistent view
+//! ```
+//!
+//! A [`Fleet`] lists workers sorted by id and ranks sorted by (worker, dp rank); each rank
+//! carries its [`RankState`] (`Arc`), so selection walks one flat array and reads load counters
+//! with no lookup. Ranks keep their `RankState` across snapshots; a leaving worker's states are
+//! retired before the snapshot without them is published, so in-flight bookings against the old
+//! snapshot notice (see [`crate::load`]).
+
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+
+use crate::event::{DpRank, WorkerId, WorkerRank};
+use crate::load::RankState;
+
+/// What a worker does in (possibly disaggregated) serving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum WorkerRole {
+    /// Computes prompts only, then hands the KV cache to a decode worker.
+    Prefill,
+    /// Generates only, from KV cache handed over by a prefill worker.
+    Decode,
+    /// Does both.
+    #[default]
+    Aggregated,
+}
+
+/// A worker's configuration, as it announces itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerConfig {
+    pub id: WorkerId,
+    /// First data-parallel rank.
+    pub dp_start: u32,
+    /// Number of data-parallel ranks (≥ 1).
+    pub dp_size: u32,
+    /// KV cache capacity of each rank, in blocks (≥ 1).
+    pub kv_blocks: u64,
+    /// Tokens per KV block; must equal the router's.
+    pub block_size: u32,
+    pub role: WorkerRole,
+    /// Most tokens the engine batches in one step (≥ 1).
+    pub max_batched_tokens: u64,
+    /// Free-form labels (zone, GPU type, ...), for routing constraints.
+    pub labels: Vec<(String, String)>,
+}
+
+impl WorkerConfig {
+    /// A single-rank aggregated worker with the given capacity: the common case in tests.
+    pub fn simple(id: u64, kv_blocks: u64, block_size: u32) -> Self {
+        WorkerConfig {
+            id: WorkerId(id),
+            dp_start: 0,
+            dp_size: 1,
+            kv_blocks,
+            block_size,
+            role: WorkerRole::Aggregated,
+            max_batched_tokens: 8192,
+            labels: Vec::new(),
+        }
+    }
+}
+
+/// Why a join or leave was rejected.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum RegistryError {
+    #[error("worker {worker:?} has already joined")]
+    WorkerExists { worker: WorkerId },
+    #[error("unknown worker {worker:?}")]
+    UnknownWorker { worker: WorkerId },
+    #[error("worker {worker:?} config field `{field}` is invalid: {reason}")]
+    InvalidWorker {
+        worker: WorkerId,
+        field: &'static str,
+        reason: &'static str,
+    },
+}
+
+/// One worker in a snapshot.
+#[derive(Debug)]
+pub struct WorkerEntry {
+    pub config: WorkerConfig,
+    /// Its ranks: a range of [`Fleet::ranks`].
+    pub ranks: std::ops::Range<usize>,
+}
+
+/// One rank in a snapshot.
+#[derive(Debug, Clone)]
+pub struct RankEntry {
+    pub rank: WorkerRank,
+    /// Index of its worker in [`Fleet::workers`].
+    pub worker: usize,
+    pub state: Arc<RankState>,
+}
+
+/// An immutable view of the fleet.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    /// Sorted by id.
+    pub workers: Vec<WorkerEntry>,
+    /// Sorted by (worker, dp rank).
+    pub ranks: Vec<RankEntry>,
+    /// Bumped by every join and leave.
+    pub generation: u64,
+}
+
+impl Fleet {
+    /// A worker by id.
+    pub fn worker(&self, id: WorkerId) -> Option<&WorkerEntry> {
+        self.workers
+            .binary_search_by_key(&id, |w| w.config.id)
+            .ok()
+            .map(|i| &self.workers[i])
+    }
+
+    /// Index of a rank in [`Fleet::ranks`].
+    #[inline]
+    pub fn rank_index(&self, rank: WorkerRank) -> Option<usize> {
+        self.ranks.binary_search_by_key(&rank, |r| r.rank).ok()
+    }
+
+    /// Number of workers.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// True when no worker has joined.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+}
+
+/// Whether the router may route yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readiness {
+    Ready,
+    /// Fewer than the minimum of workers have joined.
+    Waiting {
+        joined: usize,
+        needed: usize,
+    },
+}
+
+/// The registry: one writer at a time (join / leave), lock-free readers.
+#[derive(Debug)]
+pub struct Registry {
+    current: ArcSwap<Fleet>,
+    /// Serialises writers (reads never take it).
+    writer: Mutex<()>,
+    block_size: u32,
+    min_workers: usize,
+}
+
+impl Registry {
+    /// An empty registry for workers of `block_size`, ready once `min_workers` joined.
+    pub fn new(block_size: u32, min_workers: usize) -> Self {
+        Registry {
+            current: ArcSwap::from_pointee(Fleet::default()),
+            writer: Mutex::new(()),
+            block_size,
+            min_workers,
+        }
+    }
+
+    /// The current snapshot, cheaply (no reference count traffic in the common case).
+    #[inline]
+    pub fn load(&self) -> arc_swap::Guard<Arc<Fleet>> {
+        self.current.load()
+    }
+
+    /// The current snapshot as an owned `Arc`.
+    pub fn load_full(&self) -> Arc<Fleet> {
+        self.current.load_full()
+    }
+
+    /// Ready once enough workers joined.
+    pub fn readiness(&self) -> Readiness {
+        let joined = self.current.load().workers.len();
+        if joined >= self.min_workers {
+            Readiness::Ready
+        } else {
+            Readiness::Waiting {
+                joined,
+                needed: self.min_workers,
+            }
+        }
+    }
+
+    fn check(&self, c: &WorkerConfig) -> Result<(), RegistryError> {
+        let bad = |field, reason| {
+            Err(RegistryError::InvalidWorker {
+                worker: c.id,
+                field,
+                reason,
+            })
+        };
+        if c.dp_size == 0 {
+            return bad("dp_size", "must be ≥ 1");
+        }
+        if c.dp_start.checked_add(c.dp_size).is_none() {
+            return bad("dp_size", "dp_start + dp_size overflows");
+        }
+        if c.kv_blocks == 0 {
+            return bad("kv_blocks", "must be ≥ 1");
+        }
+        if c.block_size != self.block_size {
+            return bad("block_size", "must equal the router's block size");
+        }
+        if c.max_batched_tokens == 0 {
+            return bad("max_batched_tokens", "must be ≥ 1");
+        }
+        Ok(())
+    }
+
+    /// Adds a worker with fresh, idle ranks; returns the new snapshot.
+    pub fn join(&self, config: WorkerConfig) -> Result<Arc<Fleet>, RegistryError> {
+        self.check(&config)?;
+        let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let old = self.current.load_full();
+        if old.worker(config.id).is_some() {
+            return Err(RegistryError::WorkerExists { worker: config.id });
+        }
+        let mut configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)> = old
+            .workers
+            .iter()
+            .map(|w| {
+                let states = old.ranks[w.ranks.clone()]
+                    .iter()
+                    .map(|r| Arc::clone(&r.state))
+                    .collect();
+                (w.config.clone(), states)
+            })
+            .collect();
+        let states = (config.dp_start..config.dp_start + config.dp_size)
+            .map(|dp| {
+                Arc::new(RankState::new(WorkerRank {
+                    worker: config.id,
+                    dp_rank: DpRank(dp),
+                }))
+            })
+            .collect();
+        configs.push((config, states));
+        configs.sort_by_key(|(c, _)| c.id);
+        let fleet = Arc::new(build(configs, old.generation + 1));
+        self.current.store(Arc::clone(&fleet));
+        Ok(fleet)
+    }
+
+    /// Removes a worker: its rank states are retired, then the snapshot without it published.
+    /// Returns the retired states (the caller purges their bookings).
+    pub fn leave(&self, id: WorkerId) -> Result<Vec<Arc<RankState>>, RegistryError> {
+        let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let old = self.current.load_full();
+        let Some(gone) = old.worker(id) else {
+            return Err(RegistryError::UnknownWorker { worker: id });
+        };
+        let retired: Vec<Arc<RankState>> = old.ranks[gone.ranks.clone()]
+            .iter()
+            .map(|r| Arc::clone(&r.state))
+            .collect();
+        for s in &retired {
+            s.retire();
+        }
+        let configs = old
+            .workers
+            .iter()
+            .filter(|w| w.config.id != id)
+            .map(|w| {
+                let states = old.ranks[w.ranks.clone()]
+                    .iter()
+                    .map(|r| Arc::clone(&r.state))
+                    .collect();
+                (w.config.clone(), states)
+            })
+            .collect();
+        self.current
+            .store(Arc::new(build(configs, old.generation + 1)));
+        Ok(retired)
+    }
+}
+
+fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> Fleet {
+    let mut workers = Vec::with_capacity(configs.len());
+    let mut ranks = Vec::new();
+    for (i, (config, states)) in configs.into_iter().enumerate() {
+        let start = ranks.len();
+        for state in states {
+            ranks.push(RankEntry {
+                rank: state.rank(),
+                worker: i,
+                state,
+            });
+        }
+        workers.push(WorkerEntry {
+            config,
+            ranks: start..ranks.len(),
+        });
+    }
+    Fleet {
+        workers,
+        ranks,
+        generation,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn join_publishes_sorted_ranks_and_readiness_follows_min_workers() {
+        let reg = Registry::new(16, 2);
+        assert_eq!(
+            reg.readiness(),
+            Readiness::Waiting {
+                joined: 0,
+                needed: 2
+            }
+        );
+        reg.join(WorkerConfig {
+            dp_start: 2,
+            dp_size: 2,
+            ..WorkerConfig::simple(9, 100, 16)
+        })
+        .unwrap();
+        assert!(matches!(
+            reg.readiness(),
+            Readiness::Waiting { joined: 1, .. }
+        ));
+        reg.join(WorkerConfig::simple(3, 100, 16)).unwrap();
+        assert_eq!(reg.readiness(), Readiness::Ready);
+        let f = reg.load();
+        let ranks: Vec<WorkerRank> = f.ranks.iter().map(|r| r.rank).collect();
+        assert_eq!(
+            ranks,
+            vec![
+                WorkerRank::new(3, 0),
+                WorkerRank::new(9, 2),
+                WorkerRank::new(9, 3)
+            ]
+        );
+        assert_eq!(f.rank_index(WorkerRank::new(9, 3)), Some(2));
+        assert_eq!(f.worker(WorkerId(9)).unwrap().ranks, 1..3);
+        assert_eq!(f.generation, 2);
+    }
+
+    #[test]
+    fn states_survive_other_workers_churn_and_leave_retires() {
+        let reg = Registry::new(16, 0);
+        reg.join(WorkerConfig::simple(1, 100, 16)).unwrap();
+        let s1 = Arc::clone(&reg.load().ranks[0].state);
+        reg.join(WorkerConfig::simple(2, 100, 16)).unwrap();
+        assert!(Arc::ptr_eq(&s1, &reg.load().ranks[0].state));
+        let retired = reg.leave(WorkerId(1)).unwrap();
+        assert!(Arc::ptr_eq(&s1, &retired[0]));
+        assert!(s1.is_retired());
+        assert_eq!(reg.load().ranks.len(), 1);
+        assert_eq!(reg.load().ranks[0].worker, 0);
+    }
+
+    #[test]
+    fn bad_joins_and_leaves_are_typed_errors() {
+        let reg = Registry::new(16, 0);
+        reg.join(WorkerConfig::simple(1, 100, 16)).unwrap();
+        assert_eq!(
+            reg.join(WorkerConfig::simple(1, 100, 16)).unwrap_err(),
+            RegistryError::WorkerExists {
+                worker: WorkerId(1)
+            }
+        );
+        assert!(matches!(
+            reg.join(WorkerConfig::simple(2, 100, 32)),
+            Err(RegistryError::InvalidWorker {
+                field: "block_size",
+                ..
+            })
+        ));
+        assert!(matches!(
+            reg.join(WorkerConfig {
+                dp_size: 0,
+                ..WorkerConfig::simple(2, 100, 16)
+            }),
+            Err(RegistryError::InvalidWorker {
+                field: "dp_size",
+                ..
+            })
+        ));
+        assert!(matches!(
+            reg.join(WorkerConfig::simple(2, 0, 16)),
+            Err(RegistryError::InvalidWorker {
+                field: "kv_blocks",
+                ..
+            })
+        ));
+        assert_eq!(
+            reg.leave(WorkerId(7)).unwrap_err(),
+            RegistryError::UnknownWorker {
+                worker: WorkerId(7)
+            }
+        );
+    }
+}

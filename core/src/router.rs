@@ -1,0 +1,1120 @@
+//! The router facade: `route(request) -> Decision`, and the calls that keep load true for the
+//! rest of the request's life.
+//!
+//! ```text
+//!   route(&RouteRequest)
+//!     1. hash      tokens ──BlockHasher(seed: LoRA, salt)──▶ LocalHash[]        (thread scratch)
+//!     2. match     IndexReader::find_matches_into ──▶ overlap per rank, per tier (lock-free)
+//!     3. select    Fleet snapshot × load counters ──▶ candidates ──Selector──▶ rank
+//!     4. book      Ledger: prefill tokens, distinct prompt blocks, one request
+//!   prefill_done / output_block / free   by request id, or through a RequestGuard whose
+//!                                        drop frees exactly once
+//! ```
+//!
+//! The router is driven entirely by calls and is `Sync`: route from any number of threads.
+//! Per-thread scratch buffers make a steady-state `route` allocation-free (the full evidence
+//! record, opt-in, allocates). It owns the prefix index's single writer behind a mutex
+//! ([`Router::apply_event`]) and hands out lock-free readers.
+
+use std::cell::RefCell;
+use std::ops::Deref;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+
+use crate::config::{ConfigError, RouterConfig, Timing};
+use crate::event::{DpRank, KvEvent, StorageTier, WorkerId, WorkerRank};
+use crate::hash::{BlockHasher, HashSeed, LocalHash};
+use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex};
+use crate::load::{
+    prefix_keys_into, BookingSpec, Freed, Ledger, LedgerCounts, LoadError, LoadView, RequestId,
+};
+use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole};
+use crate::rng::SharedRng;
+use crate::select::{
+    filter_busy, selector_for, Busy, BusyOutcome, Candidate, CostTerms, LeastLoaded, Overlap,
+    Overrides, PolicyKind, RequestShape, SelectInput, Selector, Weights,
+};
+
+/// The serving phase a request is routed for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Phase {
+    /// Prefill and decode on one worker (aggregated workers).
+    #[default]
+    Aggregated,
+    /// The prefill half of disaggregated serving (prefill workers).
+    Prefill,
+    /// The decode half (decode workers; overlap credit off, no prefill booked).
+    Decode,
+}
+
+/// Whether a decision books load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Mode {
+    /// Decide and book.
+    #[default]
+    Book,
+    /// Decide only; change no state.
+    QueryOnly,
+}
+
+/// Whether the decision carries every candidate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum EvidenceLevel {
+    #[default]
+    Off,
+    /// Every candidate with its load, overlap and cost (allocates).
+    Full,
+}
+
+/// Workers pinned by the caller, per phase. Precedence (the reference's): in prefill, the
+/// prefill worker before the backend instance; in decode, the decode worker before the backend
+/// instance; aggregated uses the backend instance. The dp rank is the phase's own, else the
+/// general one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Pinned {
+    pub backend_instance: Option<WorkerId>,
+    pub prefill_worker: Option<WorkerId>,
+    pub decode_worker: Option<WorkerId>,
+    pub dp_rank: Option<DpRank>,
+    pub prefill_dp_rank: Option<DpRank>,
+    pub decode_dp_rank: Option<DpRank>,
+}
+
+impl Pinned {
+    /// The worker and dp rank pinned for `phase`, if any.
+    pub fn for_phase(&self, phase: Phase) -> Option<(WorkerId, Option<DpRank>)> {
+        let (worker, dp) = match phase {
+            Phase::Prefill => (
+                self.prefill_worker.or(self.backend_instance),
+                self.prefill_dp_rank.or(self.dp_rank),
+            ),
+            Phase::Decode => (
+                self.decode_worker.or(self.backend_instance),
+                self.decode_dp_rank.or(self.dp_rank),
+            ),
+            Phase::Aggregated => (self.backend_instance, self.dp_rank),
+        };
+        worker.map(|w| (w, dp))
+    }
+}
+
+/// What the caller knows about a request besides its tokens.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RouteHints<'a> {
+    pub phase: Phase,
+    pub pinned: Pinned,
+    pub mode: Mode,
+    /// LoRA adapter: changes the block hash seed.
+    pub lora_name: Option<&'a str>,
+    /// Cache isolation salt: changes the block hash seed.
+    pub cache_salt: Option<&'a str>,
+    /// Seconds to move ahead in a queue; carried for the admission queue (not yet built), no
+    /// effect on the choice.
+    pub priority_jump: f64,
+    /// Expected generated tokens, when known; recorded in the decision.
+    pub expected_output_tokens: Option<u32>,
+    /// Only these workers may serve (`None`: any).
+    pub allowed: Option<&'a [WorkerId]>,
+    pub overrides: Overrides,
+    pub evidence: EvidenceLevel,
+}
+
+/// One request to route.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    pub id: RequestId,
+    pub tokens: &'a [u32],
+    pub hints: RouteHints<'a>,
+}
+
+/// Why a request could not be routed.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum RouteError {
+    #[error("request {request:?} has no tokens")]
+    NoTokens { request: RequestId },
+    #[error("router not ready: {joined} of {needed} workers joined")]
+    NotReady { joined: usize, needed: usize },
+    #[error(
+        "no worker may serve request {request:?} (none joined for its phase, or none allowed)"
+    )]
+    NoWorkers { request: RequestId },
+    #[error("request {request:?} is pinned to unknown worker {worker:?}")]
+    UnknownWorker {
+        request: RequestId,
+        worker: WorkerId,
+    },
+    #[error("request {request:?} is pinned to worker {worker:?}, which its allowed set excludes")]
+    PinnedNotAllowed {
+        request: RequestId,
+        worker: WorkerId,
+    },
+    #[error(transparent)]
+    Load(#[from] LoadError),
+}
+
+/// Why a router could not be built or a worker could not join or leave.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum RouterError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error(transparent)]
+    Index(#[from] IndexError),
+}
+
+/// Which rule chose the worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecidedBy {
+    /// The KV-aware cost function.
+    Cost,
+    /// Another configured policy.
+    Policy(PolicyKind),
+    /// The caller pinned the worker.
+    Pinned,
+    /// Every eligible rank was busy: the least loaded was taken.
+    FallbackAllBusy,
+}
+
+/// Whether the decision booked load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bookkeeping {
+    Booked,
+    /// Query-only: nothing changed.
+    QueryOnly,
+    /// Pinned to a multi-rank worker without a usable dp rank: dispatch without bookkeeping.
+    /// The reported rank is the worker's first.
+    UntrackedDpRankUnresolved,
+}
+
+/// A routing decision and why it was made.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub request: RequestId,
+    pub worker: WorkerRank,
+    /// Predicted cached prefix on the chosen rank.
+    pub overlap: Overlap,
+    /// The chosen rank's cost terms.
+    pub cost: CostTerms,
+    /// Its load just before booking.
+    pub load: LoadView,
+    pub decided_by: DecidedBy,
+    pub bookkeeping: Bookkeeping,
+    pub expected_output_tokens: Option<u32>,
+    /// Every candidate considered (busy ones included), when asked for.
+    pub evidence: Option<Vec<Candidate>>,
+}
+
+/// Overhead split of routing, in nanoseconds (recorded when [`Timing::On`]).
+#[derive(Debug, Clone)]
+pub struct Timings {
+    pub hash: Histogram<u64>,
+    pub matching: Histogram<u64>,
+    pub select: Histogram<u64>,
+}
+
+impl Timings {
+    fn new() -> Self {
+        let h = || Histogram::new(3).unwrap_or_else(|_| unreachable_histogram());
+        Timings {
+            hash: h(),
+            matching: h(),
+            select: h(),
+        }
+    }
+}
+
+fn unreachable_histogram() -> Histogram<u64> {
+    // `Histogram::new(3)` only fails for more than 5 significant digits.
+    Histogram::new_with_bounds(1, 2, 0).expect("a minimal histogram is always valid")
+}
+
+/// Routing counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RouterCounts {
+    pub routed: u64,
+    pub query_only: u64,
+    pub untracked: u64,
+    pub all_busy: u64,
+    pub no_tokens: u64,
+    pub not_ready: u64,
+    pub no_workers: u64,
+    pub unknown_worker: u64,
+    pub pinned_not_allowed: u64,
+    /// Requests freed after reaching a worker (guard marked dispatched).
+    pub completed: u64,
+    pub ledger: LedgerCounts,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    routed: AtomicU64,
+    query_only: AtomicU64,
+    untracked: AtomicU64,
+    all_busy: AtomicU64,
+    no_tokens: AtomicU64,
+    not_ready: AtomicU64,
+    no_workers: AtomicU64,
+    unknown_worker: AtomicU64,
+    pinned_not_allowed: AtomicU64,
+    completed: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+#[derive(Default)]
+struct Scratch {
+    locals: Vec<LocalHash>,
+    keys: Vec<u64>,
+    scores: OverlapScores,
+    per_rank: Vec<[u32; StorageTier::COUNT]>,
+    candidates: Vec<Candidate>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The router.
+pub struct Router {
+    config: RouterConfig,
+    registry: Registry,
+    ledger: Ledger,
+    index: Mutex<PrefixIndex>,
+    reader: IndexReader,
+    selector: Box<dyn Selector>,
+    rng: SharedRng,
+    counters: Counters,
+    timings: Option<Mutex<Timings>>,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router")
+            .field("config", &self.config)
+            .field("workers", &self.registry.load().len())
+            .field("active_requests", &self.ledger.active())
+            .finish()
+    }
+}
+
+impl Router {
+    /// A router over `index` (whose block size must be `config.block_size`).
+    pub fn new(config: RouterConfig, index: PrefixIndex) -> Result<Self, RouterError> {
+        config.validate()?;
+        let reader = index.reader();
+        Ok(Router {
+            registry: Registry::new(config.block_size, config.min_workers),
+            ledger: Ledger::new(),
+            index: Mutex::new(index),
+            reader,
+            selector: selector_for(config.policy),
+            rng: SharedRng::new(config.seed),
+            counters: Counters::default(),
+            timings: (config.timing == Timing::On).then(|| Mutex::new(Timings::new())),
+            config,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// A lock-free reader of the index.
+    pub fn index_reader(&self) -> IndexReader {
+        self.reader.clone()
+    }
+
+    /// Applies a KV event to the index (serialised with other writers).
+    pub fn apply_event(&self, event: &KvEvent) -> Result<(), IndexError> {
+        lock(&self.index).apply(event)
+    }
+
+    /// The fleet snapshot.
+    pub fn fleet(&self) -> std::sync::Arc<Fleet> {
+        self.registry.load_full()
+    }
+
+    /// Ready once the configured minimum of workers joined.
+    pub fn readiness(&self) -> Readiness {
+        self.registry.readiness()
+    }
+
+    /// A worker joins; its ranks are registered with the index.
+    pub fn join_worker(&self, config: WorkerConfig) -> Result<(), RouterError> {
+        let id = config.id;
+        let fleet = self.registry.join(config)?;
+        if let Some(w) = fleet.worker(id) {
+            let mut index = lock(&self.index);
+            for r in &fleet.ranks[w.ranks.clone()] {
+                index.register_rank(r.rank)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A worker leaves: its bookings are dropped (returns how many) and its blocks leave the
+    /// index.
+    pub fn leave_worker(&self, worker: WorkerId) -> Result<usize, RouterError> {
+        self.registry.leave(worker)?;
+        let purged = self.ledger.purge_worker(worker);
+        match lock(&self.index).remove_worker(worker) {
+            Ok(()) | Err(IndexError::UnknownWorker { .. }) => Ok(purged),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Frees requests booked more than `request_expiry` before `now`; returns how many.
+    pub fn expire(&self, now: Instant) -> usize {
+        self.ledger.expire(now, self.config.request_expiry)
+    }
+
+    /// A rank's load, if the rank exists.
+    pub fn load(&self, rank: WorkerRank) -> Option<LoadView> {
+        let fleet = self.registry.load();
+        fleet.rank_index(rank).map(|i| fleet.ranks[i].state.load())
+    }
+
+    /// The summed load of every rank.
+    pub fn total_load(&self) -> LoadView {
+        let fleet = self.registry.load();
+        fleet.ranks.iter().fold(LoadView::default(), |a, r| {
+            let l = r.state.load();
+            LoadView {
+                prefill_tokens: a.prefill_tokens + l.prefill_tokens,
+                prompt_blocks: a.prompt_blocks + l.prompt_blocks,
+                output_blocks: a.output_blocks + l.output_blocks,
+                requests: a.requests + l.requests,
+            }
+        })
+    }
+
+    /// Requests currently booked.
+    pub fn active_requests(&self) -> usize {
+        self.ledger.active()
+    }
+
+    /// Counters.
+    pub fn counts(&self) -> RouterCounts {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let c = &self.counters;
+        RouterCounts {
+            routed: r(&c.routed),
+            query_only: r(&c.query_only),
+            untracked: r(&c.untracked),
+            all_busy: r(&c.all_busy),
+            no_tokens: r(&c.no_tokens),
+            not_ready: r(&c.not_ready),
+            no_workers: r(&c.no_workers),
+            unknown_worker: r(&c.unknown_worker),
+            pinned_not_allowed: r(&c.pinned_not_allowed),
+            completed: r(&c.completed),
+            ledger: self.ledger.counts(),
+        }
+    }
+
+    /// A copy of the overhead histograms (`None` unless [`Timing::On`]).
+    pub fn timings(&self) -> Option<Timings> {
+        self.timings.as_ref().map(|t| lock(t).clone())
+    }
+
+    /// The request's first token arrived.
+    pub fn prefill_done(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
+        self.ledger.prefill_done(request)
+    }
+
+    /// The request's generation crossed into a new block.
+    pub fn output_block(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
+        self.ledger.output_block(request)
+    }
+
+    /// The request ended (completed, cancelled, failed): its load is released.
+    pub fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
+        self.ledger.free(request)
+    }
+
+    /// Decides which rank serves `req`, and books it unless query-only.
+    pub fn route(&self, req: &RouteRequest<'_>) -> Result<Decision, RouteError> {
+        SCRATCH.with(|s| match s.try_borrow_mut() {
+            Ok(mut s) => self.route_with(req, &mut s),
+            // Re-entered from inside a route on this thread (not possible through this API,
+            // but never panic): use a fresh scratch.
+            Err(_) => self.route_with(req, &mut Scratch::default()),
+        })
+    }
+
+    fn route_with(&self, req: &RouteRequest<'_>, s: &mut Scratch) -> Result<Decision, RouteError> {
+        let request = req.id;
+        let hints = &req.hints;
+        if req.tokens.is_empty() {
+            bump(&self.counters.no_tokens);
+            return Err(RouteError::NoTokens { request });
+        }
+        if let Readiness::Waiting { joined, needed } = self.registry.readiness() {
+            bump(&self.counters.not_ready);
+            return Err(RouteError::NotReady { joined, needed });
+        }
+        let timing = self.timings.is_some();
+        let t0 = timing.then(Instant::now);
+
+        // 1. Hash.
+        let bs = self.config.block_size;
+        let hasher = BlockHasher::new(bs as usize)
+            .with_seed(HashSeed::new(hints.lora_name, hints.cache_salt));
+        hasher.local_hashes_into(req.tokens, &mut s.locals);
+        prefix_keys_into(&s.locals, &mut s.keys);
+        let t1 = timing.then(Instant::now);
+
+        // 2. Match.
+        self.reader
+            .find_matches_into(&s.locals, MatchOptions::default(), &mut s.scores);
+        let t2 = timing.then(Instant::now);
+
+        // 3. Select.
+        let fleet = self.registry.load();
+        s.per_rank.clear();
+        s.per_rank
+            .resize(fleet.ranks.len(), [0; StorageTier::COUNT]);
+        for score in &s.scores.scores {
+            if let Some(i) = fleet.rank_index(score.rank) {
+                s.per_rank[i] = score.per_tier;
+            }
+        }
+        let overrides = hints.overrides.sanitized();
+        let mut weights = Weights::new(&self.config, &overrides);
+        if hints.phase == Phase::Decode {
+            weights.credits = [0.0; StorageTier::COUNT];
+        }
+        let tokens = req.tokens.len() as u64;
+        let shape = RequestShape {
+            tokens,
+            blocks: tokens.div_ceil(u64::from(bs)),
+            full_blocks: s.locals.len() as u32,
+            prefix_key: self.prefix_key(&s.keys),
+        };
+        let temperature = overrides.temperature.unwrap_or(self.config.temperature);
+        let candidate = |i: usize| -> Candidate {
+            let r = &fleet.ranks[i];
+            let load = r.state.load();
+            let per_tier = s.per_rank[i];
+            Candidate {
+                rank: r.rank,
+                fleet_index: i,
+                load,
+                overlap: Overlap::new(per_tier, &weights, &shape),
+                cost: CostTerms::new(&weights, &shape, &load, &per_tier),
+                busy: Busy::of(&load, &fleet.workers[r.worker].config, &self.config.busy),
+            }
+        };
+
+        let mut rng = self.rng.fork();
+        let mut bookkeeping = match hints.mode {
+            Mode::Book => Bookkeeping::Booked,
+            Mode::QueryOnly => Bookkeeping::QueryOnly,
+        };
+        let (chosen, decided_by, evidence) =
+            if let Some((wid, dp)) = hints.pinned.for_phase(hints.phase) {
+                let Some(w) = fleet.worker(wid) else {
+                    bump(&self.counters.unknown_worker);
+                    return Err(RouteError::UnknownWorker {
+                        request,
+                        worker: wid,
+                    });
+                };
+                if hints.allowed.is_some_and(|a| !a.contains(&wid)) {
+                    bump(&self.counters.pinned_not_allowed);
+                    return Err(RouteError::PinnedNotAllowed {
+                        request,
+                        worker: wid,
+                    });
+                }
+                let ranks = w.ranks.clone();
+                let resolved = match dp {
+                    Some(dp) => ranks.clone().find(|&i| fleet.ranks[i].rank.dp_rank == dp),
+                    None if ranks.len() == 1 => Some(ranks.start),
+                    None => None,
+                };
+                let i = resolved.unwrap_or_else(|| {
+                    if hints.mode == Mode::Book {
+                        bookkeeping = Bookkeeping::UntrackedDpRankUnresolved;
+                    }
+                    ranks.start
+                });
+                let c = candidate(i);
+                let ev = (hints.evidence == EvidenceLevel::Full).then(|| vec![c]);
+                (c, DecidedBy::Pinned, ev)
+            } else {
+                s.candidates.clear();
+                for (i, r) in fleet.ranks.iter().enumerate() {
+                    let w = &fleet.workers[r.worker];
+                    let role_ok = matches!(
+                        (hints.phase, w.config.role),
+                        (Phase::Aggregated, WorkerRole::Aggregated)
+                            | (Phase::Prefill, WorkerRole::Prefill)
+                            | (Phase::Decode, WorkerRole::Decode)
+                    );
+                    if !role_ok || hints.allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
+                        continue;
+                    }
+                    s.candidates.push(candidate(i));
+                }
+                if s.candidates.is_empty() {
+                    bump(&self.counters.no_workers);
+                    return Err(RouteError::NoWorkers { request });
+                }
+                let ev = (hints.evidence == EvidenceLevel::Full).then(|| s.candidates.clone());
+                let outcome = filter_busy(&mut s.candidates);
+                let input = SelectInput {
+                    candidates: &s.candidates,
+                    shape: &shape,
+                    block_size: bs,
+                    temperature,
+                };
+                let (pick, by) = match outcome {
+                    BusyOutcome::AllBusy => {
+                        bump(&self.counters.all_busy);
+                        (
+                            LeastLoaded.select(&input, &mut rng),
+                            DecidedBy::FallbackAllBusy,
+                        )
+                    }
+                    BusyOutcome::Filtered => {
+                        let by = match self.selector.kind() {
+                            PolicyKind::KvAware => DecidedBy::Cost,
+                            k => DecidedBy::Policy(k),
+                        };
+                        (self.selector.select(&input, &mut rng), by)
+                    }
+                };
+                (s.candidates[pick], by, ev)
+            };
+        let t3 = timing.then(Instant::now);
+
+        // 4. Book.
+        match bookkeeping {
+            Bookkeeping::Booked => {
+                let prefill_tokens = match hints.phase {
+                    Phase::Decode => 0,
+                    _ => tokens - chosen.overlap.cached_tokens,
+                };
+                self.ledger.book(BookingSpec {
+                    request,
+                    state: &fleet.ranks[chosen.fleet_index].state,
+                    prefill_tokens,
+                    prefix_keys: &s.keys,
+                    tail_blocks: u64::from(tokens % u64::from(bs) != 0),
+                    now: t3.unwrap_or_else(Instant::now),
+                })?;
+                bump(&self.counters.routed);
+            }
+            Bookkeeping::QueryOnly => bump(&self.counters.query_only),
+            Bookkeeping::UntrackedDpRankUnresolved => bump(&self.counters.untracked),
+        }
+
+        if let (Some(t), Some(t0), Some(t1), Some(t2), Some(t3)) = (&self.timings, t0, t1, t2, t3) {
+            let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+            let mut t = lock(t);
+            t.hash.saturating_record(ns(t0, t1));
+            t.matching.saturating_record(ns(t1, t2));
+            t.select.saturating_record(ns(t2, t3));
+        }
+
+        Ok(Decision {
+            request,
+            worker: chosen.rank,
+            overlap: chosen.overlap,
+            cost: chosen.cost,
+            load: chosen.load,
+            decided_by,
+            bookkeeping,
+            expected_output_tokens: hints.expected_output_tokens,
+            evidence,
+        })
+    }
+
+    fn prefix_key(&self, keys: &[u64]) -> Option<u64> {
+        match self.config.policy {
+            crate::config::Policy::PrefixHash { prefix_blocks, .. } => {
+                let n = (prefix_blocks as usize).min(keys.len());
+                n.checked_sub(1).map(|i| keys[i])
+            }
+            _ => keys.first().copied(),
+        }
+    }
+}
+
+/// Whether a guarded request reached a worker (only those count as completed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Dispatch {
+    #[default]
+    NotYet,
+    Reached,
+}
+
+/// Frees a booked request exactly once: on [`RequestGuard::finish`] or, whatever ends the
+/// request otherwise (cancel, error, a dropped stream), on drop. `R` is `&Router` or
+/// `Arc<Router>` (for guards that outlive a borrow, e.g. in async streams).
+#[derive(Debug)]
+pub struct RequestGuard<R: Deref<Target = Router>> {
+    router: R,
+    request: RequestId,
+    armed: bool,
+    dispatch: Dispatch,
+}
+
+impl<R: Deref<Target = Router>> RequestGuard<R> {
+    /// Guards the booked request `request`.
+    pub fn new(router: R, request: RequestId) -> Self {
+        RequestGuard {
+            router,
+            request,
+            armed: true,
+            dispatch: Dispatch::NotYet,
+        }
+    }
+
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+
+    /// The request reached its worker.
+    pub fn mark_dispatched(&mut self) {
+        self.dispatch = Dispatch::Reached;
+    }
+
+    pub fn prefill_done(&self) -> Result<WorkerRank, LoadError> {
+        self.router.prefill_done(self.request)
+    }
+
+    pub fn output_block(&self) -> Result<WorkerRank, LoadError> {
+        self.router.output_block(self.request)
+    }
+
+    /// Frees now and reports what was freed.
+    pub fn finish(mut self) -> Result<Freed, LoadError> {
+        self.release()
+    }
+
+    fn release(&mut self) -> Result<Freed, LoadError> {
+        if !self.armed {
+            return Err(LoadError::UnknownRequest {
+                request: self.request,
+            });
+        }
+        self.armed = false;
+        let r = self.router.free(self.request);
+        if r.is_ok() && self.dispatch == Dispatch::Reached {
+            bump(&self.router.counters.completed);
+        }
+        r
+    }
+}
+
+impl<R: Deref<Target = Router>> Drop for RequestGuard<R> {
+    fn drop(&mut self) {
+        if self.armed {
+            // An error here means the request was already freed elsewhere (by id, expiry or
+            // its worker leaving); the ledger counted it.
+            let _ = self.release();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+
+    const BS: u32 = 16;
+
+    fn router(config: RouterConfig) -> Router {
+        Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap()
+    }
+
+    fn tokens(n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| i * 7 + 1).collect()
+    }
+
+    fn store(r: &Router, rank: WorkerRank, tier: StorageTier, locals: &[LocalHash], id: u64) {
+        let blocks: Vec<StoredBlock> = locals
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(1000 * (tier as u64 + 1) + i as u64),
+                local_hash: *h,
+            })
+            .collect();
+        let header = EventHeader {
+            source: rank,
+            event_id: EventId(id),
+            tier,
+        };
+        lock(&r.index).apply_stored(header, None, &blocks).unwrap();
+    }
+
+    fn req(id: u64, tokens: &[u32]) -> RouteRequest<'_> {
+        RouteRequest {
+            id: RequestId(id),
+            tokens,
+            hints: RouteHints::default(),
+        }
+    }
+
+    /// The reference's tier-weighted estimate, through the index and the router.
+    #[test]
+    fn tier_weighted_overlap_through_the_router() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t = tokens(160);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        let w1 = WorkerRank::new(1, 0);
+        let w2 = WorkerRank::new(2, 0);
+        // Worker 1: blocks 0-1 on device, 0-2 in host memory, 0-4 on disk; worker 2: block 0
+        // in host memory. Fastest tier per block: w1 = 2 device, 1 host, 2 disk; w2 = 1 host.
+        store(&r, w1, StorageTier::Device, &locals[..2], 0);
+        store(&r, w1, StorageTier::HostPinned, &locals[..3], 1);
+        store(&r, w1, StorageTier::Disk, &locals[..5], 2);
+        store(&r, w2, StorageTier::HostPinned, &locals[..1], 0);
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        let d = r.route(&q).unwrap();
+        let ev = d.evidence.unwrap();
+        let of = |rank| ev.iter().find(|c| c.rank == rank).unwrap().overlap;
+        assert_eq!(of(w1).per_tier, [2, 1, 2, 0]);
+        assert_eq!(of(w1).effective_blocks, 3.25);
+        assert_eq!(of(w1).cached_tokens, 52);
+        assert_eq!(of(w2).effective_blocks, 0.75);
+        assert_eq!(of(w2).cached_tokens, 12);
+        assert_eq!(d.worker, w1, "the better cached worker wins at equal load");
+        assert_eq!(d.decided_by, DecidedBy::Cost);
+    }
+
+    #[test]
+    fn query_only_changes_no_state() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let t = tokens(100);
+        r.route(&req(1, &t)).unwrap();
+        let before = (r.total_load(), r.active_requests(), r.counts().ledger);
+        let mut q = req(2, &t);
+        q.hints.mode = Mode::QueryOnly;
+        let d = r.route(&q).unwrap();
+        assert_eq!(d.bookkeeping, Bookkeeping::QueryOnly);
+        assert_eq!(
+            (r.total_load(), r.active_requests(), r.counts().ledger),
+            before
+        );
+        assert_eq!(
+            r.free(RequestId(2)),
+            Err(LoadError::UnknownRequest {
+                request: RequestId(2)
+            })
+        );
+    }
+
+    #[test]
+    fn pinned_precedence_per_phase() {
+        let p = Pinned {
+            backend_instance: Some(WorkerId(1)),
+            prefill_worker: Some(WorkerId(2)),
+            decode_worker: Some(WorkerId(3)),
+            dp_rank: Some(DpRank(0)),
+            prefill_dp_rank: Some(DpRank(5)),
+            decode_dp_rank: None,
+        };
+        assert_eq!(
+            p.for_phase(Phase::Prefill),
+            Some((WorkerId(2), Some(DpRank(5))))
+        );
+        assert_eq!(
+            p.for_phase(Phase::Decode),
+            Some((WorkerId(3), Some(DpRank(0))))
+        );
+        assert_eq!(
+            p.for_phase(Phase::Aggregated),
+            Some((WorkerId(1), Some(DpRank(0))))
+        );
+        let only_backend = Pinned {
+            backend_instance: Some(WorkerId(1)),
+            ..Pinned::default()
+        };
+        assert_eq!(
+            only_backend.for_phase(Phase::Prefill),
+            Some((WorkerId(1), None))
+        );
+        assert_eq!(
+            only_backend.for_phase(Phase::Decode),
+            Some((WorkerId(1), None))
+        );
+        assert_eq!(Pinned::default().for_phase(Phase::Aggregated), None);
+    }
+
+    #[test]
+    fn pinned_routes_book_the_pinned_rank_or_report_untracked() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig {
+            dp_size: 2,
+            ..WorkerConfig::simple(2, 1000, BS)
+        })
+        .unwrap();
+        let t = tokens(64);
+        let mut q = req(1, &t);
+        q.hints.pinned.backend_instance = Some(WorkerId(2));
+        q.hints.pinned.dp_rank = Some(DpRank(1));
+        let d = r.route(&q).unwrap();
+        assert_eq!(
+            (d.worker, d.decided_by),
+            (WorkerRank::new(2, 1), DecidedBy::Pinned)
+        );
+        assert_eq!(r.load(WorkerRank::new(2, 1)).unwrap().requests, 1);
+        // No dp rank on a two-rank worker: dispatched without bookkeeping.
+        let mut q = req(2, &t);
+        q.hints.pinned.backend_instance = Some(WorkerId(2));
+        let d = r.route(&q).unwrap();
+        assert_eq!(d.bookkeeping, Bookkeeping::UntrackedDpRankUnresolved);
+        assert_eq!(r.active_requests(), 1);
+        assert_eq!(r.counts().untracked, 1);
+        // A single-rank worker resolves without a dp rank.
+        let mut q = req(3, &t);
+        q.hints.pinned.backend_instance = Some(WorkerId(1));
+        assert_eq!(r.route(&q).unwrap().bookkeeping, Bookkeeping::Booked);
+        // Unknown and disallowed pins are errors.
+        let mut q = req(4, &t);
+        q.hints.pinned.backend_instance = Some(WorkerId(9));
+        assert_eq!(
+            r.route(&q),
+            Err(RouteError::UnknownWorker {
+                request: RequestId(4),
+                worker: WorkerId(9)
+            })
+        );
+        q.hints.pinned.backend_instance = Some(WorkerId(1));
+        q.hints.allowed = Some(&[WorkerId(2)]);
+        assert!(matches!(
+            r.route(&q),
+            Err(RouteError::PinnedNotAllowed { .. })
+        ));
+    }
+
+    #[test]
+    fn bad_requests_are_typed_errors_and_counted() {
+        let r = router(RouterConfig {
+            min_workers: 1,
+            ..RouterConfig::default()
+        });
+        let t = tokens(32);
+        assert_eq!(
+            r.route(&req(1, &t)),
+            Err(RouteError::NotReady {
+                joined: 0,
+                needed: 1
+            })
+        );
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        assert_eq!(
+            r.route(&req(1, &[])),
+            Err(RouteError::NoTokens {
+                request: RequestId(1)
+            })
+        );
+        let mut q = req(1, &t);
+        q.hints.allowed = Some(&[WorkerId(5)]);
+        assert_eq!(
+            r.route(&q),
+            Err(RouteError::NoWorkers {
+                request: RequestId(1)
+            })
+        );
+        q.hints.allowed = None;
+        q.hints.phase = Phase::Prefill;
+        assert_eq!(
+            r.route(&q),
+            Err(RouteError::NoWorkers {
+                request: RequestId(1)
+            })
+        );
+        r.route(&req(1, &t)).unwrap();
+        let load = r.total_load();
+        assert_eq!(
+            r.route(&req(1, &t)),
+            Err(RouteError::Load(LoadError::DuplicateRequest {
+                request: RequestId(1)
+            }))
+        );
+        assert_eq!(r.total_load(), load, "a rejected duplicate books nothing");
+        let c = r.counts();
+        assert_eq!((c.not_ready, c.no_tokens, c.no_workers), (1, 1, 2));
+        assert_eq!(c.ledger.duplicate_requests, 1);
+    }
+
+    #[test]
+    fn lifecycle_by_id_returns_load_to_zero() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let t = tokens(40); // 2 full blocks + a tail
+        let d = r.route(&req(1, &t)).unwrap();
+        let l = r.load(d.worker).unwrap();
+        assert_eq!((l.prefill_tokens, l.prompt_blocks, l.requests), (40, 3, 1));
+        r.prefill_done(RequestId(1)).unwrap();
+        r.output_block(RequestId(1)).unwrap();
+        assert_eq!(r.load(d.worker).unwrap().decode_blocks(), 4);
+        r.free(RequestId(1)).unwrap();
+        assert!(r.total_load().is_idle());
+    }
+
+    #[test]
+    fn guard_frees_exactly_once_and_counts_only_dispatched() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let t = tokens(64);
+        r.route(&req(1, &t)).unwrap();
+        {
+            let g = RequestGuard::new(&r, RequestId(1));
+            g.prefill_done().unwrap();
+            // Dropped before dispatch: freed, not counted as completed.
+        }
+        assert!(r.total_load().is_idle());
+        assert_eq!(r.counts().completed, 0);
+        r.route(&req(2, &t)).unwrap();
+        let mut g = RequestGuard::new(&r, RequestId(2));
+        g.mark_dispatched();
+        g.finish().unwrap();
+        assert_eq!(r.counts().completed, 1);
+        // Freed by id first: the guard's drop finds nothing and frees nothing else.
+        r.route(&req(3, &t)).unwrap();
+        r.route(&req(4, &t)).unwrap();
+        let g = RequestGuard::new(&r, RequestId(3));
+        r.free(RequestId(3)).unwrap();
+        drop(g);
+        assert_eq!(r.total_load().requests, 1);
+        assert_eq!(r.counts().ledger.freed, 3);
+        // An Arc'd router works too.
+        let a = std::sync::Arc::new(router(RouterConfig::default()));
+        a.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        a.route(&req(1, &t)).unwrap();
+        drop(RequestGuard::new(std::sync::Arc::clone(&a), RequestId(1)));
+        assert!(a.total_load().is_idle());
+    }
+
+    #[test]
+    fn lora_name_changes_the_hash_and_so_the_match() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let t = tokens(64);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        store(&r, WorkerRank::new(1, 0), StorageTier::Device, &locals, 0);
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        assert_eq!(r.route(&q).unwrap().overlap.blocks, 4);
+        q.hints.lora_name = Some("adapter-a");
+        assert_eq!(r.route(&q).unwrap().overlap.blocks, 0);
+    }
+
+    #[test]
+    fn load_steers_choices_and_busy_ranks_are_skipped() {
+        let r = router(RouterConfig {
+            busy: crate::config::BusyThresholds {
+                decode_blocks_fraction: Some(0.5),
+                prefill_tokens_fraction: None,
+            },
+            ..RouterConfig::default()
+        });
+        r.join_worker(WorkerConfig::simple(1, 10, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 10, BS)).unwrap();
+        let t = tokens(16 * 6); // 6 blocks: over half the capacity of a 10-block rank
+        let a = r.route(&req(1, &t)).unwrap().worker;
+        let b = r.route(&req(2, &tokens(16 * 6 + 1))).unwrap();
+        assert_ne!(a, b.worker, "the first rank is busy");
+        let c = r.route(&req(3, &tokens(17))).unwrap();
+        assert_eq!(c.decided_by, DecidedBy::FallbackAllBusy);
+        assert_eq!(r.counts().all_busy, 1);
+    }
+
+    #[test]
+    fn leaving_worker_loses_its_load_and_blocks() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t = tokens(64);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        store(&r, WorkerRank::new(1, 0), StorageTier::Device, &locals, 0);
+        let mut q = req(1, &t);
+        q.hints.pinned.backend_instance = Some(WorkerId(1));
+        r.route(&q).unwrap();
+        assert_eq!(r.leave_worker(WorkerId(1)).unwrap(), 1);
+        assert!(r.total_load().is_idle());
+        assert_eq!(
+            r.free(RequestId(1)),
+            Err(LoadError::UnknownRequest {
+                request: RequestId(1)
+            })
+        );
+        assert_eq!(
+            r.index_reader()
+                .find_matches(&locals, MatchOptions::default())
+                .max_blocks(),
+            0
+        );
+        assert!(matches!(
+            r.leave_worker(WorkerId(1)),
+            Err(RouterError::Registry(_))
+        ));
+    }
+
+    #[test]
+    fn expiry_frees_forgotten_requests() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.route(&req(1, &tokens(64))).unwrap();
+        assert_eq!(r.expire(Instant::now()), 0);
+        let later = Instant::now() + r.config().request_expiry;
+        assert_eq!(r.expire(later), 1);
+        assert!(r.total_load().is_idle());
+        assert_eq!(r.counts().ledger.expired, 1);
+    }
+
+    #[test]
+    fn timing_on_records_the_overhead_split() {
+        let r = router(RouterConfig {
+            timing: Timing::On,
+            ..RouterConfig::default()
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.route(&req(1, &tokens(64))).unwrap();
+        let t = r.timings().unwrap();
+        assert_eq!((t.hash.len(), t.matching.len(), t.select.len()), (1, 1, 1));
+        assert!(router(RouterConfig::default()).timings().is_none());
+    }
+
+    #[test]
+    fn decode_phase_gets_no_overlap_credit_and_books_no_prefill() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig {
+            role: WorkerRole::Decode,
+            ..WorkerConfig::simple(1, 1000, BS)
+        })
+        .unwrap();
+        let t = tokens(64);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        store(&r, WorkerRank::new(1, 0), StorageTier::Device, &locals, 0);
+        let mut q = req(1, &t);
+        q.hints.phase = Phase::Decode;
+        let d = r.route(&q).unwrap();
+        assert_eq!(d.cost.credit_blocks, 0.0);
+        assert_eq!(r.load(d.worker).unwrap().prefill_tokens, 0);
+    }
+}

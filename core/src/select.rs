@@ -1,0 +1,810 @@
+//! Worker selection: from each candidate rank's overlap and load, which one serves the request.
+//!
+//! ```text
+//!   candidates (rank, load, overlap per tier, cost terms)   built by the router, one per rank
+//!        │ busy filter: drop ranks over a threshold while some rank is under every threshold
+//!        ▼
+//!   Selector::select ──▶ index of the chosen candidate
+//!     KvAware      argmin of cost (random ties) or softmax over normalised costs
+//!     RoundRobin, Random, LeastLoaded, PowerOfTwo, PrefixHash (bounded load), CacheThreshold
+//! ```
+//!
+//! **The cost** (the reference's, in blocks):
+//!
+//! ```text
+//!   credit   = overlap_credit·device + w_host·host + w_disk·disk + w_ext·external   (blocks)
+//!   prefill  = prefill_load_scale · max(0, (active prefill tokens + prompt tokens)/block − credit)
+//!   decode   = active decode blocks + the request's prompt blocks
+//!   cost     = prefill + decode
+//! ```
+//!
+//! The decode term charges the whole prompt even when part of it is already active on the rank
+//! (shared by a running request): an upper bound that avoids probing every rank's active set
+//! per request; the booking itself counts shared blocks once (see [`crate::load`]).
+//!
+//! Every random draw comes from the caller's [`Rng`], so a seeded router decides reproducibly.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::config::{BusyThresholds, Policy, RouterConfig};
+use crate::event::{StorageTier, WorkerRank};
+use crate::load::LoadView;
+use crate::registry::WorkerConfig;
+use crate::rng::{mix64, Rng};
+
+/// The per-request numbers the cost needs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Weights {
+    /// Credit per cached block, by tier (device: the overlap credit).
+    pub credits: [f64; StorageTier::COUNT],
+    /// Weight of a cached block in the cached-token estimate, by tier (device: 1).
+    pub effective: [f64; StorageTier::COUNT],
+    pub prefill_load_scale: f64,
+    pub block_size: u32,
+}
+
+impl Weights {
+    /// The weights of `config`, with per-request overrides applied.
+    pub fn new(config: &RouterConfig, overrides: &Overrides) -> Self {
+        let mut credits = config.tier_credits();
+        if let Some(c) = overrides.overlap_credit {
+            credits[StorageTier::Device.index()] = c;
+        }
+        let mut effective = config.tier_credits();
+        effective[StorageTier::Device.index()] = 1.0;
+        Weights {
+            credits,
+            effective,
+            prefill_load_scale: overrides
+                .prefill_load_scale
+                .unwrap_or(config.prefill_load_scale),
+            block_size: config.block_size,
+        }
+    }
+}
+
+/// Per-request overrides of the configuration's weights and temperature. Values are clamped to
+/// be finite and non-negative when used (a bad override falls back to the configured value).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct Overrides {
+    pub overlap_credit: Option<f64>,
+    pub prefill_load_scale: Option<f64>,
+    pub temperature: Option<f64>,
+}
+
+impl Overrides {
+    /// The overrides with invalid (negative, NaN, infinite) values dropped.
+    pub fn sanitized(self) -> Self {
+        let ok = |x: Option<f64>| x.filter(|v| v.is_finite() && *v >= 0.0);
+        Overrides {
+            overlap_credit: ok(self.overlap_credit),
+            prefill_load_scale: ok(self.prefill_load_scale),
+            temperature: ok(self.temperature),
+        }
+    }
+}
+
+/// The request, as selection sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct RequestShape {
+    /// Prompt tokens.
+    pub tokens: u64,
+    /// Prompt blocks, a partial tail included.
+    pub blocks: u64,
+    /// Full prompt blocks (those that can be cached).
+    pub full_blocks: u32,
+    /// A key of the prompt's first blocks, for prefix-hash policies (`None`: prompt too short).
+    pub prefix_key: Option<u64>,
+}
+
+/// Predicted cache overlap of one rank.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct Overlap {
+    /// Leading prompt blocks held, in any tier.
+    pub blocks: u32,
+    /// The same blocks by the fastest tier holding each.
+    pub per_tier: [u32; StorageTier::COUNT],
+    /// Blocks weighted by tier (device 1, lower tiers their weight).
+    pub effective_blocks: f64,
+    /// `effective_blocks` in tokens, at most the prompt.
+    pub cached_tokens: u64,
+}
+
+impl Overlap {
+    /// The overlap of `per_tier` blocks for a prompt of `shape`.
+    pub fn new(per_tier: [u32; StorageTier::COUNT], w: &Weights, shape: &RequestShape) -> Self {
+        let blocks = per_tier.iter().sum();
+        let effective_blocks: f64 = per_tier
+            .iter()
+            .zip(w.effective)
+            .map(|(&b, x)| f64::from(b) * x)
+            .sum();
+        let cached_tokens = ((effective_blocks * f64::from(w.block_size)) as u64).min(shape.tokens);
+        Overlap {
+            blocks,
+            per_tier,
+            effective_blocks,
+            cached_tokens,
+        }
+    }
+}
+
+/// The terms of one rank's cost, in blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct CostTerms {
+    /// (active prefill tokens + prompt tokens) / block size.
+    pub prefill_blocks: f64,
+    /// Overlap credit, tier-weighted.
+    pub credit_blocks: f64,
+    /// prefill_load_scale · max(0, prefill_blocks − credit_blocks).
+    pub prefill_cost: f64,
+    /// Active decode blocks plus the request's blocks.
+    pub decode_cost: f64,
+    /// prefill_cost + decode_cost.
+    pub total: f64,
+}
+
+impl CostTerms {
+    /// The cost of serving `shape` on a rank with `load` and cached `per_tier` blocks.
+    pub fn new(
+        w: &Weights,
+        shape: &RequestShape,
+        load: &LoadView,
+        per_tier: &[u32; StorageTier::COUNT],
+    ) -> Self {
+        let bs = f64::from(w.block_size.max(1));
+        let prefill_blocks = (load.prefill_tokens + shape.tokens) as f64 / bs;
+        let credit_blocks: f64 = per_tier
+            .iter()
+            .zip(w.credits)
+            .map(|(&b, c)| f64::from(b) * c)
+            .sum();
+        let prefill_cost = w.prefill_load_scale * (prefill_blocks - credit_blocks).max(0.0);
+        let decode_cost = (load.decode_blocks() + shape.blocks) as f64;
+        CostTerms {
+            prefill_blocks,
+            credit_blocks,
+            prefill_cost,
+            decode_cost,
+            total: prefill_cost + decode_cost,
+        }
+    }
+}
+
+/// Whether a rank is over a busy threshold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Busy {
+    #[default]
+    Free,
+    Busy,
+}
+
+impl Busy {
+    /// The rank's state against `thresholds`, given its worker's config.
+    pub fn of(load: &LoadView, worker: &WorkerConfig, thresholds: &BusyThresholds) -> Self {
+        let over =
+            |x: u64, cap: u64, frac: Option<f64>| frac.is_some_and(|f| x as f64 > f * cap as f64);
+        if over(
+            load.decode_blocks(),
+            worker.kv_blocks,
+            thresholds.decode_blocks_fraction,
+        ) || over(
+            load.prefill_tokens,
+            worker.max_batched_tokens,
+            thresholds.prefill_tokens_fraction,
+        ) {
+            Busy::Busy
+        } else {
+            Busy::Free
+        }
+    }
+}
+
+/// One rank that may serve the request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    pub rank: WorkerRank,
+    /// Index in the fleet snapshot's ranks.
+    pub fleet_index: usize,
+    pub load: LoadView,
+    pub overlap: Overlap,
+    pub cost: CostTerms,
+    pub busy: Busy,
+}
+
+/// Which rule of selection applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BusyOutcome {
+    /// No rank was busy, or busy ones were set aside.
+    Filtered,
+    /// Every rank was busy: all stay candidates, and the least loaded is chosen.
+    AllBusy,
+}
+
+/// Drops busy candidates when at least one is free (in place, allocation-free).
+pub fn filter_busy(candidates: &mut Vec<Candidate>) -> BusyOutcome {
+    if candidates.iter().all(|c| c.busy == Busy::Busy) && !candidates.is_empty() {
+        return BusyOutcome::AllBusy;
+    }
+    candidates.retain(|c| c.busy == Busy::Free);
+    BusyOutcome::Filtered
+}
+
+/// The built-in policies, as named in decisions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    KvAware,
+    RoundRobin,
+    Random,
+    LeastLoaded,
+    PowerOfTwo,
+    PrefixHash,
+    CacheThreshold,
+}
+
+/// What a selector sees.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectInput<'a> {
+    /// Never empty.
+    pub candidates: &'a [Candidate],
+    pub shape: &'a RequestShape,
+    pub block_size: u32,
+    pub temperature: f64,
+}
+
+/// A selection policy. Implementations must be cheap, allocation-free and side-effect free
+/// apart from their own counters: booking is the router's job.
+pub trait Selector: Send + Sync + fmt::Debug {
+    fn kind(&self) -> PolicyKind;
+    /// The index of the chosen candidate (`input.candidates` is not empty).
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize;
+}
+
+/// The selector for a configured policy.
+pub fn selector_for(policy: Policy) -> Box<dyn Selector> {
+    match policy {
+        Policy::KvAware => Box::new(KvAware),
+        Policy::RoundRobin => Box::new(RoundRobin::default()),
+        Policy::Random => Box::new(RandomPick),
+        Policy::LeastLoaded => Box::new(LeastLoaded),
+        Policy::PowerOfTwo => Box::new(PowerOfTwo),
+        Policy::PrefixHash {
+            prefix_blocks: _,
+            load_factor,
+        } => Box::new(PrefixHash { load_factor }),
+        Policy::CacheThreshold {
+            min_match_ratio,
+            balance_abs,
+            balance_rel,
+        } => Box::new(CacheThreshold {
+            min_match_ratio,
+            balance_abs,
+            balance_rel,
+        }),
+    }
+}
+
+/// Index of the smallest `key`, ties broken uniformly at random (reservoir sampling).
+pub fn argmin_random_ties<T>(items: &[T], rng: &mut Rng, key: impl Fn(&T) -> f64) -> usize {
+    let mut best = 0;
+    let mut best_key = f64::INFINITY;
+    let mut ties = 0u64;
+    for (i, item) in items.iter().enumerate() {
+        let k = key(item);
+        if k < best_key {
+            best = i;
+            best_key = k;
+            ties = 1;
+        } else if k == best_key {
+            ties += 1;
+            if rng.below(ties) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}
+
+/// Samples an index with probability ∝ exp(−normalised cost / temperature), costs normalised
+/// to [0, 1] over the candidates (uniform when all are equal). Two passes, no allocation.
+pub fn softmax_sample<T>(
+    items: &[T],
+    temperature: f64,
+    rng: &mut Rng,
+    cost: impl Fn(&T) -> f64,
+) -> usize {
+    let (lo, hi) = items
+        .iter()
+        .map(&cost)
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), c| {
+            (lo.min(c), hi.max(c))
+        });
+    let range = hi - lo;
+    if !(range.is_finite() && range > 0.0) {
+        return rng.below(items.len() as u64) as usize;
+    }
+    let weight = |c: f64| (-((c - lo) / range) / temperature).exp();
+    let total: f64 = items.iter().map(|x| weight(cost(x))).sum();
+    let mut target = rng.unit_f64() * total;
+    for (i, x) in items.iter().enumerate() {
+        target -= weight(cost(x));
+        if target < 0.0 {
+            return i;
+        }
+    }
+    items.len() - 1
+}
+
+/// The reference's cost-based choice.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KvAware;
+
+impl Selector for KvAware {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::KvAware
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        if input.temperature > 0.0 {
+            softmax_sample(input.candidates, input.temperature, rng, |c| c.cost.total)
+        } else {
+            argmin_random_ties(input.candidates, rng, |c| c.cost.total)
+        }
+    }
+}
+
+/// Ranks in turn (over the candidates of each request).
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: AtomicUsize,
+}
+
+impl Selector for RoundRobin {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::RoundRobin
+    }
+    fn select(&self, input: &SelectInput<'_>, _rng: &mut Rng) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % input.candidates.len()
+    }
+}
+
+/// A uniformly random rank.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RandomPick;
+
+impl Selector for RandomPick {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Random
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        rng.below(input.candidates.len() as u64) as usize
+    }
+}
+
+/// The rank with the least load in blocks (random ties).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LeastLoaded;
+
+impl Selector for LeastLoaded {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::LeastLoaded
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        let bs = input.block_size;
+        argmin_random_ties(input.candidates, rng, |c| c.load.load_blocks(bs) as f64)
+    }
+}
+
+/// The less loaded of two distinct random ranks.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PowerOfTwo;
+
+impl Selector for PowerOfTwo {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::PowerOfTwo
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        let n = input.candidates.len() as u64;
+        if n == 1 {
+            return 0;
+        }
+        let a = rng.below(n);
+        let b = (a + 1 + rng.below(n - 1)) % n;
+        let load = |i: u64| {
+            input.candidates[i as usize]
+                .load
+                .load_blocks(input.block_size)
+        };
+        let (la, lb) = (load(a), load(b));
+        let pick = if la < lb || (la == lb && rng.below(2) == 0) {
+            a
+        } else {
+            b
+        };
+        pick as usize
+    }
+}
+
+/// Bounded-load consistent hashing of the prompt's first blocks, by rendezvous hashing: each
+/// rank's weight is a hash of (prefix key, rank); the heaviest rank whose load is within
+/// `load_factor` × (mean load + 1) wins, so a prefix keeps its rank while the fleet changes
+/// around it, and a hot prefix spills over instead of overloading one rank.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefixHash {
+    pub load_factor: f64,
+}
+
+impl Selector for PrefixHash {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::PrefixHash
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        let Some(key) = input.shape.prefix_key else {
+            return LeastLoaded.select(input, rng);
+        };
+        let bs = input.block_size;
+        let c = input.candidates;
+        let mean = c.iter().map(|x| x.load.load_blocks(bs)).sum::<u64>() as f64 / c.len() as f64;
+        let bound = self.load_factor * (mean + 1.0);
+        let weight = |x: &Candidate| {
+            let r = (x.rank.worker.0 << 20) ^ u64::from(x.rank.dp_rank.0);
+            mix64(key ^ mix64(r))
+        };
+        let mut best: Option<(usize, u64)> = None;
+        for (i, x) in c.iter().enumerate() {
+            if x.load.load_blocks(bs) as f64 > bound {
+                continue;
+            }
+            let w = weight(x);
+            if best.is_none_or(|(_, bw)| w > bw) {
+                best = Some((i, w));
+            }
+        }
+        // Some rank is always within the bound (the least loaded is at most the mean).
+        best.map_or_else(|| LeastLoaded.select(input, rng), |(i, _)| i)
+    }
+}
+
+/// The best-matching rank when the match is good and the fleet balanced; the least loaded
+/// otherwise.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheThreshold {
+    pub min_match_ratio: f64,
+    pub balance_abs: u64,
+    pub balance_rel: f64,
+}
+
+impl Selector for CacheThreshold {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::CacheThreshold
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        let bs = input.block_size;
+        let c = input.candidates;
+        let (lo, hi) = c
+            .iter()
+            .map(|x| x.load.load_blocks(bs))
+            .fold((u64::MAX, 0), |(lo, hi), l| (lo.min(l), hi.max(l)));
+        let balanced = hi - lo <= self.balance_abs || hi as f64 <= self.balance_rel * lo as f64;
+        let best = argmin_random_ties(c, rng, |x| -f64::from(x.overlap.blocks));
+        let ratio = if input.shape.blocks == 0 {
+            0.0
+        } else {
+            f64::from(c[best].overlap.blocks) / input.shape.blocks as f64
+        };
+        if balanced && ratio >= self.min_match_ratio && c[best].overlap.blocks > 0 {
+            best
+        } else {
+            LeastLoaded.select(input, rng)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weights() -> Weights {
+        Weights::new(&RouterConfig::default(), &Overrides::default())
+    }
+
+    fn shape(tokens: u64) -> RequestShape {
+        RequestShape {
+            tokens,
+            blocks: tokens.div_ceil(16),
+            full_blocks: (tokens / 16) as u32,
+            prefix_key: Some(42),
+        }
+    }
+
+    fn cand(i: usize, load: LoadView, per_tier: [u32; 4], s: &RequestShape) -> Candidate {
+        let w = weights();
+        Candidate {
+            rank: WorkerRank::new(i as u64, 0),
+            fleet_index: i,
+            load,
+            overlap: Overlap::new(per_tier, &w, s),
+            cost: CostTerms::new(&w, s, &load, &per_tier),
+            busy: Busy::Free,
+        }
+    }
+
+    /// The reference's tier-weighted estimate.
+    #[test]
+    fn tier_weighted_estimate_matches_the_reference() {
+        let s = shape(160);
+        let w = weights();
+        let first = Overlap::new([2, 1, 2, 0], &w, &s);
+        let second = Overlap::new([0, 1, 0, 0], &w, &s);
+        assert_eq!(first.effective_blocks, 3.25);
+        assert_eq!(first.cached_tokens, 52);
+        assert_eq!(first.blocks, 5);
+        assert_eq!(second.effective_blocks, 0.75);
+        assert_eq!(second.cached_tokens, 12);
+    }
+
+    #[test]
+    fn cost_is_prefill_after_credit_plus_decode() {
+        let s = shape(160); // 10 blocks
+        let load = LoadView {
+            prefill_tokens: 32,
+            prompt_blocks: 5,
+            output_blocks: 1,
+            requests: 1,
+        };
+        let c = CostTerms::new(&weights(), &s, &load, &[4, 2, 0, 0]);
+        assert_eq!(c.prefill_blocks, 12.0);
+        assert_eq!(c.credit_blocks, 5.5);
+        assert_eq!(c.prefill_cost, 6.5);
+        assert_eq!(c.decode_cost, 16.0);
+        assert_eq!(c.total, 22.5);
+        // Credit never makes prefill negative.
+        let c = CostTerms::new(&weights(), &shape(16), &LoadView::default(), &[10, 0, 0, 0]);
+        assert_eq!(c.prefill_cost, 0.0);
+    }
+
+    #[test]
+    fn overrides_change_credit_and_scale_and_bad_ones_are_dropped() {
+        let o = Overrides {
+            overlap_credit: Some(0.0),
+            prefill_load_scale: Some(2.0),
+            temperature: Some(f64::NAN),
+        }
+        .sanitized();
+        assert_eq!(o.temperature, None);
+        let w = Weights::new(&RouterConfig::default(), &o);
+        let c = CostTerms::new(&w, &shape(160), &LoadView::default(), &[4, 0, 0, 0]);
+        assert_eq!(c.credit_blocks, 0.0);
+        assert_eq!(c.prefill_cost, 20.0);
+    }
+
+    #[test]
+    fn kv_aware_picks_the_cheapest_and_breaks_ties_at_random() {
+        let s = shape(160);
+        let idle = LoadView::default();
+        let cands = [
+            cand(0, idle, [0; 4], &s),
+            cand(1, idle, [6, 0, 0, 0], &s),
+            cand(2, idle, [0; 4], &s),
+        ];
+        let input = SelectInput {
+            candidates: &cands,
+            shape: &s,
+            block_size: 16,
+            temperature: 0.0,
+        };
+        let mut rng = Rng::new(1);
+        for _ in 0..20 {
+            assert_eq!(KvAware.select(&input, &mut rng), 1);
+        }
+        // Without overlap all three tie: each must be chosen sometimes.
+        let cands = [
+            cand(0, idle, [0; 4], &s),
+            cand(1, idle, [0; 4], &s),
+            cand(2, idle, [0; 4], &s),
+        ];
+        let input = SelectInput {
+            candidates: &cands,
+            ..input
+        };
+        let mut seen = [0; 3];
+        for _ in 0..3000 {
+            seen[KvAware.select(&input, &mut rng)] += 1;
+        }
+        for n in seen {
+            assert!((800..1200).contains(&n), "{seen:?}");
+        }
+    }
+
+    #[test]
+    fn softmax_prefers_cheap_and_still_explores() {
+        let s = shape(160);
+        let busy = LoadView {
+            prompt_blocks: 100,
+            ..LoadView::default()
+        };
+        let cands = [
+            cand(0, LoadView::default(), [0; 4], &s),
+            cand(1, busy, [0; 4], &s),
+        ];
+        let input = SelectInput {
+            candidates: &cands,
+            shape: &s,
+            block_size: 16,
+            temperature: 0.5,
+        };
+        let mut rng = Rng::new(3);
+        let mut seen = [0u32; 2];
+        for _ in 0..10_000 {
+            seen[KvAware.select(&input, &mut rng)] += 1;
+        }
+        // p(cheap) = 1 / (1 + e^-2) ≈ 0.881.
+        assert!((8_600..9_000).contains(&seen[0]), "{seen:?}");
+    }
+
+    #[test]
+    fn busy_ranks_leave_selection_unless_all_are_busy() {
+        let w = WorkerConfig::simple(0, 100, 16);
+        let t = BusyThresholds {
+            decode_blocks_fraction: Some(0.5),
+            prefill_tokens_fraction: Some(0.5),
+        };
+        let heavy = LoadView {
+            prompt_blocks: 51,
+            ..LoadView::default()
+        };
+        let prefill_heavy = LoadView {
+            prefill_tokens: 4097,
+            ..LoadView::default()
+        };
+        assert_eq!(Busy::of(&heavy, &w, &t), Busy::Busy);
+        assert_eq!(Busy::of(&prefill_heavy, &w, &t), Busy::Busy);
+        assert_eq!(Busy::of(&LoadView::default(), &w, &t), Busy::Free);
+        assert_eq!(Busy::of(&heavy, &w, &BusyThresholds::default()), Busy::Free);
+
+        let s = shape(16);
+        let mut a = cand(0, heavy, [0; 4], &s);
+        a.busy = Busy::Busy;
+        let b = cand(1, LoadView::default(), [0; 4], &s);
+        let mut v = vec![a, b];
+        assert_eq!(filter_busy(&mut v), BusyOutcome::Filtered);
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].rank, WorkerRank::new(1, 0));
+        let mut v = vec![a, a];
+        assert_eq!(filter_busy(&mut v), BusyOutcome::AllBusy);
+        assert_eq!(v.len(), 2);
+    }
+
+    fn loads(ls: &[u64]) -> Vec<Candidate> {
+        let s = shape(160);
+        ls.iter()
+            .enumerate()
+            .map(|(i, &l)| {
+                cand(
+                    i,
+                    LoadView {
+                        prompt_blocks: l,
+                        ..LoadView::default()
+                    },
+                    [0; 4],
+                    &s,
+                )
+            })
+            .collect()
+    }
+
+    fn input<'a>(c: &'a [Candidate], s: &'a RequestShape) -> SelectInput<'a> {
+        SelectInput {
+            candidates: c,
+            shape: s,
+            block_size: 16,
+            temperature: 0.0,
+        }
+    }
+
+    #[test]
+    fn round_robin_random_least_loaded_power_of_two() {
+        let s = shape(160);
+        let c = loads(&[5, 1, 3]);
+        let mut rng = Rng::new(9);
+        let rr = RoundRobin::default();
+        let picks: Vec<usize> = (0..6)
+            .map(|_| rr.select(&input(&c, &s), &mut rng))
+            .collect();
+        assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+        assert_eq!(LeastLoaded.select(&input(&c, &s), &mut rng), 1);
+        let mut seen = [0; 3];
+        for _ in 0..3000 {
+            seen[RandomPick.select(&input(&c, &s), &mut rng)] += 1;
+            // Power of two never picks the most loaded of three (it always loses its pair).
+            assert_ne!(PowerOfTwo.select(&input(&c, &s), &mut rng), 0);
+        }
+        assert!(seen.iter().all(|&n| n > 800), "{seen:?}");
+        let one = loads(&[7]);
+        assert_eq!(PowerOfTwo.select(&input(&one, &s), &mut rng), 0);
+    }
+
+    #[test]
+    fn prefix_hash_is_sticky_and_spills_over_its_load_bound() {
+        let s = shape(160);
+        let c = loads(&[0, 0, 0, 0]);
+        let p = PrefixHash { load_factor: 1.25 };
+        let mut rng = Rng::new(1);
+        let home = p.select(&input(&c, &s), &mut rng);
+        for _ in 0..10 {
+            assert_eq!(p.select(&input(&c, &s), &mut rng), home);
+        }
+        // Removing another rank does not move the prefix.
+        let fewer: Vec<Candidate> = c
+            .iter()
+            .copied()
+            .filter(|x| x.fleet_index == home || x.fleet_index != (home + 1) % 4)
+            .collect();
+        let at = p.select(&input(&fewer, &s), &mut rng);
+        assert_eq!(fewer[at].fleet_index, home);
+        // Overloading the home rank moves the prefix elsewhere.
+        let mut hot = c.clone();
+        hot[home].load.prompt_blocks = 100;
+        assert_ne!(p.select(&input(&hot, &s), &mut rng), home);
+    }
+
+    #[test]
+    fn cache_threshold_takes_the_match_only_when_good_and_balanced() {
+        let s = shape(160); // 10 blocks
+        let mk = |loads: [u64; 2], overlap: [u32; 2]| -> Vec<Candidate> {
+            (0..2)
+                .map(|i| {
+                    cand(
+                        i,
+                        LoadView {
+                            prompt_blocks: loads[i],
+                            ..LoadView::default()
+                        },
+                        [overlap[i], 0, 0, 0],
+                        &s,
+                    )
+                })
+                .collect()
+        };
+        let p = CacheThreshold {
+            min_match_ratio: 0.5,
+            balance_abs: 4,
+            balance_rel: 1.5,
+        };
+        let mut rng = Rng::new(2);
+        assert_eq!(p.select(&input(&mk([3, 0], [8, 0]), &s), &mut rng), 0);
+        // Match ratio too low: least loaded.
+        assert_eq!(p.select(&input(&mk([3, 0], [2, 0]), &s), &mut rng), 1);
+        // Unbalanced: least loaded.
+        assert_eq!(p.select(&input(&mk([30, 0], [8, 0]), &s), &mut rng), 1);
+    }
+
+    #[test]
+    fn every_policy_has_a_selector() {
+        let kinds = [
+            (Policy::KvAware, PolicyKind::KvAware),
+            (Policy::RoundRobin, PolicyKind::RoundRobin),
+            (Policy::Random, PolicyKind::Random),
+            (Policy::LeastLoaded, PolicyKind::LeastLoaded),
+            (Policy::PowerOfTwo, PolicyKind::PowerOfTwo),
+            (
+                Policy::PrefixHash {
+                    prefix_blocks: 2,
+                    load_factor: 1.25,
+                },
+                PolicyKind::PrefixHash,
+            ),
+            (
+                Policy::CacheThreshold {
+                    min_match_ratio: 0.5,
+                    balance_abs: 1,
+                    balance_rel: 1.5,
+                },
+                PolicyKind::CacheThreshold,
+            ),
+        ];
+        for (p, k) in kinds {
+            assert_eq!(selector_for(p).kind(), k);
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! The router's lifecycle against a naive model: random interleavings of route, prefill done,
+//! output block, free, guard drop, worker leave and expiry keep the load counters equal to what
+//! the active requests hold, return them to exactly zero, and never free anything twice. Plus
+//! routes from several threads at once, with a worker leaving and rejoining underneath.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::load::{LoadError, LoadView, RequestId};
+use kvroute_core::registry::WorkerConfig;
+use kvroute_core::router::{RequestGuard, RouteError, RouteHints, RouteRequest, Router};
+use kvroute_core::{IndexConfig, PrefixIndex, WorkerId, WorkerRank};
+use proptest::prelude::*;
+
+const BS: usize = 16;
+const WORKERS: u64 = 3;
+
+fn router() -> Router {
+    let r = Router::new(Default::default(), PrefixIndex::new(IndexConfig::default())).unwrap();
+    for w in 0..WORKERS {
+        r.join_worker(WorkerConfig::simple(w, 10_000, BS as u32))
+            .unwrap();
+    }
+    r
+}
+
+/// A prompt: `shared` tokens of system prompt `sys`, then `own` tokens of its own.
+fn prompt(sys: u32, shared: usize, own: usize, seed: u32) -> Vec<u32> {
+    (0..shared)
+        .map(|i| sys * 7919 + i as u32)
+        .chain((0..own).map(|i| 1_000_000 + seed * 131 + i as u32))
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Route {
+        id: u64,
+        sys: u32,
+        shared: usize,
+        own: usize,
+    },
+    PrefillDone(u64),
+    OutputBlock(u64),
+    Free(u64),
+    GuardDrop(u64),
+    Leave(u64),
+    Expire,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..12u64, 0..2u32, 0..80usize, 0..60usize).prop_map(|(id, sys, shared, own)| Op::Route { id, sys, shared, own }),
+        2 => (0..12u64).prop_map(Op::PrefillDone),
+        2 => (0..12u64).prop_map(Op::OutputBlock),
+        2 => (0..12u64).prop_map(Op::Free),
+        2 => (0..12u64).prop_map(Op::GuardDrop),
+        1 => (0..WORKERS).prop_map(Op::Leave),
+        1 => Just(Op::Expire),
+    ]
+}
+
+#[derive(Debug, Default)]
+struct Active {
+    rank: WorkerRank,
+    tokens: Vec<u32>,
+    prefill: u64,
+    output: u64,
+}
+
+/// What every rank should show: summed from the active requests, prompt blocks deduplicated
+/// by their whole token prefix.
+fn expected(model: &HashMap<u64, Active>, rank: WorkerRank) -> LoadView {
+    let mut prefixes: HashSet<&[u32]> = HashSet::new();
+    let mut v = LoadView::default();
+    for a in model.values().filter(|a| a.rank == rank) {
+        let full = a.tokens.len() / BS;
+        for j in 0..full {
+            prefixes.insert(&a.tokens[..(j + 1) * BS]);
+        }
+        v.prompt_blocks += u64::from(a.tokens.len() % BS != 0);
+        v.prefill_tokens += a.prefill;
+        v.output_blocks += a.output;
+        v.requests += 1;
+    }
+    v.prompt_blocks += prefixes.len() as u64;
+    v
+}
+
+fn check(r: &Router, model: &HashMap<u64, Active>) {
+    assert_eq!(r.active_requests(), model.len());
+    for w in 0..WORKERS {
+        let rank = WorkerRank::new(w, 0);
+        assert_eq!(r.load(rank).unwrap(), expected(model, rank), "rank {rank}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn load_matches_the_model_and_returns_to_zero(ops in proptest::collection::vec(op(), 1..80)) {
+        let r = router();
+        let mut model: HashMap<u64, Active> = HashMap::new();
+        for op in ops {
+            match op {
+                Op::Route { id, sys, shared, own } => {
+                    let tokens = prompt(sys, shared, own, id as u32);
+                    let q = RouteRequest { id: RequestId(id), tokens: &tokens, hints: RouteHints::default() };
+                    match r.route(&q) {
+                        Ok(d) => {
+                            prop_assert!(!model.contains_key(&id));
+                            let prefill = tokens.len() as u64 - d.overlap.cached_tokens;
+                            model.insert(id, Active { rank: d.worker, tokens, prefill, output: 0 });
+                        }
+                        Err(RouteError::NoTokens { .. }) => prop_assert!(tokens.is_empty()),
+                        Err(RouteError::Load(LoadError::DuplicateRequest { .. })) => {
+                            prop_assert!(model.contains_key(&id))
+                        }
+                        Err(e) => prop_assert!(false, "unexpected {e}"),
+                    }
+                }
+                Op::PrefillDone(id) => {
+                    prop_assert_eq!(r.prefill_done(RequestId(id)).is_ok(), model.contains_key(&id));
+                    if let Some(a) = model.get_mut(&id) { a.prefill = 0; }
+                }
+                Op::OutputBlock(id) => {
+                    prop_assert_eq!(r.output_block(RequestId(id)).is_ok(), model.contains_key(&id));
+                    if let Some(a) = model.get_mut(&id) { a.output += 1; }
+                }
+                Op::Free(id) => {
+                    prop_assert_eq!(r.free(RequestId(id)).is_ok(), model.remove(&id).is_some());
+                }
+                Op::GuardDrop(id) => {
+                    drop(RequestGuard::new(&r, RequestId(id)));
+                    model.remove(&id);
+                }
+                Op::Leave(w) => {
+                    let before = model.len();
+                    model.retain(|_, a| a.rank.worker != WorkerId(w));
+                    prop_assert_eq!(r.leave_worker(WorkerId(w)).unwrap(), before - model.len());
+                    r.join_worker(WorkerConfig::simple(w, 10_000, BS as u32)).unwrap();
+                }
+                Op::Expire => {
+                    let n = r.expire(Instant::now() + r.config().request_expiry + Duration::from_secs(1));
+                    prop_assert_eq!(n, model.len());
+                    model.clear();
+                }
+            }
+            check(&r, &model);
+        }
+        for id in model.keys() {
+            r.free(RequestId(*id)).unwrap();
+        }
+        prop_assert!(r.total_load().is_idle());
+        prop_assert_eq!(r.active_requests(), 0);
+        let c = r.counts().ledger;
+        prop_assert_eq!(c.booked, c.freed + c.expired + c.purged);
+    }
+}
+
+#[test]
+fn routes_from_several_threads_keep_load_exact() {
+    let r = Arc::new(router());
+    const THREADS: u64 = 4;
+    const PER: u64 = 400;
+    let churn = {
+        let r = Arc::clone(&r);
+        std::thread::spawn(move || {
+            for _ in 0..20 {
+                r.leave_worker(WorkerId(2)).unwrap();
+                r.join_worker(WorkerConfig::simple(2, 10_000, BS as u32))
+                    .unwrap();
+                std::thread::yield_now();
+            }
+        })
+    };
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let r = Arc::clone(&r);
+            std::thread::spawn(move || {
+                let mut kept = Vec::new();
+                for i in 0..PER {
+                    let id = t * 1_000_000 + i;
+                    let tokens = prompt((i % 3) as u32, 64, (i % 50) as usize, id as u32);
+                    let q = RouteRequest {
+                        id: RequestId(id),
+                        tokens: &tokens,
+                        hints: RouteHints::default(),
+                    };
+                    match r.route(&q) {
+                        Ok(_) => {}
+                        // The churned worker left while this request was booked on it.
+                        Err(RouteError::Load(LoadError::RankRetired { .. })) => continue,
+                        Err(e) => panic!("unexpected {e}"),
+                    }
+                    let g = RequestGuard::new(&*r, RequestId(id));
+                    let _ = g.prefill_done();
+                    let _ = g.output_block();
+                    if i % 2 == 0 {
+                        drop(g);
+                    } else {
+                        std::mem::forget(g);
+                        kept.push(id);
+                    }
+                }
+                kept
+            })
+        })
+        .collect();
+    let kept: Vec<u64> = handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    churn.join().unwrap();
+    for id in kept {
+        // Requests on the churned worker were purged when it left: freeing them is an error,
+        // and frees nothing.
+        let _ = r.free(RequestId(id));
+    }
+    assert!(r.total_load().is_idle(), "{:?}", r.total_load());
+    assert_eq!(r.active_requests(), 0);
+    let c = r.counts().ledger;
+    assert_eq!(c.booked, c.freed + c.expired + c.purged + c.retired_races);
+}
