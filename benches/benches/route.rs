@@ -6,9 +6,29 @@
 //! matches a handful of workers deeply and many shallowly (the system prompt), like a
 //! production fleet with prefix reuse. Every worker carries some load.
 //!
+//! The `vs_dynamo` group puts the selection step next to Dynamo's own: dynamo-kv-router
+//! 1.6.1's `DefaultWorkerSelector::select_worker` (its reference cost function) over the same
+//! 256 workers, the same overlaps (this index's match of the same prompt) and the same loads
+//! (this router's counters), in the same process and run:
+//!
+//! | bench | what it times |
+//! |---|---|
+//! | `kvroute_route_query_only` | our whole `route()`: hash, match, select (as in the first group) |
+//! | `kvroute_select_step` | our select step alone: the router's own select-time histogram (Timing::On), median per iteration |
+//! | `dynamo_select_worker` | Dynamo's `select_worker` on a prepared `SchedulingRequest` |
+//! | `dynamo_prepare_and_select` | the same, plus building its per-request maps (overlap per tier, effective blocks and tokens, load projections) from a match and the loads, which its scheduler does per request |
+//!
 //! `cargo bench -p kvroute-benches --bench route`
 
+use std::collections::HashMap;
+use std::time::Duration;
+
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use dynamo_kv_router::protocols::{RoutingConstraints, WorkerConfigLike, WorkerWithDpRank};
+use dynamo_kv_router::scheduling::{OverlapSignals, ScheduleMode, SchedulingRequest};
+use dynamo_kv_router::selector::{DefaultWorkerSelector, WorkerSelectionInput, WorkerSelector};
+use dynamo_kv_router::{KvRouterConfig, WorkerLoadProjection};
+use kvroute_core::config::{RouterConfig, Timing};
 use kvroute_core::hash::BlockHasher;
 use kvroute_core::load::RequestId;
 use kvroute_core::registry::WorkerConfig;
@@ -53,7 +73,7 @@ fn store(index: &mut PrefixIndex, rank: WorkerRank, locals: &[LocalHash], tag: u
     index.apply_stored(header, None, &blocks).unwrap();
 }
 
-fn fleet() -> Router {
+fn fleet(config: RouterConfig) -> Router {
     let mut index = PrefixIndex::new(IndexConfig::default());
     let hasher = BlockHasher::new(BS);
     let mut event = 0u64;
@@ -70,7 +90,7 @@ fn fleet() -> Router {
             );
         }
     }
-    let router = Router::new(Default::default(), index).unwrap();
+    let router = Router::new(config, index).unwrap();
     for w in 0..WORKERS {
         router
             .join_worker(WorkerConfig::simple(w, 100_000, BS as u32))
@@ -91,7 +111,7 @@ fn fleet() -> Router {
 }
 
 fn bench_route(c: &mut Criterion) {
-    let router = fleet();
+    let router = fleet(RouterConfig::default());
     let query = prompt(7);
     let mut g = c.benchmark_group("route_8k_256w");
     g.throughput(Throughput::Elements(1));
@@ -138,5 +158,178 @@ fn bench_route(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_route);
+/// A Dynamo worker config: what its selector reads of a worker.
+struct PeerWorker {
+    kv_blocks: u64,
+    max_batched_tokens: u64,
+}
+
+impl WorkerConfigLike for PeerWorker {
+    fn data_parallel_start_rank(&self) -> u32 {
+        0
+    }
+    fn data_parallel_size(&self) -> u32 {
+        1
+    }
+    fn max_num_batched_tokens(&self) -> Option<u64> {
+        Some(self.max_batched_tokens)
+    }
+    fn total_kv_blocks(&self) -> Option<u64> {
+        Some(self.kv_blocks)
+    }
+}
+
+/// Dynamo's per-request input for `query` against `router`'s index and loads: the match per
+/// tier, the tier-weighted effective blocks and cached tokens (weights 1 / 0.75 / 0.25, as
+/// both routers default), and each worker's load. `additional_active_blocks` is the whole
+/// prompt, as our decode term charges it.
+fn dynamo_request(
+    router: &Router,
+    locals: &[LocalHash],
+    scores: &mut OverlapScores,
+) -> SchedulingRequest {
+    let tokens = PROMPT;
+    let blocks = tokens.div_ceil(BS);
+    router
+        .index_reader()
+        .find_matches_into(locals, MatchOptions::default(), scores);
+    let mut overlap = OverlapSignals::default();
+    for s in &scores.scores {
+        let w = WorkerWithDpRank::new(s.rank.worker.0, s.rank.dp_rank.0);
+        let [device, host, disk, external] = s.per_tier.map(|b| b as usize);
+        let effective = device as f64 + 0.75 * host as f64 + 0.25 * (disk + external) as f64;
+        let t = &mut overlap.tier_overlap_blocks;
+        t.device.insert(w, device);
+        t.host_pinned.insert(w, host);
+        t.disk.insert(w, disk + external);
+        overlap.effective_overlap_blocks.insert(w, effective);
+        overlap
+            .effective_cached_tokens
+            .insert(w, ((effective * BS as f64) as usize).min(tokens));
+    }
+    let mut request = SchedulingRequest {
+        mode: ScheduleMode::QueryOnly { request_id: None },
+        token_seq: None,
+        isl_tokens: tokens,
+        lora_name: None,
+        expected_output_tokens: None,
+        affinity_target: None,
+        pinned_worker: None,
+        allowed_worker_ids: None,
+        routing_constraints: RoutingConstraints::default(),
+        router_config_override: None,
+        track_prefill_tokens: true,
+        priority_jump: 0.0,
+        strict_priority: 0,
+        policy_class: None,
+        session_context: None,
+        overlap,
+        kv_transfer_candidates: None,
+        retain_kv_transfer_chain: false,
+        shared_cache_hits: None,
+        worker_loads: Default::default(),
+        resp_tx: None,
+    };
+    for w in 0..WORKERS {
+        let l = router.load(WorkerRank::new(w, 0)).unwrap();
+        request.worker_loads.insert(
+            WorkerWithDpRank::new(w, 0),
+            WorkerLoadProjection {
+                active_prefill_tokens: l.prefill_tokens as usize,
+                active_decode_blocks: l.decode_blocks() as usize,
+                active_requests: l.requests as usize,
+                additional_active_blocks: blocks,
+            },
+        );
+    }
+    request
+}
+
+fn bench_vs_dynamo(c: &mut Criterion) {
+    let router = fleet(RouterConfig::default());
+    let timed = fleet(RouterConfig {
+        timing: Timing::On,
+        ..RouterConfig::default()
+    });
+    let query = prompt(7);
+    let locals = BlockHasher::new(BS).local_hashes(&query);
+    let mut q = RouteRequest {
+        id: RequestId(1),
+        tokens: &query,
+        hints: RouteHints::default(),
+    };
+    q.hints.mode = Mode::QueryOnly;
+
+    let workers: HashMap<u64, PeerWorker> = (0..WORKERS)
+        .map(|w| {
+            let peer = PeerWorker {
+                kv_blocks: 100_000,
+                max_batched_tokens: 8192,
+            };
+            (w, peer)
+        })
+        .collect();
+    let selector = DefaultWorkerSelector::new_seeded(Some(KvRouterConfig::default()), "decode", 7);
+    let mut scores = OverlapScores::default();
+    let request = dynamo_request(&router, &locals, &mut scores);
+    let select = |request: &SchedulingRequest| {
+        let input =
+            WorkerSelectionInput::configured(&workers, request, request.eligibility(), BS as u32);
+        selector.select_worker(input).unwrap()
+    };
+    for _ in 0..1000 {
+        timed.route(&q).unwrap();
+    }
+    let t = timed.timings().unwrap();
+    println!(
+        "vs_dynamo: router's own split over {} routes, medians: hash {} ns, match {} ns, select {} ns",
+        t.select.len(),
+        t.hash.value_at_quantile(0.5),
+        t.matching.value_at_quantile(0.5),
+        t.select.value_at_quantile(0.5)
+    );
+    let theirs = select(&request);
+    let ours = router.route(&q).unwrap();
+    println!(
+        "vs_dynamo: kvroute chose {} ({} blocks cached), dynamo chose {}/{} ({:.0} blocks)",
+        ours.worker,
+        ours.overlap.blocks,
+        theirs.worker.worker_id,
+        theirs.worker.dp_rank,
+        theirs.effective_overlap_blocks
+    );
+
+    let mut g = c.benchmark_group("vs_dynamo_8k_256w");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("kvroute_route_query_only", |b| {
+        b.iter(|| black_box(router.route(black_box(&q)).unwrap().worker))
+    });
+    g.bench_function("kvroute_select_step", |b| {
+        // The router's own split: criterion's clock covers the whole route, the reported
+        // figure is the select step's share, measured inside route by the router itself.
+        b.iter_custom(|iters| {
+            let before = timed.timings().unwrap().select;
+            let (sum0, n0) = (before.mean() * before.len() as f64, before.len());
+            for _ in 0..iters {
+                black_box(timed.route(black_box(&q)).unwrap().worker);
+            }
+            let after = timed.timings().unwrap().select;
+            let sum1 = after.mean() * after.len() as f64;
+            debug_assert_eq!(after.len() - n0, iters);
+            Duration::from_nanos((sum1 - sum0).max(0.0) as u64)
+        })
+    });
+    g.bench_function("dynamo_select_worker", |b| {
+        b.iter(|| black_box(select(black_box(&request)).worker))
+    });
+    g.bench_function("dynamo_prepare_and_select", |b| {
+        b.iter(|| {
+            let request = dynamo_request(&router, black_box(&locals), &mut scores);
+            black_box(select(&request).worker)
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_route, bench_vs_dynamo);
 criterion_main!(benches);

@@ -8,8 +8,10 @@
 //! ```
 //!
 //! A [`Fleet`] lists workers sorted by id and ranks sorted by (worker, dp rank); each rank
-//! carries its [`RankState`] (`Arc`), so selection walks one flat array and reads load counters
-//! with no lookup. Ranks keep their `RankState` across snapshots; a leaving worker's states are
+//! carries its [`RankState`] (`Arc`) and its worker's role, so selection walks one flat array
+//! and reads load counters with no lookup. A small open-addressing table built with the
+//! snapshot ([`RankLookup`]) maps a rank to its place in that array in one probe or two, so the
+//! index's scores land on their ranks without a search per score. Ranks keep their `RankState` across snapshots; a leaving worker's states are
 //! retired before the snapshot without them is published, so in-flight bookings against the old
 //! snapshot notice (see [`crate::load`]).
 
@@ -19,6 +21,7 @@ use arc_swap::ArcSwap;
 
 use crate::event::{DpRank, WorkerId, WorkerRank};
 use crate::load::RankState;
+use crate::rng::mix64;
 
 /// What a worker does in (possibly disaggregated) serving.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -96,7 +99,64 @@ pub struct RankEntry {
     pub rank: WorkerRank,
     /// Index of its worker in [`Fleet::workers`].
     pub worker: usize,
+    /// Its worker's role (copied here so that selection need not visit the worker).
+    pub role: WorkerRole,
     pub state: Arc<RankState>,
+}
+
+/// Rank → index in [`Fleet::ranks`]: open addressing with linear probing, at most half full,
+/// built once per snapshot and read-only after.
+#[derive(Debug, Default)]
+pub struct RankLookup {
+    /// `(rank, index)`; `u32::MAX` marks an empty slot. Length a power of two (or 0).
+    slots: Box<[(WorkerRank, u32)]>,
+}
+
+impl RankLookup {
+    const EMPTY: u32 = u32::MAX;
+
+    #[inline]
+    fn home(rank: WorkerRank, mask: usize) -> usize {
+        (mix64(rank.worker.0 ^ mix64(u64::from(rank.dp_rank.0))) as usize) & mask
+    }
+
+    /// A table of `ranks`, each mapped to its position.
+    pub fn new(ranks: &[RankEntry]) -> Self {
+        if ranks.is_empty() {
+            return RankLookup::default();
+        }
+        let len = (ranks.len() * 2).next_power_of_two();
+        let mut slots = vec![(WorkerRank::default(), Self::EMPTY); len].into_boxed_slice();
+        let mask = len - 1;
+        for (i, r) in ranks.iter().enumerate() {
+            let mut at = Self::home(r.rank, mask);
+            while slots[at].1 != Self::EMPTY {
+                at = (at + 1) & mask;
+            }
+            slots[at] = (r.rank, i as u32);
+        }
+        RankLookup { slots }
+    }
+
+    /// The position of `rank`, if present.
+    #[inline]
+    pub fn get(&self, rank: WorkerRank) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut at = Self::home(rank, mask);
+        loop {
+            let (r, i) = self.slots[at];
+            if i == Self::EMPTY {
+                return None;
+            }
+            if r == rank {
+                return Some(i as usize);
+            }
+            at = (at + 1) & mask;
+        }
+    }
 }
 
 /// An immutable view of the fleet.
@@ -106,6 +166,8 @@ pub struct Fleet {
     pub workers: Vec<WorkerEntry>,
     /// Sorted by (worker, dp rank).
     pub ranks: Vec<RankEntry>,
+    /// Where each rank sits in `ranks`.
+    pub lookup: RankLookup,
     /// Bumped by every join and leave.
     pub generation: u64,
 }
@@ -122,7 +184,7 @@ impl Fleet {
     /// Index of a rank in [`Fleet::ranks`].
     #[inline]
     pub fn rank_index(&self, rank: WorkerRank) -> Option<usize> {
-        self.ranks.binary_search_by_key(&rank, |r| r.rank).ok()
+        self.lookup.get(rank)
     }
 
     /// Number of workers.
@@ -294,6 +356,7 @@ fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> 
             ranks.push(RankEntry {
                 rank: state.rank(),
                 worker: i,
+                role: config.role,
                 state,
             });
         }
@@ -304,6 +367,7 @@ fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> 
     }
     Fleet {
         workers,
+        lookup: RankLookup::new(&ranks),
         ranks,
         generation,
     }
@@ -348,6 +412,30 @@ mod tests {
         assert_eq!(f.rank_index(WorkerRank::new(9, 3)), Some(2));
         assert_eq!(f.worker(WorkerId(9)).unwrap().ranks, 1..3);
         assert_eq!(f.generation, 2);
+    }
+
+    /// The lookup table agrees with a binary search over the sorted ranks, for present and
+    /// absent ranks alike, across many workers with several dp ranks.
+    #[test]
+    fn rank_lookup_matches_a_binary_search() {
+        let reg = Registry::new(16, 0);
+        for w in 0..97u64 {
+            reg.join(WorkerConfig {
+                dp_start: (w % 3) as u32,
+                dp_size: 1 + (w % 4) as u32,
+                ..WorkerConfig::simple(w * 1_000_003, 100, 16)
+            })
+            .unwrap();
+        }
+        let f = reg.load();
+        for w in 0..100u64 {
+            for dp in 0..8 {
+                let rank = WorkerRank::new(w * 1_000_003, dp);
+                let expected = f.ranks.binary_search_by_key(&rank, |r| r.rank).ok();
+                assert_eq!(f.rank_index(rank), expected, "{rank}");
+            }
+        }
+        assert_eq!(Fleet::default().rank_index(WorkerRank::new(0, 0)), None);
     }
 
     #[test]

@@ -35,7 +35,7 @@ use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig, W
 use crate::rng::SharedRng;
 use crate::select::{
     filter_busy, selector_for, Busy, BusyOutcome, Candidate, CostTerms, LeastLoaded, Overlap,
-    Overrides, PolicyKind, RequestShape, SelectInput, Selector, Weights,
+    Overrides, PolicyKind, RequestShape, Scored, SelectInput, Selector, Weights,
 };
 
 /// The serving phase a request is routed for.
@@ -227,6 +227,23 @@ impl Timings {
     }
 }
 
+impl Timings {
+    /// Records one decision's split. The histograms grow to the largest value seen (an
+    /// allocation only when a new maximum arrives); `saturating_record` alone would clamp every
+    /// value to the initial range of 1..2 ns, because it never resizes.
+    fn record(&mut self, hash: u64, matching: u64, select: u64) {
+        for (h, v) in [
+            (&mut self.hash, hash),
+            (&mut self.matching, matching),
+            (&mut self.select, select),
+        ] {
+            if h.record(v).is_err() {
+                h.saturating_record(v);
+            }
+        }
+    }
+}
+
 fn unreachable_histogram() -> Histogram<u64> {
     // `Histogram::new(3)` only fails for more than 5 significant digits.
     Histogram::new_with_bounds(1, 2, 0).expect("a minimal histogram is always valid")
@@ -272,8 +289,9 @@ struct Scratch {
     locals: Vec<LocalHash>,
     keys: Vec<u64>,
     scores: OverlapScores,
-    per_rank: Vec<[u32; StorageTier::COUNT]>,
-    candidates: Vec<Candidate>,
+    slot: Vec<u32>,
+    matched: Vec<(f64, u32)>,
+    candidates: Vec<Scored>,
 }
 
 thread_local! {
@@ -467,12 +485,17 @@ impl Router {
         let timing = self.timings.is_some();
         let t0 = timing.then(Instant::now);
 
-        // 1. Hash.
+        // 1. Hash. Booking needs a prefix key per full block; a query needs only the one the
+        // policy keys on.
         let bs = self.config.block_size;
         let hasher = BlockHasher::new(bs as usize)
             .with_seed(HashSeed::new(hints.lora_name, hints.cache_salt));
         hasher.local_hashes_into(req.tokens, &mut s.locals);
-        prefix_keys_into(&s.locals, &mut s.keys);
+        let keyed = match hints.mode {
+            Mode::Book => s.locals.len(),
+            Mode::QueryOnly => self.prefix_key_blocks().min(s.locals.len()),
+        };
+        prefix_keys_into(&s.locals[..keyed], &mut s.keys);
         let t1 = timing.then(Instant::now);
 
         // 2. Match.
@@ -481,15 +504,6 @@ impl Router {
         let t2 = timing.then(Instant::now);
 
         // 3. Select.
-        let fleet = self.registry.load();
-        s.per_rank.clear();
-        s.per_rank
-            .resize(fleet.ranks.len(), [0; StorageTier::COUNT]);
-        for score in &s.scores.scores {
-            if let Some(i) = fleet.rank_index(score.rank) {
-                s.per_rank[i] = score.per_tier;
-            }
-        }
         let overrides = hints.overrides.sanitized();
         let mut weights = Weights::new(&self.config, &overrides);
         if hints.phase == Phase::Decode {
@@ -503,18 +517,40 @@ impl Router {
             prefix_key: self.prefix_key(&s.keys),
         };
         let temperature = overrides.temperature.unwrap_or(self.config.temperature);
-        let candidate = |i: usize| -> Candidate {
-            let r = &fleet.ranks[i];
-            let load = r.state.load();
-            let per_tier = s.per_rank[i];
-            Candidate {
-                rank: r.rank,
-                fleet_index: i,
-                load,
-                overlap: Overlap::new(per_tier, &weights, &shape),
-                cost: CostTerms::new(&weights, &shape, &load, &per_tier),
-                busy: Busy::of(&load, &fleet.workers[r.worker].config, &self.config.busy),
+        // Each rank's match: `slot[fleet index]` is 0 (no blocks cached) or 1 + the index of
+        // its score; `matched[slot]` holds that score's credit and blocks (entry 0: none).
+        let fleet = self.registry.load();
+        s.slot.clear();
+        s.slot.resize(fleet.ranks.len(), 0);
+        s.matched.clear();
+        s.matched.push((0.0, 0));
+        for score in &s.scores.scores {
+            if let Some(i) = fleet.rank_index(score.rank) {
+                s.slot[i] = s.matched.len() as u32;
             }
+            // Pushed even for a rank unknown to the fleet, so that slot - 1 indexes the scores.
+            let blocks = score.per_tier.iter().sum();
+            s.matched
+                .push((CostTerms::credit_of(&weights, &score.per_tier), blocks));
+        }
+        let busy = &self.config.busy;
+        let scorer = Scorer {
+            fleet: &fleet,
+            slot: &s.slot,
+            matched: &s.matched,
+            weights: &weights,
+            shape: &shape,
+            busy,
+            busy_on: busy.decode_blocks_fraction.is_some()
+                || busy.prefill_tokens_fraction.is_some(),
+        };
+        let full = |c: &Scored| {
+            let i = c.fleet_index as usize;
+            let per_tier = match s.slot[i] {
+                0 => [0; StorageTier::COUNT],
+                m => s.scores.scores[m as usize - 1].per_tier,
+            };
+            Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape)
         };
 
         let mut rng = self.rng.fork();
@@ -522,82 +558,88 @@ impl Router {
             Mode::Book => Bookkeeping::Booked,
             Mode::QueryOnly => Bookkeeping::QueryOnly,
         };
-        let (chosen, decided_by, evidence) =
-            if let Some((wid, dp)) = hints.pinned.for_phase(hints.phase) {
-                let Some(w) = fleet.worker(wid) else {
-                    bump(&self.counters.unknown_worker);
-                    return Err(RouteError::UnknownWorker {
-                        request,
-                        worker: wid,
-                    });
-                };
-                if hints.allowed.is_some_and(|a| !a.contains(&wid)) {
-                    bump(&self.counters.pinned_not_allowed);
-                    return Err(RouteError::PinnedNotAllowed {
-                        request,
-                        worker: wid,
-                    });
-                }
-                let ranks = w.ranks.clone();
-                let resolved = match dp {
-                    Some(dp) => ranks.clone().find(|&i| fleet.ranks[i].rank.dp_rank == dp),
-                    None if ranks.len() == 1 => Some(ranks.start),
-                    None => None,
-                };
-                let i = resolved.unwrap_or_else(|| {
-                    if hints.mode == Mode::Book {
-                        bookkeeping = Bookkeeping::UntrackedDpRankUnresolved;
-                    }
-                    ranks.start
+        let (chosen, decided_by, evidence) = if let Some((wid, dp)) =
+            hints.pinned.for_phase(hints.phase)
+        {
+            let Some(w) = fleet.worker(wid) else {
+                bump(&self.counters.unknown_worker);
+                return Err(RouteError::UnknownWorker {
+                    request,
+                    worker: wid,
                 });
-                let c = candidate(i);
-                let ev = (hints.evidence == EvidenceLevel::Full).then(|| vec![c]);
-                (c, DecidedBy::Pinned, ev)
-            } else {
-                s.candidates.clear();
-                for (i, r) in fleet.ranks.iter().enumerate() {
-                    let w = &fleet.workers[r.worker];
-                    let role_ok = matches!(
-                        (hints.phase, w.config.role),
-                        (Phase::Aggregated, WorkerRole::Aggregated)
-                            | (Phase::Prefill, WorkerRole::Prefill)
-                            | (Phase::Decode, WorkerRole::Decode)
-                    );
-                    if !role_ok || hints.allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
-                        continue;
-                    }
-                    s.candidates.push(candidate(i));
-                }
-                if s.candidates.is_empty() {
-                    bump(&self.counters.no_workers);
-                    return Err(RouteError::NoWorkers { request });
-                }
-                let ev = (hints.evidence == EvidenceLevel::Full).then(|| s.candidates.clone());
-                let outcome = filter_busy(&mut s.candidates);
-                let input = SelectInput {
-                    candidates: &s.candidates,
-                    shape: &shape,
-                    block_size: bs,
-                    temperature,
-                };
-                let (pick, by) = match outcome {
-                    BusyOutcome::AllBusy => {
-                        bump(&self.counters.all_busy);
-                        (
-                            LeastLoaded.select(&input, &mut rng),
-                            DecidedBy::FallbackAllBusy,
-                        )
-                    }
-                    BusyOutcome::Filtered => {
-                        let by = match self.selector.kind() {
-                            PolicyKind::KvAware => DecidedBy::Cost,
-                            k => DecidedBy::Policy(k),
-                        };
-                        (self.selector.select(&input, &mut rng), by)
-                    }
-                };
-                (s.candidates[pick], by, ev)
             };
+            if hints.allowed.is_some_and(|a| !a.contains(&wid)) {
+                bump(&self.counters.pinned_not_allowed);
+                return Err(RouteError::PinnedNotAllowed {
+                    request,
+                    worker: wid,
+                });
+            }
+            let ranks = w.ranks.clone();
+            let resolved = match dp {
+                Some(dp) => ranks.clone().find(|&i| fleet.ranks[i].rank.dp_rank == dp),
+                None if ranks.len() == 1 => Some(ranks.start),
+                None => None,
+            };
+            let i = resolved.unwrap_or_else(|| {
+                if hints.mode == Mode::Book {
+                    bookkeeping = Bookkeeping::UntrackedDpRankUnresolved;
+                }
+                ranks.start
+            });
+            let c = full(&scorer.score(i));
+            let ev = (hints.evidence == EvidenceLevel::Full).then(|| vec![c]);
+            (c, DecidedBy::Pinned, ev)
+        } else {
+            let role = match hints.phase {
+                Phase::Aggregated => WorkerRole::Aggregated,
+                Phase::Prefill => WorkerRole::Prefill,
+                Phase::Decode => WorkerRole::Decode,
+            };
+            s.candidates.clear();
+            s.candidates.reserve(fleet.ranks.len());
+            for (i, r) in fleet.ranks.iter().enumerate() {
+                if r.role != role || hints.allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
+                    continue;
+                }
+                s.candidates.push(scorer.score(i));
+            }
+            if s.candidates.is_empty() {
+                bump(&self.counters.no_workers);
+                return Err(RouteError::NoWorkers { request });
+            }
+            let ev = (hints.evidence == EvidenceLevel::Full)
+                .then(|| s.candidates.iter().map(full).collect());
+            let outcome = if scorer.busy_on {
+                filter_busy(&mut s.candidates)
+            } else {
+                BusyOutcome::Filtered
+            };
+            let input = SelectInput {
+                candidates: &s.candidates,
+                ranks: &fleet.ranks,
+                shape: &shape,
+                block_size: bs,
+                temperature,
+            };
+            let (pick, by) = match outcome {
+                BusyOutcome::AllBusy => {
+                    bump(&self.counters.all_busy);
+                    (
+                        LeastLoaded.select(&input, &mut rng),
+                        DecidedBy::FallbackAllBusy,
+                    )
+                }
+                BusyOutcome::Filtered => {
+                    let by = match self.selector.kind() {
+                        PolicyKind::KvAware => DecidedBy::Cost,
+                        k => DecidedBy::Policy(k),
+                    };
+                    (self.selector.select(&input, &mut rng), by)
+                }
+            };
+            (full(&s.candidates[pick]), by, ev)
+        };
         let t3 = timing.then(Instant::now);
 
         // 4. Book.
@@ -623,10 +665,7 @@ impl Router {
 
         if let (Some(t), Some(t0), Some(t1), Some(t2), Some(t3)) = (&self.timings, t0, t1, t2, t3) {
             let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
-            let mut t = lock(t);
-            t.hash.saturating_record(ns(t0, t1));
-            t.matching.saturating_record(ns(t1, t2));
-            t.select.saturating_record(ns(t2, t3));
+            lock(t).record(ns(t0, t1), ns(t1, t2), ns(t2, t3));
         }
 
         Ok(Decision {
@@ -642,13 +681,54 @@ impl Router {
         })
     }
 
-    fn prefix_key(&self, keys: &[u64]) -> Option<u64> {
+    /// How many leading blocks the prefix key covers.
+    fn prefix_key_blocks(&self) -> usize {
         match self.config.policy {
-            crate::config::Policy::PrefixHash { prefix_blocks, .. } => {
-                let n = (prefix_blocks as usize).min(keys.len());
-                n.checked_sub(1).map(|i| keys[i])
-            }
-            _ => keys.first().copied(),
+            crate::config::Policy::PrefixHash { prefix_blocks, .. } => prefix_blocks as usize,
+            _ => 1,
+        }
+    }
+
+    /// The key of the prompt's first [`Router::prefix_key_blocks`] blocks (all of them when
+    /// the prompt is shorter; `None` without a full block).
+    fn prefix_key(&self, keys: &[u64]) -> Option<u64> {
+        let n = self.prefix_key_blocks().min(keys.len());
+        n.checked_sub(1).map(|i| keys[i])
+    }
+}
+
+/// Everything one request's ranks are scored against.
+struct Scorer<'a> {
+    fleet: &'a Fleet,
+    /// By fleet index: 0, or 1 + the index of the rank's score.
+    slot: &'a [u32],
+    /// By slot: the credit and the blocks of the rank's match (slot 0: nothing cached).
+    matched: &'a [(f64, u32)],
+    weights: &'a Weights,
+    shape: &'a RequestShape,
+    busy: &'a crate::config::BusyThresholds,
+    /// False when every threshold is off: then no rank is busy, and the worker configs are
+    /// never visited.
+    busy_on: bool,
+}
+
+impl Scorer<'_> {
+    /// Rank `i` of the fleet as selection sees it.
+    #[inline(always)]
+    fn score(&self, i: usize) -> Scored {
+        let r = &self.fleet.ranks[i];
+        let load = r.state.load();
+        let (credit, blocks) = self.matched[self.slot[i] as usize];
+        Scored {
+            fleet_index: i as u32,
+            overlap_blocks: blocks,
+            busy: if self.busy_on {
+                Busy::of(&load, &self.fleet.workers[r.worker].config, self.busy)
+            } else {
+                Busy::Free
+            },
+            cost: CostTerms::total_of(self.weights, self.shape, &load, credit),
+            load,
         }
     }
 }
@@ -1098,6 +1178,25 @@ mod tests {
         let t = r.timings().unwrap();
         assert_eq!((t.hash.len(), t.matching.len(), t.select.len()), (1, 1, 1));
         assert!(router(RouterConfig::default()).timings().is_none());
+    }
+
+    /// The overhead histograms once clamped every value to their initial 1..2 ns range
+    /// (`saturating_record` never resizes): a 3 µs select step read back as 2 ns.
+    #[test]
+    fn timing_histograms_keep_microseconds() {
+        let mut t = Timings::new();
+        t.record(1_500, 2_000, 3_000);
+        t.record(900_000, 1, 7);
+        assert_eq!(
+            t.hash.value_at_quantile(0.0),
+            t.hash.lowest_equivalent(1_500)
+        );
+        assert_eq!(t.matching.value_at_quantile(0.0), 1);
+        assert_eq!(
+            t.select.value_at_quantile(1.0),
+            t.select.highest_equivalent(3_000)
+        );
+        assert!(t.hash.max() >= 899_000, "{}", t.hash.max());
     }
 
     #[test]

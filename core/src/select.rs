@@ -1,10 +1,13 @@
 //! Worker selection: from each candidate rank's overlap and load, which one serves the request.
 //!
 //! ```text
-//!   candidates (rank, load, overlap per tier, cost terms)   built by the router, one per rank
+//!   Scored (fleet index, load, overlap blocks, cost total)   built by the router, one per rank
 //!        │ busy filter: drop ranks over a threshold while some rank is under every threshold
 //!        ▼
 //!   Selector::select ──▶ index of the chosen candidate
+//!        │
+//!        ▼
+//!   Candidate (overlap per tier, cost terms): only for the winner, or every rank as evidence
 //!     KvAware      argmin of cost (random ties) or softmax over normalised costs
 //!     RoundRobin, Random, LeastLoaded, PowerOfTwo, PrefixHash (bounded load), CacheThreshold
 //! ```
@@ -22,6 +25,11 @@
 //! (shared by a running request): an upper bound that avoids probing every rank's active set
 //! per request; the booking itself counts shared blocks once (see [`crate::load`]).
 //!
+//! Selection looks at a [`Scored`] record per rank, small enough that a few hundred ranks are
+//! scored in well under a microsecond; the full [`Candidate`] (every cost term, the tier split)
+//! is built from it for the winner, and for every rank only when evidence is asked for. Both
+//! compute the total with the same code ([`CostTerms::total_of`]), so they agree to the bit.
+//!
 //! Every random draw comes from the caller's [`Rng`], so a seeded router decides reproducibly.
 
 use std::fmt;
@@ -30,7 +38,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::config::{BusyThresholds, Policy, RouterConfig};
 use crate::event::{StorageTier, WorkerRank};
 use crate::load::LoadView;
-use crate::registry::WorkerConfig;
+use crate::registry::{RankEntry, WorkerConfig};
 use crate::rng::{mix64, Rng};
 
 /// The per-request numbers the cost needs.
@@ -153,15 +161,11 @@ impl CostTerms {
         load: &LoadView,
         per_tier: &[u32; StorageTier::COUNT],
     ) -> Self {
-        let bs = f64::from(w.block_size.max(1));
-        let prefill_blocks = (load.prefill_tokens + shape.tokens) as f64 / bs;
-        let credit_blocks: f64 = per_tier
-            .iter()
-            .zip(w.credits)
-            .map(|(&b, c)| f64::from(b) * c)
-            .sum();
-        let prefill_cost = w.prefill_load_scale * (prefill_blocks - credit_blocks).max(0.0);
-        let decode_cost = (load.decode_blocks() + shape.blocks) as f64;
+        let prefill_blocks =
+            (load.prefill_tokens + shape.tokens) as f64 / f64::from(w.block_size.max(1));
+        let credit_blocks = Self::credit_blocks(w, per_tier);
+        let prefill_cost = Self::prefill_cost(w, prefill_blocks, credit_blocks);
+        let decode_cost = Self::decode_cost(shape, load);
         CostTerms {
             prefill_blocks,
             credit_blocks,
@@ -169,6 +173,64 @@ impl CostTerms {
             decode_cost,
             total: prefill_cost + decode_cost,
         }
+    }
+
+    /// `CostTerms::new(..).total` without the other terms, from the rank's credit
+    /// ([`CostTerms::credit_of`]): the same operations in the same order, so the two are equal
+    /// to the bit.
+    #[inline(always)]
+    pub fn total_of(w: &Weights, shape: &RequestShape, load: &LoadView, credit_blocks: f64) -> f64 {
+        let prefill_blocks = Self::prefill_blocks(w, shape, load);
+        Self::prefill_cost(w, prefill_blocks, credit_blocks) + Self::decode_cost(shape, load)
+    }
+
+    /// The overlap credit of `per_tier` cached blocks, in blocks.
+    #[inline]
+    pub fn credit_of(w: &Weights, per_tier: &[u32; StorageTier::COUNT]) -> f64 {
+        Self::credit_blocks(w, per_tier)
+    }
+
+    /// Tokens in blocks. A power-of-two block size divides by multiplying with its exact
+    /// reciprocal: the same result to the bit, without a division's latency.
+    #[inline(always)]
+    fn prefill_blocks(w: &Weights, shape: &RequestShape, load: &LoadView) -> f64 {
+        let tokens = count_f64(load.prefill_tokens + shape.tokens);
+        let bs = w.block_size.max(1);
+        if bs.is_power_of_two() {
+            tokens * (1.0 / f64::from(bs))
+        } else {
+            tokens / f64::from(bs)
+        }
+    }
+
+    #[inline]
+    fn credit_blocks(w: &Weights, per_tier: &[u32; StorageTier::COUNT]) -> f64 {
+        per_tier
+            .iter()
+            .zip(w.credits)
+            .map(|(&b, c)| f64::from(b) * c)
+            .sum()
+    }
+
+    #[inline(always)]
+    fn prefill_cost(w: &Weights, prefill_blocks: f64, credit_blocks: f64) -> f64 {
+        w.prefill_load_scale * (prefill_blocks - credit_blocks).max(0.0)
+    }
+
+    #[inline(always)]
+    fn decode_cost(shape: &RequestShape, load: &LoadView) -> f64 {
+        count_f64(load.decode_blocks() + shape.blocks)
+    }
+}
+
+/// `x as f64`, through the one-instruction signed conversion whenever `x` fits in an `i64`
+/// (every count the router keeps): the same value, without the unsigned conversion's
+/// multi-instruction sequence on x86-64.
+#[inline(always)]
+fn count_f64(x: u64) -> f64 {
+    match i64::try_from(x) {
+        Ok(i) => i as f64,
+        Err(_) => x as f64,
     }
 }
 
@@ -201,7 +263,23 @@ impl Busy {
     }
 }
 
-/// One rank that may serve the request.
+/// One rank that may serve the request, as selection sees it: what every policy needs, and no
+/// more.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scored {
+    /// Index in the fleet snapshot's ranks.
+    pub fleet_index: u32,
+    /// Leading prompt blocks the rank holds, in any tier.
+    pub overlap_blocks: u32,
+    pub busy: Busy,
+    /// Total cost ([`CostTerms::total_of`]).
+    pub cost: f64,
+    /// The load the cost was computed from.
+    pub load: LoadView,
+}
+
+/// One rank that may serve the request, with everything known about it: the decision's and the
+/// evidence record's view.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Candidate {
     pub rank: WorkerRank,
@@ -211,6 +289,27 @@ pub struct Candidate {
     pub overlap: Overlap,
     pub cost: CostTerms,
     pub busy: Busy,
+}
+
+impl Candidate {
+    /// The full record of a scored rank holding `per_tier` blocks: the same load, so the same
+    /// cost.
+    pub fn from_scored(
+        scored: &Scored,
+        rank: WorkerRank,
+        per_tier: [u32; StorageTier::COUNT],
+        w: &Weights,
+        shape: &RequestShape,
+    ) -> Self {
+        Candidate {
+            rank,
+            fleet_index: scored.fleet_index as usize,
+            load: scored.load,
+            overlap: Overlap::new(per_tier, w, shape),
+            cost: CostTerms::new(w, shape, &scored.load, &per_tier),
+            busy: scored.busy,
+        }
+    }
 }
 
 /// Which rule of selection applied.
@@ -223,7 +322,7 @@ pub enum BusyOutcome {
 }
 
 /// Drops busy candidates when at least one is free (in place, allocation-free).
-pub fn filter_busy(candidates: &mut Vec<Candidate>) -> BusyOutcome {
+pub fn filter_busy(candidates: &mut Vec<Scored>) -> BusyOutcome {
     if candidates.iter().all(|c| c.busy == Busy::Busy) && !candidates.is_empty() {
         return BusyOutcome::AllBusy;
     }
@@ -247,7 +346,9 @@ pub enum PolicyKind {
 #[derive(Clone, Copy, Debug)]
 pub struct SelectInput<'a> {
     /// Never empty.
-    pub candidates: &'a [Candidate],
+    pub candidates: &'a [Scored],
+    /// The fleet snapshot's ranks, which [`Scored::fleet_index`] points into.
+    pub ranks: &'a [RankEntry],
     pub shape: &'a RequestShape,
     pub block_size: u32,
     pub temperature: f64,
@@ -346,9 +447,9 @@ impl Selector for KvAware {
     }
     fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
         if input.temperature > 0.0 {
-            softmax_sample(input.candidates, input.temperature, rng, |c| c.cost.total)
+            softmax_sample(input.candidates, input.temperature, rng, |c| c.cost)
         } else {
-            argmin_random_ties(input.candidates, rng, |c| c.cost.total)
+            argmin_random_ties(input.candidates, rng, |c| c.cost)
         }
     }
 }
@@ -446,8 +547,9 @@ impl Selector for PrefixHash {
         let c = input.candidates;
         let mean = c.iter().map(|x| x.load.load_blocks(bs)).sum::<u64>() as f64 / c.len() as f64;
         let bound = self.load_factor * (mean + 1.0);
-        let weight = |x: &Candidate| {
-            let r = (x.rank.worker.0 << 20) ^ u64::from(x.rank.dp_rank.0);
+        let weight = |x: &Scored| {
+            let rank = input.ranks[x.fleet_index as usize].rank;
+            let r = (rank.worker.0 << 20) ^ u64::from(rank.dp_rank.0);
             mix64(key ^ mix64(r))
         };
         let mut best: Option<(usize, u64)> = None;
@@ -486,13 +588,13 @@ impl Selector for CacheThreshold {
             .map(|x| x.load.load_blocks(bs))
             .fold((u64::MAX, 0), |(lo, hi), l| (lo.min(l), hi.max(l)));
         let balanced = hi - lo <= self.balance_abs || hi as f64 <= self.balance_rel * lo as f64;
-        let best = argmin_random_ties(c, rng, |x| -f64::from(x.overlap.blocks));
+        let best = argmin_random_ties(c, rng, |x| -f64::from(x.overlap_blocks));
         let ratio = if input.shape.blocks == 0 {
             0.0
         } else {
-            f64::from(c[best].overlap.blocks) / input.shape.blocks as f64
+            f64::from(c[best].overlap_blocks) / input.shape.blocks as f64
         };
-        if balanced && ratio >= self.min_match_ratio && c[best].overlap.blocks > 0 {
+        if balanced && ratio >= self.min_match_ratio && c[best].overlap_blocks > 0 {
             best
         } else {
             LeastLoaded.select(input, rng)
@@ -517,15 +619,98 @@ mod tests {
         }
     }
 
-    fn cand(i: usize, load: LoadView, per_tier: [u32; 4], s: &RequestShape) -> Candidate {
-        let w = weights();
-        Candidate {
-            rank: WorkerRank::new(i as u64, 0),
-            fleet_index: i,
-            load,
-            overlap: Overlap::new(per_tier, &w, s),
-            cost: CostTerms::new(&w, s, &load, &per_tier),
+    /// Ranks `i/0` for `i` in `0..8`, where the candidates' fleet indices point.
+    fn ranks() -> &'static [RankEntry] {
+        static RANKS: std::sync::OnceLock<Vec<RankEntry>> = std::sync::OnceLock::new();
+        RANKS.get_or_init(|| {
+            (0..8)
+                .map(|i| RankEntry {
+                    rank: WorkerRank::new(i, 0),
+                    worker: i as usize,
+                    role: crate::registry::WorkerRole::Aggregated,
+                    state: std::sync::Arc::new(crate::load::RankState::new(WorkerRank::new(i, 0))),
+                })
+                .collect()
+        })
+    }
+
+    fn cand(i: usize, load: LoadView, per_tier: [u32; 4], s: &RequestShape) -> Scored {
+        Scored {
+            fleet_index: i as u32,
+            overlap_blocks: per_tier.iter().sum(),
             busy: Busy::Free,
+            cost: CostTerms::total_of(
+                &weights(),
+                s,
+                &load,
+                CostTerms::credit_of(&weights(), &per_tier),
+            ),
+            load,
+        }
+    }
+
+    #[test]
+    fn count_conversion_is_the_plain_cast() {
+        let mut rng = Rng::new(5);
+        let edge = [
+            0,
+            1,
+            (1 << 53) + 1,
+            i64::MAX as u64,
+            i64::MAX as u64 + 1,
+            u64::MAX,
+        ];
+        for x in edge
+            .into_iter()
+            .chain((0..10_000).map(|_| rng.next_u64() >> rng.below(64)))
+        {
+            assert_eq!(count_f64(x).to_bits(), (x as f64).to_bits(), "{x}");
+        }
+    }
+
+    /// The selection's cost total and the full cost terms agree to the bit, at a power-of-two
+    /// block size (multiplied by its reciprocal) and at another (divided), and the full record
+    /// rebuilt from a scored rank carries the same numbers.
+    #[test]
+    fn scored_total_equals_the_full_cost_terms() {
+        let mut rng = Rng::new(11);
+        let configs = [
+            Overrides::default(),
+            Overrides {
+                overlap_credit: Some(0.3),
+                prefill_load_scale: Some(1.7),
+                temperature: None,
+            },
+        ];
+        for (o, bs) in configs.into_iter().zip([16, 24]) {
+            let w = Weights {
+                block_size: bs,
+                ..Weights::new(&RouterConfig::default(), &o)
+            };
+            for _ in 0..10_000 {
+                let s = shape(1 + rng.below(20_000));
+                let load = LoadView {
+                    prefill_tokens: rng.below(50_000),
+                    prompt_blocks: rng.below(3_000),
+                    output_blocks: rng.below(500),
+                    requests: rng.below(40),
+                };
+                let per_tier = std::array::from_fn(|_| rng.below(400) as u32);
+                let full = CostTerms::new(&w, &s, &load, &per_tier);
+                let total = CostTerms::total_of(&w, &s, &load, CostTerms::credit_of(&w, &per_tier));
+                assert_eq!(full.total.to_bits(), total.to_bits());
+                let scored = Scored {
+                    fleet_index: 3,
+                    overlap_blocks: per_tier.iter().sum(),
+                    busy: Busy::Free,
+                    cost: total,
+                    load,
+                };
+                let c = Candidate::from_scored(&scored, WorkerRank::new(3, 0), per_tier, &w, &s);
+                assert_eq!(c.cost, full);
+                assert_eq!(c.overlap, Overlap::new(per_tier, &w, &s));
+                assert_eq!((c.load, c.fleet_index), (load, 3));
+            }
         }
     }
 
@@ -589,6 +774,7 @@ mod tests {
         ];
         let input = SelectInput {
             candidates: &cands,
+            ranks: ranks(),
             shape: &s,
             block_size: 16,
             temperature: 0.0,
@@ -629,6 +815,7 @@ mod tests {
         ];
         let input = SelectInput {
             candidates: &cands,
+            ranks: ranks(),
             shape: &s,
             block_size: 16,
             temperature: 0.5,
@@ -669,13 +856,13 @@ mod tests {
         let mut v = vec![a, b];
         assert_eq!(filter_busy(&mut v), BusyOutcome::Filtered);
         assert_eq!(v.len(), 1);
-        assert_eq!(v[0].rank, WorkerRank::new(1, 0));
+        assert_eq!(v[0].fleet_index, 1);
         let mut v = vec![a, a];
         assert_eq!(filter_busy(&mut v), BusyOutcome::AllBusy);
         assert_eq!(v.len(), 2);
     }
 
-    fn loads(ls: &[u64]) -> Vec<Candidate> {
+    fn loads(ls: &[u64]) -> Vec<Scored> {
         let s = shape(160);
         ls.iter()
             .enumerate()
@@ -693,9 +880,10 @@ mod tests {
             .collect()
     }
 
-    fn input<'a>(c: &'a [Candidate], s: &'a RequestShape) -> SelectInput<'a> {
+    fn input<'a>(c: &'a [Scored], s: &'a RequestShape) -> SelectInput<'a> {
         SelectInput {
             candidates: c,
+            ranks: ranks(),
             shape: s,
             block_size: 16,
             temperature: 0.0,
@@ -735,13 +923,13 @@ mod tests {
             assert_eq!(p.select(&input(&c, &s), &mut rng), home);
         }
         // Removing another rank does not move the prefix.
-        let fewer: Vec<Candidate> = c
+        let fewer: Vec<Scored> = c
             .iter()
             .copied()
-            .filter(|x| x.fleet_index == home || x.fleet_index != (home + 1) % 4)
+            .filter(|x| x.fleet_index as usize != (home + 1) % 4)
             .collect();
         let at = p.select(&input(&fewer, &s), &mut rng);
-        assert_eq!(fewer[at].fleet_index, home);
+        assert_eq!(fewer[at].fleet_index as usize, home);
         // Overloading the home rank moves the prefix elsewhere.
         let mut hot = c.clone();
         hot[home].load.prompt_blocks = 100;
@@ -751,7 +939,7 @@ mod tests {
     #[test]
     fn cache_threshold_takes_the_match_only_when_good_and_balanced() {
         let s = shape(160); // 10 blocks
-        let mk = |loads: [u64; 2], overlap: [u32; 2]| -> Vec<Candidate> {
+        let mk = |loads: [u64; 2], overlap: [u32; 2]| -> Vec<Scored> {
             (0..2)
                 .map(|i| {
                     cand(
