@@ -50,7 +50,7 @@ use crate::hash::LocalHash;
 /// Index configuration.
 #[derive(Clone, Debug)]
 pub struct IndexConfig {
-    /// Number of shards; 0 means one per available core.
+    /// Number of shards; 0 means one per available core. At most [`MAX_SHARDS`].
     pub shards: usize,
     /// Upper bound of the index's own memory, in bytes; `None` means unbounded. Over it, the
     /// least recently stored leaf blocks are evicted.
@@ -134,6 +134,8 @@ pub enum IndexError {
     UnknownWorker { worker: WorkerId },
     #[error("rank {rank} cannot be registered: the index already tracks {limit} ranks")]
     TooManyRanks { rank: WorkerRank, limit: usize },
+    #[error("stored event of {rank} does not fit: its shard is out of run slots; the rank needs resynchronisation")]
+    Full { rank: WorkerRank },
 }
 
 /// Rejections, per kind. `unknown_blocks` counts blocks, the others count events or calls.
@@ -145,6 +147,7 @@ pub struct ErrorCounts {
     pub unknown_rank: u64,
     pub unknown_worker: u64,
     pub too_many_ranks: u64,
+    pub full: u64,
 }
 
 /// Event-id bookkeeping, summed over ranks.
@@ -272,7 +275,7 @@ pub struct PrefixIndex {
     rank_ids: HashMap<WorkerRank, u32>,
     free_rank_ids: Vec<u32>,
     /// (rank, tier, position) -> copies beyond the first.
-    copies: HashMap<(u32, u8, u64), u32, MixState>,
+    copies: HashMap<(u32, u8, u32), u32, MixState>,
     tick: u64,
     stored_pairs: u64,
     duplicate_copies: u64,
@@ -295,18 +298,23 @@ impl std::fmt::Debug for PrefixIndex {
 /// How many names ahead the apply loops prefetch.
 const PREFETCH_AHEAD: usize = 16;
 
+/// Most shards an index has: a position packs its shard into 4 bits.
+pub const MAX_SHARDS: usize = 16;
+
+/// A block's position in 32 bits: shard (4 bits), run slot (22 bits), offset (6 bits). Names
+/// map to it, so its size is most of a name's cost.
 #[inline]
-fn pack(shard: usize, pos: Pos) -> u64 {
-    ((shard as u64) << 40) | ((pos.slot as u64) << 8) | pos.off as u64
+fn pack(shard: usize, pos: Pos) -> u32 {
+    ((shard as u32) << 28) | (pos.slot << 6) | pos.off as u32
 }
 
 #[inline]
-fn unpack(loc: u64) -> (usize, Pos) {
+fn unpack(loc: u32) -> (usize, Pos) {
     (
-        (loc >> 40) as usize,
+        (loc >> 28) as usize,
         Pos {
-            slot: (loc >> 8) as u32,
-            off: loc as u8,
+            slot: (loc >> 6) & (shard::MAX_SLOTS - 1),
+            off: (loc & 63) as u8,
         },
     )
 }
@@ -317,7 +325,7 @@ impl PrefixIndex {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         }
-        .min(1 << 16);
+        .min(MAX_SHARDS);
         let track_lru = config.memory_budget.is_some();
         let shards: Vec<ShardWriter> = (0..n).map(|i| ShardWriter::new(i, track_lru)).collect();
         let shared = Arc::new(Shared {
@@ -498,11 +506,11 @@ impl PrefixIndex {
             .names
     }
 
-    fn lookup(&self, rank: u32, eh: u64) -> Option<u64> {
+    fn lookup(&self, rank: u32, eh: u64) -> Option<u32> {
         self.ranks.get(rank as usize)?.as_ref()?.names.get(eh)
     }
 
-    fn holds(&self, loc: u64, rank: u32, tier: Option<u8>) -> bool {
+    fn holds(&self, loc: u32, rank: u32, tier: Option<u8>) -> bool {
         let (shard, pos) = unpack(loc);
         self.shards
             .get(shard)
@@ -549,6 +557,14 @@ impl PrefixIndex {
                 }
             },
         };
+        // A store creates at most one run per block: refuse it whole if that could not fit.
+        if !self.shards[shard].has_room_for(blocks.len()) {
+            self.errors.full += 1;
+            self.flag_resync(rank);
+            return Err(IndexError::Full {
+                rank: header.source,
+            });
+        }
         self.tick += 1;
         let tier = header.tier as u8;
         let mut cur = start;
@@ -717,7 +733,7 @@ impl PrefixIndex {
         let names: usize = self.ranks.iter().flatten().map(|r| r.names.bytes()).sum();
         shards
             + names
-            + set_bytes::<((u32, u8, u64), u32)>(self.copies.capacity())
+            + set_bytes::<((u32, u8, u32), u32)>(self.copies.capacity())
             + set_bytes::<(WorkerRank, u32)>(self.rank_ids.capacity())
             + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
             + self.ranks.len() * std::mem::size_of::<Option<WorkerRank>>()

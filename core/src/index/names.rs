@@ -1,4 +1,5 @@
-//! One rank's block names: a map from the engine's block hash to the block's packed position.
+//! One rank's block names: a map from the engine's block hash to the block's packed 32-bit
+//! position.
 //!
 //! A small Swiss table: entries sit in groups of eight, each group with one 64-bit word of tag
 //! bytes (seven bits of the name's hash, or empty, or removed). A lookup reads the tag word of
@@ -21,10 +22,15 @@ const MIN_GROUPS: usize = 2;
 pub(crate) struct NameMap {
     /// One tag byte per entry, eight per word.
     tags: Vec<u64>,
-    /// `[name, position]` per entry.
-    entries: Vec<[u64; 2]>,
+    /// `[name low, name high, position]` per entry: 12 bytes.
+    entries: Vec<[u32; 3]>,
     len: usize,
     removed: usize,
+}
+
+#[inline]
+fn join(lo: u32, hi: u32) -> u64 {
+    lo as u64 | (hi as u64) << 32
 }
 
 #[inline]
@@ -60,7 +66,7 @@ impl NameMap {
 
     /// Heap bytes.
     pub(crate) fn bytes(&self) -> usize {
-        self.tags.capacity() * 8 + self.entries.capacity() * 16
+        self.tags.capacity() * 8 + self.entries.capacity() * std::mem::size_of::<[u32; 3]>()
     }
 
     #[inline]
@@ -90,13 +96,13 @@ impl NameMap {
     }
 
     #[inline]
-    pub(crate) fn get(&self, name: u64) -> Option<u64> {
+    pub(crate) fn get(&self, name: u64) -> Option<u32> {
         self.find(name).map(|(_, pos)| pos)
     }
 
     /// The entry index and position of a name, for [`NameMap::remove_at`].
     #[inline]
-    pub(crate) fn find(&self, name: u64) -> Option<(usize, u64)> {
+    pub(crate) fn find(&self, name: u64) -> Option<(usize, u32)> {
         let n = self.groups();
         if n == 0 {
             return None;
@@ -107,8 +113,8 @@ impl NameMap {
             let mut m = matches(word, tag);
             while m != 0 {
                 let i = g * GROUP + (m.trailing_zeros() / 8) as usize;
-                let [k, v] = self.entries[i];
-                if k == name && self.tag_at(i) == tag {
+                let [lo, hi, v] = self.entries[i];
+                if join(lo, hi) == name && self.tag_at(i) == tag {
                     return Some((i, v));
                 }
                 m &= m - 1;
@@ -137,9 +143,9 @@ impl NameMap {
     }
 
     /// Inserts or replaces; returns the previous position.
-    pub(crate) fn insert(&mut self, name: u64, pos: u64) -> Option<u64> {
+    pub(crate) fn insert(&mut self, name: u64, pos: u32) -> Option<u32> {
         if let Some((i, old)) = self.find(name) {
-            self.entries[i][1] = pos;
+            self.entries[i][2] = pos;
             return Some(old);
         }
         let cap = self.groups() * GROUP;
@@ -152,7 +158,7 @@ impl NameMap {
     }
 
     /// Places a name known to be absent; the table has room.
-    fn put_new(&mut self, name: u64, pos: u64) {
+    fn put_new(&mut self, name: u64, pos: u32) {
         let n = self.groups();
         let (mut g, tag) = self.place(name);
         loop {
@@ -163,7 +169,7 @@ impl NameMap {
                     self.removed -= 1;
                 }
                 self.set_tag(i, tag);
-                self.entries[i] = [name, pos];
+                self.entries[i] = [name as u32, (name >> 32) as u32, pos];
                 self.len += 1;
                 return;
             }
@@ -175,7 +181,7 @@ impl NameMap {
     }
 
     /// Removes a name; returns its position.
-    pub(crate) fn remove(&mut self, name: u64) -> Option<u64> {
+    pub(crate) fn remove(&mut self, name: u64) -> Option<u32> {
         let (i, pos) = self.find(name)?;
         self.remove_at(i);
         Some(pos)
@@ -198,12 +204,12 @@ impl NameMap {
     }
 
     /// Keeps the entries for which `keep(name, position)` holds.
-    pub(crate) fn retain(&mut self, mut keep: impl FnMut(u64, u64) -> bool) {
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(u64, u32) -> bool) {
         for i in 0..self.entries.len() {
             let t = self.tag_at(i);
             if t & 0x80 == 0 {
-                let [k, v] = self.entries[i];
-                if !keep(k, v) {
+                let [lo, hi, v] = self.entries[i];
+                if !keep(join(lo, hi), v) {
                     self.set_tag(i, REMOVED);
                     self.removed += 1;
                     self.len -= 1;
@@ -220,13 +226,13 @@ impl NameMap {
 
     fn resize(&mut self, groups: usize) {
         let old_tags = std::mem::replace(&mut self.tags, vec![LOW * EMPTY as u64; groups]);
-        let old = std::mem::replace(&mut self.entries, vec![[0, 0]; groups * GROUP]);
+        let old = std::mem::replace(&mut self.entries, vec![[0, 0, 0]; groups * GROUP]);
         self.len = 0;
         self.removed = 0;
         for (i, e) in old.into_iter().enumerate() {
             let t = (old_tags[i / GROUP] >> ((i % GROUP) * 8)) as u8;
             if t & 0x80 == 0 {
-                self.put_new(e[0], e[1]);
+                self.put_new(join(e[0], e[1]), e[2]);
             }
         }
     }
@@ -268,7 +274,7 @@ mod tests {
             let range = if (step / 50_000) % 2 == 0 { 5_000 } else { 300 };
             let name = x % range;
             match x % 7 {
-                0..=3 => assert_eq!(m.insert(name, step), model.insert(name, step)),
+                0..=3 => assert_eq!(m.insert(name, step as u32), model.insert(name, step as u32)),
                 4 | 5 => assert_eq!(m.remove(name), model.remove(&name)),
                 _ => assert_eq!(m.get(name), model.get(&name).copied()),
             }

@@ -8,10 +8,9 @@
 //! the event touches.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashSet};
+use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use super::mix::MixState;
 use super::run::{run_bytes, Hashes, Run, RunBuf, RUN_CAP};
 use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
@@ -31,6 +30,9 @@ pub(crate) struct Pos {
 }
 
 const CLEAN: u32 = u32::MAX;
+
+/// Run slots a shard can have: positions pack the slot into 22 bits.
+pub(crate) const MAX_SLOTS: u32 = 1 << 22;
 
 /// Writer-only facts about a live run.
 #[derive(Debug)]
@@ -117,8 +119,6 @@ pub(crate) struct ShardWriter {
     table: ChildTableWriter,
     metas: Vec<SlotMeta>,
     free: Vec<u32>,
-    /// Runs each rank has a holder entry in, per rank id.
-    rank_slots: Vec<HashSet<u32, MixState>>,
     /// Bytes of published runs.
     run_bytes: usize,
     /// Blocks in the structure (live runs' lengths).
@@ -148,7 +148,6 @@ impl ShardWriter {
             shared,
             metas: Vec::new(),
             free: Vec::new(),
-            rank_slots: Vec::new(),
             run_bytes: 0,
             positions: 0,
             live_runs: 0,
@@ -173,12 +172,6 @@ impl ShardWriter {
     /// Heap bytes of everything this shard owns.
     pub(crate) fn bytes(&self) -> usize {
         let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>() + self.meta_heap;
-        let rank_slots = self
-            .rank_slots
-            .iter()
-            .map(|s| super::mix::set_bytes::<u32>(s.capacity()))
-            .sum::<usize>()
-            + self.rank_slots.capacity() * std::mem::size_of::<HashSet<u32, MixState>>();
         let lru = self.lru.as_ref().map_or(0, |h| {
             h.capacity() * std::mem::size_of::<Reverse<(u64, u32)>>()
         });
@@ -186,7 +179,6 @@ impl ShardWriter {
             + self.shared.slots.bytes()
             + self.table.bytes()
             + metas
-            + rank_slots
             + lru
             + self.free.capacity() * 4
     }
@@ -238,6 +230,17 @@ impl ShardWriter {
             .or_else(|| self.table.get(key))
     }
 
+    /// Whether `rank` has any holder entry in the run, in the writer's current view.
+    fn run_has_rank(&self, slot: u32, rank: u32) -> bool {
+        let meta = &self.metas[slot as usize];
+        if meta.dirty != CLEAN {
+            return self.dirty[meta.dirty as usize].1.has_rank(rank);
+        }
+        meta.run
+            .as_ref()
+            .is_some_and(|r| r.holders.iter().any(|h| h.rank == rank))
+    }
+
     /// Whether (rank, tier) holds `pos` in the writer's current view (any tier when `None`).
     pub(crate) fn holds(&self, pos: Pos, rank: u32, tier: Option<u8>) -> bool {
         let bit = 1u64 << pos.off;
@@ -256,6 +259,11 @@ impl ShardWriter {
     }
 
     // ---- building chains ----
+
+    /// Whether `runs` more runs can be allocated.
+    pub(crate) fn has_room_for(&self, runs: usize) -> bool {
+        self.free.len() + (MAX_SLOTS as usize - self.metas.len()) >= runs
+    }
 
     fn alloc_slot(&mut self) -> u32 {
         let slot = self.free.pop().unwrap_or_else(|| {
@@ -363,14 +371,7 @@ impl ShardWriter {
 
     /// Marks `pos` held by (rank, tier). Returns whether it already was.
     pub(crate) fn hold(&mut self, pos: Pos, rank: u32, tier: u8, tick: u64) -> bool {
-        let (held, new_entry) = self.run_mut(pos.slot).hold(rank, tier, pos.off as usize);
-        if new_entry {
-            if self.rank_slots.len() <= rank as usize {
-                self.rank_slots
-                    .resize_with(rank as usize + 1, HashSet::default);
-            }
-            self.rank_slots[rank as usize].insert(pos.slot);
-        }
+        let (held, _) = self.run_mut(pos.slot).hold(rank, tier, pos.off as usize);
         self.touch(pos.slot, tick);
         held
     }
@@ -388,13 +389,9 @@ impl ShardWriter {
     /// Clears (rank, tier)'s hold of `pos`. Returns `None` when it was not held, else whether
     /// the rank still holds the block in another tier. Emptied blocks are pruned at commit.
     pub(crate) fn unhold(&mut self, pos: Pos, rank: u32, tier: u8) -> Option<bool> {
-        let buf = self.run_mut(pos.slot);
-        let other_tier = buf.unhold(rank, tier, pos.off as usize)?;
-        if !buf.has_rank(rank) {
-            if let Some(s) = self.rank_slots.get_mut(rank as usize) {
-                s.remove(&pos.slot);
-            }
-        }
+        let other_tier = self
+            .run_mut(pos.slot)
+            .unhold(rank, tier, pos.off as usize)?;
         let meta = &mut self.metas[pos.slot as usize];
         if !meta.prune_queued {
             meta.prune_queued = true;
@@ -404,12 +401,15 @@ impl ShardWriter {
     }
 
     /// Drops every hold of `rank` (all tiers) in this shard. Returns the holds dropped.
+    ///
+    /// Scans every run: clears and departures are rare, and a per-rank list of runs would cost
+    /// memory and work on every store and removal.
     pub(crate) fn clear_rank(&mut self, rank: u32, dropped: &mut Vec<DroppedHold>) {
-        let Some(slots) = self.rank_slots.get_mut(rank as usize).map(std::mem::take) else {
-            return;
-        };
         let shard = self.index;
-        for slot in slots {
+        for slot in 0..self.metas.len() as u32 {
+            if !self.metas[slot as usize].live || !self.run_has_rank(slot, rank) {
+                continue;
+            }
             let buf = self.run_mut(slot);
             buf.holders.retain(|h| {
                 if h.rank != rank {
@@ -575,16 +575,7 @@ impl ShardWriter {
                     renamed,
                 });
             }
-            let gone: Vec<u32> = {
-                let before: Vec<u32> = buf.holders.iter().map(|h| h.rank).collect();
-                buf.holders.retain(|h| h.mask != 0);
-                before.into_iter().filter(|r| !buf.has_rank(*r)).collect()
-            };
-            for r in gone {
-                if let Some(s) = self.rank_slots.get_mut(r as usize) {
-                    s.remove(&slot);
-                }
-            }
+            buf.holders.retain(|h| h.mask != 0);
             self.prune(slot);
             // The run may still have older blocks to give up later.
             if self.metas[slot as usize].live {
@@ -594,5 +585,22 @@ impl ShardWriter {
             }
             return true;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn room_is_counted_against_the_slot_limit() {
+        let mut w = ShardWriter::new(0, false);
+        assert!(w.has_room_for(MAX_SLOTS as usize));
+        assert!(!w.has_room_for(MAX_SLOTS as usize + 1));
+        let slot = w.alloc_slot();
+        assert!(!w.has_room_for(MAX_SLOTS as usize));
+        w.metas[slot as usize].live = false;
+        w.free.push(slot);
+        assert!(w.has_room_for(MAX_SLOTS as usize));
     }
 }
