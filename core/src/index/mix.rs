@@ -58,3 +58,21 @@ pub(crate) fn set_bytes<T>(capacity: usize) -> usize {
     };
     buckets * (std::mem::size_of::<T>() + 1) + 16
 }
+
+/// A read prefetch of the cache line of `x`.
+#[inline]
+#[allow(unsafe_code)]
+pub(crate) fn prefetch_read<T>(x: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY:
+    // - `_mm_prefetch` only needs SSE, which every x86_64 target has.
+    // - A prefetch is a hint: it reads nothing into the program and never faults, and the
+    //   pointer comes from a live reference anyway.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+            (x as *const T).cast(),
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}

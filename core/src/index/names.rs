@@ -11,6 +11,8 @@
 //! ahead: an event's names land on random groups, and overlapping those cache misses is most of
 //! the speed of applying events.
 
+use super::mix::prefetch_read;
+
 const GROUP: usize = 8;
 const EMPTY: u8 = 0x80;
 const REMOVED: u8 = 0xFE;
@@ -236,24 +238,6 @@ impl NameMap {
             }
         }
     }
-}
-
-/// A read prefetch of the cache line of `x`.
-#[inline]
-#[allow(unsafe_code)]
-fn prefetch_read<T>(x: &T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY:
-    // - `_mm_prefetch` only needs SSE, which every x86_64 target has.
-    // - A prefetch is a hint: it reads nothing into the program and never faults, and the
-    //   pointer comes from a live reference anyway.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
-            (x as *const T).cast(),
-        );
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
 }
 
 #[cfg(test)]

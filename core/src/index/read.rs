@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 
+use super::mix::prefetch_read;
 use super::run::Holder;
 use super::shard::ShardShared;
 use super::table::{ChildKey, ROOT};
@@ -67,6 +68,20 @@ pub(crate) fn walk(
             break;
         };
         let rest = &query[pos..];
+        // While the hashes are compared, fetch what comes next in the common case: the
+        // holders, and the child-table entry of a query that runs past this run's end.
+        if let Some(h) = run.holders.first() {
+            prefetch_read(h);
+        }
+        if let (Some(last), Some(next)) =
+            (run.hashes.len().checked_sub(1), rest.get(run.hashes.len()))
+        {
+            table.prefetch(ChildKey {
+                parent: slot,
+                off: last as u8,
+                hash: next.0,
+            });
+        }
         if run.parent != key.parent
             || run.parent_off != key.off
             || run.hashes.first() != rest.first()
