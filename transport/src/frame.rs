@@ -26,7 +26,7 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rkyv::util::AlignedVec;
 
-use crate::wire::{self, Message, MessageKind, MessageRef, PROTOCOL_VERSION};
+use crate::wire::{self, KvEventBatch, Message, MessageKind, MessageRef, PROTOCOL_VERSION};
 
 /// The first four bytes of every frame: "KVRT".
 pub const MAGIC: [u8; 4] = *b"KVRT";
@@ -66,6 +66,22 @@ pub enum FrameError {
         len: usize,
         reason: String,
     },
+}
+
+impl FrameError {
+    /// A short, stable name of the rejection (the [`DecodeStats`] field that counts it), for
+    /// logs and metrics.
+    pub fn kind_name(&self) -> &'static str {
+        match self {
+            FrameError::BadMagic { .. } => "bad_magic",
+            FrameError::UnsupportedVersion { .. } => "unsupported_version",
+            FrameError::UnknownKind { .. } => "unknown_kind",
+            FrameError::ReservedBits { .. } => "reserved_bits",
+            FrameError::Oversized { .. } => "oversized",
+            FrameError::Truncated { .. } => "truncated",
+            FrameError::InvalidPayload { .. } => "invalid_payload",
+        }
+    }
 }
 
 /// Why a message could not be framed.
@@ -125,6 +141,21 @@ impl DecodeStats {
             + self.oversized
             + self.truncated
             + self.invalid_payload
+    }
+
+    /// Adds `other`'s counts to these (totals over connections).
+    pub fn merge(&mut self, other: &DecodeStats) {
+        self.frames += other.frames;
+        self.bytes += other.bytes;
+        self.realigned += other.realigned;
+        self.validated += other.validated;
+        self.bad_magic += other.bad_magic;
+        self.unsupported_version += other.unsupported_version;
+        self.unknown_kind += other.unknown_kind;
+        self.reserved_bits += other.reserved_bits;
+        self.oversized += other.oversized;
+        self.truncated += other.truncated;
+        self.invalid_payload += other.invalid_payload;
     }
 
     fn count(&mut self, e: &FrameError) {
@@ -329,22 +360,36 @@ impl<E> rkyv::ser::Writer<E> for PayloadWriter<'_> {
 /// Appends `msg` as one frame to `out`; returns the frame's length. On error `out` is left as
 /// it was.
 pub fn encode(msg: &Message, out: &mut BytesMut) -> Result<usize, EncodeError> {
+    encode_root(msg.kind(), out, |w| wire::serialize_into(msg, w))
+}
+
+/// Appends `batch` as one `KvEvents` frame to `out`, as [`encode`] would
+/// `Message::KvEvents(batch.clone())`, without the clone.
+pub fn encode_kv_events(batch: &KvEventBatch, out: &mut BytesMut) -> Result<usize, EncodeError> {
+    encode_root(MessageKind::KvEvents, out, |w| {
+        rkyv::api::high::to_bytes_in(batch, w)
+    })
+}
+
+/// Appends a frame of `kind` whose payload `serialize` writes.
+fn encode_root(
+    kind: MessageKind,
+    out: &mut BytesMut,
+    serialize: impl FnOnce(PayloadWriter<'_>) -> Result<PayloadWriter<'_>, rkyv::rancor::Error>,
+) -> Result<usize, EncodeError> {
     let start = out.len();
     out.reserve(HEADER_LEN + 64);
     out.put_slice(&MAGIC);
     out.put_u16_le(PROTOCOL_VERSION);
-    out.put_u8(msg.kind().code());
+    out.put_u8(kind.code());
     out.put_u8(0);
     out.put_u32_le(0); // payload length, patched below
     out.put_u32_le(0);
     let payload_start = out.len();
-    let written = wire::serialize_into(
-        msg,
-        PayloadWriter {
-            buf: out,
-            start: payload_start,
-        },
-    );
+    let written = serialize(PayloadWriter {
+        buf: out,
+        start: payload_start,
+    });
     if let Err(e) = written {
         out.truncate(start);
         return Err(EncodeError::Serialize {

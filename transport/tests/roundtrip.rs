@@ -4,7 +4,7 @@
 mod common;
 
 use bytes::BytesMut;
-use kvroute_transport::frame::{encode, frame_len, FrameDecoder, PAYLOAD_ALIGN};
+use kvroute_transport::frame::{encode, encode_kv_events, frame_len, FrameDecoder, PAYLOAD_ALIGN};
 use kvroute_transport::wire::Message;
 use proptest::prelude::*;
 
@@ -45,6 +45,16 @@ proptest! {
 
     #[test]
     fn kv_events(m in common::kv_events()) { round_trip(Message::KvEvents(m))?; }
+
+    #[test]
+    fn kv_events_encode_without_a_message(m in common::kv_events()) {
+        let mut direct = BytesMut::new();
+        let n = encode_kv_events(&m, &mut direct).expect("encodes");
+        let mut via_message = BytesMut::new();
+        encode(&Message::KvEvents(m), &mut via_message).expect("encodes");
+        prop_assert_eq!(n, direct.len());
+        prop_assert_eq!(&direct[..], &via_message[..]);
+    }
 
     #[test]
     fn dispatch(m in common::dispatch()) { round_trip(Message::Dispatch(m))?; }

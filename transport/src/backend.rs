@@ -1,0 +1,260 @@
+//! Which I/O engine drives the sockets: io_uring (tokio-uring) where the kernel lets us, else
+//! tokio's epoll reactor.
+//!
+//! ```text
+//!  BackendChoice::Auto ──probe──▶ io_uring usable? ──yes──▶ Backend::IoUring
+//!                                                 └─no───▶ Backend::Epoll   (with the reason)
+//!  BackendChoice::IoUring / ::Epoll ──▶ that backend (forcing io_uring where it is unusable is
+//!                                        an error, never a silent fallback)
+//! ```
+//!
+//! io_uring can be missing in three ways, and each is a fallback, not a panic:
+//! `/proc/sys/kernel/io_uring_disabled` is 2 (or 1 and we are not in the allowed group), the
+//! kernel predates io_uring (`ENOSYS`), or a seccomp filter refuses `io_uring_setup` (`EPERM`,
+//! `ENOSYS`; Docker's default profile does this). The probe reads the sysctl, then sets up a
+//! small ring and drops it; its answer is kept for the life of the process.
+//!
+//! Both backends run the same code: one current-thread runtime per thread, tasks spawned with
+//! `spawn_local`, so a connection never moves between threads. [`block_on`] builds that
+//! runtime for either backend.
+
+use std::future::Future;
+use std::io;
+use std::sync::OnceLock;
+
+/// The I/O engine in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// tokio-uring: reads and writes are submitted to an io_uring ring.
+    IoUring,
+    /// tokio's reactor: readiness from epoll, then `read(2)` / `write(2)`.
+    Epoll,
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::IoUring => "io_uring",
+            Backend::Epoll => "epoll",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What the operator asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BackendChoice {
+    /// io_uring when usable, else epoll.
+    #[default]
+    Auto,
+    /// io_uring or an error.
+    IoUring,
+    /// epoll, even where io_uring works.
+    Epoll,
+}
+
+impl std::str::FromStr for BackendChoice {
+    type Err = BackendError;
+
+    /// `auto`, `io_uring` (or `uring`), `epoll`: the spelling of a command-line flag.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(BackendChoice::Auto),
+            "io_uring" | "io-uring" | "uring" => Ok(BackendChoice::IoUring),
+            "epoll" => Ok(BackendChoice::Epoll),
+            _ => Err(BackendError::UnknownChoice {
+                given: s.to_owned(),
+            }),
+        }
+    }
+}
+
+/// Why io_uring cannot be used here.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum UringUnavailable {
+    #[error("/proc/sys/kernel/io_uring_disabled is {value}")]
+    DisabledBySysctl { value: u8 },
+    #[error("io_uring_setup failed ({kind:?}, errno {errno:?}): old kernel or seccomp")]
+    SetupFailed {
+        kind: io::ErrorKind,
+        errno: Option<i32>,
+    },
+}
+
+/// Backend selection and runtime errors.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("unknown backend {given:?} (expected auto, io_uring or epoll)")]
+    UnknownChoice { given: String },
+    #[error("io_uring was forced but is unavailable: {reason}")]
+    UringForced { reason: UringUnavailable },
+    #[error("could not build the {backend} runtime: {source}")]
+    Runtime {
+        backend: Backend,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The backend a choice resolved to, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    pub backend: Backend,
+    /// Set when `Auto` fell back to epoll.
+    pub fallback: Option<UringUnavailable>,
+}
+
+impl BackendChoice {
+    /// The backend to use. Probes io_uring (once per process) unless epoll is forced; logs
+    /// nothing (the server logs its one line, [`Resolved::log`]).
+    pub fn resolve(self) -> Result<Resolved, BackendError> {
+        match self {
+            BackendChoice::Epoll => Ok(Resolved {
+                backend: Backend::Epoll,
+                fallback: None,
+            }),
+            BackendChoice::IoUring => match uring_support() {
+                Ok(()) => Ok(Resolved {
+                    backend: Backend::IoUring,
+                    fallback: None,
+                }),
+                Err(reason) => Err(BackendError::UringForced { reason }),
+            },
+            BackendChoice::Auto => Ok(match uring_support() {
+                Ok(()) => Resolved {
+                    backend: Backend::IoUring,
+                    fallback: None,
+                },
+                Err(reason) => Resolved {
+                    backend: Backend::Epoll,
+                    fallback: Some(reason),
+                },
+            }),
+        }
+    }
+}
+
+impl Resolved {
+    /// The one line that says which backend runs, and, after a fallback, why.
+    pub fn log(&self, what: &'static str, choice: BackendChoice) {
+        match &self.fallback {
+            None => tracing::info!(what, backend = %self.backend, ?choice, "transport backend"),
+            Some(reason) => tracing::warn!(
+                what,
+                backend = %self.backend,
+                ?choice,
+                %reason,
+                "transport backend: io_uring unavailable, falling back to epoll"
+            ),
+        }
+    }
+}
+
+/// Whether io_uring is usable in this process (probed once, then remembered).
+pub fn uring_support() -> Result<(), UringUnavailable> {
+    static PROBE: OnceLock<Result<(), UringUnavailable>> = OnceLock::new();
+    PROBE.get_or_init(probe_uring).clone()
+}
+
+fn probe_uring() -> Result<(), UringUnavailable> {
+    // 0: allowed; 1: only for io_uring_group members (the setup below tells); 2: refused.
+    if let Ok(text) = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled") {
+        if let Ok(value) = text.trim().parse::<u8>() {
+            if value >= 2 {
+                return Err(UringUnavailable::DisabledBySysctl { value });
+            }
+        }
+    }
+    match tokio_uring::uring_builder().build(4) {
+        Ok(ring) => {
+            drop(ring);
+            Ok(())
+        }
+        Err(e) => Err(UringUnavailable::SetupFailed {
+            kind: e.kind(),
+            errno: e.raw_os_error(),
+        }),
+    }
+}
+
+/// Runs `future` to completion on a new current-thread runtime of `backend`, inside a
+/// `LocalSet` (so `tokio::task::spawn_local` works on both).
+pub fn block_on<F: Future>(backend: Backend, future: F) -> Result<F::Output, BackendError> {
+    match backend {
+        Backend::IoUring => {
+            let rt = tokio_uring::Runtime::new(&tokio_uring::builder())
+                .map_err(|source| BackendError::Runtime { backend, source })?;
+            Ok(rt.block_on(future))
+        }
+        Backend::Epoll => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|source| BackendError::Runtime { backend, source })?;
+            let local = tokio::task::LocalSet::new();
+            Ok(local.block_on(&rt, future))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choices_parse() {
+        assert_eq!(
+            "auto".parse::<BackendChoice>().ok(),
+            Some(BackendChoice::Auto)
+        );
+        assert_eq!(
+            "io_uring".parse::<BackendChoice>().ok(),
+            Some(BackendChoice::IoUring)
+        );
+        assert_eq!(
+            "epoll".parse::<BackendChoice>().ok(),
+            Some(BackendChoice::Epoll)
+        );
+        assert!("kqueue".parse::<BackendChoice>().is_err());
+    }
+
+    #[test]
+    fn auto_resolves_to_uring_exactly_when_it_is_usable() {
+        let resolved = BackendChoice::Auto.resolve().expect("auto never fails");
+        match uring_support() {
+            Ok(()) => assert_eq!(resolved.backend, Backend::IoUring),
+            Err(reason) => {
+                assert_eq!(resolved.backend, Backend::Epoll);
+                assert_eq!(resolved.fallback, Some(reason));
+            }
+        }
+    }
+
+    #[test]
+    fn forced_epoll_never_probes_into_an_error() {
+        let resolved = BackendChoice::Epoll
+            .resolve()
+            .expect("epoll is always there");
+        assert_eq!(resolved.backend, Backend::Epoll);
+        assert_eq!(resolved.fallback, None);
+    }
+
+    #[test]
+    fn block_on_runs_local_tasks_on_both_backends() {
+        for backend in [Backend::Epoll, Backend::IoUring] {
+            if backend == Backend::IoUring && uring_support().is_err() {
+                continue;
+            }
+            let got = block_on(backend, async {
+                tokio::task::spawn_local(async { 7 }).await.unwrap_or(0)
+            })
+            .expect("runtime builds");
+            assert_eq!(got, 7, "{backend}");
+        }
+    }
+}

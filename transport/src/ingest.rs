@@ -1,0 +1,566 @@
+//! The KV event ingest server: workers' event batches from sockets into the prefix index.
+//!
+//! ```text
+//!  runtime thread 0 ─ listener (SO_REUSEPORT) ─┬─ conn ─ read ▶ BytesMut ─ decode ─ validate ─┐
+//!                                              └─ conn ─ ...                                 │
+//!  runtime thread 1 ─ listener (same port) ─────── conn ─ ...                                │
+//!                                                                                            ▼
+//!                                       bounded queue of frames (Bytes, no copy) ─▶ writer thread
+//!                                                                  PrefixIndex + BatchApplier
+//! ```
+//!
+//! * One current-thread runtime per thread, io_uring or epoll ([`crate::backend`]), each
+//!   accepting on its own listener; a connection lives on the thread that accepted it.
+//! * The index has one writer, so connections do not touch it: they cut frames out of their
+//!   receive buffer, validate them, and queue the `KvEvents` and `RecoveryReply` frames for the
+//!   writer thread. The queue is bounded: when the index falls behind, connections wait on the
+//!   queue and stop reading, and TCP pushes back on the workers. Nothing buffers without bound.
+//! * The writer validates each payload again before reading it in place (bytecheck is a few ns
+//!   per event; it keeps the crate free of `unsafe`) and applies it with one [`BatchApplier`].
+//! * Any frame error closes that connection alone, with one `warn` line and a count per kind
+//!   ([`IngestStats::decode`]); so does a read error. A stream that ends inside a frame is
+//!   counted as truncated. Other connections are not affected.
+//! * [`IngestServer::shutdown`] stops accepting, gives open connections a grace period to end
+//!   (their peers close), cuts those still open, drains the queue into the index and returns
+//!   the index with the totals.
+//!
+//! Hello and Heartbeat frames are validated and counted but not acted on yet: registration and
+//! load reports are the next increment, as is checking a batch's worker id against the Hello.
+
+use std::cell::RefCell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::{mpsc as std_mpsc, Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use kvroute_core::{IndexReader, PrefixIndex};
+use tokio::sync::{mpsc, watch};
+
+use crate::apply::{BatchApplier, BatchOutcome};
+use crate::backend::{self, Backend, BackendChoice, BackendError};
+use crate::frame::{DecodeStats, Frame, FrameDecoder, FrameError, MAX_PAYLOAD};
+use crate::net::{self, Listener, Stream};
+use crate::wire::{MessageKind, MessageRef};
+
+/// Settings of an [`IngestServer`].
+#[derive(Clone, Debug)]
+pub struct IngestConfig {
+    /// Where to listen; port 0 picks a free port ([`IngestServer::local_addr`] tells which).
+    pub addr: SocketAddr,
+    pub backend: BackendChoice,
+    /// Runtime threads, each with its own listener; 0 means one per available core.
+    pub threads: usize,
+    /// Largest payload accepted, in bytes (capped at [`MAX_PAYLOAD`]).
+    pub max_payload: u32,
+    /// Frames waiting for the index writer, over all connections. A full queue makes
+    /// connections wait.
+    pub queue_frames: usize,
+    /// Spare room each read asks for, in bytes.
+    pub read_chunk: usize,
+    /// How long [`IngestServer::shutdown`] lets open connections run before cutting them.
+    pub shutdown_grace: Duration,
+}
+
+impl IngestConfig {
+    /// Defaults, listening on `addr`.
+    pub fn new(addr: SocketAddr) -> Self {
+        IngestConfig {
+            addr,
+            backend: BackendChoice::Auto,
+            threads: 0,
+            max_payload: 16 << 20,
+            queue_frames: 256,
+            read_chunk: 64 << 10,
+            shutdown_grace: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Errors of starting and stopping the server.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error(transparent)]
+    Backend {
+        #[from]
+        source: BackendError,
+    },
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start thread {thread}: {source}")]
+    Spawn {
+        thread: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("ingest thread {thread} panicked")]
+    Panicked { thread: String },
+}
+
+/// How connections ended, and the accept loop's errors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnectionStats {
+    pub accepted: u64,
+    /// The peer closed between frames.
+    pub closed: u64,
+    /// Closed by us after a frame error other than truncation (see `IngestStats::decode`).
+    pub rejected: u64,
+    /// The stream ended inside a frame.
+    pub truncated: u64,
+    /// A read failed (reset by the peer, ...).
+    pub io_errors: u64,
+    /// Still open when the shutdown grace period ran out. Their decode counts are lost.
+    pub cut_at_shutdown: u64,
+    /// The index writer had stopped (it only does after a panic).
+    pub writer_gone: u64,
+    pub accept_errors: u64,
+}
+
+/// What the index writer did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyStats {
+    /// Frames applied: `KvEvents` batches and `RecoveryReply`s.
+    pub batches: u64,
+    pub events: u64,
+    pub applied: u64,
+    /// Events the index rejected (it keeps the details in its own stats).
+    pub rejected: u64,
+    pub blocks_stored: u64,
+    pub blocks_removed: u64,
+    /// Frames the writer could not read (cannot happen: connections validate first).
+    pub unreadable: u64,
+}
+
+impl ApplyStats {
+    fn add(&mut self, o: &BatchOutcome) {
+        self.batches += 1;
+        self.events += u64::from(o.events);
+        self.applied += u64::from(o.applied);
+        self.rejected += u64::from(o.rejected);
+        self.blocks_stored += o.blocks_stored;
+        self.blocks_removed += o.blocks_removed;
+    }
+}
+
+/// The server's totals. Connection and decode figures include connections that have ended.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IngestStats {
+    pub connections: ConnectionStats,
+    /// Frames cut and rejected, per kind, summed over ended connections.
+    pub decode: DecodeStats,
+    /// Frames queued for the index writer.
+    pub queued: u64,
+    /// Valid frames of other kinds (Hello, Heartbeat, ...): counted, not acted on yet.
+    pub ignored: u64,
+    pub apply: ApplyStats,
+}
+
+/// What [`IngestServer::shutdown`] hands back.
+#[derive(Debug)]
+pub struct IngestReport {
+    pub index: PrefixIndex,
+    pub stats: IngestStats,
+}
+
+/// Totals shared by the threads; each connection adds its figures once, when it ends, and the
+/// writer once per batch.
+#[derive(Debug, Default)]
+struct Shared {
+    conns: Mutex<IngestStats>,
+    apply: Mutex<ApplyStats>,
+}
+
+impl Shared {
+    fn with_conns(&self, f: impl FnOnce(&mut IngestStats)) {
+        f(&mut self.conns.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    fn snapshot(&self) -> IngestStats {
+        let mut s = self
+            .conns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        s.apply = *self.apply.lock().unwrap_or_else(PoisonError::into_inner);
+        s
+    }
+}
+
+/// A running ingest server. Dropping it without [`shutdown`](Self::shutdown) stops it too, in
+/// the background.
+#[derive(Debug)]
+pub struct IngestServer {
+    local_addr: SocketAddr,
+    backend: Backend,
+    reader: IndexReader,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    threads: Vec<JoinHandle<()>>,
+    writer: JoinHandle<PrefixIndex>,
+}
+
+impl IngestServer {
+    /// Binds, starts the runtime threads and the index writer, and returns once every thread
+    /// accepts. `index` moves to the writer; [`reader`](Self::reader) queries it meanwhile.
+    pub fn start(config: IngestConfig, index: PrefixIndex) -> Result<IngestServer, IngestError> {
+        let resolved = config.backend.resolve()?;
+        resolved.log("ingest", config.backend);
+        let backend = resolved.backend;
+        let threads = match config.threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let listeners =
+            net::bind_reuseport(config.addr, threads).map_err(|source| IngestError::Bind {
+                addr: config.addr,
+                source,
+            })?;
+        let local_addr = listeners[0]
+            .local_addr()
+            .map_err(|source| IngestError::Bind {
+                addr: config.addr,
+                source,
+            })?;
+
+        let shared = Arc::new(Shared::default());
+        let reader = index.reader();
+        let max_payload = config.max_payload.min(MAX_PAYLOAD);
+        let (queue, rx) = mpsc::channel::<Frame>(config.queue_frames.max(1));
+        let writer = {
+            let shared = Arc::clone(&shared);
+            spawn("kvroute-ingest-writer".into(), move || {
+                run_writer(index, rx, &shared, max_payload)
+            })?
+        };
+
+        let (stop, stop_rx) = watch::channel(false);
+        let (ready_tx, ready_rx) = std_mpsc::channel::<Result<(), BackendError>>();
+        let mut handles = Vec::with_capacity(threads);
+        for (i, listener) in listeners.into_iter().enumerate() {
+            let ctx = ThreadConfig {
+                backend,
+                listener,
+                queue: queue.clone(),
+                shared: Arc::clone(&shared),
+                stop: stop_rx.clone(),
+                ready: ready_tx.clone(),
+                max_payload,
+                read_chunk: config.read_chunk.max(4096),
+                grace: config.shutdown_grace,
+            };
+            handles.push(spawn(format!("kvroute-ingest-{i}"), move || {
+                run_thread(ctx)
+            })?);
+        }
+        drop((queue, ready_tx));
+        let server = IngestServer {
+            local_addr,
+            backend,
+            reader,
+            shared,
+            stop,
+            threads: handles,
+            writer,
+        };
+        for _ in 0..threads {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    // The threads that did start stop when `server` drops.
+                    return Err(e.into());
+                }
+                Err(_) => {
+                    return Err(IngestError::Panicked {
+                        thread: "kvroute-ingest (starting)".into(),
+                    })
+                }
+            }
+        }
+        Ok(server)
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The backend the server runs on.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// A handle that queries the index while the server feeds it.
+    pub fn reader(&self) -> IndexReader {
+        self.reader.clone()
+    }
+
+    /// The totals so far (connection and decode figures of ended connections only).
+    pub fn stats(&self) -> IngestStats {
+        self.shared.snapshot()
+    }
+
+    /// Stops accepting, lets open connections end within the grace period (cutting the rest),
+    /// applies every queued frame and returns the index and the totals.
+    pub fn shutdown(self) -> Result<IngestReport, IngestError> {
+        // Receivers see the change even if they subscribed after it; a send error only means
+        // every thread has already gone.
+        let _ = self.stop.send(true);
+        for (i, h) in self.threads.into_iter().enumerate() {
+            h.join().map_err(|_| IngestError::Panicked {
+                thread: format!("kvroute-ingest-{i}"),
+            })?;
+        }
+        // Every queue sender lived on those threads: the writer now drains and ends.
+        let index = self.writer.join().map_err(|_| IngestError::Panicked {
+            thread: "kvroute-ingest-writer".into(),
+        })?;
+        Ok(IngestReport {
+            index,
+            stats: self.shared.snapshot(),
+        })
+    }
+}
+
+fn spawn<T: Send + 'static>(
+    name: String,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<JoinHandle<T>, IngestError> {
+    std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(f)
+        .map_err(|source| IngestError::Spawn {
+            thread: name,
+            source,
+        })
+}
+
+// ---- the index writer ----
+
+fn run_writer(
+    mut index: PrefixIndex,
+    mut rx: mpsc::Receiver<Frame>,
+    shared: &Shared,
+    max_payload: u32,
+) -> PrefixIndex {
+    let mut applier = BatchApplier::new();
+    let mut decoder = FrameDecoder::new(max_payload);
+    while let Some(frame) = rx.blocking_recv() {
+        let outcome = match decoder.validate(&frame) {
+            Ok(MessageRef::KvEvents(batch)) => Some(applier.apply_batch(&mut index, batch)),
+            Ok(MessageRef::RecoveryReply(reply)) => Some(applier.apply_recovery(&mut index, reply)),
+            Ok(_) | Err(_) => None,
+        };
+        let mut apply = shared.apply.lock().unwrap_or_else(PoisonError::into_inner);
+        match outcome {
+            Some(o) => apply.add(&o),
+            None => apply.unreadable += 1,
+        }
+    }
+    index
+}
+
+// ---- the runtime threads ----
+
+struct ThreadConfig {
+    backend: Backend,
+    listener: std::net::TcpListener,
+    queue: mpsc::Sender<Frame>,
+    shared: Arc<Shared>,
+    stop: watch::Receiver<bool>,
+    ready: std_mpsc::Sender<Result<(), BackendError>>,
+    max_payload: u32,
+    read_chunk: usize,
+    grace: Duration,
+}
+
+/// What the connections of one thread share.
+struct ConnContext {
+    queue: mpsc::Sender<Frame>,
+    shared: Arc<Shared>,
+    /// Receive buffers of ended connections, for the next ones.
+    pool: RefCell<Vec<BytesMut>>,
+    max_payload: u32,
+    read_chunk: usize,
+}
+
+/// Receive buffers kept per thread.
+const POOLED_BUFFERS: usize = 64;
+
+impl ConnContext {
+    fn take_buffer(&self) -> BytesMut {
+        self.pool
+            .borrow_mut()
+            .pop()
+            .unwrap_or_else(|| BytesMut::with_capacity(self.read_chunk))
+    }
+
+    fn give_buffer(&self, mut buf: BytesMut) {
+        buf.clear();
+        let mut pool = self.pool.borrow_mut();
+        if pool.len() < POOLED_BUFFERS {
+            pool.push(buf);
+        }
+    }
+}
+
+fn run_thread(cfg: ThreadConfig) {
+    let ThreadConfig {
+        backend,
+        listener,
+        queue,
+        shared,
+        mut stop,
+        ready,
+        max_payload,
+        read_chunk,
+        grace,
+    } = cfg;
+    let ready_on_error = ready.clone();
+    let ran = backend::block_on(backend, async move {
+        let listener = match Listener::from_std(backend, listener) {
+            Ok(l) => l,
+            Err(source) => {
+                let _ = ready.send(Err(BackendError::Runtime { backend, source }));
+                return;
+            }
+        };
+        // The receiver is gone only if `start` gave up on another thread.
+        let _ = ready.send(Ok(()));
+        let ctx = Rc::new(ConnContext {
+            queue,
+            shared: Arc::clone(&shared),
+            pool: RefCell::new(Vec::new()),
+            max_payload,
+            read_chunk,
+        });
+        let mut conns: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+        loop {
+            tokio::select! {
+                biased;
+                _ = stop.changed() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        shared.with_conns(|s| s.connections.accepted += 1);
+                        conns.retain(|h| !h.is_finished());
+                        let ctx = Rc::clone(&ctx);
+                        conns.push(tokio::task::spawn_local(serve(stream, peer, ctx)));
+                    }
+                    Err(error) => {
+                        shared.with_conns(|s| s.connections.accept_errors += 1);
+                        tracing::warn!(%error, "ingest accept failed");
+                        // Out of descriptors, most likely: let connections end before retrying.
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                },
+            }
+        }
+        drop(listener);
+        drop(ctx);
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut cut = 0;
+        for mut conn in conns {
+            if tokio::time::timeout_at(deadline, &mut conn).await.is_err() {
+                conn.abort();
+                cut += 1;
+            }
+        }
+        if cut > 0 {
+            tracing::warn!(
+                connections = cut,
+                ?grace,
+                "ingest shutdown cut open connections"
+            );
+            shared.with_conns(|s| s.connections.cut_at_shutdown += cut);
+        }
+    });
+    if let Err(e) = ran {
+        let _ = ready_on_error.send(Err(e));
+    }
+}
+
+/// How a connection ended.
+enum End {
+    Closed,
+    Frame(FrameError),
+    Io(std::io::Error),
+    WriterGone,
+}
+
+/// One connection: read, cut frames, validate, queue event batches, until the peer closes or
+/// sends something wrong.
+async fn serve(mut stream: Stream, peer: SocketAddr, ctx: Rc<ConnContext>) {
+    // Best effort: Nagle only delays our (absent) replies.
+    let _ = stream.set_nodelay();
+    let mut buf = ctx.take_buffer();
+    let mut decoder = FrameDecoder::new(ctx.max_payload);
+    let (mut queued, mut ignored) = (0u64, 0u64);
+    let mut eof = false;
+    let end = 'conn: loop {
+        loop {
+            let next = if eof {
+                decoder.decode_eof(&mut buf)
+            } else {
+                decoder.decode(&mut buf)
+            };
+            let frame = match next {
+                Ok(Some(frame)) => frame,
+                Ok(None) if eof => break 'conn End::Closed,
+                Ok(None) => break,
+                Err(e) => break 'conn End::Frame(e),
+            };
+            if let Err(e) = decoder.validate(&frame) {
+                break 'conn End::Frame(e);
+            }
+            match frame.kind() {
+                MessageKind::KvEvents | MessageKind::RecoveryReply => {
+                    if ctx.queue.send(frame).await.is_err() {
+                        break 'conn End::WriterGone;
+                    }
+                    queued += 1;
+                }
+                _ => ignored += 1,
+            }
+        }
+        if buf.capacity() - buf.len() < ctx.read_chunk / 2 {
+            buf.reserve(ctx.read_chunk);
+        }
+        let (res, b) = stream.read(buf).await;
+        buf = b;
+        match res {
+            Ok(0) => eof = true,
+            Ok(_) => {}
+            Err(e) => break End::Io(e),
+        }
+    };
+    let stats = *decoder.stats();
+    ctx.shared.with_conns(|s| {
+        s.decode.merge(&stats);
+        s.queued += queued;
+        s.ignored += ignored;
+        let c = &mut s.connections;
+        match &end {
+            End::Closed => c.closed += 1,
+            End::Frame(FrameError::Truncated { .. }) => c.truncated += 1,
+            End::Frame(_) => c.rejected += 1,
+            End::Io(_) => c.io_errors += 1,
+            End::WriterGone => c.writer_gone += 1,
+        }
+    });
+    match end {
+        End::Closed => tracing::debug!(%peer, frames = stats.frames, "ingest connection closed"),
+        End::Frame(error) => tracing::warn!(
+            %peer,
+            kind = error.kind_name(),
+            %error,
+            frames = stats.frames,
+            "ingest connection closed: bad frame"
+        ),
+        End::Io(error) => tracing::warn!(%peer, %error, "ingest connection closed: read failed"),
+        End::WriterGone => tracing::warn!(%peer, "ingest connection closed: index writer gone"),
+    }
+    ctx.give_buffer(buf);
+}

@@ -1,0 +1,134 @@
+//! TCP sockets over either backend, behind one owned-buffer interface.
+//!
+//! io_uring's reads and writes take the buffer by value and hand it back with the result (the
+//! kernel owns the memory while the operation is in flight); epoll's borrow it. The owned form
+//! fits both, so [`Stream`] uses it: `read(buf) -> (result, buf)` appends to `buf`'s spare
+//! capacity, `write_all(buf) -> (result, buf)` sends all of `buf`.
+//!
+//! Listeners are bound with `SO_REUSEPORT` so that every runtime thread can own a listener on
+//! the same port and the kernel spreads connections among them.
+
+use std::io;
+use std::net::SocketAddr;
+
+use bytes::BytesMut;
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_uring::buf::BoundedBuf;
+
+use crate::backend::Backend;
+
+/// Backlog of every listener.
+const BACKLOG: i32 = 1024;
+
+/// Binds `count` listeners (at least one) to `addr` with `SO_REUSEPORT`. With port 0 the first
+/// listener's port is used for the rest. Returns them non-blocking, ready for either backend.
+pub(crate) fn bind_reuseport(
+    addr: SocketAddr,
+    count: usize,
+) -> io::Result<Vec<std::net::TcpListener>> {
+    let mut addr = addr;
+    let mut out = Vec::with_capacity(count.max(1));
+    for _ in 0..count.max(1) {
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        socket.set_reuse_address(true)?;
+        socket.set_reuse_port(true)?;
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(BACKLOG)?;
+        let listener: std::net::TcpListener = socket.into();
+        addr = listener.local_addr()?;
+        out.push(listener);
+    }
+    Ok(out)
+}
+
+/// A listener of one runtime thread.
+pub(crate) enum Listener {
+    Uring(tokio_uring::net::TcpListener),
+    Epoll(tokio::net::TcpListener),
+}
+
+impl Listener {
+    /// Takes over `listener`; call on the runtime thread that will accept.
+    pub(crate) fn from_std(backend: Backend, listener: std::net::TcpListener) -> io::Result<Self> {
+        Ok(match backend {
+            Backend::IoUring => Listener::Uring(tokio_uring::net::TcpListener::from_std(listener)),
+            Backend::Epoll => Listener::Epoll(tokio::net::TcpListener::from_std(listener)?),
+        })
+    }
+
+    pub(crate) async fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
+        match self {
+            Listener::Uring(l) => {
+                let (s, peer) = l.accept().await?;
+                Ok((Stream::Uring(s), peer))
+            }
+            Listener::Epoll(l) => {
+                let (s, peer) = l.accept().await?;
+                Ok((Stream::Epoll(s), peer))
+            }
+        }
+    }
+}
+
+/// A connected TCP stream on either backend.
+pub(crate) enum Stream {
+    Uring(tokio_uring::net::TcpStream),
+    Epoll(tokio::net::TcpStream),
+}
+
+impl Stream {
+    /// Connects to `addr`; call inside a runtime of `backend` ([`crate::backend::block_on`]).
+    pub(crate) async fn connect(backend: Backend, addr: SocketAddr) -> io::Result<Self> {
+        let stream = match backend {
+            Backend::IoUring => Stream::Uring(tokio_uring::net::TcpStream::connect(addr).await?),
+            Backend::Epoll => Stream::Epoll(tokio::net::TcpStream::connect(addr).await?),
+        };
+        stream.set_nodelay()?;
+        Ok(stream)
+    }
+
+    pub(crate) fn set_nodelay(&self) -> io::Result<()> {
+        match self {
+            Stream::Uring(s) => s.set_nodelay(true),
+            Stream::Epoll(s) => s.set_nodelay(true),
+        }
+    }
+
+    /// Reads once into the spare capacity of `buf` (which should have some), appending.
+    /// `Ok(0)`: the peer closed its side.
+    pub(crate) async fn read(&mut self, mut buf: BytesMut) -> (io::Result<usize>, BytesMut) {
+        match self {
+            Stream::Uring(s) => {
+                let (len, cap) = (buf.len(), buf.capacity());
+                // A slice of the spare capacity: the kernel writes after the bytes kept.
+                let (res, slice) = s.read(buf.slice(len..cap)).await;
+                (res, slice.into_inner())
+            }
+            Stream::Epoll(s) => {
+                let res = s.read_buf(&mut buf).await;
+                (res, buf)
+            }
+        }
+    }
+
+    /// Writes all of `buf`.
+    pub(crate) async fn write_all(&mut self, buf: BytesMut) -> (io::Result<()>, BytesMut) {
+        match self {
+            Stream::Uring(s) => s.write_all(buf).await,
+            Stream::Epoll(s) => {
+                let res = s.write_all(&buf).await;
+                (res, buf)
+            }
+        }
+    }
+
+    /// Shuts down the write side (the peer reads end of stream).
+    pub(crate) async fn shutdown_write(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Uring(s) => s.shutdown(std::net::Shutdown::Write),
+            Stream::Epoll(s) => s.shutdown().await,
+        }
+    }
+}
