@@ -381,49 +381,35 @@ trait ChainLike {
     fn score(&self, hashes: &[LocalHash], report: impl FnMut(u32, u32));
 }
 
-impl ChainLike for ChainIndex {
-    fn intern(&self, name: &str) -> u32 {
-        self.intern_worker(name)
-            .expect("the index is sized for the fleet")
-    }
-    fn stored(
-        &self,
-        worker: u32,
-        blocks: &[kv_index::StoredBlock],
-        parent: Option<SequenceHash>,
-        map: &mut ChainBlockMap,
-    ) -> Result<(), ApplyError> {
-        self.apply_stored(worker, blocks, parent, map)
-    }
-    fn removed(&self, worker: u32, hashes: &[SequenceHash], map: &mut ChainBlockMap) {
-        self.apply_removed(worker, hashes, map);
-    }
-    fn score(&self, hashes: &[LocalHash], report: impl FnMut(u32, u32)) {
-        self.score_into(hashes, |h| h.0, false, report);
-    }
+/// Both kv-index flavours have the same inherent API; one body serves both.
+macro_rules! chain_like {
+    ($index:ty) => {
+        impl ChainLike for $index {
+            fn intern(&self, name: &str) -> u32 {
+                self.intern_worker(name)
+                    .expect("the index is sized for the fleet")
+            }
+            fn stored(
+                &self,
+                worker: u32,
+                blocks: &[kv_index::StoredBlock],
+                parent: Option<SequenceHash>,
+                map: &mut ChainBlockMap,
+            ) -> Result<(), ApplyError> {
+                self.apply_stored(worker, blocks, parent, map)
+            }
+            fn removed(&self, worker: u32, hashes: &[SequenceHash], map: &mut ChainBlockMap) {
+                self.apply_removed(worker, hashes, map);
+            }
+            fn score(&self, hashes: &[LocalHash], report: impl FnMut(u32, u32)) {
+                self.score_into(hashes, |h| h.0, false, report);
+            }
+        }
+    };
 }
 
-impl ChainLike for ShardedChainIndex {
-    fn intern(&self, name: &str) -> u32 {
-        self.intern_worker(name)
-            .expect("the index is sized for the fleet")
-    }
-    fn stored(
-        &self,
-        worker: u32,
-        blocks: &[kv_index::StoredBlock],
-        parent: Option<SequenceHash>,
-        map: &mut ChainBlockMap,
-    ) -> Result<(), ApplyError> {
-        self.apply_stored(worker, blocks, parent, map)
-    }
-    fn removed(&self, worker: u32, hashes: &[SequenceHash], map: &mut ChainBlockMap) {
-        self.apply_removed(worker, hashes, map);
-    }
-    fn score(&self, hashes: &[LocalHash], report: impl FnMut(u32, u32)) {
-        self.score_into(hashes, |h| h.0, false, report);
-    }
-}
+chain_like!(ChainIndex);
+chain_like!(ShardedChainIndex);
 
 /// A kv-index chain index with one lane map per worker, applied inline. Queries go through the
 /// allocation-free `score_into`, which reads our `LocalHash` slice directly.

@@ -23,12 +23,15 @@
 #![no_main]
 #![deny(unsafe_code)]
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::collections::{BTreeMap, HashMap};
 
 use arbitrary::{Arbitrary, Unstructured};
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, IndexError, IndexStats, LocalHash, MatchOptions,
-    OverlapScores, PrefixIndex, StorageTier, StoredBlock, WorkerId, WorkerRank,
+    OverlapScores, PrefixIndex, StoredBlock, WorkerId, WorkerRank,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -175,21 +178,14 @@ struct Script {
 }
 
 impl<'a> Arbitrary<'a> for Script {
-    /// Operations until the input runs out, rather than `Vec`'s one continue-byte per element:
-    /// the script's length follows the input's, and random bytes make long scripts.
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
         let setup = u.arbitrary()?;
-        let mut ops = Vec::new();
-        while !u.is_empty() && ops.len() < MAX_OPS {
-            ops.push(u.arbitrary()?);
-        }
+        let ops = common::ops_until_empty(u, MAX_OPS)?;
         Ok(Script { setup, ops })
     }
 }
 
-fn tier(t: u8) -> StorageTier {
-    StorageTier::ALL[usize::from(t) % StorageTier::COUNT]
-}
+use common::tier;
 
 /// What the caller can know of one rank's event stream.
 #[derive(Debug, Default)]

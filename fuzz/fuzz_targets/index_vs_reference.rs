@@ -18,6 +18,9 @@
 #![no_main]
 #![deny(unsafe_code)]
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::collections::HashMap;
 
 use arbitrary::{Arbitrary, Unstructured};
@@ -25,7 +28,7 @@ use kvroute_core::hash::seq_hashes;
 use kvroute_core::index::reference::ReferenceIndex;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, IndexError, LocalHash, MatchOptions, PrefixIndex,
-    StorageTier, StoredBlock, WorkerId, WorkerRank,
+    StoredBlock, WorkerId, WorkerRank,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -154,21 +157,14 @@ struct Script {
 }
 
 impl<'a> Arbitrary<'a> for Script {
-    /// Operations until the input runs out, rather than `Vec`'s one continue-byte per element:
-    /// the script's length follows the input's, and random bytes make long scripts.
     fn arbitrary(u: &mut Unstructured<'a>) -> arbitrary::Result<Self> {
         let prompts = u.arbitrary()?;
-        let mut ops = Vec::new();
-        while !u.is_empty() && ops.len() < MAX_OPS {
-            ops.push(u.arbitrary()?);
-        }
+        let ops = common::ops_until_empty(u, MAX_OPS)?;
         Ok(Script { prompts, ops })
     }
 }
 
-fn tier(t: u8) -> StorageTier {
-    StorageTier::ALL[usize::from(t) % StorageTier::COUNT]
-}
+use common::tier;
 
 fn symbol(b: u8) -> LocalHash {
     LocalHash(SYMBOLS[usize::from(b) % SYMBOLS.len()])
