@@ -8,8 +8,10 @@
 //!
 //! The `vs_dynamo` group puts the selection step next to Dynamo's own: dynamo-kv-router
 //! 1.6.1's `DefaultWorkerSelector::select_worker` (its reference cost function) over the same
-//! 256 workers, the same overlaps (this index's match of the same prompt) and the same loads
-//! (this router's counters), in the same process and run:
+//! 256 workers, the same overlaps (this index's match of the same prompt), the same loads
+//! (this router's counters) and the same new blocks per worker (the prompt less the blocks
+//! already active there, which our decode term subtracts and Dynamo's scheduler passes as
+//! `additional_active_blocks`), in the same process and run:
 //!
 //! | bench | what it times |
 //! |---|---|
@@ -30,7 +32,7 @@ use dynamo_kv_router::selector::{DefaultWorkerSelector, WorkerSelectionInput, Wo
 use dynamo_kv_router::{KvRouterConfig, WorkerLoadProjection};
 use kvroute_core::config::{RouterConfig, Timing};
 use kvroute_core::hash::BlockHasher;
-use kvroute_core::load::RequestId;
+use kvroute_core::load::{prefix_keys_into, RequestId};
 use kvroute_core::registry::WorkerConfig;
 use kvroute_core::router::{Mode, RouteHints, RouteRequest, Router};
 use kvroute_core::{
@@ -179,13 +181,32 @@ impl WorkerConfigLike for PeerWorker {
     }
 }
 
+/// The prompt blocks already active on each worker (by worker id), read from the router's
+/// per-rank refcounts: what Dynamo's scheduler subtracts to get a worker's new blocks.
+fn shared_blocks(router: &Router, locals: &[LocalHash]) -> Vec<usize> {
+    let mut keys = Vec::new();
+    prefix_keys_into(locals, &mut keys);
+    let fleet = router.fleet();
+    (0..WORKERS)
+        .map(|w| {
+            let i = fleet.rank_index(WorkerRank::new(w, 0)).unwrap();
+            fleet.ranks[i]
+                .state
+                .try_shared_prefix_blocks(&keys)
+                .unwrap()
+        })
+        .collect()
+}
+
 /// Dynamo's per-request input for `query` against `router`'s index and loads: the match per
 /// tier, the tier-weighted effective blocks and cached tokens (weights 1 / 0.75 / 0.25, as
-/// both routers default), and each worker's load. `additional_active_blocks` is the whole
-/// prompt, as our decode term charges it.
+/// both routers default), and each worker's load. `additional_active_blocks` is the prompt
+/// less the blocks already active on the worker (`shared`, by worker id), as our decode term
+/// charges it.
 fn dynamo_request(
     router: &Router,
     locals: &[LocalHash],
+    shared: &[usize],
     scores: &mut OverlapScores,
 ) -> SchedulingRequest {
     let tokens = PROMPT;
@@ -238,7 +259,7 @@ fn dynamo_request(
                 active_prefill_tokens: l.prefill_tokens as usize,
                 active_decode_blocks: l.decode_blocks() as usize,
                 active_requests: l.requests as usize,
-                additional_active_blocks: blocks,
+                additional_active_blocks: blocks - shared[w as usize],
             },
         );
     }
@@ -271,7 +292,8 @@ fn bench_vs_dynamo(c: &mut Criterion) {
         .collect();
     let selector = DefaultWorkerSelector::new_seeded(Some(KvRouterConfig::default()), "decode", 7);
     let mut scores = OverlapScores::default();
-    let request = dynamo_request(&router, &locals, &mut scores);
+    let shared = shared_blocks(&router, &locals);
+    let request = dynamo_request(&router, &locals, &shared, &mut scores);
     let select = |request: &SchedulingRequest| {
         let input =
             WorkerSelectionInput::configured(&workers, request, request.eligibility(), BS as u32);
@@ -324,7 +346,7 @@ fn bench_vs_dynamo(c: &mut Criterion) {
     });
     g.bench_function("dynamo_prepare_and_select", |b| {
         b.iter(|| {
-            let request = dynamo_request(&router, black_box(&locals), &mut scores);
+            let request = dynamo_request(&router, black_box(&locals), &shared, &mut scores);
             black_box(select(&request).worker)
         })
     });

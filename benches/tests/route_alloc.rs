@@ -1,7 +1,11 @@
 //! `Router::route` allocates nothing in steady state: after a warm-up, routing (query-only and
 //! booked) and freeing on a populated 64-worker fleet makes no heap allocation on this thread.
+//! The same holds with request metrics on, with expected output lengths (output decay), with
+//! requests marked dispatched, and with prompt blocks shared by running requests (the decode
+//! term's probes).
 
 use kvroute_benches::alloc::{thread_allocations, CountingAlloc};
+use kvroute_core::config::{Metrics, RouterConfig};
 use kvroute_core::hash::BlockHasher;
 use kvroute_core::load::RequestId;
 use kvroute_core::registry::WorkerConfig;
@@ -21,8 +25,7 @@ fn prompt(conv: u32, len: usize) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn route_allocates_nothing_in_steady_state() {
+fn route_allocates_nothing_in_steady_state_with(config: RouterConfig) {
     let mut index = PrefixIndex::new(IndexConfig::default());
     let hasher = BlockHasher::new(BS);
     for conv in 0..32u32 {
@@ -42,7 +45,8 @@ fn route_allocates_nothing_in_steady_state() {
         };
         index.apply_stored(header, None, &blocks).unwrap();
     }
-    let router = Router::new(Default::default(), index).unwrap();
+    let metrics = config.metrics;
+    let router = Router::new(config, index).unwrap();
     for w in 0..64 {
         router
             .join_worker(WorkerConfig::simple(w, 100_000, BS as u32))
@@ -56,8 +60,11 @@ fn route_allocates_nothing_in_steady_state() {
                 tokens: q,
                 hints: RouteHints::default(),
             };
+            r.hints.expected_output_tokens = (i % 2 == 0).then_some(100);
             router.route(&r).unwrap();
+            router.mark_dispatched(r.id).unwrap();
             router.prefill_done(r.id).unwrap();
+            router.output_block(r.id).unwrap();
             router.output_block(r.id).unwrap();
             r.hints.mode = Mode::QueryOnly;
             router.route(&r).unwrap();
@@ -80,4 +87,25 @@ fn route_allocates_nothing_in_steady_state() {
         "route allocated in steady state"
     );
     assert!(router.total_load().is_idle());
+    assert!(
+        router.counts().shared_probes > 0,
+        "the decode term's probes ran"
+    );
+    if metrics == Metrics::On {
+        let m = router.request_metrics().unwrap();
+        assert_eq!(m.isl_tokens.len(), 53 * queries.len() as u64);
+    }
+}
+
+#[test]
+fn route_allocates_nothing_in_steady_state() {
+    route_allocates_nothing_in_steady_state_with(RouterConfig::default());
+}
+
+#[test]
+fn route_and_lifecycle_allocate_nothing_with_metrics_on() {
+    route_allocates_nothing_in_steady_state_with(RouterConfig {
+        metrics: Metrics::On,
+        ..RouterConfig::default()
+    });
 }

@@ -18,6 +18,8 @@
 //! | `policy` | `KvAware` | how a worker is chosen (see [`Policy`]) |
 //! | `seed` | fixed | seed of the router's random draws (ties, softmax, random policies) |
 //! | `timing` | `Off` | record the hash / match / select overhead split in histograms |
+//! | `metrics` | `Off` | record per-request TTFT, ITL, ISL, OSL and KV hit rate in histograms |
+//! | `disaggregation` | `Optional` | prefill requests fall back to aggregated workers when no prefill worker exists |
 
 use std::time::Duration;
 
@@ -100,6 +102,28 @@ pub enum Timing {
     On,
 }
 
+/// Whether requests that reach a worker record their metrics
+/// ([`crate::router::Router::request_metrics`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Metrics {
+    /// No clock reads beyond the booking's own timestamp; nothing recorded.
+    #[default]
+    Off,
+    /// TTFT and ITL are timed at the lifecycle calls (one clock read each); ISL, OSL and the
+    /// KV hit rate are recorded when the request ends.
+    On,
+}
+
+/// What a prefill-phase request does when no prefill worker has joined.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Disaggregation {
+    /// Fall back to aggregated workers (the reference's default), reported in the decision.
+    #[default]
+    Optional,
+    /// Never: the request fails with [`crate::router::RouteError::NoWorkers`].
+    Enforced,
+}
+
 /// The router's configuration. Build it with struct update syntax over `Default`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterConfig {
@@ -125,6 +149,10 @@ pub struct RouterConfig {
     pub seed: u64,
     /// Overhead timing.
     pub timing: Timing,
+    /// Per-request metrics.
+    pub metrics: Metrics,
+    /// Prefill → aggregated fallback.
+    pub disaggregation: Disaggregation,
 }
 
 impl Default for RouterConfig {
@@ -141,6 +169,8 @@ impl Default for RouterConfig {
             policy: Policy::KvAware,
             seed: 0x6b76_726f_7574_6521,
             timing: Timing::Off,
+            metrics: Metrics::Off,
+            disaggregation: Disaggregation::Optional,
         }
     }
 }
@@ -260,6 +290,8 @@ mod tests {
         assert_eq!(c.temperature, 0.0);
         assert_eq!(c.min_workers, 0);
         assert_eq!(c.policy, Policy::KvAware);
+        assert_eq!(c.metrics, Metrics::Off);
+        assert_eq!(c.disaggregation, Disaggregation::Optional);
         c.validate().unwrap();
     }
 

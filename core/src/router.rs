@@ -7,9 +7,30 @@
 //!     2. match     IndexReader::find_matches_into ──▶ overlap per rank, per tier (lock-free)
 //!     3. select    Fleet snapshot × load counters ──▶ candidates ──Selector──▶ rank
 //!     4. book      Ledger: prefill tokens, distinct prompt blocks, one request
-//!   prefill_done / output_block / free   by request id, or through a RequestGuard whose
+//!   mark_dispatched / prefill_done / output_block / free
+//!                                        by request id, or through a RequestGuard whose
 //!                                        drop frees exactly once
 //! ```
+//!
+//! **Phases.** A prefill-phase request goes to prefill workers; when none has joined it falls
+//! back to aggregated workers (reported as [`Fallback::PrefillToAggregated`]) unless the config
+//! enforces disaggregation ([`Disaggregation::Enforced`]).
+//!
+//! **Request metrics** ([`Metrics::On`]; [`Router::request_metrics`]) are recorded only for
+//! requests marked as having reached their worker ([`Router::mark_dispatched`], or the guard's
+//! [`RequestGuard::mark_dispatched`]) and only through the calls that follow:
+//!
+//! | metric | unit | recorded |
+//! |---|---|---|
+//! | TTFT | µs | at the first `prefill_done`: time since the route booked the request |
+//! | ITL | µs per token | at each `output_block`: time since the previous token event (the first token or the previous block boundary), over the tokens generated in between (a block's worth, or for the first block the tokens after the first one up to the boundary; a boundary at the first token itself gives no sample) |
+//! | ISL | tokens | at `free`: prompt tokens |
+//! | OSL | blocks | at `free`: output blocks generated (the router sees block boundaries, not tokens) |
+//! | KV hit rate | basis points | at `free`: 10,000 × predicted cached tokens / prompt tokens |
+//!
+//! Requests that expire or lose their worker record nothing at their end. With metrics off
+//! the lifecycle calls read no clock; routing reads one only to stamp a booking (for expiry),
+//! as before, metrics on or off.
 //!
 //! The router is driven entirely by calls and is `Sync`: route from any number of threads.
 //! Per-thread scratch buffers make a steady-state `route` allocation-free (the full evidence
@@ -24,18 +45,22 @@ use std::time::Instant;
 
 use hdrhistogram::Histogram;
 
-use crate::config::{ConfigError, RouterConfig, Timing};
+use crossbeam_utils::CachePadded;
+
+use crate::config::{ConfigError, Disaggregation, Metrics, RouterConfig, Timing};
 use crate::event::{DpRank, KvEvent, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
 use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex};
+pub use crate::load::Dispatch;
 use crate::load::{
-    prefix_keys_into, BookingSpec, Freed, Ledger, LedgerCounts, LoadError, LoadView, RequestId,
+    prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Ledger, LedgerCounts, LoadError,
+    LoadView, RequestId, Step,
 };
 use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole};
-use crate::rng::SharedRng;
+use crate::rng::{mix64, SharedRng};
 use crate::select::{
     filter_busy, selector_for, Busy, BusyOutcome, Candidate, CostTerms, LeastLoaded, Overlap,
-    Overrides, PolicyKind, RequestShape, Scored, SelectInput, Selector, Weights,
+    Overrides, PolicyKind, ProbeTargets, RequestShape, Scored, SelectInput, Selector, Weights,
 };
 
 /// The serving phase a request is routed for.
@@ -114,7 +139,8 @@ pub struct RouteHints<'a> {
     /// Seconds to move ahead in a queue; carried for the admission queue (not yet built), no
     /// effect on the choice.
     pub priority_jump: f64,
-    /// Expected generated tokens, when known; recorded in the decision.
+    /// Expected generated tokens, when known: the request's output blocks then weigh what is
+    /// left of it in the rank's decode load (see [`crate::load`]); recorded in the decision.
     pub expected_output_tokens: Option<u32>,
     /// Only these workers may serve (`None`: any).
     pub allowed: Option<&'a [WorkerId]>,
@@ -179,6 +205,14 @@ pub enum DecidedBy {
     FallbackAllBusy,
 }
 
+/// A decision that served the request differently from its phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// A prefill-phase request went to an aggregated worker: no prefill worker has joined
+    /// (and disaggregation is not enforced).
+    PrefillToAggregated,
+}
+
 /// Whether the decision booked load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bookkeeping {
@@ -202,6 +236,8 @@ pub struct Decision {
     /// Its load just before booking.
     pub load: LoadView,
     pub decided_by: DecidedBy,
+    /// Set when the request was served outside its phase.
+    pub fallback: Option<Fallback>,
     pub bookkeeping: Bookkeeping,
     pub expected_output_tokens: Option<u32>,
     /// Every candidate considered (busy ones included), when asked for.
@@ -228,25 +264,194 @@ impl Timings {
 }
 
 impl Timings {
-    /// Records one decision's split. The histograms grow to the largest value seen (an
-    /// allocation only when a new maximum arrives); `saturating_record` alone would clamp every
-    /// value to the initial range of 1..2 ns, because it never resizes.
+    /// Records one decision's split.
     fn record(&mut self, hash: u64, matching: u64, select: u64) {
-        for (h, v) in [
-            (&mut self.hash, hash),
-            (&mut self.matching, matching),
-            (&mut self.select, select),
-        ] {
-            if h.record(v).is_err() {
-                h.saturating_record(v);
-            }
+        record(&mut self.hash, hash);
+        record(&mut self.matching, matching);
+        record(&mut self.select, select);
+    }
+}
+
+/// Records `v`. The histograms grow to the largest value seen (an allocation only when a new
+/// maximum arrives); `saturating_record` alone would clamp every value to the initial range of
+/// 1..2, because it never resizes, so it only catches values past the largest trackable.
+fn record(h: &mut Histogram<u64>, v: u64) {
+    if h.record(v).is_err() {
+        h.saturating_record(v);
+    }
+}
+
+/// A histogram of 3 significant digits sized for values up to `high` (recording within it
+/// never allocates) that still grows past it.
+fn histogram_upto(high: u64) -> Histogram<u64> {
+    match Histogram::new_with_bounds(1, high, 3) {
+        Ok(mut h) => {
+            h.auto(true);
+            h
         }
+        Err(_) => unreachable_histogram(),
     }
 }
 
 fn unreachable_histogram() -> Histogram<u64> {
     // `Histogram::new(3)` only fails for more than 5 significant digits.
     Histogram::new_with_bounds(1, 2, 0).expect("a minimal histogram is always valid")
+}
+
+/// Per-request metrics of the requests that reached a worker (see the module comment for
+/// what each histogram holds and when it is recorded). Histograms of 3 significant digits,
+/// sized up front (TTFT and ITL to 2^26 µs ≈ 67 s, ISL to 2^20 tokens, OSL to 2^16 blocks),
+/// so that recording allocates only for a value past those; about 440 KB per shard (four
+/// shards). Read them directly, or print [`RequestMetrics::quantiles`] / the `Display` table.
+#[derive(Debug, Clone)]
+pub struct RequestMetrics {
+    /// Time to first token, µs.
+    pub ttft_us: Histogram<u64>,
+    /// Inter-token latency, µs per token, one sample per output block boundary.
+    pub itl_us: Histogram<u64>,
+    /// Input sequence length, prompt tokens.
+    pub isl_tokens: Histogram<u64>,
+    /// Output sequence length, output blocks.
+    pub osl_blocks: Histogram<u64>,
+    /// Predicted KV hit rate, basis points (10,000 = the whole prompt cached).
+    pub kv_hit_bp: Histogram<u64>,
+}
+
+/// The usual summary of one histogram.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Quantiles {
+    pub count: u64,
+    pub mean: f64,
+    pub p50: u64,
+    pub p90: u64,
+    pub p99: u64,
+    pub max: u64,
+}
+
+impl Quantiles {
+    /// The summary of `h` (all zero when empty).
+    pub fn of(h: &Histogram<u64>) -> Self {
+        if h.is_empty() {
+            return Quantiles {
+                count: 0,
+                mean: 0.0,
+                p50: 0,
+                p90: 0,
+                p99: 0,
+                max: 0,
+            };
+        }
+        Quantiles {
+            count: h.len(),
+            mean: h.mean(),
+            p50: h.value_at_quantile(0.5),
+            p90: h.value_at_quantile(0.9),
+            p99: h.value_at_quantile(0.99),
+            max: h.max(),
+        }
+    }
+}
+
+impl RequestMetrics {
+    fn new() -> Self {
+        RequestMetrics {
+            ttft_us: histogram_upto(1 << 26),
+            itl_us: histogram_upto(1 << 26),
+            isl_tokens: histogram_upto(1 << 20),
+            osl_blocks: histogram_upto(1 << 16),
+            kv_hit_bp: histogram_upto(10_000),
+        }
+    }
+
+    fn each_mut(&mut self) -> [&mut Histogram<u64>; 5] {
+        [
+            &mut self.ttft_us,
+            &mut self.itl_us,
+            &mut self.isl_tokens,
+            &mut self.osl_blocks,
+            &mut self.kv_hit_bp,
+        ]
+    }
+
+    /// Adds `other`'s samples to these.
+    pub fn merge(&mut self, other: &RequestMetrics) {
+        let theirs = [
+            &other.ttft_us,
+            &other.itl_us,
+            &other.isl_tokens,
+            &other.osl_blocks,
+            &other.kv_hit_bp,
+        ];
+        for (h, o) in self.each_mut().into_iter().zip(theirs) {
+            if h.add(o).is_err() {
+                // Only a histogram that cannot resize refuses an addend; keep every sample,
+                // clamped to its range.
+                for v in o.iter_recorded() {
+                    for _ in 0..v.count_at_value() {
+                        h.saturating_record(v.value_iterated_to());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Each histogram's name (with its unit) and summary, in declaration order.
+    pub fn quantiles(&self) -> [(&'static str, Quantiles); 5] {
+        [
+            ("ttft_us", Quantiles::of(&self.ttft_us)),
+            ("itl_us_per_token", Quantiles::of(&self.itl_us)),
+            ("isl_tokens", Quantiles::of(&self.isl_tokens)),
+            ("osl_blocks", Quantiles::of(&self.osl_blocks)),
+            ("kv_hit_bp", Quantiles::of(&self.kv_hit_bp)),
+        ]
+    }
+}
+
+impl std::fmt::Display for RequestMetrics {
+    /// One line per metric: `name count mean p50 p90 p99 max`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{:<17} {:>8} {:>10} {:>8} {:>8} {:>8} {:>8}",
+            "metric", "count", "mean", "p50", "p90", "p99", "max"
+        )?;
+        for (name, q) in self.quantiles() {
+            writeln!(
+                f,
+                "{:<17} {:>8} {:>10.1} {:>8} {:>8} {:>8} {:>8}",
+                name, q.count, q.mean, q.p50, q.p90, q.p99, q.max
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Request metrics, sharded by request id so that lifecycle calls on different requests
+/// rarely meet on one lock.
+struct MetricsShards {
+    shards: [CachePadded<Mutex<RequestMetrics>>; Self::SHARDS],
+}
+
+impl MetricsShards {
+    const SHARDS: usize = 4;
+
+    fn new() -> Self {
+        MetricsShards {
+            shards: std::array::from_fn(|_| CachePadded::new(Mutex::new(RequestMetrics::new()))),
+        }
+    }
+
+    fn shard(&self, request: RequestId) -> MutexGuard<'_, RequestMetrics> {
+        lock(&self.shards[(mix64(request.0) >> 62) as usize % Self::SHARDS])
+    }
+
+    fn snapshot(&self) -> RequestMetrics {
+        let mut all = RequestMetrics::new();
+        for s in &self.shards {
+            all.merge(&lock(s));
+        }
+        all
+    }
 }
 
 /// Routing counters.
@@ -256,12 +461,18 @@ pub struct RouterCounts {
     pub query_only: u64,
     pub untracked: u64,
     pub all_busy: u64,
+    /// Prefill-phase requests served by aggregated workers (no prefill worker joined).
+    pub prefill_fallbacks: u64,
+    /// Ranks probed for prompt blocks already active on them.
+    pub shared_probes: u64,
+    /// Probes skipped because the rank's table was held by another thread.
+    pub shared_probes_busy: u64,
     pub no_tokens: u64,
     pub not_ready: u64,
     pub no_workers: u64,
     pub unknown_worker: u64,
     pub pinned_not_allowed: u64,
-    /// Requests freed after reaching a worker (guard marked dispatched).
+    /// Requests freed after reaching a worker (marked dispatched, by id or by their guard).
     pub completed: u64,
     pub ledger: LedgerCounts,
 }
@@ -272,6 +483,9 @@ struct Counters {
     query_only: AtomicU64,
     untracked: AtomicU64,
     all_busy: AtomicU64,
+    prefill_fallbacks: AtomicU64,
+    shared_probes: AtomicU64,
+    shared_probes_busy: AtomicU64,
     no_tokens: AtomicU64,
     not_ready: AtomicU64,
     no_workers: AtomicU64,
@@ -313,6 +527,7 @@ pub struct Router {
     rng: SharedRng,
     counters: Counters,
     timings: Option<Mutex<Timings>>,
+    metrics: Option<MetricsShards>,
 }
 
 impl std::fmt::Debug for Router {
@@ -339,6 +554,7 @@ impl Router {
             rng: SharedRng::new(config.seed),
             counters: Counters::default(),
             timings: (config.timing == Timing::On).then(|| Mutex::new(Timings::new())),
+            metrics: (config.metrics == Metrics::On).then(MetricsShards::new),
             config,
         })
     }
@@ -412,6 +628,7 @@ impl Router {
                 prefill_tokens: a.prefill_tokens + l.prefill_tokens,
                 prompt_blocks: a.prompt_blocks + l.prompt_blocks,
                 output_blocks: a.output_blocks + l.output_blocks,
+                output_decay: a.output_decay + l.output_decay,
                 requests: a.requests + l.requests,
             }
         })
@@ -431,6 +648,9 @@ impl Router {
             query_only: r(&c.query_only),
             untracked: r(&c.untracked),
             all_busy: r(&c.all_busy),
+            prefill_fallbacks: r(&c.prefill_fallbacks),
+            shared_probes: r(&c.shared_probes),
+            shared_probes_busy: r(&c.shared_probes_busy),
             no_tokens: r(&c.no_tokens),
             not_ready: r(&c.not_ready),
             no_workers: r(&c.no_workers),
@@ -446,19 +666,76 @@ impl Router {
         self.timings.as_ref().map(|t| lock(t).clone())
     }
 
+    /// A merged copy of the request metrics (`None` unless [`Metrics::On`]).
+    pub fn request_metrics(&self) -> Option<RequestMetrics> {
+        self.metrics.as_ref().map(MetricsShards::snapshot)
+    }
+
+    /// The clock reading lifecycle calls pass on: only when metrics are on.
+    fn metrics_now(&self) -> Option<Instant> {
+        self.metrics.as_ref().map(|_| Instant::now())
+    }
+
+    /// The request reached its worker: from now on it records metrics and, when freed,
+    /// counts as completed.
+    pub fn mark_dispatched(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
+        self.ledger.mark_dispatched(request)
+    }
+
     /// The request's first token arrived.
     pub fn prefill_done(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
-        self.ledger.prefill_done(request)
+        let step = self.ledger.prefill_done(request, self.metrics_now())?;
+        self.record_step(request, &step, |m| &mut m.ttft_us, 1);
+        Ok(step.rank)
     }
 
     /// The request's generation crossed into a new block.
     pub fn output_block(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
-        self.ledger.output_block(request)
+        let step = self.ledger.output_block(request, self.metrics_now())?;
+        if step.tokens > 0 {
+            self.record_step(request, &step, |m| &mut m.itl_us, step.tokens);
+        }
+        Ok(step.rank)
     }
 
-    /// The request ended (completed, cancelled, failed): its load is released.
+    /// Records a step's elapsed time over `per` units, in µs (rounded), when metrics are on
+    /// and the request reached its worker.
+    fn record_step(
+        &self,
+        request: RequestId,
+        step: &Step,
+        histogram: impl FnOnce(&mut RequestMetrics) -> &mut Histogram<u64>,
+        per: u64,
+    ) {
+        if let (Some(m), Some(elapsed), Dispatch::Reached) =
+            (&self.metrics, step.elapsed, step.dispatch)
+        {
+            let per_ns = u128::from(per.max(1)) * 1000;
+            let us = (elapsed.as_nanos() + per_ns / 2) / per_ns;
+            record(
+                histogram(&mut m.shard(request)),
+                u64::try_from(us).unwrap_or(u64::MAX),
+            );
+        }
+    }
+
+    /// The request ended (completed, cancelled, failed): its load is released, and when it
+    /// had reached its worker, it counts as completed and records its ISL, OSL and hit rate.
     pub fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
-        self.ledger.free(request)
+        let freed = self.ledger.free(request)?;
+        if freed.dispatch == Dispatch::Reached {
+            bump(&self.counters.completed);
+            if let Some(m) = &self.metrics {
+                let hit_bp = (u128::from(freed.cached_tokens) * 10_000)
+                    .checked_div(u128::from(freed.prompt_tokens))
+                    .unwrap_or(0);
+                let mut m = m.shard(request);
+                record(&mut m.isl_tokens, freed.prompt_tokens);
+                record(&mut m.osl_blocks, freed.output_blocks);
+                record(&mut m.kv_hit_bp, u64::try_from(hit_bp).unwrap_or(u64::MAX));
+            }
+        }
+        Ok(freed)
     }
 
     /// Decides which rank serves `req`, and books it unless query-only.
@@ -558,6 +835,8 @@ impl Router {
             Mode::Book => Bookkeeping::Booked,
             Mode::QueryOnly => Bookkeeping::QueryOnly,
         };
+        let probe = self.selector.kind() == PolicyKind::KvAware;
+        let mut fallback = None;
         let (chosen, decided_by, evidence) = if let Some((wid, dp)) =
             hints.pinned.for_phase(hints.phase)
         {
@@ -587,27 +866,59 @@ impl Router {
                 }
                 ranks.start
             });
-            let c = full(&scorer.score(i));
+            s.candidates.clear();
+            s.candidates.push(scorer.score(i));
+            if probe {
+                let mut targets = ProbeTargets::new(shape.full_blocks);
+                targets.offer(0, &s.candidates[0]);
+                self.probe_shared(
+                    &fleet,
+                    &scorer,
+                    targets.targets(),
+                    &s.locals,
+                    &mut s.keys,
+                    &mut s.candidates,
+                );
+            }
+            let c = full(&s.candidates[0]);
             let ev = (hints.evidence == EvidenceLevel::Full).then(|| vec![c]);
             (c, DecidedBy::Pinned, ev)
         } else {
-            let role = match hints.phase {
+            let mut role = match hints.phase {
                 Phase::Aggregated => WorkerRole::Aggregated,
                 Phase::Prefill => WorkerRole::Prefill,
                 Phase::Decode => WorkerRole::Decode,
             };
+            if role == WorkerRole::Prefill
+                && self.config.disaggregation == Disaggregation::Optional
+                && !fleet.ranks.iter().any(|r| r.role == WorkerRole::Prefill)
+            {
+                role = WorkerRole::Aggregated;
+                fallback = Some(Fallback::PrefillToAggregated);
+            }
             s.candidates.clear();
             s.candidates.reserve(fleet.ranks.len());
+            let mut targets = ProbeTargets::new(if probe { shape.full_blocks } else { 0 });
             for (i, r) in fleet.ranks.iter().enumerate() {
                 if r.role != role || hints.allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
                     continue;
                 }
-                s.candidates.push(scorer.score(i));
+                let c = scorer.score(i);
+                targets.offer(s.candidates.len(), &c);
+                s.candidates.push(c);
             }
             if s.candidates.is_empty() {
                 bump(&self.counters.no_workers);
                 return Err(RouteError::NoWorkers { request });
             }
+            self.probe_shared(
+                &fleet,
+                &scorer,
+                targets.targets(),
+                &s.locals,
+                &mut s.keys,
+                &mut s.candidates,
+            );
             let ev = (hints.evidence == EvidenceLevel::Full)
                 .then(|| s.candidates.iter().map(full).collect());
             let outcome = if scorer.busy_on {
@@ -655,9 +966,16 @@ impl Router {
                     prefill_tokens,
                     prefix_keys: &s.keys,
                     tail_blocks: u64::from(tokens % u64::from(bs) != 0),
+                    prompt_tokens: tokens,
+                    cached_tokens: chosen.overlap.cached_tokens,
+                    block_size: bs,
+                    expected_output_tokens: hints.expected_output_tokens,
                     now: t3.unwrap_or_else(Instant::now),
                 })?;
                 bump(&self.counters.routed);
+                if fallback.is_some() {
+                    bump(&self.counters.prefill_fallbacks);
+                }
             }
             Bookkeeping::QueryOnly => bump(&self.counters.query_only),
             Bookkeeping::UntrackedDpRankUnresolved => bump(&self.counters.untracked),
@@ -675,10 +993,50 @@ impl Router {
             cost: chosen.cost,
             load: chosen.load,
             decided_by,
+            fallback,
             bookkeeping,
             expected_output_tokens: hints.expected_output_tokens,
             evidence,
         })
+    }
+
+    /// Probes `targets` (candidates whose cost could fall to the cheapest, [`ProbeTargets`])
+    /// for the prompt blocks already active on their rank, and lowers their cost by them.
+    /// Extends the prefix keys as far as the probes need (a query computes few).
+    fn probe_shared(
+        &self,
+        fleet: &Fleet,
+        scorer: &Scorer<'_>,
+        targets: &[u32],
+        locals: &[LocalHash],
+        keys: &mut Vec<u64>,
+        candidates: &mut [Scored],
+    ) {
+        if targets.is_empty() {
+            return;
+        }
+        let full = scorer.shape.full_blocks;
+        let room = |c: &Scored| c.load.prompt_blocks.min(u64::from(full)) as usize;
+        let need = targets
+            .iter()
+            .map(|&t| room(&candidates[t as usize]))
+            .max()
+            .unwrap_or(0);
+        prefix_keys_extend(locals, keys, need);
+        for &t in targets {
+            let c = &mut candidates[t as usize];
+            let keys = &keys[..room(c)];
+            match fleet.ranks[c.fleet_index as usize]
+                .state
+                .try_shared_prefix_blocks(keys)
+            {
+                Some(shared) => {
+                    bump(&self.counters.shared_probes);
+                    *c = scorer.with_shared(c, shared as u32);
+                }
+                None => bump(&self.counters.shared_probes_busy),
+            }
+        }
     }
 
     /// How many leading blocks the prefix key covers.
@@ -727,18 +1085,22 @@ impl Scorer<'_> {
             } else {
                 Busy::Free
             },
-            cost: CostTerms::total_of(self.weights, self.shape, &load, credit),
+            shared_blocks: 0,
+            cost: CostTerms::total_of(self.weights, self.shape, &load, credit, 0),
             load,
         }
     }
-}
 
-/// Whether a guarded request reached a worker (only those count as completed).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Dispatch {
-    #[default]
-    NotYet,
-    Reached,
+    /// `c` with `shared` of the prompt's blocks active on its rank: the same load, the cost
+    /// recomputed.
+    fn with_shared(&self, c: &Scored, shared: u32) -> Scored {
+        let (credit, _) = self.matched[self.slot[c.fleet_index as usize] as usize];
+        Scored {
+            shared_blocks: shared,
+            cost: CostTerms::total_of(self.weights, self.shape, &c.load, credit, shared),
+            ..*c
+        }
+    }
 }
 
 /// Frees a booked request exactly once: on [`RequestGuard::finish`] or, whatever ends the
@@ -749,7 +1111,6 @@ pub struct RequestGuard<R: Deref<Target = Router>> {
     router: R,
     request: RequestId,
     armed: bool,
-    dispatch: Dispatch,
 }
 
 impl<R: Deref<Target = Router>> RequestGuard<R> {
@@ -759,7 +1120,6 @@ impl<R: Deref<Target = Router>> RequestGuard<R> {
             router,
             request,
             armed: true,
-            dispatch: Dispatch::NotYet,
         }
     }
 
@@ -767,9 +1127,9 @@ impl<R: Deref<Target = Router>> RequestGuard<R> {
         self.request
     }
 
-    /// The request reached its worker.
-    pub fn mark_dispatched(&mut self) {
-        self.dispatch = Dispatch::Reached;
+    /// The request reached its worker ([`Router::mark_dispatched`]).
+    pub fn mark_dispatched(&mut self) -> Result<WorkerRank, LoadError> {
+        self.router.mark_dispatched(self.request)
     }
 
     pub fn prefill_done(&self) -> Result<WorkerRank, LoadError> {
@@ -792,11 +1152,7 @@ impl<R: Deref<Target = Router>> RequestGuard<R> {
             });
         }
         self.armed = false;
-        let r = self.router.free(self.request);
-        if r.is_ok() && self.dispatch == Dispatch::Reached {
-            bump(&self.router.counters.completed);
-        }
-        r
+        self.router.free(self.request)
     }
 }
 
@@ -992,8 +1348,11 @@ mod tests {
 
     #[test]
     fn bad_requests_are_typed_errors_and_counted() {
+        // Enforced disaggregation: a prefill request without prefill workers is an error (see
+        // `prefill_falls_back_to_aggregated_unless_enforced` for the default).
         let r = router(RouterConfig {
             min_workers: 1,
+            disaggregation: Disaggregation::Enforced,
             ..RouterConfig::default()
         });
         let t = tokens(32);
@@ -1071,7 +1430,7 @@ mod tests {
         assert_eq!(r.counts().completed, 0);
         r.route(&req(2, &t)).unwrap();
         let mut g = RequestGuard::new(&r, RequestId(2));
-        g.mark_dispatched();
+        g.mark_dispatched().unwrap();
         g.finish().unwrap();
         assert_eq!(r.counts().completed, 1);
         // Freed by id first: the guard's drop finds nothing and frees nothing else.
@@ -1215,5 +1574,303 @@ mod tests {
         let d = r.route(&q).unwrap();
         assert_eq!(d.cost.credit_blocks, 0.0);
         assert_eq!(r.load(d.worker).unwrap().prefill_tokens, 0);
+    }
+
+    #[test]
+    fn prefill_falls_back_to_aggregated_unless_enforced() {
+        let t = tokens(64);
+        let mut q = req(1, &t);
+        q.hints.phase = Phase::Prefill;
+        // Default: no prefill worker, so an aggregated worker serves, and the decision says so.
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let d = r.route(&q).unwrap();
+        assert_eq!(d.worker, WorkerRank::new(1, 0));
+        assert_eq!(d.fallback, Some(Fallback::PrefillToAggregated));
+        assert_eq!(d.decided_by, DecidedBy::Cost);
+        assert_eq!(
+            r.load(d.worker).unwrap().prefill_tokens,
+            64,
+            "prefill is booked"
+        );
+        assert_eq!(r.counts().prefill_fallbacks, 1);
+        // Once a prefill worker joins, prefill goes there and nothing falls back.
+        r.join_worker(WorkerConfig {
+            role: WorkerRole::Prefill,
+            ..WorkerConfig::simple(2, 1000, BS)
+        })
+        .unwrap();
+        let d = r.route(&req(2, &t)).unwrap();
+        assert_eq!(
+            d.fallback, None,
+            "an aggregated request is never a fallback"
+        );
+        let mut q2 = req(3, &t);
+        q2.hints.phase = Phase::Prefill;
+        let d = r.route(&q2).unwrap();
+        assert_eq!((d.worker, d.fallback), (WorkerRank::new(2, 0), None));
+        // A prefill worker outside the allowed set is still a prefill worker: no fallback.
+        let mut q3 = req(4, &t);
+        q3.hints.phase = Phase::Prefill;
+        q3.hints.allowed = Some(&[WorkerId(1)]);
+        assert_eq!(
+            r.route(&q3),
+            Err(RouteError::NoWorkers {
+                request: RequestId(4)
+            })
+        );
+        assert_eq!(r.counts().prefill_fallbacks, 1);
+        // Enforced: no fallback, a typed error.
+        let r = router(RouterConfig {
+            disaggregation: Disaggregation::Enforced,
+            ..RouterConfig::default()
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        assert_eq!(
+            r.route(&q),
+            Err(RouteError::NoWorkers {
+                request: RequestId(1)
+            })
+        );
+        assert!(r.total_load().is_idle());
+        // Decode never falls back.
+        let mut qd = req(5, &t);
+        qd.hints.phase = Phase::Decode;
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        assert!(matches!(r.route(&qd), Err(RouteError::NoWorkers { .. })));
+    }
+
+    /// Two workers, equal but for one running a request with the same 8-block system prompt:
+    /// with the prompt counted once, that worker is cheaper by the shared blocks and wins,
+    /// where charging the whole prompt again would make it the dearer one.
+    #[test]
+    fn decode_term_counts_prompt_blocks_active_on_the_worker_once() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let sys: Vec<u32> = (0..128).map(|i| i * 3 + 5).collect();
+        let with = |tail: u32| -> Vec<u32> {
+            sys.iter()
+                .copied()
+                .chain((0..32).map(|i| i + tail))
+                .collect()
+        };
+        // Worker 1 runs a request with the system prompt; worker 2 one of the same size
+        // without it. Prefill done on both, so only decode load differs by what is shared.
+        let running = with(10_000);
+        let other: Vec<u32> = (0..160).map(|i| i + 50_000).collect();
+        let mut q = req(1, &running);
+        q.hints.pinned.backend_instance = Some(WorkerId(1));
+        r.route(&q).unwrap();
+        let mut q = req(2, &other);
+        q.hints.pinned.backend_instance = Some(WorkerId(2));
+        r.route(&q).unwrap();
+        r.prefill_done(RequestId(1)).unwrap();
+        r.prefill_done(RequestId(2)).unwrap();
+        // Equal load: only the shared blocks separate them.
+        let probes_before = r.counts().shared_probes;
+        let incoming = with(20_000);
+        let mut q = req(3, &incoming);
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        for _ in 0..20 {
+            let d = r.route(&q).unwrap();
+            assert_eq!(d.worker, WorkerRank::new(1, 0), "{d:?}");
+            assert_eq!(d.cost.shared_blocks, 8);
+            assert_eq!(d.cost.decode_cost, 10.0 + 10.0 - 8.0);
+            let ev = d.evidence.unwrap();
+            let w2 = ev.iter().find(|c| c.rank == WorkerRank::new(2, 0)).unwrap();
+            assert_eq!(w2.cost.shared_blocks, 0);
+            assert_eq!(w2.cost.decode_cost, 20.0);
+        }
+        assert!(r.counts().shared_probes > probes_before);
+        // Booking agrees with the prediction: 8 blocks were shared.
+        let mut q = req(4, &incoming);
+        q.hints.pinned.backend_instance = Some(WorkerId(1));
+        r.route(&q).unwrap();
+        assert_eq!(r.load(WorkerRank::new(1, 0)).unwrap().prompt_blocks, 10 + 2);
+    }
+
+    /// Probes are bounded per request, whatever the fleet size, and skip ranks that cannot win.
+    #[test]
+    fn shared_probes_are_bounded_per_route() {
+        let r = router(RouterConfig::default());
+        for w in 0..40 {
+            r.join_worker(WorkerConfig::simple(w, 100_000, BS)).unwrap();
+        }
+        let t = tokens(320);
+        for w in 0..40 {
+            let mut q = req(100 + w, &t);
+            q.hints.pinned.backend_instance = Some(WorkerId(w));
+            r.route(&q).unwrap();
+        }
+        let before = r.counts().shared_probes;
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        let d = r.route(&q).unwrap();
+        let probes = r.counts().shared_probes - before;
+        assert!(probes as usize <= crate::select::SHARED_PROBES, "{probes}");
+        assert!(probes > 0);
+        assert_eq!(
+            d.cost.shared_blocks, 20,
+            "every worker runs the same prompt"
+        );
+        // Other policies never probe.
+        let rr = router(RouterConfig {
+            policy: crate::config::Policy::LeastLoaded,
+            ..RouterConfig::default()
+        });
+        rr.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        rr.route(&req(1, &t)).unwrap();
+        rr.route(&q).unwrap();
+        assert_eq!(rr.counts().shared_probes, 0);
+    }
+
+    /// Expected output length decays the chosen rank's output load, and the decay steers the
+    /// next choice: of two ranks with equal output blocks, the one whose request is nearly
+    /// done is cheaper.
+    #[test]
+    fn expected_output_decays_output_load_in_the_cost() {
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let a: Vec<u32> = (0..64).map(|i| i + 70_000).collect();
+        let b: Vec<u32> = (0..64).map(|i| i + 80_000).collect();
+        let mut q = req(1, &a);
+        q.hints.pinned.backend_instance = Some(WorkerId(1));
+        q.hints.expected_output_tokens = Some(100);
+        r.route(&q).unwrap();
+        let mut q = req(2, &b);
+        q.hints.pinned.backend_instance = Some(WorkerId(2));
+        r.route(&q).unwrap();
+        for id in [1, 2] {
+            r.prefill_done(RequestId(id)).unwrap();
+            for _ in 0..4 {
+                r.output_block(RequestId(id)).unwrap();
+            }
+        }
+        // Request 1: 64-token prompt, 4th block opens at output token 49: r = 0.51.
+        let l1 = r.load(WorkerRank::new(1, 0)).unwrap();
+        assert_eq!(l1.output_blocks, 4);
+        let expect = 4.0 * (1.0 - 49.0 / 100.0);
+        assert!(
+            (l1.weighted_output_blocks() - expect).abs() < 1e-4,
+            "{l1:?}"
+        );
+        assert_eq!(r.load(WorkerRank::new(2, 0)).unwrap().output_decay, 0);
+        let t: Vec<u32> = (0..64).map(|i| i + 90_000).collect();
+        let mut q = req(3, &t);
+        q.hints.mode = Mode::QueryOnly;
+        let d = r.route(&q).unwrap();
+        assert_eq!(d.worker, WorkerRank::new(1, 0));
+        assert!((d.cost.decode_cost - (4.0 + expect + 4.0)).abs() < 1e-4);
+        r.free(RequestId(1)).unwrap();
+        r.free(RequestId(2)).unwrap();
+        assert!(r.total_load().is_idle());
+    }
+
+    #[test]
+    fn request_metrics_record_only_dispatched_requests() {
+        let r = router(RouterConfig {
+            metrics: Metrics::On,
+            ..RouterConfig::default()
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let t = tokens(64);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        store(
+            &r,
+            WorkerRank::new(1, 0),
+            StorageTier::Device,
+            &locals[..1],
+            0,
+        );
+        // Never dispatched: freed by its guard, records nothing.
+        r.route(&req(1, &t)).unwrap();
+        {
+            let g = RequestGuard::new(&r, RequestId(1));
+            g.prefill_done().unwrap();
+            g.output_block().unwrap();
+        }
+        let m = r.request_metrics().unwrap();
+        assert!(m.quantiles().iter().all(|(_, q)| q.count == 0), "{m}");
+        assert_eq!(r.counts().completed, 0);
+        // Dispatched through the guard: TTFT once, no ITL sample for the block that opens at
+        // the first token (a 64-token prompt), one per later block, the rest when it ends.
+        r.route(&req(2, &t)).unwrap();
+        let mut g = RequestGuard::new(&r, RequestId(2));
+        g.mark_dispatched().unwrap();
+        g.prefill_done().unwrap();
+        g.prefill_done().unwrap();
+        for _ in 0..3 {
+            g.output_block().unwrap();
+        }
+        g.finish().unwrap();
+        // Dispatched by id (the engine-side contract), freed by id.
+        r.route(&req(3, &t)).unwrap();
+        r.mark_dispatched(RequestId(3)).unwrap();
+        r.prefill_done(RequestId(3)).unwrap();
+        r.free(RequestId(3)).unwrap();
+        // Dispatched but expired: its end records nothing.
+        r.route(&req(4, &t)).unwrap();
+        r.mark_dispatched(RequestId(4)).unwrap();
+        r.expire(Instant::now() + r.config().request_expiry);
+        let m = r.request_metrics().unwrap();
+        assert_eq!(m.ttft_us.len(), 2);
+        assert_eq!(m.itl_us.len(), 2);
+        assert_eq!(m.isl_tokens.len(), 2);
+        assert_eq!(m.isl_tokens.max(), 64);
+        assert_eq!(m.osl_blocks.max(), 3);
+        assert_eq!(m.osl_blocks.min(), 0);
+        // One of four blocks cached: 25 % = 2,500 basis points.
+        assert_eq!(m.kv_hit_bp.min(), 2_500);
+        assert!(m.kv_hit_bp.equivalent(m.kv_hit_bp.max(), 2_500));
+        assert_eq!(r.counts().completed, 2);
+        let table = m.to_string();
+        assert!(
+            table.contains("ttft_us") && table.contains("kv_hit_bp"),
+            "{table}"
+        );
+        assert_eq!(m.quantiles()[2].1.p50, 64);
+        // Off: nothing to read, and lifecycle calls still work.
+        let off = router(RouterConfig::default());
+        assert!(off.request_metrics().is_none());
+    }
+
+    #[test]
+    fn itl_is_microseconds_per_token() {
+        let r = router(RouterConfig {
+            metrics: Metrics::On,
+            ..RouterConfig::default()
+        });
+        let step = Step {
+            rank: WorkerRank::new(1, 0),
+            dispatch: Dispatch::Reached,
+            elapsed: Some(std::time::Duration::from_micros(1_600)),
+            tokens: 16,
+        };
+        r.record_step(RequestId(1), &step, |m| &mut m.itl_us, step.tokens);
+        let not_dispatched = Step {
+            dispatch: Dispatch::NotYet,
+            ..step
+        };
+        r.record_step(RequestId(1), &not_dispatched, |m| &mut m.itl_us, 16);
+        let m = r.request_metrics().unwrap();
+        assert_eq!((m.itl_us.len(), m.itl_us.max()), (1, 100));
+    }
+
+    #[test]
+    fn merged_metrics_keep_every_shards_samples() {
+        let mut a = RequestMetrics::new();
+        let mut b = RequestMetrics::new();
+        record(&mut a.ttft_us, 5);
+        record(&mut b.ttft_us, 5_000_000);
+        a.merge(&b);
+        assert_eq!(a.ttft_us.len(), 2);
+        assert!(a.ttft_us.max() >= 4_990_000);
+        let q = Quantiles::of(&a.ttft_us);
+        assert_eq!((q.count, q.p50), (2, 5));
+        assert_eq!(Quantiles::of(&RequestMetrics::new().itl_us).count, 0);
     }
 }

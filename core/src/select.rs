@@ -17,13 +17,21 @@
 //! ```text
 //!   credit   = overlap_credit·device + w_host·host + w_disk·disk + w_ext·external   (blocks)
 //!   prefill  = prefill_load_scale · max(0, (active prefill tokens + prompt tokens)/block − credit)
-//!   decode   = active decode blocks + the request's prompt blocks
+//!   decode   = active prompt blocks + weighted output blocks + prompt blocks − shared
 //!   cost     = prefill + decode
 //! ```
 //!
-//! The decode term charges the whole prompt even when part of it is already active on the rank
-//! (shared by a running request): an upper bound that avoids probing every rank's active set
-//! per request; the booking itself counts shared blocks once (see [`crate::load`]).
+//! *Weighted output blocks* are the rank's output blocks, each request's decayed by what is left
+//! of its expected output ([`crate::load`]). *Shared* is the number of the prompt's leading
+//! blocks already active on the rank (held by a running request), which the booking would count
+//! once. Finding it takes the rank's refcount table, so selection does not probe every rank:
+//! every rank is scored with shared = 0 (an upper bound of its cost), then only ranks whose
+//! cost could fall to the cheapest, because their `cost − min(full prompt blocks, active prompt
+//! blocks)` is at most the cheapest upper bound, are probed, at most [`SHARED_PROBES`] of them
+//! (lowest bound first) and only with `try_lock` ([`shared_probe_targets`]). With temperature 0
+//! the choice is then the exact argmin whenever at most [`SHARED_PROBES`] ranks qualify and no
+//! probed table was busy; otherwise, and for softmax sampling, the unprobed ranks keep their
+//! upper bound (they can only look slightly worse than they are).
 //!
 //! Selection looks at a [`Scored`] record per rank, small enough that a few hundred ranks are
 //! scored in well under a microsecond; the full [`Candidate`] (every cost term, the tier split)
@@ -147,7 +155,9 @@ pub struct CostTerms {
     pub credit_blocks: f64,
     /// prefill_load_scale · max(0, prefill_blocks − credit_blocks).
     pub prefill_cost: f64,
-    /// Active decode blocks plus the request's blocks.
+    /// Prompt blocks already active on the rank, not charged again (0 when not probed).
+    pub shared_blocks: u32,
+    /// Active prompt blocks, weighted output blocks and the request's blocks less the shared.
     pub decode_cost: f64,
     /// prefill_cost + decode_cost.
     pub total: f64,
@@ -155,21 +165,25 @@ pub struct CostTerms {
 
 impl CostTerms {
     /// The cost of serving `shape` on a rank with `load` and cached `per_tier` blocks.
+    /// The cost of serving `shape` on a rank with `load`, cached `per_tier` blocks and
+    /// `shared_blocks` of the prompt active.
     pub fn new(
         w: &Weights,
         shape: &RequestShape,
         load: &LoadView,
         per_tier: &[u32; StorageTier::COUNT],
+        shared_blocks: u32,
     ) -> Self {
         let prefill_blocks =
             (load.prefill_tokens + shape.tokens) as f64 / f64::from(w.block_size.max(1));
         let credit_blocks = Self::credit_blocks(w, per_tier);
         let prefill_cost = Self::prefill_cost(w, prefill_blocks, credit_blocks);
-        let decode_cost = Self::decode_cost(shape, load);
+        let decode_cost = Self::decode_cost(shape, load, shared_blocks);
         CostTerms {
             prefill_blocks,
             credit_blocks,
             prefill_cost,
+            shared_blocks,
             decode_cost,
             total: prefill_cost + decode_cost,
         }
@@ -179,9 +193,16 @@ impl CostTerms {
     /// ([`CostTerms::credit_of`]): the same operations in the same order, so the two are equal
     /// to the bit.
     #[inline(always)]
-    pub fn total_of(w: &Weights, shape: &RequestShape, load: &LoadView, credit_blocks: f64) -> f64 {
+    pub fn total_of(
+        w: &Weights,
+        shape: &RequestShape,
+        load: &LoadView,
+        credit_blocks: f64,
+        shared_blocks: u32,
+    ) -> f64 {
         let prefill_blocks = Self::prefill_blocks(w, shape, load);
-        Self::prefill_cost(w, prefill_blocks, credit_blocks) + Self::decode_cost(shape, load)
+        Self::prefill_cost(w, prefill_blocks, credit_blocks)
+            + Self::decode_cost(shape, load, shared_blocks)
     }
 
     /// The overlap credit of `per_tier` cached blocks, in blocks.
@@ -217,9 +238,17 @@ impl CostTerms {
         w.prefill_load_scale * (prefill_blocks - credit_blocks).max(0.0)
     }
 
+    /// Whole blocks first, then the weighted output: without decay the output is a whole
+    /// number too, and the sum is exact.
     #[inline(always)]
-    fn decode_cost(shape: &RequestShape, load: &LoadView) -> f64 {
-        count_f64(load.decode_blocks() + shape.blocks)
+    fn decode_cost(shape: &RequestShape, load: &LoadView, shared_blocks: u32) -> f64 {
+        let own = shape.blocks.saturating_sub(u64::from(shared_blocks));
+        let output = if load.output_decay == 0 {
+            count_f64(load.output_blocks)
+        } else {
+            load.weighted_output_blocks()
+        };
+        count_f64(load.prompt_blocks + own) + output
     }
 }
 
@@ -272,6 +301,8 @@ pub struct Scored {
     /// Leading prompt blocks the rank holds, in any tier.
     pub overlap_blocks: u32,
     pub busy: Busy,
+    /// Prompt blocks active on the rank, when probed ([`shared_probe_targets`]); else 0.
+    pub shared_blocks: u32,
     /// Total cost ([`CostTerms::total_of`]).
     pub cost: f64,
     /// The load the cost was computed from.
@@ -306,7 +337,7 @@ impl Candidate {
             fleet_index: scored.fleet_index as usize,
             load: scored.load,
             overlap: Overlap::new(per_tier, w, shape),
-            cost: CostTerms::new(w, shape, &scored.load, &per_tier),
+            cost: CostTerms::new(w, shape, &scored.load, &per_tier, scored.shared_blocks),
             busy: scored.busy,
         }
     }
@@ -328,6 +359,91 @@ pub fn filter_busy(candidates: &mut Vec<Scored>) -> BusyOutcome {
     }
     candidates.retain(|c| c.busy == Busy::Free);
     BusyOutcome::Filtered
+}
+
+/// Most ranks probed per request for prompt blocks they already hold active.
+pub const SHARED_PROBES: usize = 8;
+
+/// The candidates worth probing for active prompt blocks (see the module comment): free ones
+/// (or none when every one is busy, as the least loaded then decides) whose
+/// `cost − min(full_blocks, active prompt blocks)` is at most the cheapest cost, the
+/// [`SHARED_PROBES`] lowest of those bounds. Writes candidate indices into `out`, lowest bound
+/// first; returns how many. Allocation-free; [`ProbeTargets`] does the same while scoring.
+pub fn shared_probe_targets(
+    candidates: &[Scored],
+    full_blocks: u32,
+    out: &mut [u32; SHARED_PROBES],
+) -> usize {
+    let mut t = ProbeTargets::new(full_blocks);
+    for (i, c) in candidates.iter().enumerate() {
+        t.offer(i, c);
+    }
+    let picked = t.targets();
+    out[..picked.len()].copy_from_slice(picked);
+    picked.len()
+}
+
+/// [`shared_probe_targets`] in one pass, fed candidate by candidate as they are scored: it
+/// keeps the [`SHARED_PROBES`] lowest bounds seen and the cheapest cost, and the targets are
+/// those of the kept bounds at most the cheapest cost. (Every bound below a qualifying one
+/// qualifies too, so the lowest bounds overall, cut at the cheapest cost, are the lowest
+/// qualifying bounds.)
+#[derive(Clone, Copy, Debug)]
+pub struct ProbeTargets {
+    full_blocks: u64,
+    cheapest: f64,
+    n: usize,
+    bounds: [f64; SHARED_PROBES],
+    indices: [u32; SHARED_PROBES],
+}
+
+impl ProbeTargets {
+    /// An empty set for a prompt of `full_blocks` full blocks (0: nothing to probe).
+    pub fn new(full_blocks: u32) -> Self {
+        ProbeTargets {
+            full_blocks: u64::from(full_blocks),
+            cheapest: f64::INFINITY,
+            n: 0,
+            bounds: [f64::INFINITY; SHARED_PROBES],
+            indices: [0; SHARED_PROBES],
+        }
+    }
+
+    /// Considers candidate `index`.
+    #[inline(always)]
+    pub fn offer(&mut self, index: usize, c: &Scored) {
+        if c.busy == Busy::Busy {
+            return;
+        }
+        self.cheapest = self.cheapest.min(c.cost);
+        let room = c.load.prompt_blocks.min(self.full_blocks);
+        if room == 0 {
+            return;
+        }
+        let bound = c.cost - count_f64(room);
+        if bound >= self.bounds[SHARED_PROBES - 1] {
+            return;
+        }
+        // Insert in order; when full, the highest bound drops out.
+        let mut at = self.n.min(SHARED_PROBES - 1);
+        while at > 0 && self.bounds[at - 1] > bound {
+            self.bounds[at] = self.bounds[at - 1];
+            self.indices[at] = self.indices[at - 1];
+            at -= 1;
+        }
+        self.bounds[at] = bound;
+        self.indices[at] = index as u32;
+        self.n = (self.n + 1).min(SHARED_PROBES);
+    }
+
+    /// The candidates to probe, lowest bound first.
+    pub fn targets(&self) -> &[u32] {
+        let n = self.bounds[..self.n]
+            .iter()
+            .take_while(|&&b| b <= self.cheapest)
+            .count();
+        &self.indices[..n]
+    }
 }
 
 /// The built-in policies, as named in decisions.
@@ -639,11 +755,13 @@ mod tests {
             fleet_index: i as u32,
             overlap_blocks: per_tier.iter().sum(),
             busy: Busy::Free,
+            shared_blocks: 0,
             cost: CostTerms::total_of(
                 &weights(),
                 s,
                 &load,
                 CostTerms::credit_of(&weights(), &per_tier),
+                0,
             ),
             load,
         }
@@ -689,20 +807,29 @@ mod tests {
             };
             for _ in 0..10_000 {
                 let s = shape(1 + rng.below(20_000));
+                let output_blocks = rng.below(500);
                 let load = LoadView {
                     prefill_tokens: rng.below(50_000),
                     prompt_blocks: rng.below(3_000),
-                    output_blocks: rng.below(500),
+                    output_blocks,
+                    output_decay: if rng.below(2) == 0 {
+                        0
+                    } else {
+                        rng.below(output_blocks * crate::load::DECAY_SCALE + 1)
+                    },
                     requests: rng.below(40),
                 };
                 let per_tier = std::array::from_fn(|_| rng.below(400) as u32);
-                let full = CostTerms::new(&w, &s, &load, &per_tier);
-                let total = CostTerms::total_of(&w, &s, &load, CostTerms::credit_of(&w, &per_tier));
+                let shared = rng.below(u64::from(s.full_blocks) + 1) as u32;
+                let full = CostTerms::new(&w, &s, &load, &per_tier, shared);
+                let total =
+                    CostTerms::total_of(&w, &s, &load, CostTerms::credit_of(&w, &per_tier), shared);
                 assert_eq!(full.total.to_bits(), total.to_bits());
                 let scored = Scored {
                     fleet_index: 3,
                     overlap_blocks: per_tier.iter().sum(),
                     busy: Busy::Free,
+                    shared_blocks: shared,
                     cost: total,
                     load,
                 };
@@ -736,15 +863,22 @@ mod tests {
             prompt_blocks: 5,
             output_blocks: 1,
             requests: 1,
+            ..LoadView::default()
         };
-        let c = CostTerms::new(&weights(), &s, &load, &[4, 2, 0, 0]);
+        let c = CostTerms::new(&weights(), &s, &load, &[4, 2, 0, 0], 0);
         assert_eq!(c.prefill_blocks, 12.0);
         assert_eq!(c.credit_blocks, 5.5);
         assert_eq!(c.prefill_cost, 6.5);
         assert_eq!(c.decode_cost, 16.0);
         assert_eq!(c.total, 22.5);
         // Credit never makes prefill negative.
-        let c = CostTerms::new(&weights(), &shape(16), &LoadView::default(), &[10, 0, 0, 0]);
+        let c = CostTerms::new(
+            &weights(),
+            &shape(16),
+            &LoadView::default(),
+            &[10, 0, 0, 0],
+            0,
+        );
         assert_eq!(c.prefill_cost, 0.0);
     }
 
@@ -758,7 +892,7 @@ mod tests {
         .sanitized();
         assert_eq!(o.temperature, None);
         let w = Weights::new(&RouterConfig::default(), &o);
-        let c = CostTerms::new(&w, &shape(160), &LoadView::default(), &[4, 0, 0, 0]);
+        let c = CostTerms::new(&w, &shape(160), &LoadView::default(), &[4, 0, 0, 0], 0);
         assert_eq!(c.credit_blocks, 0.0);
         assert_eq!(c.prefill_cost, 20.0);
     }
@@ -993,6 +1127,112 @@ mod tests {
         ];
         for (p, k) in kinds {
             assert_eq!(selector_for(p).kind(), k);
+        }
+    }
+
+    /// Decode load counts the prompt blocks already active on the rank once, and output
+    /// blocks at their decayed weight; capacity (`decode_blocks`) still counts every block.
+    #[test]
+    fn decode_term_subtracts_shared_blocks_and_weighs_decayed_output() {
+        let s = shape(160); // 10 blocks, all full
+        let load = LoadView {
+            prompt_blocks: 6,
+            output_blocks: 4,
+            output_decay: 3 * crate::load::DECAY_SCALE / 2,
+            ..LoadView::default()
+        };
+        let c = CostTerms::new(&weights(), &s, &load, &[0; 4], 6);
+        assert_eq!(c.shared_blocks, 6);
+        assert_eq!(c.decode_cost, 6.0 + 2.5 + (10.0 - 6.0));
+        assert_eq!(load.decode_blocks(), 10);
+        let undecayed = LoadView {
+            output_decay: 0,
+            ..load
+        };
+        assert_eq!(
+            CostTerms::new(&weights(), &s, &undecayed, &[0; 4], 0).decode_cost,
+            20.0
+        );
+    }
+
+    fn scored(i: u32, cost: f64, prompt_blocks: u64, busy: Busy) -> Scored {
+        Scored {
+            fleet_index: i,
+            overlap_blocks: 0,
+            busy,
+            shared_blocks: 0,
+            cost,
+            load: LoadView {
+                prompt_blocks,
+                ..LoadView::default()
+            },
+        }
+    }
+
+    #[test]
+    fn shared_probes_go_only_where_the_cost_could_reach_the_cheapest() {
+        let mut out = [0; SHARED_PROBES];
+        let c = [
+            scored(0, 100.0, 0, Busy::Free),  // nothing active: nothing to share
+            scored(1, 130.0, 40, Busy::Free), // bound 130 - 10 = 120 > 100
+            scored(2, 105.0, 40, Busy::Free), // bound 95
+            scored(3, 101.0, 3, Busy::Free),  // bound 98
+            scored(4, 50.0, 40, Busy::Busy),  // busy: leaves selection
+        ];
+        let n = shared_probe_targets(&c, 10, &mut out);
+        assert_eq!(&out[..n], &[2, 3], "lowest bound first");
+        assert_eq!(shared_probe_targets(&c, 0, &mut out), 0, "no full block");
+        let all_busy = [scored(0, 10.0, 40, Busy::Busy)];
+        assert_eq!(shared_probe_targets(&all_busy, 10, &mut out), 0);
+        // Many qualify: the SHARED_PROBES lowest bounds are kept.
+        let many: Vec<Scored> = (0..40)
+            .map(|i| scored(i, 100.0 + f64::from(i % 20), 50, Busy::Free))
+            .collect();
+        let n = shared_probe_targets(&many, 30, &mut out);
+        assert_eq!(n, SHARED_PROBES);
+        let mut picked: Vec<f64> = out.iter().map(|&i| many[i as usize].cost).collect();
+        assert!(picked.windows(2).all(|w| w[0] <= w[1]), "{picked:?}");
+        picked.dedup();
+        assert_eq!(picked, vec![100.0, 101.0, 102.0, 103.0]);
+    }
+
+    /// The one-pass accumulator equals the literal rule: every free candidate with active
+    /// prompt blocks whose bound is at most the cheapest free cost, sorted by bound, the first
+    /// SHARED_PROBES kept (bounds compared, as ties may keep either index).
+    #[test]
+    fn probe_targets_equal_the_literal_rule() {
+        let mut rng = Rng::new(21);
+        let mut out = [0; SHARED_PROBES];
+        for _ in 0..2_000 {
+            let n = 1 + rng.below(40) as usize;
+            let full = rng.below(30) as u32;
+            let c: Vec<Scored> = (0..n)
+                .map(|i| {
+                    let busy = if rng.below(4) == 0 {
+                        Busy::Busy
+                    } else {
+                        Busy::Free
+                    };
+                    scored(i as u32, rng.below(60) as f64, rng.below(25), busy)
+                })
+                .collect();
+            let cheapest = c
+                .iter()
+                .filter(|x| x.busy == Busy::Free)
+                .map(|x| x.cost)
+                .fold(f64::INFINITY, f64::min);
+            let bound = |x: &Scored| x.cost - x.load.prompt_blocks.min(u64::from(full)) as f64;
+            let mut literal: Vec<f64> = c
+                .iter()
+                .filter(|x| x.busy == Busy::Free && x.load.prompt_blocks.min(u64::from(full)) > 0)
+                .map(bound)
+                .filter(|&b| b <= cheapest)
+                .collect();
+            literal.sort_by(f64::total_cmp);
+            literal.truncate(SHARED_PROBES);
+            let k = shared_probe_targets(&c, full, &mut out);
+            let got: Vec<f64> = out[..k].iter().map(|&i| bound(&c[i as usize])).collect();
+            assert_eq!(got, literal, "{c:?}");
         }
     }
 }

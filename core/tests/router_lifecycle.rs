@@ -1,13 +1,16 @@
-//! The router's lifecycle against a naive model: random interleavings of route, prefill done,
-//! output block, free, guard drop, worker leave and expiry keep the load counters equal to what
-//! the active requests hold, return them to exactly zero, and never free anything twice. Plus
-//! routes from several threads at once, with a worker leaving and rejoining underneath.
+//! The router's lifecycle against a naive model: random interleavings of route (with and
+//! without an expected output length), dispatch, prefill done, output block, free, guard drop,
+//! worker leave and expiry keep the load counters (output decay included) equal to what the
+//! active requests hold, return them to exactly zero, never free anything twice, and record
+//! request metrics for exactly the dispatched requests that end by a free. Plus routes from
+//! several threads at once, with a worker leaving and rejoining underneath.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::load::{LoadError, LoadView, RequestId};
+use kvroute_core::config::{Metrics, RouterConfig};
+use kvroute_core::load::{output_decay, LoadError, LoadView, RequestId};
 use kvroute_core::registry::WorkerConfig;
 use kvroute_core::router::{RequestGuard, RouteError, RouteHints, RouteRequest, Router};
 use kvroute_core::{IndexConfig, PrefixIndex, WorkerId, WorkerRank};
@@ -17,7 +20,11 @@ const BS: usize = 16;
 const WORKERS: u64 = 3;
 
 fn router() -> Router {
-    let r = Router::new(Default::default(), PrefixIndex::new(IndexConfig::default())).unwrap();
+    let config = RouterConfig {
+        metrics: Metrics::On,
+        ..RouterConfig::default()
+    };
+    let r = Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap();
     for w in 0..WORKERS {
         r.join_worker(WorkerConfig::simple(w, 10_000, BS as u32))
             .unwrap();
@@ -40,7 +47,9 @@ enum Op {
         sys: u32,
         shared: usize,
         own: usize,
+        expected: Option<u32>,
     },
+    Dispatch(u64),
     PrefillDone(u64),
     OutputBlock(u64),
     Free(u64),
@@ -51,7 +60,9 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..12u64, 0..2u32, 0..80usize, 0..60usize).prop_map(|(id, sys, shared, own)| Op::Route { id, sys, shared, own }),
+        4 => (0..12u64, 0..2u32, 0..80usize, 0..60usize, proptest::option::of(0..100u32))
+            .prop_map(|(id, sys, shared, own, expected)| Op::Route { id, sys, shared, own, expected }),
+        2 => (0..12u64).prop_map(Op::Dispatch),
         2 => (0..12u64).prop_map(Op::PrefillDone),
         2 => (0..12u64).prop_map(Op::OutputBlock),
         2 => (0..12u64).prop_map(Op::Free),
@@ -67,6 +78,8 @@ struct Active {
     tokens: Vec<u32>,
     prefill: u64,
     output: u64,
+    expected: Option<u32>,
+    dispatched: bool,
 }
 
 /// What every rank should show: summed from the active requests, prompt blocks deduplicated
@@ -82,6 +95,9 @@ fn expected(model: &HashMap<u64, Active>, rank: WorkerRank) -> LoadView {
         v.prompt_blocks += u64::from(a.tokens.len() % BS != 0);
         v.prefill_tokens += a.prefill;
         v.output_blocks += a.output;
+        if let Some(e) = a.expected {
+            v.output_decay += output_decay(a.tokens.len() as u64, BS as u32, e, a.output);
+        }
         v.requests += 1;
     }
     v.prompt_blocks += prefixes.len() as u64;
@@ -103,16 +119,20 @@ proptest! {
     fn load_matches_the_model_and_returns_to_zero(ops in proptest::collection::vec(op(), 1..80)) {
         let r = router();
         let mut model: HashMap<u64, Active> = HashMap::new();
+        // Dispatched requests ended by a free: the only ones whose end is recorded.
+        let mut completed = 0u64;
         for op in ops {
             match op {
-                Op::Route { id, sys, shared, own } => {
+                Op::Route { id, sys, shared, own, expected } => {
                     let tokens = prompt(sys, shared, own, id as u32);
-                    let q = RouteRequest { id: RequestId(id), tokens: &tokens, hints: RouteHints::default() };
+                    let mut q = RouteRequest { id: RequestId(id), tokens: &tokens, hints: RouteHints::default() };
+                    q.hints.expected_output_tokens = expected;
                     match r.route(&q) {
                         Ok(d) => {
                             prop_assert!(!model.contains_key(&id));
                             let prefill = tokens.len() as u64 - d.overlap.cached_tokens;
-                            model.insert(id, Active { rank: d.worker, tokens, prefill, output: 0 });
+                            let a = Active { rank: d.worker, tokens, prefill, output: 0, expected, dispatched: false };
+                            model.insert(id, a);
                         }
                         Err(RouteError::NoTokens { .. }) => prop_assert!(tokens.is_empty()),
                         Err(RouteError::Load(LoadError::DuplicateRequest { .. })) => {
@@ -120,6 +140,10 @@ proptest! {
                         }
                         Err(e) => prop_assert!(false, "unexpected {e}"),
                     }
+                }
+                Op::Dispatch(id) => {
+                    prop_assert_eq!(r.mark_dispatched(RequestId(id)).is_ok(), model.contains_key(&id));
+                    if let Some(a) = model.get_mut(&id) { a.dispatched = true; }
                 }
                 Op::PrefillDone(id) => {
                     prop_assert_eq!(r.prefill_done(RequestId(id)).is_ok(), model.contains_key(&id));
@@ -130,11 +154,14 @@ proptest! {
                     if let Some(a) = model.get_mut(&id) { a.output += 1; }
                 }
                 Op::Free(id) => {
-                    prop_assert_eq!(r.free(RequestId(id)).is_ok(), model.remove(&id).is_some());
+                    let a = model.remove(&id);
+                    completed += u64::from(a.as_ref().is_some_and(|a| a.dispatched));
+                    prop_assert_eq!(r.free(RequestId(id)).is_ok(), a.is_some());
                 }
                 Op::GuardDrop(id) => {
                     drop(RequestGuard::new(&r, RequestId(id)));
-                    model.remove(&id);
+                    let a = model.remove(&id);
+                    completed += u64::from(a.is_some_and(|a| a.dispatched));
                 }
                 Op::Leave(w) => {
                     let before = model.len();
@@ -149,10 +176,16 @@ proptest! {
                 }
             }
             check(&r, &model);
+            prop_assert_eq!(r.counts().completed, completed);
+            prop_assert_eq!(r.request_metrics().unwrap().isl_tokens.len(), completed);
         }
-        for id in model.keys() {
+        for (id, a) in &model {
             r.free(RequestId(*id)).unwrap();
+            completed += u64::from(a.dispatched);
         }
+        prop_assert_eq!(r.counts().completed, completed);
+        let m = r.request_metrics().unwrap();
+        prop_assert_eq!((m.isl_tokens.len(), m.osl_blocks.len(), m.kv_hit_bp.len()), (completed, completed, completed));
         prop_assert!(r.total_load().is_idle());
         prop_assert_eq!(r.active_requests(), 0);
         let c = r.counts().ledger;
@@ -184,18 +217,20 @@ fn routes_from_several_threads_keep_load_exact() {
                 for i in 0..PER {
                     let id = t * 1_000_000 + i;
                     let tokens = prompt((i % 3) as u32, 64, (i % 50) as usize, id as u32);
-                    let q = RouteRequest {
+                    let mut q = RouteRequest {
                         id: RequestId(id),
                         tokens: &tokens,
                         hints: RouteHints::default(),
                     };
+                    q.hints.expected_output_tokens = (i % 3 == 0).then_some(40);
                     match r.route(&q) {
                         Ok(_) => {}
                         // The churned worker left while this request was booked on it.
                         Err(RouteError::Load(LoadError::RankRetired { .. })) => continue,
                         Err(e) => panic!("unexpected {e}"),
                     }
-                    let g = RequestGuard::new(&*r, RequestId(id));
+                    let mut g = RequestGuard::new(&*r, RequestId(id));
+                    let _ = g.mark_dispatched();
                     let _ = g.prefill_done();
                     let _ = g.output_block();
                     if i % 2 == 0 {
