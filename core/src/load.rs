@@ -690,22 +690,7 @@ impl Ledger {
 
     /// Frees every request booked at or before `now - max_age`; returns how many.
     pub fn expire(&self, now: Instant, max_age: Duration) -> usize {
-        let mut n = 0;
-        for shard in &self.shards {
-            let old: Vec<Booking> = {
-                let mut s = lock(shard);
-                let ids: Vec<RequestId> = s
-                    .iter()
-                    .filter(|(_, b)| now.saturating_duration_since(b.booked_at) >= max_age)
-                    .map(|(id, _)| *id)
-                    .collect();
-                ids.iter().filter_map(|id| s.remove(id)).collect()
-            };
-            for b in old {
-                self.undo(b);
-                n += 1;
-            }
-        }
+        let n = self.drain_where(|b| now.saturating_duration_since(b.booked_at) >= max_age);
         self.expired.fetch_add(n as u64, Ordering::Relaxed);
         n
     }
@@ -713,13 +698,20 @@ impl Ledger {
     /// Drops every booking on a rank of `worker` (whose ranks must already be retired);
     /// returns how many.
     pub fn purge_worker(&self, worker: WorkerId) -> usize {
+        let n = self.drain_where(|b| b.state.rank.worker == worker);
+        self.purged.fetch_add(n as u64, Ordering::Relaxed);
+        n
+    }
+
+    /// Removes every booking `drop` selects and undoes its load; returns how many.
+    fn drain_where(&self, mut drop: impl FnMut(&Booking) -> bool) -> usize {
         let mut n = 0;
         for shard in &self.shards {
             let gone: Vec<Booking> = {
                 let mut s = lock(shard);
                 let ids: Vec<RequestId> = s
                     .iter()
-                    .filter(|(_, b)| b.state.rank.worker == worker)
+                    .filter(|(_, b)| drop(b))
                     .map(|(id, _)| *id)
                     .collect();
                 ids.iter().filter_map(|id| s.remove(id)).collect()
@@ -729,7 +721,6 @@ impl Ledger {
                 n += 1;
             }
         }
-        self.purged.fetch_add(n as u64, Ordering::Relaxed);
         n
     }
 
