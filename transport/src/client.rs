@@ -5,8 +5,8 @@
 //! must run inside a runtime of the same backend: [`crate::backend::block_on`] builds one.
 //! Each batch is encoded into one reused buffer and written with one `write_all`.
 //!
-//! Reconnection with backoff and bounded in-flight requests belong to the dispatch client and
-//! come with it.
+//! Reconnection with backoff and bounded in-flight requests belong to the dispatch client
+//! ([`crate::dispatch`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -15,21 +15,31 @@
 //! * [`backend`]: io_uring (tokio-uring) where the kernel allows it, else tokio's epoll.
 //! * [`ingest`]: the KV event ingest server: runtime threads reading sockets, one index writer.
 //! * [`client`]: the sending side of ingest.
-//!
-//! Request dispatch and response streams over the same sockets are the next increment.
+//! * [`worker`]: the worker side of request dispatch: routers' requests to an [`Engine`],
+//!   its response streams back.
+//! * [`dispatch`]: the router side: one connection per worker, bounded in-flight requests,
+//!   response streams, heartbeats, reconnects.
 #![forbid(unsafe_code)]
 
 pub mod apply;
 pub mod backend;
 pub mod client;
+mod conn;
+pub mod dispatch;
 pub mod frame;
 pub mod ingest;
 mod net;
 pub mod wire;
+pub mod worker;
 
 pub use apply::{apply_event_batch, BatchApplier, BatchOutcome, EventRejection};
 pub use backend::{Backend, BackendChoice, BackendError};
 pub use client::{ClientError, IngestClient};
+pub use conn::Backoff;
+pub use dispatch::{
+    DispatchClient, DispatchConfig, DispatchError, DispatchStats, LinkState, Rejected,
+    ResponseStream, StreamError, WorkerStatus,
+};
 pub use frame::{
     encode, encode_kv_events, encode_to_bytes, DecodeStats, EncodeError, Frame, FrameDecoder,
     FrameError,
@@ -37,3 +47,7 @@ pub use frame::{
 pub use ingest::{IngestConfig, IngestError, IngestReport, IngestServer, IngestStats};
 pub use kvroute_core as core;
 pub use wire::{Message, MessageKind, MessageRef, PROTOCOL_VERSION};
+pub use worker::{
+    Engine, ResponseSink, SinkClosed, WorkerServer, WorkerServerConfig, WorkerServerError,
+    WorkerStats,
+};

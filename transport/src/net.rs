@@ -10,6 +10,7 @@
 
 use std::io;
 use std::net::SocketAddr;
+use std::rc::Rc;
 
 use bytes::BytesMut;
 use socket2::{Domain, Protocol, Socket, Type};
@@ -129,6 +130,71 @@ impl Stream {
         match self {
             Stream::Uring(s) => s.shutdown(std::net::Shutdown::Write),
             Stream::Epoll(s) => s.shutdown().await,
+        }
+    }
+
+    /// Splits the stream so that one task reads while another writes. Both halves stay on
+    /// this thread (io_uring's stream is shared through an `Rc`; its operations take `&self`).
+    pub(crate) fn into_split(self) -> (ReadHalf, WriteHalf) {
+        match self {
+            Stream::Uring(s) => {
+                let s = Rc::new(s);
+                (ReadHalf::Uring(Rc::clone(&s)), WriteHalf::Uring(s))
+            }
+            Stream::Epoll(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Epoll(r), WriteHalf::Epoll(w))
+            }
+        }
+    }
+}
+
+/// The reading half of a split [`Stream`].
+pub(crate) enum ReadHalf {
+    Uring(Rc<tokio_uring::net::TcpStream>),
+    Epoll(tokio::net::tcp::OwnedReadHalf),
+}
+
+impl ReadHalf {
+    /// As [`Stream::read`].
+    pub(crate) async fn read(&mut self, mut buf: BytesMut) -> (io::Result<usize>, BytesMut) {
+        match self {
+            ReadHalf::Uring(s) => {
+                let (len, cap) = (buf.len(), buf.capacity());
+                let (res, slice) = s.read(buf.slice(len..cap)).await;
+                (res, slice.into_inner())
+            }
+            ReadHalf::Epoll(s) => {
+                let res = s.read_buf(&mut buf).await;
+                (res, buf)
+            }
+        }
+    }
+}
+
+/// The writing half of a split [`Stream`]. Dropping both halves closes the socket.
+pub(crate) enum WriteHalf {
+    Uring(Rc<tokio_uring::net::TcpStream>),
+    Epoll(tokio::net::tcp::OwnedWriteHalf),
+}
+
+impl WriteHalf {
+    /// As [`Stream::write_all`].
+    pub(crate) async fn write_all(&mut self, buf: BytesMut) -> (io::Result<()>, BytesMut) {
+        match self {
+            WriteHalf::Uring(s) => s.write_all(buf).await,
+            WriteHalf::Epoll(s) => {
+                let res = s.write_all(&buf).await;
+                (res, buf)
+            }
+        }
+    }
+
+    /// Shuts down the write side (the peer reads end of stream).
+    pub(crate) async fn shutdown_write(&mut self) -> io::Result<()> {
+        match self {
+            WriteHalf::Uring(s) => s.shutdown(std::net::Shutdown::Write),
+            WriteHalf::Epoll(s) => s.shutdown().await,
         }
     }
 }
