@@ -1,0 +1,303 @@
+//! Request round trip over loopback: from `dispatch` to the first response item, io_uring
+//! against epoll, at 1 and at 64 requests in flight, in the same run.
+//!
+//! ```text
+//! cargo run --release -p kvroute-benches --bin roundtrip                  # 3 rounds
+//! cargo run --release -p kvroute-benches --bin roundtrip -- --requests 20000 --rounds 5
+//! cargo run --release -p kvroute-benches --bin roundtrip -- --in-flight 1,16,64
+//! ```
+//!
+//! One worker server (one runtime thread) with an engine that answers every request at once:
+//! one item carrying one token, then a finishing item. One router thread runs a
+//! `DispatchClient` on the same backend and keeps `in-flight` requests going, each a task that
+//! dispatches, times the first item, reads the stream to its end and starts again. Each round
+//! runs every backend once per in-flight level, alternating the backends (io_uring, epoll,
+//! io_uring, ...) so that drift hits both alike; the latencies of all rounds go into one
+//! histogram per (backend, level).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use hdrhistogram::Histogram;
+use kvroute_core::WorkerId;
+use kvroute_transport::backend::{self, uring_support, Backend, BackendChoice};
+use kvroute_transport::wire::{
+    Dispatch, DispatchHints, FinishReason, Hello, Role, Sampling, PROTOCOL_VERSION,
+};
+use kvroute_transport::{
+    DispatchClient, DispatchConfig, Engine, ResponseSink, WorkerServer, WorkerServerConfig,
+};
+
+const WORKER: WorkerId = WorkerId(1);
+
+struct Args {
+    requests: u64,
+    warmup: u64,
+    rounds: usize,
+    in_flight: Vec<usize>,
+    prompt: usize,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        requests: 10_000,
+        warmup: 1_000,
+        rounds: 3,
+        in_flight: vec![1, 64],
+        prompt: 256,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--requests" => args.requests = value()?.parse().context("--requests")?,
+            "--warmup" => args.warmup = value()?.parse().context("--warmup")?,
+            "--rounds" => args.rounds = value()?.parse().context("--rounds")?,
+            "--prompt" => args.prompt = value()?.parse().context("--prompt")?,
+            "--in-flight" => {
+                args.in_flight = value()?
+                    .split(',')
+                    .map(|v| v.trim().parse::<usize>().context("--in-flight"))
+                    .collect::<Result<_>>()?
+            }
+            "--help" | "-h" => {
+                println!(
+                    "roundtrip [--requests N (10000)] [--warmup W (1000)] [--rounds R (3)] \
+                     [--in-flight A,B (1,64)] [--prompt TOKENS (256)]"
+                );
+                std::process::exit(0);
+            }
+            _ => bail!("unknown flag {flag} (try --help)"),
+        }
+    }
+    if args.requests == 0 || args.rounds == 0 || args.in_flight.contains(&0) {
+        bail!("--requests, --rounds and every --in-flight level must be positive");
+    }
+    Ok(args)
+}
+
+/// Answers every request at once: one token, then the end.
+#[derive(Debug)]
+struct Instant1;
+
+impl Engine for Instant1 {
+    // Not an `async fn`: that would borrow `self`, and the request's future must not.
+    #[allow(clippy::manual_async_fn)]
+    fn serve(
+        &self,
+        request: Dispatch,
+        mut sink: ResponseSink,
+    ) -> impl Future<Output = ()> + 'static {
+        async move {
+            let token = request.tokens.first().copied().unwrap_or(0);
+            if sink.send(vec![token]).await.is_ok() {
+                let _ = sink.finish(Vec::new(), FinishReason::Length).await;
+            }
+        }
+    }
+}
+
+fn request(id: u64, prompt: &[u32]) -> Dispatch {
+    Dispatch {
+        request_id: id,
+        tokens: prompt.to_vec(),
+        sampling: Sampling {
+            max_tokens: 1,
+            min_tokens: 0,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+        },
+        hints: DispatchHints {
+            dp_rank: 0,
+            overlap_blocks: 0,
+            lora_name: None,
+            priority: 0,
+            expected_output_tokens: None,
+        },
+        bootstrap: None,
+    }
+}
+
+fn new_histogram() -> Result<Histogram<u64>> {
+    // 1 ns to 10 s, 3 significant digits.
+    Ok(Histogram::new_with_bounds(1, 10_000_000_000, 3)?)
+}
+
+/// One run: a fresh worker and client on `backend`; returns the first-item latencies of the
+/// measured requests and their wall time.
+fn run(backend: Backend, in_flight: usize, args: &Args) -> Result<(Histogram<u64>, f64)> {
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        worker_id: WORKER.0,
+        dp_start: 0,
+        dp_size: 1,
+        kv_blocks: 1 << 20,
+        block_size: 16,
+        role: Role::Aggregated,
+        max_batched_tokens: 8192,
+        labels: Vec::new(),
+    };
+    let addr: SocketAddr = "127.0.0.1:0".parse()?;
+    let worker = WorkerServer::start(
+        WorkerServerConfig {
+            backend: match backend {
+                Backend::IoUring => BackendChoice::IoUring,
+                Backend::Epoll => BackendChoice::Epoll,
+            },
+            threads: 1,
+            ..WorkerServerConfig::new(addr)
+        },
+        hello,
+        Arc::new(Instant1),
+    )?;
+    let addr = worker.local_addr();
+    let (warmup, requests, prompt_len) = (args.warmup, args.requests, args.prompt);
+    let router = thread::spawn(move || -> Result<(Histogram<u64>, f64)> {
+        backend::block_on(backend, async move {
+            let client = Rc::new(DispatchClient::start(DispatchConfig {
+                max_in_flight: in_flight,
+                ..DispatchConfig::new(addr, WORKER, backend)
+            }));
+            client.wait_connected(Duration::from_secs(5)).await?;
+            let prompt: Rc<[u32]> = (0..prompt_len as u32).collect();
+            let total = warmup + requests;
+            let next = Rc::new(std::cell::Cell::new(0u64));
+            let started = Rc::new(std::cell::Cell::new(None::<Instant>));
+            let mut tasks = Vec::with_capacity(in_flight);
+            for _ in 0..in_flight {
+                let (client, prompt, next, started) = (
+                    Rc::clone(&client),
+                    Rc::clone(&prompt),
+                    Rc::clone(&next),
+                    Rc::clone(&started),
+                );
+                tasks.push(tokio::task::spawn_local(async move {
+                    let mut hist = new_histogram()?;
+                    loop {
+                        let id = next.get();
+                        if id >= total {
+                            return Ok::<_, anyhow::Error>(hist);
+                        }
+                        next.set(id + 1);
+                        if id == warmup {
+                            started.set(Some(Instant::now()));
+                        }
+                        let t0 = Instant::now();
+                        let mut stream = client
+                            .dispatch(request(id, &prompt))
+                            .await
+                            .map_err(|e| anyhow::anyhow!("{e}"))?;
+                        match stream.next().await {
+                            Some(Ok(_)) => {}
+                            other => bail!("request {id}: first item {other:?}"),
+                        }
+                        let latency = t0.elapsed();
+                        if id >= warmup {
+                            hist.record(latency.as_nanos().max(1) as u64)?;
+                        }
+                        while let Some(item) = stream.next().await {
+                            item?;
+                        }
+                    }
+                }));
+            }
+            let mut hist = new_histogram()?;
+            for t in tasks {
+                hist.add(t.await??)?;
+            }
+            let wall = started.get().map_or(0.0, |s| s.elapsed().as_secs_f64());
+            let client =
+                Rc::try_unwrap(client).map_err(|_| anyhow::anyhow!("client still shared"))?;
+            let stats = client.shutdown().await;
+            if stats.lost != 0 || stats.decode.rejected() != 0 {
+                bail!("{backend}: errors in the run: {stats:?}");
+            }
+            Ok((hist, wall))
+        })?
+    });
+    let out = router
+        .join()
+        .map_err(|_| anyhow::anyhow!("router thread panicked"))?;
+    worker.shutdown()?;
+    out
+}
+
+fn us(ns: u64) -> f64 {
+    ns as f64 / 1_000.0
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    let mut backends = Vec::new();
+    match uring_support() {
+        Ok(()) => backends.push(Backend::IoUring),
+        Err(reason) => println!("io_uring unavailable ({reason}): epoll only"),
+    }
+    backends.push(Backend::Epoll);
+    println!(
+        "dispatch to first response item, loopback, {} measured requests per run after {} \
+         warm-up, {} rounds, {}-token prompts",
+        args.requests, args.warmup, args.rounds, args.prompt
+    );
+    // (level, backend) -> latencies of every round, and the wall times.
+    let mut results: Vec<Vec<(Histogram<u64>, Vec<f64>)>> = Vec::new();
+    for _ in &args.in_flight {
+        let mut per_backend = Vec::new();
+        for _ in &backends {
+            per_backend.push((new_histogram()?, Vec::new()));
+        }
+        results.push(per_backend);
+    }
+    for _ in 0..args.rounds {
+        for (l, level) in args.in_flight.iter().enumerate() {
+            for (b, backend) in backends.iter().enumerate() {
+                let (hist, wall) = run(*backend, *level, &args)?;
+                results[l][b].0.add(&hist)?;
+                results[l][b].1.push(wall);
+            }
+        }
+    }
+    println!(
+        "{:>9} {:<9} {:>9} {:>9} {:>9} {:>11}",
+        "in-flight", "backend", "p50 µs", "p99 µs", "p99.9 µs", "requests/s"
+    );
+    for (l, level) in args.in_flight.iter().enumerate() {
+        for (b, backend) in backends.iter().enumerate() {
+            let (hist, walls) = &results[l][b];
+            let mut walls = walls.clone();
+            walls.sort_by(f64::total_cmp);
+            let wall = walls[walls.len() / 2];
+            println!(
+                "{:>9} {:<9} {:>9.1} {:>9.1} {:>9.1} {:>11.0}",
+                level,
+                backend.name(),
+                us(hist.value_at_quantile(0.5)),
+                us(hist.value_at_quantile(0.99)),
+                us(hist.value_at_quantile(0.999)),
+                args.requests as f64 / wall,
+            );
+        }
+        if let [(u, _), (e, _)] = results[l].as_slice() {
+            println!(
+                "{:>9} {:<9} {:>9.3} {:>9.3} {:>9} {:>11}",
+                level,
+                "ratio",
+                u.value_at_quantile(0.5) as f64 / e.value_at_quantile(0.5) as f64,
+                u.value_at_quantile(0.99) as f64 / e.value_at_quantile(0.99) as f64,
+                "",
+                "",
+            );
+        }
+    }
+    Ok(())
+}
