@@ -5,7 +5,7 @@
 //!                                              └─ conn ─ ...                                 │
 //!  runtime thread 1 ─ listener (same port) ─────── conn ─ ...                                │
 //!                                                                                            ▼
-//!                                       bounded queue of frames (Bytes, no copy) ─▶ writer thread
+//!                     bounded queue of the frames of each read (Bytes, no copy) ─▶ writer thread
 //!                                                                  PrefixIndex + BatchApplier
 //! ```
 //!
@@ -13,8 +13,10 @@
 //!   accepting on its own listener; a connection lives on the thread that accepted it.
 //! * The index has one writer, so connections do not touch it: they cut frames out of their
 //!   receive buffer, validate them, and queue the `KvEvents` and `RecoveryReply` frames for the
-//!   writer thread. The queue is bounded: when the index falls behind, connections wait on the
-//!   queue and stop reading, and TCP pushes back on the workers. Nothing buffers without bound.
+//!   writer thread, all the frames one read brought in one message (one hand-off, one wake-up
+//!   of the writer, however many frames a large read held). The queue is bounded: when the
+//!   index falls behind, connections wait on the queue and stop reading, and TCP pushes back on
+//!   the workers. Nothing buffers without bound: a message holds at most one read's bytes.
 //! * The writer validates each payload again before reading it in place (bytecheck is a few ns
 //!   per event; it keeps the crate free of `unsafe`) and applies it with one [`BatchApplier`].
 //! * Any frame error closes that connection alone, with one `warn` line and a count per kind
@@ -54,8 +56,9 @@ pub struct IngestConfig {
     pub threads: usize,
     /// Largest payload accepted, in bytes (capped at [`MAX_PAYLOAD`]).
     pub max_payload: u32,
-    /// Frames waiting for the index writer, over all connections. A full queue makes
-    /// connections wait.
+    /// Messages waiting for the index writer, over all connections; a message holds the
+    /// frames of one read (at most `read_chunk` bytes and one frame's remainder). A full queue
+    /// makes connections wait.
     pub queue_frames: usize,
     /// Spare room each read asks for, in bytes.
     pub read_chunk: usize,
@@ -230,7 +233,7 @@ impl IngestServer {
         let shared = Arc::new(Shared::default());
         let reader = index.reader();
         let max_payload = config.max_payload.min(MAX_PAYLOAD);
-        let (queue, rx) = mpsc::channel::<Frame>(config.queue_frames.max(1));
+        let (queue, rx) = mpsc::channel::<Vec<Frame>>(config.queue_frames.max(1));
         let writer = {
             let shared = Arc::clone(&shared);
             spawn("kvroute-ingest-writer".into(), move || {
@@ -342,23 +345,27 @@ fn spawn<T: Send + 'static>(
 
 fn run_writer(
     mut index: PrefixIndex,
-    mut rx: mpsc::Receiver<Frame>,
+    mut rx: mpsc::Receiver<Vec<Frame>>,
     shared: &Shared,
     max_payload: u32,
 ) -> PrefixIndex {
     let mut applier = BatchApplier::new();
     let mut decoder = FrameDecoder::new(max_payload);
-    while let Some(frame) = rx.blocking_recv() {
-        let outcome = match decoder.validate(&frame) {
-            Ok(MessageRef::KvEvents(batch)) => Some(applier.apply_batch(&mut index, batch)),
-            Ok(MessageRef::RecoveryReply(reply)) => Some(applier.apply_recovery(&mut index, reply)),
-            Ok(_) | Err(_) => None,
-        };
-        let mut apply = shared.apply.lock().unwrap_or_else(PoisonError::into_inner);
-        match outcome {
-            Some(o) => apply.add(&o),
-            None => apply.unreadable += 1,
+    let mut done = ApplyStats::default();
+    while let Some(frames) = rx.blocking_recv() {
+        for frame in &frames {
+            match decoder.validate(frame) {
+                Ok(MessageRef::KvEvents(batch)) => {
+                    done.add(&applier.apply_batch(&mut index, batch))
+                }
+                Ok(MessageRef::RecoveryReply(reply)) => {
+                    done.add(&applier.apply_recovery(&mut index, reply))
+                }
+                Ok(_) | Err(_) => done.unreadable += 1,
+            }
         }
+        let mut apply = shared.apply.lock().unwrap_or_else(PoisonError::into_inner);
+        *apply = done;
     }
     index
 }
@@ -368,7 +375,7 @@ fn run_writer(
 struct ThreadConfig {
     backend: Backend,
     listener: std::net::TcpListener,
-    queue: mpsc::Sender<Frame>,
+    queue: mpsc::Sender<Vec<Frame>>,
     shared: Arc<Shared>,
     stop: watch::Receiver<bool>,
     ready: std_mpsc::Sender<Result<(), BackendError>>,
@@ -379,7 +386,7 @@ struct ThreadConfig {
 
 /// What the connections of one thread share.
 struct ConnContext {
-    queue: mpsc::Sender<Frame>,
+    queue: mpsc::Sender<Vec<Frame>>,
     shared: Arc<Shared>,
     /// Receive buffers of ended connections, for the next ones.
     pool: RefCell<Vec<BytesMut>>,
@@ -499,8 +506,9 @@ async fn serve(mut stream: Stream, peer: SocketAddr, ctx: Rc<ConnContext>) {
     let mut decoder = FrameDecoder::new(ctx.max_payload);
     let (mut queued, mut ignored) = (0u64, 0u64);
     let mut eof = false;
-    let end = 'conn: loop {
-        loop {
+    let mut frames = Vec::new();
+    let end = loop {
+        let ended = loop {
             let next = if eof {
                 decoder.decode_eof(&mut buf)
             } else {
@@ -508,22 +516,28 @@ async fn serve(mut stream: Stream, peer: SocketAddr, ctx: Rc<ConnContext>) {
             };
             let frame = match next {
                 Ok(Some(frame)) => frame,
-                Ok(None) if eof => break 'conn End::Closed,
-                Ok(None) => break,
-                Err(e) => break 'conn End::Frame(e),
+                Ok(None) if eof => break Some(End::Closed),
+                Ok(None) => break None,
+                Err(e) => break Some(End::Frame(e)),
             };
             if let Err(e) = decoder.validate(&frame) {
-                break 'conn End::Frame(e);
+                break Some(End::Frame(e));
             }
             match frame.kind() {
-                MessageKind::KvEvents | MessageKind::RecoveryReply => {
-                    if ctx.queue.send(frame).await.is_err() {
-                        break 'conn End::WriterGone;
-                    }
-                    queued += 1;
-                }
+                MessageKind::KvEvents | MessageKind::RecoveryReply => frames.push(frame),
                 _ => ignored += 1,
             }
+        };
+        // The frames this read completed, good ones before a bad one included.
+        if !frames.is_empty() {
+            let n = frames.len() as u64;
+            if ctx.queue.send(std::mem::take(&mut frames)).await.is_err() {
+                break End::WriterGone;
+            }
+            queued += n;
+        }
+        if let Some(end) = ended {
+            break end;
         }
         if buf.capacity() - buf.len() < ctx.read_chunk / 2 {
             buf.reserve(ctx.read_chunk);

@@ -114,25 +114,6 @@ impl Stream {
         }
     }
 
-    /// Writes all of `buf`.
-    pub(crate) async fn write_all(&mut self, buf: BytesMut) -> (io::Result<()>, BytesMut) {
-        match self {
-            Stream::Uring(s) => s.write_all(buf).await,
-            Stream::Epoll(s) => {
-                let res = s.write_all(&buf).await;
-                (res, buf)
-            }
-        }
-    }
-
-    /// Shuts down the write side (the peer reads end of stream).
-    pub(crate) async fn shutdown_write(&mut self) -> io::Result<()> {
-        match self {
-            Stream::Uring(s) => s.shutdown(std::net::Shutdown::Write),
-            Stream::Epoll(s) => s.shutdown().await,
-        }
-    }
-
     /// Splits the stream so that one task reads while another writes. Both halves stay on
     /// this thread (io_uring's stream is shared through an `Rc`; its operations take `&self`).
     pub(crate) fn into_split(self) -> (ReadHalf, WriteHalf) {

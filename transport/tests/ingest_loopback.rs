@@ -342,6 +342,7 @@ fn peer_killed_mid_frame_is_counted_and_harmless() {
                     c.send_batch(b).await.expect("sends");
                 }
                 c.send_raw(&half).await.expect("sends");
+                c.flush().await.expect("written");
                 // Killed: the socket goes away with half a frame sent.
                 drop(c);
             }),

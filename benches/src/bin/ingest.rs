@@ -5,13 +5,16 @@
 //! cargo run --release -p kvroute-benches --bin ingest                 # both shapes, 3 rounds
 //! cargo run --release -p kvroute-benches --bin ingest -- --batches 40000 --rounds 5
 //! cargo run --release -p kvroute-benches --bin ingest -- --client epoll   # server side only
+//! cargo run --release -p kvroute-benches --bin ingest -- --write coalesced
 //! ```
 //!
 //! One server (one runtime thread, the index writer on its own thread) and one client thread
-//! of the same backend. The client sends pre-encoded frames, one `write` each, then closes;
-//! a run's time is from its first write to the writer having applied the last batch. Rounds
-//! alternate the backends (io_uring, epoll, io_uring, ...) so that drift hits both alike;
-//! each figure is the median over rounds.
+//! of the same backend. The client sends pre-encoded frames, then closes; a run's time is from
+//! its first send to the writer having applied the last batch. Two ways of writing, each a
+//! row: `per-frame` waits for each frame's write before the next (`send_raw` then `flush`),
+//! `coalesced` only queues frames and lets the client's writer send whatever has gathered in
+//! one write (`send_raw` alone). Rounds alternate the backends (io_uring, epoll, io_uring,
+//! ...) so that drift hits both alike; each figure is the median over rounds.
 //!
 //! Two batch shapes, both leaving the index as they found it once applied:
 //! - `burst`: 32 requests each store a 16-block prompt, then two decode blocks one at a time,
@@ -60,10 +63,27 @@ const SHAPES: [Shape; 2] = [
     },
 ];
 
+/// How the client writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Write {
+    PerFrame,
+    Coalesced,
+}
+
+impl Write {
+    fn name(self) -> &'static str {
+        match self {
+            Write::PerFrame => "per-frame",
+            Write::Coalesced => "coalesced",
+        }
+    }
+}
+
 struct Args {
     batches: u64,
     rounds: usize,
     shapes: Vec<Shape>,
+    writes: Vec<Write>,
     /// The client's backend: `None`, the server's.
     client: Option<Backend>,
 }
@@ -73,6 +93,7 @@ fn parse_args() -> Result<Args> {
         batches: 20_000,
         rounds: 3,
         shapes: SHAPES.to_vec(),
+        writes: vec![Write::PerFrame, Write::Coalesced],
         client: None,
     };
     let mut it = std::env::args().skip(1);
@@ -88,6 +109,14 @@ fn parse_args() -> Result<Args> {
                     bail!("--shape is burst or step, not {v}");
                 }
             }
+            "--write" => {
+                args.writes = match value()?.as_str() {
+                    "both" => vec![Write::PerFrame, Write::Coalesced],
+                    "per-frame" => vec![Write::PerFrame],
+                    "coalesced" => vec![Write::Coalesced],
+                    v => bail!("--write is both, per-frame or coalesced, not {v}"),
+                }
+            }
             "--client" => {
                 args.client = match value()?.as_str() {
                     "same" => None,
@@ -99,7 +128,7 @@ fn parse_args() -> Result<Args> {
             "--help" | "-h" => {
                 println!(
                     "ingest [--batches N (20000)] [--rounds R (3)] [--shape burst|step (both)] \
-                     [--client same|epoll|io_uring (same)]"
+                     [--write both|per-frame|coalesced (both)] [--client same|epoll|io_uring (same)]"
                 );
                 std::process::exit(0);
             }
@@ -191,6 +220,7 @@ fn new_index() -> PrefixIndex {
 fn run_sockets(
     backend: Backend,
     client_backend: Backend,
+    write: Write,
     frames: &[Vec<u8>],
     batches: u64,
 ) -> Result<f64> {
@@ -215,6 +245,9 @@ fn run_sockets(
             started_tx.send(Instant::now())?;
             for i in 0..batches {
                 c.send_raw(&frames[(i % RING) as usize]).await?;
+                if write == Write::PerFrame {
+                    c.flush().await?;
+                }
             }
             c.close().await?;
             Ok(())
@@ -298,38 +331,45 @@ fn main() -> Result<()> {
         args.client.map_or("the server's backend", Backend::name)
     );
     println!(
-        "{:<6} {:>7} {:>14} {:>14} {:>14} {:>8}",
-        "shape", "events", "in-process", "io_uring", "epoll", "ratio"
+        "{:<6} {:>7} {:<10} {:>14} {:>14} {:>14} {:>8}",
+        "shape", "events", "write", "in-process", "io_uring", "epoll", "ratio"
     );
     for shape in &args.shapes {
         let frames = frames(*shape)?;
         let events = (shape.requests * 4 * args.batches) as f64;
-        let mut times: Vec<Vec<f64>> = vec![Vec::new(); backends.len()];
+        // [write][backend] -> seconds per round
+        let mut times: Vec<Vec<Vec<f64>>> =
+            vec![vec![Vec::new(); backends.len()]; args.writes.len()];
         let mut local = Vec::new();
         for _ in 0..args.rounds {
             local.push(run_in_process(&frames, args.batches)?);
-            for (i, b) in backends.iter().enumerate() {
-                let client = args.client.unwrap_or(*b);
-                times[i].push(run_sockets(*b, client, &frames, args.batches)?);
+            for (w, write) in args.writes.iter().enumerate() {
+                for (i, b) in backends.iter().enumerate() {
+                    let client = args.client.unwrap_or(*b);
+                    times[w][i].push(run_sockets(*b, client, *write, &frames, args.batches)?);
+                }
             }
         }
         let rate = |t: Vec<f64>| events / median(t);
         let local = rate(local);
-        let rates: Vec<f64> = times.into_iter().map(rate).collect();
-        let (uring_rate, epoll_rate) = match rates.as_slice() {
-            [u, e] => (Some(*u), *e),
-            [e] => (None, *e),
-            _ => bail!("no backend ran"),
-        };
-        println!(
-            "{:<6} {:>7} {:>14.0} {:>14} {:>14.0} {:>8}",
-            shape.name,
-            shape.requests * 4,
-            local,
-            uring_rate.map_or("-".into(), |u| format!("{u:.0}")),
-            epoll_rate,
-            uring_rate.map_or("-".into(), |u| format!("{:.3}", u / epoll_rate)),
-        );
+        for (w, write) in args.writes.iter().enumerate() {
+            let rates: Vec<f64> = times[w].drain(..).map(rate).collect();
+            let (uring_rate, epoll_rate) = match rates.as_slice() {
+                [u, e] => (Some(*u), *e),
+                [e] => (None, *e),
+                _ => bail!("no backend ran"),
+            };
+            println!(
+                "{:<6} {:>7} {:<10} {:>14.0} {:>14} {:>14.0} {:>8}",
+                shape.name,
+                shape.requests * 4,
+                write.name(),
+                local,
+                uring_rate.map_or("-".into(), |u| format!("{u:.0}")),
+                epoll_rate,
+                uring_rate.map_or("-".into(), |u| format!("{:.3}", u / epoll_rate)),
+            );
+        }
     }
     Ok(())
 }
