@@ -8,7 +8,8 @@
 //!                                        an error, never a silent fallback)
 //! ```
 //!
-//! io_uring can be missing in three ways, and each is a fallback, not a panic:
+//! io_uring can be missing in four ways, and each is a fallback, not a panic: the platform is
+//! not Linux (tokio-uring is then not even compiled in),
 //! `/proc/sys/kernel/io_uring_disabled` is 2 (or 1 and we are not in the allowed group), the
 //! kernel predates io_uring (`ENOSYS`), or a seccomp filter refuses `io_uring_setup` (`EPERM`,
 //! `ENOSYS`; Docker's default profile does this). The probe reads the sysctl, then sets up a
@@ -77,6 +78,8 @@ impl std::str::FromStr for BackendChoice {
 /// Why io_uring cannot be used here.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum UringUnavailable {
+    #[error("io_uring exists only on Linux")]
+    NotLinux,
     #[error("/proc/sys/kernel/io_uring_disabled is {value}")]
     DisabledBySysctl { value: u8 },
     #[error("io_uring_setup failed ({kind:?}, errno {errno:?}): old kernel or seccomp")]
@@ -161,6 +164,18 @@ pub fn uring_support() -> Result<(), UringUnavailable> {
     PROBE.get_or_init(probe_uring).clone()
 }
 
+#[cfg(not(target_os = "linux"))]
+fn probe_uring() -> Result<(), UringUnavailable> {
+    Err(UringUnavailable::NotLinux)
+}
+
+/// The error of an io_uring operation asked for where there is no io_uring.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn not_linux() -> io::Error {
+    io::Error::new(io::ErrorKind::Unsupported, UringUnavailable::NotLinux)
+}
+
+#[cfg(target_os = "linux")]
 fn probe_uring() -> Result<(), UringUnavailable> {
     // 0: allowed; 1: only for io_uring_group members (the setup below tells); 2: refused.
     if let Ok(text) = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled") {
@@ -186,6 +201,12 @@ fn probe_uring() -> Result<(), UringUnavailable> {
 /// `LocalSet` (so `tokio::task::spawn_local` works on both).
 pub fn block_on<F: Future>(backend: Backend, future: F) -> Result<F::Output, BackendError> {
     match backend {
+        #[cfg(not(target_os = "linux"))]
+        Backend::IoUring => Err(BackendError::Runtime {
+            backend,
+            source: not_linux(),
+        }),
+        #[cfg(target_os = "linux")]
         Backend::IoUring => {
             let rt = tokio_uring::Runtime::new(&tokio_uring::builder())
                 .map_err(|source| BackendError::Runtime { backend, source })?;

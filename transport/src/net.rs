@@ -10,11 +10,13 @@
 
 use std::io;
 use std::net::SocketAddr;
+#[cfg(target_os = "linux")]
 use std::rc::Rc;
 
 use bytes::BytesMut;
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+#[cfg(target_os = "linux")]
 use tokio_uring::buf::BoundedBuf;
 
 use crate::backend::Backend;
@@ -46,6 +48,7 @@ pub(crate) fn bind_reuseport(
 
 /// A listener of one runtime thread.
 pub(crate) enum Listener {
+    #[cfg(target_os = "linux")]
     Uring(tokio_uring::net::TcpListener),
     Epoll(tokio::net::TcpListener),
 }
@@ -54,13 +57,17 @@ impl Listener {
     /// Takes over `listener`; call on the runtime thread that will accept.
     pub(crate) fn from_std(backend: Backend, listener: std::net::TcpListener) -> io::Result<Self> {
         Ok(match backend {
+            #[cfg(target_os = "linux")]
             Backend::IoUring => Listener::Uring(tokio_uring::net::TcpListener::from_std(listener)),
+            #[cfg(not(target_os = "linux"))]
+            Backend::IoUring => return Err(crate::backend::not_linux()),
             Backend::Epoll => Listener::Epoll(tokio::net::TcpListener::from_std(listener)?),
         })
     }
 
     pub(crate) async fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
         match self {
+            #[cfg(target_os = "linux")]
             Listener::Uring(l) => {
                 let (s, peer) = l.accept().await?;
                 Ok((Stream::Uring(s), peer))
@@ -75,6 +82,7 @@ impl Listener {
 
 /// A connected TCP stream on either backend.
 pub(crate) enum Stream {
+    #[cfg(target_os = "linux")]
     Uring(tokio_uring::net::TcpStream),
     Epoll(tokio::net::TcpStream),
 }
@@ -83,7 +91,10 @@ impl Stream {
     /// Connects to `addr`; call inside a runtime of `backend` ([`crate::backend::block_on`]).
     pub(crate) async fn connect(backend: Backend, addr: SocketAddr) -> io::Result<Self> {
         let stream = match backend {
+            #[cfg(target_os = "linux")]
             Backend::IoUring => Stream::Uring(tokio_uring::net::TcpStream::connect(addr).await?),
+            #[cfg(not(target_os = "linux"))]
+            Backend::IoUring => return Err(crate::backend::not_linux()),
             Backend::Epoll => Stream::Epoll(tokio::net::TcpStream::connect(addr).await?),
         };
         stream.set_nodelay()?;
@@ -92,6 +103,7 @@ impl Stream {
 
     pub(crate) fn set_nodelay(&self) -> io::Result<()> {
         match self {
+            #[cfg(target_os = "linux")]
             Stream::Uring(s) => s.set_nodelay(true),
             Stream::Epoll(s) => s.set_nodelay(true),
         }
@@ -101,6 +113,7 @@ impl Stream {
     /// `Ok(0)`: the peer closed its side.
     pub(crate) async fn read(&mut self, mut buf: BytesMut) -> (io::Result<usize>, BytesMut) {
         match self {
+            #[cfg(target_os = "linux")]
             Stream::Uring(s) => {
                 let (len, cap) = (buf.len(), buf.capacity());
                 // A slice of the spare capacity: the kernel writes after the bytes kept.
@@ -118,6 +131,7 @@ impl Stream {
     /// this thread (io_uring's stream is shared through an `Rc`; its operations take `&self`).
     pub(crate) fn into_split(self) -> (ReadHalf, WriteHalf) {
         match self {
+            #[cfg(target_os = "linux")]
             Stream::Uring(s) => {
                 let s = Rc::new(s);
                 (ReadHalf::Uring(Rc::clone(&s)), WriteHalf::Uring(s))
@@ -132,6 +146,7 @@ impl Stream {
 
 /// The reading half of a split [`Stream`].
 pub(crate) enum ReadHalf {
+    #[cfg(target_os = "linux")]
     Uring(Rc<tokio_uring::net::TcpStream>),
     Epoll(tokio::net::tcp::OwnedReadHalf),
 }
@@ -140,6 +155,7 @@ impl ReadHalf {
     /// As [`Stream::read`].
     pub(crate) async fn read(&mut self, mut buf: BytesMut) -> (io::Result<usize>, BytesMut) {
         match self {
+            #[cfg(target_os = "linux")]
             ReadHalf::Uring(s) => {
                 let (len, cap) = (buf.len(), buf.capacity());
                 let (res, slice) = s.read(buf.slice(len..cap)).await;
@@ -155,6 +171,7 @@ impl ReadHalf {
 
 /// The writing half of a split [`Stream`]. Dropping both halves closes the socket.
 pub(crate) enum WriteHalf {
+    #[cfg(target_os = "linux")]
     Uring(Rc<tokio_uring::net::TcpStream>),
     Epoll(tokio::net::tcp::OwnedWriteHalf),
 }
@@ -163,6 +180,7 @@ impl WriteHalf {
     /// As [`Stream::write_all`].
     pub(crate) async fn write_all(&mut self, buf: BytesMut) -> (io::Result<()>, BytesMut) {
         match self {
+            #[cfg(target_os = "linux")]
             WriteHalf::Uring(s) => s.write_all(buf).await,
             WriteHalf::Epoll(s) => {
                 let res = s.write_all(&buf).await;
@@ -174,6 +192,7 @@ impl WriteHalf {
     /// Shuts down the write side (the peer reads end of stream).
     pub(crate) async fn shutdown_write(&mut self) -> io::Result<()> {
         match self {
+            #[cfg(target_os = "linux")]
             WriteHalf::Uring(s) => s.shutdown(std::net::Shutdown::Write),
             WriteHalf::Epoll(s) => s.shutdown().await,
         }
