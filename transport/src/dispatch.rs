@@ -264,6 +264,11 @@ enum Command {
 }
 
 /// A request's response items, in order, ending with a finishing item or an error.
+///
+/// An engine that fails a request ends it with an item whose `finish` is
+/// `FinishReason::Error` and whose `error` says why (so does a worker that refuses a request
+/// as overloaded or shutting down); `Err` items are for what went wrong between the two
+/// sides: a lost connection, a worker's error message, a duplicate id, shutdown.
 #[derive(Debug)]
 pub struct ResponseStream {
     request_id: u64,

@@ -693,3 +693,94 @@ fn shutdown_lets_in_flight_requests_finish_then_refuses() {
         assert_eq!(w.requests.finished, 1, "{backend}");
     }
 }
+
+#[test]
+fn a_silent_worker_is_declared_lost_after_the_idle_timeout() {
+    for backend in backends() {
+        // Answers the handshake, then neither reads nor writes: a peer gone without a FIN.
+        let listener = TcpListener::bind("127.0.0.1:0").expect("binds");
+        let addr = listener.local_addr().expect("an address");
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let fake = thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accepts");
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf).expect("the router's Hello");
+            let mut out = BytesMut::new();
+            encode(&Message::Hello(hello(WORKER)), &mut out).expect("encodes");
+            s.write_all(&out).expect("writes");
+            let _ = release_rx.recv_timeout(PATIENCE);
+        });
+        backend::block_on(backend, async move {
+            let client = DispatchClient::start(DispatchConfig {
+                idle_timeout: Duration::from_millis(300),
+                heartbeat_interval: Duration::from_millis(20),
+                ..client_config(backend, addr, WORKER)
+            });
+            client.wait_connected(PATIENCE).await.expect("connects");
+            let mut s = client
+                .dispatch(request(1, vec![1], 1))
+                .await
+                .expect("dispatches");
+            let started = Instant::now();
+            let (items, error) = drain(&mut s).await;
+            assert!(items.is_empty());
+            match error {
+                Some(StreamError::ConnectionLost {
+                    reason: Some(LinkError::Idle { .. }),
+                    ..
+                }) => {}
+                other => panic!("{backend}: expected an idle loss, got {other:?}"),
+            }
+            assert!(started.elapsed() >= Duration::from_millis(250), "{backend}");
+            assert_eq!(client.free_slots(), 8);
+            client.shutdown().await;
+        })
+        .expect("runtime");
+        let _ = release_tx.send(());
+        fake.join().expect("fake worker");
+    }
+}
+
+#[test]
+fn requests_over_the_workers_limit_are_refused_at_once() {
+    for backend in backends() {
+        let config = WorkerServerConfig {
+            max_in_flight: 2,
+            ..worker_config(backend, loopback())
+        };
+        let worker =
+            WorkerServer::start(config, hello(WORKER), Arc::new(Echo)).expect("worker starts");
+        let addr = worker.local_addr();
+        backend::block_on(backend, async move {
+            let client = DispatchClient::start(client_config(backend, addr, WORKER));
+            client.wait_connected(PATIENCE).await.expect("connects");
+            let mut held = Vec::new();
+            for id in 0..2 {
+                let mut s = client
+                    .dispatch(request(id, vec![HANG], 1))
+                    .await
+                    .expect("dispatches");
+                s.next().await.expect("an item").expect("not an error");
+                held.push(s);
+            }
+            let mut third = client
+                .dispatch(request(2, vec![1], 1))
+                .await
+                .expect("dispatches");
+            let (items, error) = drain(&mut third).await;
+            assert_eq!(error, None, "{backend}");
+            let last = items.last().expect("a finishing item");
+            assert_eq!(last.finish, Some(FinishReason::Error));
+            assert!(last
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("overloaded")));
+            drop(held);
+            client.shutdown().await;
+        })
+        .expect("runtime");
+        let s = wait_stats(&worker, |s| s.requests.cancelled == 2);
+        assert_eq!(s.requests.overloaded, 1, "{backend}: {s:?}");
+        worker.shutdown().expect("worker shuts down");
+    }
+}
