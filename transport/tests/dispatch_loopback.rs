@@ -35,6 +35,8 @@ const PATIENCE: Duration = Duration::from_secs(10);
 const WORKER: WorkerId = WorkerId(17);
 /// A request whose first token is this sends its items, then never finishes.
 const HANG: u32 = u32::MAX;
+/// A request whose first token is this sends its items, then its future ends unfinished.
+const UNFINISHED: u32 = u32::MAX - 1;
 
 fn backends() -> Vec<Backend> {
     let mut out = vec![Backend::Epoll];
@@ -80,8 +82,10 @@ impl Engine for Echo {
                 }
                 tokio::task::yield_now().await;
             }
-            if tokens.first() == Some(&HANG) {
-                std::future::pending::<()>().await;
+            match tokens.first() {
+                Some(&HANG) => std::future::pending::<()>().await,
+                Some(&UNFINISHED) => return,
+                _ => {}
             }
             let _ = sink.finish(Vec::new(), FinishReason::Length).await;
         }
@@ -782,5 +786,36 @@ fn requests_over_the_workers_limit_are_refused_at_once() {
         let s = wait_stats(&worker, |s| s.requests.cancelled == 2);
         assert_eq!(s.requests.overloaded, 1, "{backend}: {s:?}");
         worker.shutdown().expect("worker shuts down");
+    }
+}
+
+#[test]
+fn an_engine_that_ends_a_request_without_finishing_it_still_ends_the_stream() {
+    for backend in backends() {
+        let worker = start_worker(backend);
+        let addr = worker.local_addr();
+        backend::block_on(backend, async move {
+            let client = DispatchClient::start(client_config(backend, addr, WORKER));
+            client.wait_connected(PATIENCE).await.expect("connects");
+            let mut s = client
+                .dispatch(request(1, vec![UNFINISHED, 8], 2))
+                .await
+                .expect("dispatches");
+            let (items, error) = drain(&mut s).await;
+            assert_eq!(error, None, "{backend}");
+            assert_eq!(items.len(), 3, "{backend}: two tokens, then the end");
+            let last = items.last().expect("an item");
+            assert_eq!(last.finish, Some(FinishReason::Error));
+            assert!(last.error.is_some());
+            assert_eq!(client.free_slots(), 8);
+            client.shutdown().await;
+        })
+        .expect("runtime");
+        let s = worker.shutdown().expect("worker shuts down");
+        assert_eq!(
+            (s.requests.unfinished, s.requests.finished),
+            (1, 1),
+            "{backend}: {s:?}"
+        );
     }
 }
