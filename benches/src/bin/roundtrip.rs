@@ -41,6 +41,8 @@ struct Args {
     rounds: usize,
     in_flight: Vec<usize>,
     prompt: usize,
+    /// `None`: both (io_uring where available).
+    only: Option<Backend>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -50,6 +52,7 @@ fn parse_args() -> Result<Args> {
         rounds: 3,
         in_flight: vec![1, 64],
         prompt: 256,
+        only: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -65,10 +68,19 @@ fn parse_args() -> Result<Args> {
                     .map(|v| v.trim().parse::<usize>().context("--in-flight"))
                     .collect::<Result<_>>()?
             }
+            "--backend" => {
+                args.only = match value()?.as_str() {
+                    "both" => None,
+                    "io_uring" => Some(Backend::IoUring),
+                    "epoll" => Some(Backend::Epoll),
+                    v => bail!("--backend is both, io_uring or epoll, not {v}"),
+                }
+            }
             "--help" | "-h" => {
                 println!(
                     "roundtrip [--requests N (10000)] [--warmup W (1000)] [--rounds R (3)] \
-                     [--in-flight A,B (1,64)] [--prompt TOKENS (256)]"
+                     [--in-flight A,B (1,64)] [--prompt TOKENS (256)] \
+                     [--backend both|io_uring|epoll (both)]"
                 );
                 std::process::exit(0);
             }
@@ -244,6 +256,12 @@ fn main() -> Result<()> {
         Err(reason) => println!("io_uring unavailable ({reason}): epoll only"),
     }
     backends.push(Backend::Epoll);
+    if let Some(only) = args.only {
+        if !backends.contains(&only) {
+            bail!("{only} is not available here");
+        }
+        backends = vec![only];
+    }
     println!(
         "dispatch to first response item, loopback, {} measured requests per run after {} \
          warm-up, {} rounds, {}-token prompts",
