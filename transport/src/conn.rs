@@ -89,6 +89,13 @@ impl FrameReader {
     }
 }
 
+/// Why [`FrameWriter::flush_while_alive`] gave up.
+#[derive(Debug)]
+pub(crate) enum FlushError {
+    Io(io::Error),
+    PeerSilent { silent: Duration },
+}
+
 /// Encodes frames into one buffer and writes them together.
 pub(crate) struct FrameWriter {
     half: WriteHalf,
@@ -117,6 +124,30 @@ impl FrameWriter {
         out.clear();
         self.out = out;
         res
+    }
+
+    /// Flushes for as long as the peer shows life: every `limit`, `silent_for` says how long
+    /// the peer has been silent, and past `limit` the flush is given up (the connection must
+    /// then be closed: part of the buffer may have been written). A peer that reads slowly
+    /// but still talks is waited for; that is backpressure, not failure.
+    pub(crate) async fn flush_while_alive(
+        &mut self,
+        limit: Duration,
+        silent_for: impl Fn() -> Duration,
+    ) -> Result<(), FlushError> {
+        let flush = self.flush();
+        tokio::pin!(flush);
+        loop {
+            tokio::select! {
+                done = &mut flush => return done.map_err(FlushError::Io),
+                _ = tokio::time::sleep(limit) => {
+                    let silent = silent_for();
+                    if silent > limit {
+                        return Err(FlushError::PeerSilent { silent });
+                    }
+                }
+            }
+        }
     }
 
     /// Flushes, then shuts down the write side.

@@ -18,8 +18,10 @@
 //!   permit is held until the request's finishing item arrives (or the connection is lost), so
 //!   a cancelled request counts until the worker confirms it.
 //! * Each stream has a small bounded queue; a consumer that does not read makes the reader
-//!   wait, and TCP pushes back on the worker. Dropping a stream before its end cancels the
-//!   request.
+//!   wait, and TCP pushes back on the worker (the other streams of the connection wait too:
+//!   one connection is one ordered byte stream). That wait is not silence: the idle timeout
+//!   does not run while the reader is delivering. Dropping a stream before its end cancels
+//!   the request.
 //! * A connection that ends (peer gone, bad frame, silence past `idle_timeout`) ends every
 //!   in-flight stream with [`StreamError::ConnectionLost`], so the router can free their
 //!   load, and the client reconnects with exponential backoff and jitter. While it is not
@@ -40,7 +42,7 @@ use kvroute_core::WorkerId;
 use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::backend::Backend;
-use crate::conn::{Backoff, BackoffState, FrameReader, FrameWriter, ReadEnd};
+use crate::conn::{Backoff, BackoffState, FlushError, FrameReader, FrameWriter, ReadEnd};
 use crate::frame::{DecodeStats, FrameError, MAX_PAYLOAD};
 use crate::net::Stream;
 use crate::wire::{
@@ -571,6 +573,9 @@ struct Pending {
 struct Link {
     pending: RefCell<HashMap<u64, Pending>>,
     last_rx: Cell<Instant>,
+    /// The reader waits for a consumer to make room in its stream: the worker may well be
+    /// sending, so silence on the socket says nothing about it then.
+    delivering: Cell<bool>,
     /// Signalled when `pending` becomes empty (shutdown waits on it).
     drained: Notify,
     decode: Cell<DecodeStats>,
@@ -682,6 +687,7 @@ impl Driver {
         let link = Rc::new(Link {
             pending: RefCell::new(HashMap::new()),
             last_rx: Cell::new(Instant::now()),
+            delivering: Cell::new(false),
             drained: Notify::new(),
             decode: Cell::new(DecodeStats::default()),
         });
@@ -717,13 +723,13 @@ impl Driver {
                     for cmd in batch.drain(..) {
                         self.queue(cmd, &link, &mut writer, draining.is_some());
                     }
-                    if let Err(e) = flush(&mut writer, cfg.idle_timeout).await {
+                    if let Err(e) = flush(&mut writer, &link, cfg.idle_timeout).await {
                         break LinkEnd::Lost(e);
                     }
                 }
                 _ = ticker.tick() => {
                     let silent = link.last_rx.get().elapsed();
-                    if silent > cfg.idle_timeout {
+                    if silent > cfg.idle_timeout && !link.delivering.get() {
                         break LinkEnd::Lost(LinkError::Idle { silent });
                     }
                     seq += 1;
@@ -731,7 +737,7 @@ impl Driver {
                     if writer.push(&Message::Heartbeat(hb)).is_err() {
                         tracing::warn!("heartbeat does not encode; skipped");
                     }
-                    if let Err(e) = flush(&mut writer, cfg.idle_timeout).await {
+                    if let Err(e) = flush(&mut writer, &link, cfg.idle_timeout).await {
                         break LinkEnd::Lost(e);
                     }
                 }
@@ -819,11 +825,19 @@ impl Driver {
     }
 }
 
-async fn flush(writer: &mut FrameWriter, limit: Duration) -> Result<(), LinkError> {
-    match tokio::time::timeout(limit, writer.flush()).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(LinkError::io(&e)),
-        Err(_) => Err(LinkError::Idle { silent: limit }),
+/// Flushes while the worker shows life (see [`FrameWriter::flush_while_alive`]).
+async fn flush(writer: &mut FrameWriter, link: &Link, limit: Duration) -> Result<(), LinkError> {
+    let silent_for = || {
+        if link.delivering.get() {
+            Duration::ZERO
+        } else {
+            link.last_rx.get().elapsed()
+        }
+    };
+    match writer.flush_while_alive(limit, silent_for).await {
+        Ok(()) => Ok(()),
+        Err(FlushError::Io(e)) => Err(LinkError::io(&e)),
+        Err(FlushError::PeerSilent { silent }) => Err(LinkError::Idle { silent }),
     }
 }
 
@@ -965,7 +979,10 @@ async fn read_loop(
                 };
                 // Waits while the consumer's queue is full: backpressure on this connection.
                 // A consumer that has gone already sent a Cancel when its stream dropped.
+                link.delivering.set(true);
                 let _ = tx.send(Ok(item)).await;
+                link.delivering.set(false);
+                link.last_rx.set(Instant::now());
                 // Retired only once delivered: a draining shutdown ends the connection as
                 // soon as nothing is pending, and must not cut a last item on its way.
                 if finishes {

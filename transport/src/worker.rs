@@ -22,7 +22,9 @@
 //!   the writer waits on the socket, the queue fills, and `ResponseSink::send` waits. Requests
 //!   above `max_in_flight` on a connection are answered at once with a finishing `Error` item.
 //! * Both sides send a heartbeat every interval; a connection silent for `idle_timeout` is
-//!   closed. A connection that ends (peer gone, bad frame, silence) aborts its requests' tasks.
+//!   closed. A write held up by a router that reads slowly but still sends heartbeats is
+//!   waited for, however long. A connection that ends (peer gone, bad frame, silence) aborts
+//!   its requests' tasks.
 //! * [`WorkerServer::shutdown`] stops accepting, refuses new requests, lets live ones finish
 //!   within the grace period, closes the connections and returns the totals.
 
@@ -40,7 +42,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
 use crate::backend::{self, Backend, BackendChoice, BackendError};
-use crate::conn::{FrameReader, FrameWriter, ReadEnd};
+use crate::conn::{FlushError, FrameReader, FrameWriter, ReadEnd};
 use crate::frame::{DecodeStats, FrameError, MAX_PAYLOAD};
 use crate::net::{self, Listener, Stream};
 use crate::wire::{
@@ -573,6 +575,9 @@ struct Live {
 struct Conn {
     live: RefCell<HashMap<u64, Live>>,
     last_rx: Cell<Instant>,
+    /// The reader waits for room in the writer's queue (the router is reading slowly): it
+    /// reads no heartbeats meanwhile, so silence then says nothing about the router.
+    queueing: Cell<bool>,
     draining: Cell<bool>,
     /// The reader's decode counts, kept here so that they survive an aborted reader.
     decode: Cell<DecodeStats>,
@@ -613,6 +618,7 @@ async fn serve<E: Engine>(stream: Stream, peer: SocketAddr, ctx: Rc<ThreadCtx<E>
     let conn = Rc::new(Conn {
         live: RefCell::new(HashMap::new()),
         last_rx: Cell::new(Instant::now()),
+        queueing: Cell::new(false),
         draining: Cell::new(false),
         decode: Cell::new(DecodeStats::default()),
         ignored: Cell::new(0),
@@ -758,7 +764,11 @@ async fn read_one<E: Engine>(
             }
         };
         if let Some(out) = queued {
-            if tx.send(out).await.is_err() {
+            conn.queueing.set(true);
+            let sent = tx.send(out).await;
+            conn.queueing.set(false);
+            conn.last_rx.set(Instant::now());
+            if sent.is_err() {
                 // The writer has gone: the connection is ending anyway.
                 return Err(End::Read(ReadEnd::Closed));
             }
@@ -861,7 +871,7 @@ async fn write_loop<E: Engine>(
                 for out in batch.drain(..) {
                     queue_outbound(&mut writer, out, conn, ctx);
                 }
-                if let Err(e) = flush(&mut writer, s.idle_timeout).await {
+                if let Err(e) = flush(&mut writer, conn, s.idle_timeout).await {
                     break e;
                 }
                 if conn.draining.get() && conn.live.borrow().is_empty() {
@@ -869,7 +879,7 @@ async fn write_loop<E: Engine>(
                 }
             }
             _ = ticker.tick() => {
-                if conn.last_rx.get().elapsed() > s.idle_timeout {
+                if conn.last_rx.get().elapsed() > s.idle_timeout && !conn.queueing.get() {
                     break End::Idle;
                 }
                 seq += 1;
@@ -877,7 +887,7 @@ async fn write_loop<E: Engine>(
                 if writer.push(&Message::Heartbeat(hb)).is_err() {
                     tracing::warn!("heartbeat does not encode; skipped");
                 }
-                if let Err(e) = flush(&mut writer, s.idle_timeout).await {
+                if let Err(e) = flush(&mut writer, conn, s.idle_timeout).await {
                     break e;
                 }
             }
@@ -944,10 +954,18 @@ fn finish<E: Engine>(id: u64, conn: &Conn, ctx: &ThreadCtx<E>) {
     }
 }
 
-async fn flush(writer: &mut FrameWriter, limit: Duration) -> Result<(), End> {
-    match tokio::time::timeout(limit, writer.flush()).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(End::WriteFailed(e)),
-        Err(_) => Err(End::Idle),
+/// Flushes while the router shows life (see [`FrameWriter::flush_while_alive`]).
+async fn flush(writer: &mut FrameWriter, conn: &Conn, limit: Duration) -> Result<(), End> {
+    let silent_for = || {
+        if conn.queueing.get() {
+            Duration::ZERO
+        } else {
+            conn.last_rx.get().elapsed()
+        }
+    };
+    match writer.flush_while_alive(limit, silent_for).await {
+        Ok(()) => Ok(()),
+        Err(FlushError::Io(e)) => Err(End::WriteFailed(e)),
+        Err(FlushError::PeerSilent { .. }) => Err(End::Idle),
     }
 }

@@ -819,3 +819,42 @@ fn an_engine_that_ends_a_request_without_finishing_it_still_ends_the_stream() {
         );
     }
 }
+
+#[test]
+fn a_consumer_that_stops_reading_for_a_while_holds_the_worker_back_without_losing_it() {
+    for backend in backends() {
+        let config = WorkerServerConfig {
+            idle_timeout: Duration::from_millis(200),
+            heartbeat_interval: Duration::from_millis(20),
+            ..worker_config(backend, loopback())
+        };
+        let worker =
+            WorkerServer::start(config, hello(WORKER), Arc::new(Echo)).expect("worker starts");
+        let addr = worker.local_addr();
+        backend::block_on(backend, async move {
+            let client = DispatchClient::start(DispatchConfig {
+                idle_timeout: Duration::from_millis(200),
+                heartbeat_interval: Duration::from_millis(20),
+                ..client_config(backend, addr, WORKER)
+            });
+            client.wait_connected(PATIENCE).await.expect("connects");
+            // Megabytes of items: more than the sockets hold, so the worker's writes block.
+            let mut s = client
+                .dispatch(request(1, vec![1, 2, 3], 200_000))
+                .await
+                .expect("dispatches");
+            // The stream's queue holds 4 items: the rest wait in the sockets and the worker.
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            let (items, error) = drain(&mut s).await;
+            assert_eq!((items.len(), error), (200_001, None), "{backend}");
+            let stats = client.shutdown().await;
+            assert_eq!(
+                (stats.disconnects, stats.lost),
+                (0, 0),
+                "{backend}: {stats:?}"
+            );
+        })
+        .expect("runtime");
+        worker.shutdown().expect("worker shuts down");
+    }
+}
