@@ -284,6 +284,8 @@ pub struct PrefixIndex {
     errors: ErrorCounts,
     events: EventCounts,
     dropped: Vec<DroppedHold>,
+    /// Scratch: where a Stored event's blocks landed.
+    placed: Vec<(Pos, bool)>,
 }
 
 impl std::fmt::Debug for PrefixIndex {
@@ -348,6 +350,7 @@ impl PrefixIndex {
             errors: ErrorCounts::default(),
             events: EventCounts::default(),
             dropped: Vec::new(),
+            placed: Vec::new(),
         }
     }
 
@@ -567,15 +570,20 @@ impl PrefixIndex {
         }
         self.tick += 1;
         let tier = header.tier as u8;
-        let mut cur = start;
-        for (i, b) in blocks.iter().enumerate() {
+        let mut placed = std::mem::take(&mut self.placed);
+        placed.clear();
+        self.shards[shard].store(start, blocks, (rank, tier), self.tick, &mut placed);
+        let Some(Some(state)) = self.ranks.get_mut(rank as usize) else {
+            unreachable!("event_rank returned a live rank id");
+        };
+        let names = &mut state.names;
+        for b in blocks.iter().take(PREFETCH_AHEAD) {
+            names.prefetch(b.block_hash.0);
+        }
+        for (i, (b, &(pos, already))) in blocks.iter().zip(&placed).enumerate() {
             if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
-                self.names(rank).prefetch(ahead.block_hash.0);
+                names.prefetch(ahead.block_hash.0);
             }
-            let eh = b.block_hash.0;
-            let writer = &mut self.shards[shard];
-            let (pos, created) = writer.advance(cur, b.local_hash, eh);
-            let already = writer.hold(pos, rank, tier, self.tick);
             let loc = pack(shard, pos);
             if already {
                 *self.copies.entry((rank, tier, loc)).or_insert(0) += 1;
@@ -583,12 +591,9 @@ impl PrefixIndex {
             } else {
                 self.stored_pairs += 1;
             }
-            if !created {
-                self.shards[shard].note_name(pos, eh);
-            }
-            self.names(rank).insert(eh, loc);
-            cur = Some(pos);
+            names.insert(b.block_hash.0, loc);
         }
+        self.placed = placed;
         self.shards[shard].commit();
         self.enforce_budget();
         Ok(())

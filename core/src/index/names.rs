@@ -145,18 +145,67 @@ impl NameMap {
     }
 
     /// Inserts or replaces; returns the previous position.
+    ///
+    /// One probe serves both outcomes: it looks for the name and notes the first free entry on
+    /// the way, so a new name (the common case: a stored block is new to its rank) lands where
+    /// the search ended without probing again.
     pub(crate) fn insert(&mut self, name: u64, pos: u32) -> Option<u32> {
-        if let Some((i, old)) = self.find(name) {
-            self.entries[i][2] = pos;
-            return Some(old);
+        let n = self.groups();
+        let mut spot = None;
+        if n > 0 {
+            let (mut g, tag) = self.place(name);
+            for _ in 0..n {
+                let word = self.tags[g];
+                let mut m = matches(word, tag);
+                while m != 0 {
+                    let i = g * GROUP + (m.trailing_zeros() / 8) as usize;
+                    let [lo, hi, old] = self.entries[i];
+                    if join(lo, hi) == name && self.tag_at(i) == tag {
+                        self.entries[i][2] = pos;
+                        return Some(old);
+                    }
+                    m &= m - 1;
+                }
+                let f = free(word);
+                if spot.is_none() && f != 0 {
+                    spot = Some((g * GROUP + (f.trailing_zeros() / 8) as usize, tag));
+                }
+                if empties(word) != 0 {
+                    break;
+                }
+                g += 1;
+                if g == n {
+                    g = 0;
+                }
+            }
         }
-        let cap = self.groups() * GROUP;
-        if (self.len + self.removed + 1) * 8 > cap * 7 {
-            // Rebuild without the removed entries, sized so that live entries fill 70%.
-            self.resize(self.target_groups(self.len + 1));
+        match spot {
+            // Reusing a removed entry keeps the count of used entries; a fresh one must fit
+            // under 7/8.
+            Some((i, tag))
+                if self.tag_at(i) == REMOVED
+                    || (self.len + self.removed + 1) * 8 <= n * GROUP * 7 =>
+            {
+                self.fill(i, tag, name, pos);
+            }
+            _ => {
+                // Rebuild without the removed entries, sized so that live entries fill 70%.
+                self.resize(self.target_groups(self.len + 1));
+                self.put_new(name, pos);
+            }
         }
-        self.put_new(name, pos);
         None
+    }
+
+    /// Writes a new name into the free entry `i`.
+    #[inline]
+    fn fill(&mut self, i: usize, tag: u8, name: u64, pos: u32) {
+        if self.tag_at(i) == REMOVED {
+            self.removed -= 1;
+        }
+        self.set_tag(i, tag);
+        self.entries[i] = [name as u32, (name >> 32) as u32, pos];
+        self.len += 1;
     }
 
     /// Places a name known to be absent; the table has room.
@@ -167,12 +216,7 @@ impl NameMap {
             let f = free(self.tags[g]);
             if f != 0 {
                 let i = g * GROUP + (f.trailing_zeros() / 8) as usize;
-                if self.tag_at(i) == REMOVED {
-                    self.removed -= 1;
-                }
-                self.set_tag(i, tag);
-                self.entries[i] = [name as u32, (name >> 32) as u32, pos];
-                self.len += 1;
+                self.fill(i, tag, name, pos);
                 return;
             }
             g += 1;

@@ -103,17 +103,16 @@ impl RunBuf {
         }
     }
 
-    /// Sets the bit of `off` for (rank, tier). Returns `(already_held, new_holder_entry)`.
-    pub(crate) fn hold(&mut self, rank: u32, tier: u8, off: usize) -> (bool, bool) {
-        let bit = 1u64 << off;
+    /// Sets the bits of `bits` for (rank, tier). Returns those that were already set.
+    pub(crate) fn hold(&mut self, rank: u32, tier: u8, bits: u64) -> u64 {
         match self
             .holders
             .binary_search_by_key(&(rank, tier), |h| (h.rank, h.tier))
         {
             Ok(i) => {
-                let held = self.holders[i].mask & bit != 0;
-                self.holders[i].mask |= bit;
-                (held, false)
+                let held = self.holders[i].mask & bits;
+                self.holders[i].mask |= bits;
+                held
             }
             Err(i) => {
                 self.holders.insert(
@@ -121,10 +120,10 @@ impl RunBuf {
                     Holder {
                         rank,
                         tier,
-                        mask: bit,
+                        mask: bits,
                     },
                 );
-                (false, true)
+                0
             }
         }
     }
@@ -181,15 +180,16 @@ mod tests {
             hashes: Hashes::Owned(vec![LocalHash(1), LocalHash(2)]),
             holders: vec![],
         };
-        assert_eq!(r.hold(3, 0, 0), (false, true));
-        assert_eq!(r.hold(3, 0, 1), (false, false));
-        assert_eq!(r.hold(3, 0, 1), (true, false));
-        assert_eq!(r.hold(1, 1, 0), (false, true));
+        assert_eq!(r.hold(3, 0, 0b01), 0);
+        assert_eq!(r.hold(3, 0, 0b10), 0);
+        assert_eq!(r.hold(3, 0, 0b11), 0b11);
+        assert_eq!(r.hold(1, 1, 0b01), 0);
+        assert_eq!(r.holders.len(), 2);
         assert_eq!(r.holders[0].rank, 1);
         assert_eq!(r.held_mask(), 0b11);
         assert_eq!(r.unhold(3, 0, 0), Some(false));
         assert_eq!(r.unhold(3, 0, 0), None);
-        r.hold(3, 1, 1);
+        r.hold(3, 1, 0b10);
         assert_eq!(r.unhold(3, 0, 1), Some(true));
         assert_eq!(r.unhold(3, 1, 1), Some(false));
         assert!(!r.has_rank(3));

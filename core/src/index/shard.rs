@@ -14,6 +14,7 @@ use std::sync::Arc;
 use super::run::{run_bytes, Hashes, Run, RunBuf, RUN_CAP};
 use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
+use crate::event::StoredBlock;
 use crate::hash::LocalHash;
 
 /// What readers share.
@@ -281,33 +282,95 @@ impl ShardWriter {
         slot
     }
 
-    /// The position after `from` (the root when `None`) that continues with `hash`: found, or
-    /// created (appended to the run when the run ends there and has room, else a new child
-    /// run). Returns the position and whether it was created.
-    pub(crate) fn advance(&mut self, from: Option<Pos>, hash: LocalHash, eh: u64) -> (Pos, bool) {
-        let key = match from {
+    /// Stores a chain for (rank, tier) after `start` (the root when `None`). Each block is found
+    /// where the chain already has it, or created: appended to a run that ends there and has
+    /// room, else in a new child run. Pushes each block's position, and whether (rank, tier)
+    /// already held it, to `placed`.
+    ///
+    /// The work is per stretch of a run, not per block: the hashes a run already has are
+    /// compared in one loop, new ones are appended in one copy, and the hold of each stretch is
+    /// one mask update.
+    pub(crate) fn store(
+        &mut self,
+        start: Option<Pos>,
+        blocks: &[StoredBlock],
+        holder: (u32, u8),
+        tick: u64,
+        placed: &mut Vec<(Pos, bool)>,
+    ) {
+        let (rank, tier) = holder;
+        let mut cur = start;
+        let mut i = 0;
+        while i < blocks.len() {
+            let rest = &blocks[i..];
+            let (slot, first, n, created) = self.stretch(cur, rest);
+            let bits = if n == RUN_CAP {
+                !0
+            } else {
+                ((1u64 << n) - 1) << first
+            };
+            let held = self.run_mut(slot).hold(rank, tier, bits);
+            self.touch(slot, tick);
+            if self.lru.is_some() {
+                let names = rest[..n].iter().map(|b| b.block_hash.0);
+                if created {
+                    self.meta_mut(slot, |m| m.ehs.extend(names));
+                } else {
+                    let meta = &mut self.metas[slot as usize];
+                    let known = meta.ehs.get(first..first + n).unwrap_or_default();
+                    if !names.eq(known.iter().copied()) {
+                        meta.renamed = true;
+                    }
+                }
+            }
+            placed.extend((first..first + n).map(|off| {
+                let pos = Pos {
+                    slot,
+                    off: off as u8,
+                };
+                (pos, held & (1u64 << off) != 0)
+            }));
+            cur = Some(Pos {
+                slot,
+                off: (first + n - 1) as u8,
+            });
+            i += n;
+        }
+    }
+
+    /// The next stretch of `blocks` (not empty) after `cur`: `(slot, first offset, blocks,
+    /// created)`. It continues `cur`'s run where the run already has the blocks, else follows
+    /// the child link of the first block, else appends to `cur`'s run when it ends there and has
+    /// room, else starts a new child run.
+    fn stretch(&mut self, cur: Option<Pos>, blocks: &[StoredBlock]) -> (u32, usize, usize, bool) {
+        // How many of `bs` continue `hashes` from offset `from`.
+        let same = |hashes: &[LocalHash], from: usize, bs: &[StoredBlock]| {
+            hashes
+                .get(from..)
+                .unwrap_or_default()
+                .iter()
+                .zip(bs)
+                .take_while(|(h, b)| **h == b.local_hash)
+                .count()
+        };
+        let key = match cur {
             None => ChildKey {
                 parent: ROOT,
                 off: 0,
-                hash: hash.0,
+                hash: blocks[0].local_hash.0,
             },
             Some(p) => {
-                let next = self
-                    .with_run(p.slot, |_, _, h| h.get(p.off as usize + 1).copied())
-                    .flatten();
-                if next == Some(hash) {
-                    return (
-                        Pos {
-                            slot: p.slot,
-                            off: p.off + 1,
-                        },
-                        false,
-                    );
+                let next = p.off as usize + 1;
+                let m = self
+                    .with_run(p.slot, |_, _, h| same(h, next, blocks))
+                    .unwrap_or(0);
+                if m > 0 {
+                    return (p.slot, next, m, false);
                 }
                 ChildKey {
                     parent: p.slot,
                     off: p.off,
-                    hash: hash.0,
+                    hash: blocks[0].local_hash.0,
                 }
             }
         };
@@ -316,64 +379,35 @@ impl ShardWriter {
             key.parent == ROOT || self.metas[key.parent as usize].children_at(key.off) > 0;
         if may_branch {
             if let Some(child) = self.link(key) {
-                return (
-                    Pos {
-                        slot: child,
-                        off: 0,
-                    },
-                    false,
-                );
+                // The link names the child's first block; compare the rest.
+                let m = 1 + self
+                    .with_run(child, |_, _, h| same(h, 1, &blocks[1..]))
+                    .unwrap_or(0);
+                return (child, 0, m, false);
             }
         }
-        self.positions += 1;
-        if let Some(p) = from {
+        if let Some(p) = cur {
             let len = self.with_run(p.slot, |_, _, h| h.len()).unwrap_or(0);
             if p.off as usize + 1 == len && len < RUN_CAP {
-                self.run_mut(p.slot).hashes.to_mut().push(hash);
-                self.note_new_name(p.slot, eh);
-                return (
-                    Pos {
-                        slot: p.slot,
-                        off: p.off + 1,
-                    },
-                    true,
-                );
+                let n = (RUN_CAP - len).min(blocks.len());
+                self.positions += n;
+                let hashes = self.run_mut(p.slot).hashes.to_mut();
+                hashes.extend(blocks[..n].iter().map(|b| b.local_hash));
+                return (p.slot, len, n, true);
             }
             self.meta_mut(p.slot, |m| m.add_child(p.off));
         }
+        let n = RUN_CAP.min(blocks.len());
+        self.positions += n;
         let slot = self.alloc_slot();
-        self.note_new_name(slot, eh);
         let buf = self.run_mut(slot);
         buf.parent = key.parent;
         buf.parent_off = key.off;
-        buf.hashes.to_mut().push(hash);
+        buf.hashes
+            .to_mut()
+            .extend(blocks[..n].iter().map(|b| b.local_hash));
         self.new_links.push((key, slot));
-        (Pos { slot, off: 0 }, true)
-    }
-
-    /// Records the name a new block (the run's last) was stored under, when names are kept.
-    fn note_new_name(&mut self, slot: u32, eh: u64) {
-        if self.lru.is_some() {
-            self.meta_mut(slot, |m| m.ehs.push(eh));
-        }
-    }
-
-    /// Records that a rank stored the existing block `pos` under `eh`, when names are kept.
-    pub(crate) fn note_name(&mut self, pos: Pos, eh: u64) {
-        if self.lru.is_none() {
-            return;
-        }
-        let meta = &mut self.metas[pos.slot as usize];
-        if meta.ehs.get(pos.off as usize) != Some(&eh) {
-            meta.renamed = true;
-        }
-    }
-
-    /// Marks `pos` held by (rank, tier). Returns whether it already was.
-    pub(crate) fn hold(&mut self, pos: Pos, rank: u32, tier: u8, tick: u64) -> bool {
-        let (held, _) = self.run_mut(pos.slot).hold(rank, tier, pos.off as usize);
-        self.touch(pos.slot, tick);
-        held
+        (slot, 0, n, true)
     }
 
     fn touch(&mut self, slot: u32, tick: u64) {
