@@ -235,6 +235,13 @@ impl NameMap {
 
     /// Removes the entry `find` returned (nothing changed the map in between).
     pub(crate) fn remove_at(&mut self, i: usize) {
+        self.vacate(i);
+        self.settle();
+    }
+
+    /// Removes the entry `find` returned without resizing, so that the entries other finds
+    /// returned stay where they are; [`NameMap::settle`] afterwards.
+    pub(crate) fn vacate(&mut self, i: usize) {
         // A group with an empty entry never sent a probe on to the next group, so its entries
         // may become empty; in a full group they must stay marked as removed.
         if empties(self.tags[i / GROUP]) != 0 {
@@ -244,6 +251,10 @@ impl NameMap {
             self.removed += 1;
         }
         self.len -= 1;
+    }
+
+    /// Shrinks the table when removals left it under a quarter full.
+    pub(crate) fn settle(&mut self) {
         if self.len * 4 < self.groups() * GROUP && self.groups() > MIN_GROUPS {
             self.resize(self.target_groups(self.len));
         }

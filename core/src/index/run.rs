@@ -128,24 +128,30 @@ impl RunBuf {
         }
     }
 
-    /// Clears the bit of `off` for (rank, tier). Returns `None` when it was not set, else
-    /// whether the rank still holds the block in another tier.
-    pub(crate) fn unhold(&mut self, rank: u32, tier: u8, off: usize) -> Option<bool> {
-        let bit = 1u64 << off;
-        let i = self
+    /// Clears the bits of `bits` for (rank, tier). Returns `(cleared, elsewhere)`: the bits
+    /// that were set, and those of them the rank still holds in another tier.
+    pub(crate) fn unhold(&mut self, rank: u32, tier: u8, bits: u64) -> (u64, u64) {
+        let Ok(i) = self
             .holders
             .binary_search_by_key(&(rank, tier), |h| (h.rank, h.tier))
-            .ok()
-            .filter(|&i| self.holders[i].mask & bit != 0)?;
-        self.holders[i].mask &= !bit;
+        else {
+            return (0, 0);
+        };
+        let cleared = self.holders[i].mask & bits;
+        self.holders[i].mask &= !cleared;
+        // Sorted by (rank, tier): the rank's other tiers sit right beside this entry.
+        let same_rank = |h: &&Holder| h.rank == rank;
+        let elsewhere = self.holders[..i]
+            .iter()
+            .rev()
+            .take_while(same_rank)
+            .chain(self.holders[i + 1..].iter().take_while(same_rank))
+            .fold(0, |m, h| m | h.mask)
+            & cleared;
         if self.holders[i].mask == 0 {
             self.holders.remove(i);
         }
-        Some(
-            self.holders
-                .iter()
-                .any(|h| h.rank == rank && h.mask & bit != 0),
-        )
+        (cleared, elsewhere)
     }
 
     /// Whether `rank` still has any holder entry in the run.
@@ -187,11 +193,12 @@ mod tests {
         assert_eq!(r.holders.len(), 2);
         assert_eq!(r.holders[0].rank, 1);
         assert_eq!(r.held_mask(), 0b11);
-        assert_eq!(r.unhold(3, 0, 0), Some(false));
-        assert_eq!(r.unhold(3, 0, 0), None);
+        assert_eq!(r.unhold(3, 0, 0b01), (0b01, 0));
+        assert_eq!(r.unhold(3, 0, 0b01), (0, 0));
         r.hold(3, 1, 0b10);
-        assert_eq!(r.unhold(3, 0, 1), Some(true));
-        assert_eq!(r.unhold(3, 1, 1), Some(false));
+        assert_eq!(r.unhold(3, 0, 0b11), (0b10, 0b10));
+        assert_eq!(r.unhold(3, 1, 0b10), (0b10, 0));
+        assert_eq!(r.unhold(7, 0, 0b10), (0, 0));
         assert!(!r.has_rank(3));
         assert!(r.has_rank(1));
     }

@@ -420,18 +420,20 @@ impl ShardWriter {
         }
     }
 
-    /// Clears (rank, tier)'s hold of `pos`. Returns `None` when it was not held, else whether
-    /// the rank still holds the block in another tier. Emptied blocks are pruned at commit.
-    pub(crate) fn unhold(&mut self, pos: Pos, rank: u32, tier: u8) -> Option<bool> {
-        let other_tier = self
-            .run_mut(pos.slot)
-            .unhold(rank, tier, pos.off as usize)?;
-        let meta = &mut self.metas[pos.slot as usize];
-        if !meta.prune_queued {
-            meta.prune_queued = true;
-            self.prune_pending.push(pos.slot);
+    /// Clears (rank, tier)'s hold of the blocks `bits` of run `slot`. Returns `(cleared,
+    /// elsewhere)`: the blocks it held, and those of them the rank still holds in another tier.
+    /// Emptied blocks are pruned at commit.
+    pub(crate) fn unhold(&mut self, slot: u32, rank: u32, tier: u8, bits: u64) -> (u64, u64) {
+        if self.metas.get(slot as usize).is_none_or(|m| !m.live) {
+            return (0, 0);
         }
-        Some(other_tier)
+        let (cleared, elsewhere) = self.run_mut(slot).unhold(rank, tier, bits);
+        let meta = &mut self.metas[slot as usize];
+        if cleared != 0 && !meta.prune_queued {
+            meta.prune_queued = true;
+            self.prune_pending.push(slot);
+        }
+        (cleared, elsewhere)
     }
 
     /// Drops every hold of `rank` (all tiers) in this shard. Returns the holds dropped.
