@@ -165,10 +165,9 @@ impl RunBuf {
     }
 }
 
-/// Heap bytes of a published run, `Arc` header included.
+/// Heap bytes of a published run, its hash array's `Arc` header included.
 pub(crate) fn run_bytes(hashes: usize, holders: usize) -> usize {
-    // Two `Arc` headers: the run's and its hash array's.
-    4 * std::mem::size_of::<usize>()
+    2 * std::mem::size_of::<usize>()
         + std::mem::size_of::<Run>()
         + hashes * std::mem::size_of::<LocalHash>()
         + holders * std::mem::size_of::<Holder>()

@@ -38,8 +38,6 @@ pub(crate) const MAX_SLOTS: u32 = 1 << 22;
 /// Writer-only facts about a live run.
 #[derive(Debug)]
 struct SlotMeta {
-    /// What readers see in the slot: the writer's own reference, read without atomics.
-    run: Option<Arc<Run>>,
     /// Index of the run's working copy in the transaction, or `CLEAN`.
     dirty: u32,
     /// The engine hash each block was first stored under, kept only under a memory budget
@@ -59,7 +57,6 @@ struct SlotMeta {
 impl Default for SlotMeta {
     fn default() -> Self {
         SlotMeta {
-            run: None,
             dirty: CLEAN,
             ehs: Vec::new(),
             renamed: false,
@@ -201,14 +198,22 @@ impl ShardWriter {
             let b = &self.dirty[meta.dirty as usize].1;
             return Some(f(b.parent, b.parent_off, b.hashes.as_slice()));
         }
-        let run = meta.run.as_deref()?;
+        let run = self.published(slot)?;
         Some(f(run.parent, run.parent_off, &run.hashes))
     }
 
+    /// The run readers see in `slot`.
+    #[allow(unsafe_code)]
+    fn published(&self, slot: u32) -> Option<&Run> {
+        // SAFETY: this is the shard's single writer, and only `commit`, which takes `&mut self`
+        // (so no reference returned here is alive), publishes into the slots.
+        unsafe { self.shared.slots.current(slot) }
+    }
+
     fn run_mut(&mut self, slot: u32) -> &mut RunBuf {
-        let meta = &mut self.metas[slot as usize];
-        if meta.dirty == CLEAN {
-            let buf = match meta.run.as_deref() {
+        let mut dirty = self.metas[slot as usize].dirty;
+        if dirty == CLEAN {
+            let buf = match self.published(slot) {
                 Some(run) => RunBuf::from_run(run),
                 None => RunBuf {
                     parent: ROOT,
@@ -217,10 +222,11 @@ impl ShardWriter {
                     holders: Vec::new(),
                 },
             };
-            meta.dirty = self.dirty.len() as u32;
+            dirty = self.dirty.len() as u32;
+            self.metas[slot as usize].dirty = dirty;
             self.dirty.push((slot, buf));
         }
-        &mut self.dirty[meta.dirty as usize].1
+        &mut self.dirty[dirty as usize].1
     }
 
     fn link(&self, key: ChildKey) -> Option<u32> {
@@ -237,8 +243,7 @@ impl ShardWriter {
         if meta.dirty != CLEAN {
             return self.dirty[meta.dirty as usize].1.has_rank(rank);
         }
-        meta.run
-            .as_ref()
+        self.published(slot)
             .is_some_and(|r| r.holders.iter().any(|h| h.rank == rank))
     }
 
@@ -254,8 +259,7 @@ impl ShardWriter {
         if meta.dirty != CLEAN {
             return self.dirty[meta.dirty as usize].1.holders.iter().any(test);
         }
-        meta.run
-            .as_ref()
+        self.published(pos.slot)
             .is_some_and(|r| r.holders.iter().any(test))
     }
 
@@ -533,23 +537,22 @@ impl ShardWriter {
         pending.clear();
         self.prune_pending = pending;
         let shared = Arc::clone(&self.shared);
-        for (slot, buf) in self.dirty.drain(..) {
+        let guard = crossbeam_epoch::pin();
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for (slot, buf) in dirty.drain(..) {
             let meta = &mut self.metas[slot as usize];
             meta.dirty = CLEAN;
             if !meta.live {
                 continue; // freed below
             }
-            let Some(cell) = shared.slots.get(slot) else {
-                continue;
-            };
-            if let Some(old) = &meta.run {
+            if let Some(old) = self.published(slot) {
                 self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
             }
-            let run = Arc::new(buf.into_run());
+            let run = buf.into_run();
             self.run_bytes += run_bytes(run.hashes.len(), run.holders.len());
-            cell.store(Some(Arc::clone(&run)));
-            meta.run = Some(run);
+            shared.slots.publish(slot, Some(run), &guard);
         }
+        self.dirty = dirty;
         for (key, slot) in std::mem::take(&mut self.new_links) {
             if self.metas[slot as usize].live {
                 self.table.insert(&shared.children, key, slot);
@@ -559,15 +562,15 @@ impl ShardWriter {
             self.table.remove(key);
         }
         for slot in std::mem::take(&mut self.dead_slots) {
-            let meta = &mut self.metas[slot as usize];
-            if let Some(old) = meta.run.take() {
+            if let Some(old) = self.published(slot) {
                 self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
-            }
-            if let Some(cell) = shared.slots.get(slot) {
-                cell.store(None);
+                shared.slots.publish(slot, None, &guard);
             }
             self.free.push(slot);
         }
+        // Hand the retired runs to the collector now, and let this thread, not a reader, do
+        // the freeing that is due.
+        guard.flush();
         if let Some(lru) = &mut self.lru {
             if lru.len() > 4 * self.live_runs + 1024 {
                 let metas = &self.metas;
