@@ -284,6 +284,10 @@ pub struct PrefixIndex {
     errors: ErrorCounts,
     events: EventCounts,
     dropped: Vec<DroppedHold>,
+    /// Scratch: where a Stored event's blocks landed.
+    placed: Vec<(Pos, bool)>,
+    /// Scratch: the blocks of a Removed event awaiting their run's update.
+    pending: Vec<(u32, usize, u8)>,
 }
 
 impl std::fmt::Debug for PrefixIndex {
@@ -319,6 +323,56 @@ fn unpack(loc: u32) -> (usize, Pos) {
     )
 }
 
+/// What a Removed event did, block by block.
+#[derive(Default)]
+struct Removal {
+    removed: u64,
+    unknown: usize,
+    /// Index in the event of the first block that was not held.
+    first_unknown: u32,
+    /// Shards changed (bit = shard % 64).
+    touched: u64,
+}
+
+impl Removal {
+    fn unknown(&mut self, i: usize) {
+        if self.unknown == 0 || (i as u32) < self.first_unknown {
+            self.first_unknown = i as u32;
+        }
+        self.unknown += 1;
+    }
+}
+
+/// Clears (rank, tier)'s hold of the blocks `run` names (shard, slot, bits) and forgets the
+/// names of those the rank no longer holds in any tier. `pending` has each block's index in
+/// the event, name entry and offset.
+fn clear_run(
+    shards: &mut [ShardWriter],
+    names: &mut NameMap,
+    run: (usize, u32, u64),
+    (rank, tier): (u32, u8),
+    pending: &[(u32, usize, u8)],
+    tally: &mut Removal,
+) {
+    let (shard, slot, bits) = run;
+    if bits == 0 {
+        return;
+    }
+    let (cleared, elsewhere) = shards[shard].unhold(slot, rank, tier, bits);
+    tally.touched |= 1 << (shard % 64);
+    for &(i, entry, off) in pending {
+        let bit = 1u64 << off;
+        if cleared & bit == 0 {
+            tally.unknown(i as usize);
+        } else {
+            tally.removed += 1;
+            if elsewhere & bit == 0 {
+                names.vacate(entry);
+            }
+        }
+    }
+}
+
 impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         let n = match config.shards {
@@ -348,6 +402,8 @@ impl PrefixIndex {
             errors: ErrorCounts::default(),
             events: EventCounts::default(),
             dropped: Vec::new(),
+            placed: Vec::new(),
+            pending: Vec::new(),
         }
     }
 
@@ -567,15 +623,20 @@ impl PrefixIndex {
         }
         self.tick += 1;
         let tier = header.tier as u8;
-        let mut cur = start;
-        for (i, b) in blocks.iter().enumerate() {
+        let mut placed = std::mem::take(&mut self.placed);
+        placed.clear();
+        self.shards[shard].store(start, blocks, (rank, tier), self.tick, &mut placed);
+        let Some(Some(state)) = self.ranks.get_mut(rank as usize) else {
+            unreachable!("event_rank returned a live rank id");
+        };
+        let names = &mut state.names;
+        for b in blocks.iter().take(PREFETCH_AHEAD) {
+            names.prefetch(b.block_hash.0);
+        }
+        for (i, (b, &(pos, already))) in blocks.iter().zip(&placed).enumerate() {
             if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
-                self.names(rank).prefetch(ahead.block_hash.0);
+                names.prefetch(ahead.block_hash.0);
             }
-            let eh = b.block_hash.0;
-            let writer = &mut self.shards[shard];
-            let (pos, created) = writer.advance(cur, b.local_hash, eh);
-            let already = writer.hold(pos, rank, tier, self.tick);
             let loc = pack(shard, pos);
             if already {
                 *self.copies.entry((rank, tier, loc)).or_insert(0) += 1;
@@ -583,12 +644,9 @@ impl PrefixIndex {
             } else {
                 self.stored_pairs += 1;
             }
-            if !created {
-                self.shards[shard].note_name(pos, eh);
-            }
-            self.names(rank).insert(eh, loc);
-            cur = Some(pos);
+            names.insert(b.block_hash.0, loc);
         }
+        self.placed = placed;
         self.shards[shard].commit();
         self.enforce_budget();
         Ok(())
@@ -603,20 +661,25 @@ impl PrefixIndex {
     ) -> Result<(), IndexError> {
         let rank = self.event_rank(header)?;
         let tier = header.tier as u8;
-        let mut unknown = 0usize;
-        let mut first_unknown = None;
-        let mut touched = 0u64;
         let Some(Some(state)) = self.ranks.get_mut(rank as usize) else {
             return Ok(());
         };
         let names = &mut state.names;
+        let mut tally = Removal::default();
+        // The blocks of one run are cleared together: (shard, slot, their bits), and per block
+        // its place in the event, its name entry and its offset.
+        let mut run = (0usize, u32::MAX, 0u64);
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.clear();
+        for b in blocks.iter().take(PREFETCH_AHEAD) {
+            names.prefetch(b.0);
+        }
         for (i, b) in blocks.iter().enumerate() {
             if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
                 names.prefetch(ahead.0);
             }
             let Some((entry, loc)) = names.find(b.0) else {
-                unknown += 1;
-                first_unknown.get_or_insert(*b);
+                tally.unknown(i);
                 continue;
             };
             // Extra copies exist only while the block is held in that tier.
@@ -633,28 +696,41 @@ impl PrefixIndex {
                 continue;
             }
             let (shard, pos) = unpack(loc);
-            match self.shards[shard].unhold(pos, rank, tier) {
-                None => {
-                    unknown += 1;
-                    first_unknown.get_or_insert(*b);
-                }
-                Some(other_tier) => {
-                    touched |= 1 << (shard % 64);
-                    self.stored_pairs -= 1;
-                    if !other_tier {
-                        names.remove_at(entry);
-                    }
-                }
+            let bit = 1u64 << pos.off;
+            if (shard, pos.slot) != (run.0, run.1) || run.2 & bit != 0 {
+                clear_run(
+                    &mut self.shards,
+                    names,
+                    run,
+                    (rank, tier),
+                    &pending,
+                    &mut tally,
+                );
+                pending.clear();
+                run = (shard, pos.slot, 0);
             }
+            run.2 |= bit;
+            pending.push((i as u32, entry, pos.off));
         }
-        self.commit_touched(touched);
+        clear_run(
+            &mut self.shards,
+            names,
+            run,
+            (rank, tier),
+            &pending,
+            &mut tally,
+        );
+        names.settle();
+        self.pending = pending;
+        self.stored_pairs -= tally.removed;
+        self.commit_touched(tally.touched);
         self.enforce_budget();
-        if unknown > 0 {
-            self.errors.unknown_blocks += unknown as u64;
+        if tally.unknown > 0 {
+            self.errors.unknown_blocks += tally.unknown as u64;
             return Err(IndexError::UnknownBlocks {
                 rank: header.source,
-                count: unknown,
-                first: first_unknown.unwrap_or_default(),
+                count: tally.unknown,
+                first: blocks[tally.first_unknown as usize],
             });
         }
         Ok(())

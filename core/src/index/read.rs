@@ -6,7 +6,7 @@
 //! stopped. A rank stays in the running only while it holds every block so far; its score is
 //! the number of leading blocks it holds, split by the fastest tier it holds each in.
 //!
-//! Nothing here locks or writes shared memory: runs are loaded through `ArcSwapOption`, and
+//! Nothing here locks or writes shared memory: runs are loaded under one epoch pin per walk, and
 //! every child found is checked against the position it was looked up from, so a walk that
 //! races with the writer sees each run either before or after a change, never torn.
 
@@ -52,6 +52,8 @@ pub(crate) fn walk(
         return;
     };
     let table = shard.children.load();
+    // One pin for the whole walk: every run loaded below stays valid until it ends.
+    let guard = crossbeam_epoch::pin();
     let mut key = ChildKey {
         parent: ROOT,
         off: 0,
@@ -60,11 +62,7 @@ pub(crate) fn walk(
     let mut pos = 0usize;
     let mut started = false;
     while let Some(slot) = table.get(key) {
-        let Some(cell) = shard.slots.get(slot) else {
-            break;
-        };
-        let guard = cell.load();
-        let Some(run) = guard.as_ref() else {
+        let Some(run) = shard.slots.load(slot, &guard) else {
             break;
         };
         let rest = &query[pos..];

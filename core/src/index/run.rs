@@ -103,17 +103,16 @@ impl RunBuf {
         }
     }
 
-    /// Sets the bit of `off` for (rank, tier). Returns `(already_held, new_holder_entry)`.
-    pub(crate) fn hold(&mut self, rank: u32, tier: u8, off: usize) -> (bool, bool) {
-        let bit = 1u64 << off;
+    /// Sets the bits of `bits` for (rank, tier). Returns those that were already set.
+    pub(crate) fn hold(&mut self, rank: u32, tier: u8, bits: u64) -> u64 {
         match self
             .holders
             .binary_search_by_key(&(rank, tier), |h| (h.rank, h.tier))
         {
             Ok(i) => {
-                let held = self.holders[i].mask & bit != 0;
-                self.holders[i].mask |= bit;
-                (held, false)
+                let held = self.holders[i].mask & bits;
+                self.holders[i].mask |= bits;
+                held
             }
             Err(i) => {
                 self.holders.insert(
@@ -121,32 +120,38 @@ impl RunBuf {
                     Holder {
                         rank,
                         tier,
-                        mask: bit,
+                        mask: bits,
                     },
                 );
-                (false, true)
+                0
             }
         }
     }
 
-    /// Clears the bit of `off` for (rank, tier). Returns `None` when it was not set, else
-    /// whether the rank still holds the block in another tier.
-    pub(crate) fn unhold(&mut self, rank: u32, tier: u8, off: usize) -> Option<bool> {
-        let bit = 1u64 << off;
-        let i = self
+    /// Clears the bits of `bits` for (rank, tier). Returns `(cleared, elsewhere)`: the bits
+    /// that were set, and those of them the rank still holds in another tier.
+    pub(crate) fn unhold(&mut self, rank: u32, tier: u8, bits: u64) -> (u64, u64) {
+        let Ok(i) = self
             .holders
             .binary_search_by_key(&(rank, tier), |h| (h.rank, h.tier))
-            .ok()
-            .filter(|&i| self.holders[i].mask & bit != 0)?;
-        self.holders[i].mask &= !bit;
+        else {
+            return (0, 0);
+        };
+        let cleared = self.holders[i].mask & bits;
+        self.holders[i].mask &= !cleared;
+        // Sorted by (rank, tier): the rank's other tiers sit right beside this entry.
+        let same_rank = |h: &&Holder| h.rank == rank;
+        let elsewhere = self.holders[..i]
+            .iter()
+            .rev()
+            .take_while(same_rank)
+            .chain(self.holders[i + 1..].iter().take_while(same_rank))
+            .fold(0, |m, h| m | h.mask)
+            & cleared;
         if self.holders[i].mask == 0 {
             self.holders.remove(i);
         }
-        Some(
-            self.holders
-                .iter()
-                .any(|h| h.rank == rank && h.mask & bit != 0),
-        )
+        (cleared, elsewhere)
     }
 
     /// Whether `rank` still has any holder entry in the run.
@@ -160,10 +165,9 @@ impl RunBuf {
     }
 }
 
-/// Heap bytes of a published run, `Arc` header included.
+/// Heap bytes of a published run, its hash array's `Arc` header included.
 pub(crate) fn run_bytes(hashes: usize, holders: usize) -> usize {
-    // Two `Arc` headers: the run's and its hash array's.
-    4 * std::mem::size_of::<usize>()
+    2 * std::mem::size_of::<usize>()
         + std::mem::size_of::<Run>()
         + hashes * std::mem::size_of::<LocalHash>()
         + holders * std::mem::size_of::<Holder>()
@@ -181,17 +185,19 @@ mod tests {
             hashes: Hashes::Owned(vec![LocalHash(1), LocalHash(2)]),
             holders: vec![],
         };
-        assert_eq!(r.hold(3, 0, 0), (false, true));
-        assert_eq!(r.hold(3, 0, 1), (false, false));
-        assert_eq!(r.hold(3, 0, 1), (true, false));
-        assert_eq!(r.hold(1, 1, 0), (false, true));
+        assert_eq!(r.hold(3, 0, 0b01), 0);
+        assert_eq!(r.hold(3, 0, 0b10), 0);
+        assert_eq!(r.hold(3, 0, 0b11), 0b11);
+        assert_eq!(r.hold(1, 1, 0b01), 0);
+        assert_eq!(r.holders.len(), 2);
         assert_eq!(r.holders[0].rank, 1);
         assert_eq!(r.held_mask(), 0b11);
-        assert_eq!(r.unhold(3, 0, 0), Some(false));
-        assert_eq!(r.unhold(3, 0, 0), None);
-        r.hold(3, 1, 1);
-        assert_eq!(r.unhold(3, 0, 1), Some(true));
-        assert_eq!(r.unhold(3, 1, 1), Some(false));
+        assert_eq!(r.unhold(3, 0, 0b01), (0b01, 0));
+        assert_eq!(r.unhold(3, 0, 0b01), (0, 0));
+        r.hold(3, 1, 0b10);
+        assert_eq!(r.unhold(3, 0, 0b11), (0b10, 0b10));
+        assert_eq!(r.unhold(3, 1, 0b10), (0b10, 0));
+        assert_eq!(r.unhold(7, 0, 0b10), (0, 0));
         assert!(!r.has_rank(3));
         assert!(r.has_rank(1));
     }

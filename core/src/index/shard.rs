@@ -14,6 +14,7 @@ use std::sync::Arc;
 use super::run::{run_bytes, Hashes, Run, RunBuf, RUN_CAP};
 use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
+use crate::event::StoredBlock;
 use crate::hash::LocalHash;
 
 /// What readers share.
@@ -37,8 +38,6 @@ pub(crate) const MAX_SLOTS: u32 = 1 << 22;
 /// Writer-only facts about a live run.
 #[derive(Debug)]
 struct SlotMeta {
-    /// What readers see in the slot: the writer's own reference, read without atomics.
-    run: Option<Arc<Run>>,
     /// Index of the run's working copy in the transaction, or `CLEAN`.
     dirty: u32,
     /// The engine hash each block was first stored under, kept only under a memory budget
@@ -58,7 +57,6 @@ struct SlotMeta {
 impl Default for SlotMeta {
     fn default() -> Self {
         SlotMeta {
-            run: None,
             dirty: CLEAN,
             ehs: Vec::new(),
             renamed: false,
@@ -200,14 +198,22 @@ impl ShardWriter {
             let b = &self.dirty[meta.dirty as usize].1;
             return Some(f(b.parent, b.parent_off, b.hashes.as_slice()));
         }
-        let run = meta.run.as_deref()?;
+        let run = self.published(slot)?;
         Some(f(run.parent, run.parent_off, &run.hashes))
     }
 
+    /// The run readers see in `slot`.
+    #[allow(unsafe_code)]
+    fn published(&self, slot: u32) -> Option<&Run> {
+        // SAFETY: this is the shard's single writer, and only `commit`, which takes `&mut self`
+        // (so no reference returned here is alive), publishes into the slots.
+        unsafe { self.shared.slots.current(slot) }
+    }
+
     fn run_mut(&mut self, slot: u32) -> &mut RunBuf {
-        let meta = &mut self.metas[slot as usize];
-        if meta.dirty == CLEAN {
-            let buf = match meta.run.as_deref() {
+        let mut dirty = self.metas[slot as usize].dirty;
+        if dirty == CLEAN {
+            let buf = match self.published(slot) {
                 Some(run) => RunBuf::from_run(run),
                 None => RunBuf {
                     parent: ROOT,
@@ -216,10 +222,11 @@ impl ShardWriter {
                     holders: Vec::new(),
                 },
             };
-            meta.dirty = self.dirty.len() as u32;
+            dirty = self.dirty.len() as u32;
+            self.metas[slot as usize].dirty = dirty;
             self.dirty.push((slot, buf));
         }
-        &mut self.dirty[meta.dirty as usize].1
+        &mut self.dirty[dirty as usize].1
     }
 
     fn link(&self, key: ChildKey) -> Option<u32> {
@@ -236,8 +243,7 @@ impl ShardWriter {
         if meta.dirty != CLEAN {
             return self.dirty[meta.dirty as usize].1.has_rank(rank);
         }
-        meta.run
-            .as_ref()
+        self.published(slot)
             .is_some_and(|r| r.holders.iter().any(|h| h.rank == rank))
     }
 
@@ -253,8 +259,7 @@ impl ShardWriter {
         if meta.dirty != CLEAN {
             return self.dirty[meta.dirty as usize].1.holders.iter().any(test);
         }
-        meta.run
-            .as_ref()
+        self.published(pos.slot)
             .is_some_and(|r| r.holders.iter().any(test))
     }
 
@@ -281,33 +286,95 @@ impl ShardWriter {
         slot
     }
 
-    /// The position after `from` (the root when `None`) that continues with `hash`: found, or
-    /// created (appended to the run when the run ends there and has room, else a new child
-    /// run). Returns the position and whether it was created.
-    pub(crate) fn advance(&mut self, from: Option<Pos>, hash: LocalHash, eh: u64) -> (Pos, bool) {
-        let key = match from {
+    /// Stores a chain for (rank, tier) after `start` (the root when `None`). Each block is found
+    /// where the chain already has it, or created: appended to a run that ends there and has
+    /// room, else in a new child run. Pushes each block's position, and whether (rank, tier)
+    /// already held it, to `placed`.
+    ///
+    /// The work is per stretch of a run, not per block: the hashes a run already has are
+    /// compared in one loop, new ones are appended in one copy, and the hold of each stretch is
+    /// one mask update.
+    pub(crate) fn store(
+        &mut self,
+        start: Option<Pos>,
+        blocks: &[StoredBlock],
+        holder: (u32, u8),
+        tick: u64,
+        placed: &mut Vec<(Pos, bool)>,
+    ) {
+        let (rank, tier) = holder;
+        let mut cur = start;
+        let mut i = 0;
+        while i < blocks.len() {
+            let rest = &blocks[i..];
+            let (slot, first, n, created) = self.stretch(cur, rest);
+            let bits = if n == RUN_CAP {
+                !0
+            } else {
+                ((1u64 << n) - 1) << first
+            };
+            let held = self.run_mut(slot).hold(rank, tier, bits);
+            self.touch(slot, tick);
+            if self.lru.is_some() {
+                let names = rest[..n].iter().map(|b| b.block_hash.0);
+                if created {
+                    self.meta_mut(slot, |m| m.ehs.extend(names));
+                } else {
+                    let meta = &mut self.metas[slot as usize];
+                    let known = meta.ehs.get(first..first + n).unwrap_or_default();
+                    if !names.eq(known.iter().copied()) {
+                        meta.renamed = true;
+                    }
+                }
+            }
+            placed.extend((first..first + n).map(|off| {
+                let pos = Pos {
+                    slot,
+                    off: off as u8,
+                };
+                (pos, held & (1u64 << off) != 0)
+            }));
+            cur = Some(Pos {
+                slot,
+                off: (first + n - 1) as u8,
+            });
+            i += n;
+        }
+    }
+
+    /// The next stretch of `blocks` (not empty) after `cur`: `(slot, first offset, blocks,
+    /// created)`. It continues `cur`'s run where the run already has the blocks, else follows
+    /// the child link of the first block, else appends to `cur`'s run when it ends there and has
+    /// room, else starts a new child run.
+    fn stretch(&mut self, cur: Option<Pos>, blocks: &[StoredBlock]) -> (u32, usize, usize, bool) {
+        // How many of `bs` continue `hashes` from offset `from`.
+        let same = |hashes: &[LocalHash], from: usize, bs: &[StoredBlock]| {
+            hashes
+                .get(from..)
+                .unwrap_or_default()
+                .iter()
+                .zip(bs)
+                .take_while(|(h, b)| **h == b.local_hash)
+                .count()
+        };
+        let key = match cur {
             None => ChildKey {
                 parent: ROOT,
                 off: 0,
-                hash: hash.0,
+                hash: blocks[0].local_hash.0,
             },
             Some(p) => {
-                let next = self
-                    .with_run(p.slot, |_, _, h| h.get(p.off as usize + 1).copied())
-                    .flatten();
-                if next == Some(hash) {
-                    return (
-                        Pos {
-                            slot: p.slot,
-                            off: p.off + 1,
-                        },
-                        false,
-                    );
+                let next = p.off as usize + 1;
+                let m = self
+                    .with_run(p.slot, |_, _, h| same(h, next, blocks))
+                    .unwrap_or(0);
+                if m > 0 {
+                    return (p.slot, next, m, false);
                 }
                 ChildKey {
                     parent: p.slot,
                     off: p.off,
-                    hash: hash.0,
+                    hash: blocks[0].local_hash.0,
                 }
             }
         };
@@ -316,64 +383,35 @@ impl ShardWriter {
             key.parent == ROOT || self.metas[key.parent as usize].children_at(key.off) > 0;
         if may_branch {
             if let Some(child) = self.link(key) {
-                return (
-                    Pos {
-                        slot: child,
-                        off: 0,
-                    },
-                    false,
-                );
+                // The link names the child's first block; compare the rest.
+                let m = 1 + self
+                    .with_run(child, |_, _, h| same(h, 1, &blocks[1..]))
+                    .unwrap_or(0);
+                return (child, 0, m, false);
             }
         }
-        self.positions += 1;
-        if let Some(p) = from {
+        if let Some(p) = cur {
             let len = self.with_run(p.slot, |_, _, h| h.len()).unwrap_or(0);
             if p.off as usize + 1 == len && len < RUN_CAP {
-                self.run_mut(p.slot).hashes.to_mut().push(hash);
-                self.note_new_name(p.slot, eh);
-                return (
-                    Pos {
-                        slot: p.slot,
-                        off: p.off + 1,
-                    },
-                    true,
-                );
+                let n = (RUN_CAP - len).min(blocks.len());
+                self.positions += n;
+                let hashes = self.run_mut(p.slot).hashes.to_mut();
+                hashes.extend(blocks[..n].iter().map(|b| b.local_hash));
+                return (p.slot, len, n, true);
             }
             self.meta_mut(p.slot, |m| m.add_child(p.off));
         }
+        let n = RUN_CAP.min(blocks.len());
+        self.positions += n;
         let slot = self.alloc_slot();
-        self.note_new_name(slot, eh);
         let buf = self.run_mut(slot);
         buf.parent = key.parent;
         buf.parent_off = key.off;
-        buf.hashes.to_mut().push(hash);
+        buf.hashes
+            .to_mut()
+            .extend(blocks[..n].iter().map(|b| b.local_hash));
         self.new_links.push((key, slot));
-        (Pos { slot, off: 0 }, true)
-    }
-
-    /// Records the name a new block (the run's last) was stored under, when names are kept.
-    fn note_new_name(&mut self, slot: u32, eh: u64) {
-        if self.lru.is_some() {
-            self.meta_mut(slot, |m| m.ehs.push(eh));
-        }
-    }
-
-    /// Records that a rank stored the existing block `pos` under `eh`, when names are kept.
-    pub(crate) fn note_name(&mut self, pos: Pos, eh: u64) {
-        if self.lru.is_none() {
-            return;
-        }
-        let meta = &mut self.metas[pos.slot as usize];
-        if meta.ehs.get(pos.off as usize) != Some(&eh) {
-            meta.renamed = true;
-        }
-    }
-
-    /// Marks `pos` held by (rank, tier). Returns whether it already was.
-    pub(crate) fn hold(&mut self, pos: Pos, rank: u32, tier: u8, tick: u64) -> bool {
-        let (held, _) = self.run_mut(pos.slot).hold(rank, tier, pos.off as usize);
-        self.touch(pos.slot, tick);
-        held
+        (slot, 0, n, true)
     }
 
     fn touch(&mut self, slot: u32, tick: u64) {
@@ -386,18 +424,20 @@ impl ShardWriter {
         }
     }
 
-    /// Clears (rank, tier)'s hold of `pos`. Returns `None` when it was not held, else whether
-    /// the rank still holds the block in another tier. Emptied blocks are pruned at commit.
-    pub(crate) fn unhold(&mut self, pos: Pos, rank: u32, tier: u8) -> Option<bool> {
-        let other_tier = self
-            .run_mut(pos.slot)
-            .unhold(rank, tier, pos.off as usize)?;
-        let meta = &mut self.metas[pos.slot as usize];
-        if !meta.prune_queued {
-            meta.prune_queued = true;
-            self.prune_pending.push(pos.slot);
+    /// Clears (rank, tier)'s hold of the blocks `bits` of run `slot`. Returns `(cleared,
+    /// elsewhere)`: the blocks it held, and those of them the rank still holds in another tier.
+    /// Emptied blocks are pruned at commit.
+    pub(crate) fn unhold(&mut self, slot: u32, rank: u32, tier: u8, bits: u64) -> (u64, u64) {
+        if self.metas.get(slot as usize).is_none_or(|m| !m.live) {
+            return (0, 0);
         }
-        Some(other_tier)
+        let (cleared, elsewhere) = self.run_mut(slot).unhold(rank, tier, bits);
+        let meta = &mut self.metas[slot as usize];
+        if cleared != 0 && !meta.prune_queued {
+            meta.prune_queued = true;
+            self.prune_pending.push(slot);
+        }
+        (cleared, elsewhere)
     }
 
     /// Drops every hold of `rank` (all tiers) in this shard. Returns the holds dropped.
@@ -497,23 +537,22 @@ impl ShardWriter {
         pending.clear();
         self.prune_pending = pending;
         let shared = Arc::clone(&self.shared);
-        for (slot, buf) in self.dirty.drain(..) {
+        let guard = crossbeam_epoch::pin();
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for (slot, buf) in dirty.drain(..) {
             let meta = &mut self.metas[slot as usize];
             meta.dirty = CLEAN;
             if !meta.live {
                 continue; // freed below
             }
-            let Some(cell) = shared.slots.get(slot) else {
-                continue;
-            };
-            if let Some(old) = &meta.run {
+            if let Some(old) = self.published(slot) {
                 self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
             }
-            let run = Arc::new(buf.into_run());
+            let run = buf.into_run();
             self.run_bytes += run_bytes(run.hashes.len(), run.holders.len());
-            cell.store(Some(Arc::clone(&run)));
-            meta.run = Some(run);
+            shared.slots.publish(slot, Some(run), &guard);
         }
+        self.dirty = dirty;
         for (key, slot) in std::mem::take(&mut self.new_links) {
             if self.metas[slot as usize].live {
                 self.table.insert(&shared.children, key, slot);
@@ -523,15 +562,15 @@ impl ShardWriter {
             self.table.remove(key);
         }
         for slot in std::mem::take(&mut self.dead_slots) {
-            let meta = &mut self.metas[slot as usize];
-            if let Some(old) = meta.run.take() {
+            if let Some(old) = self.published(slot) {
                 self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
-            }
-            if let Some(cell) = shared.slots.get(slot) {
-                cell.store(None);
+                shared.slots.publish(slot, None, &guard);
             }
             self.free.push(slot);
         }
+        // Hand the retired runs to the collector now, and let this thread, not a reader, do
+        // the freeing that is due.
+        guard.flush();
         if let Some(lru) = &mut self.lru {
             if lru.len() > 4 * self.live_runs + 1024 {
                 let metas = &self.metas;

@@ -551,3 +551,46 @@ fn the_budget_holds_after_every_kind_of_call() {
         );
     }
 }
+
+#[test]
+fn a_removal_spanning_runs_with_repeats_counts_each_block_once_in_event_order() {
+    let mut ix = idx();
+    let r = WorkerRank::new(1, 0);
+    // 100 blocks: two runs.
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 100, 0))
+        .unwrap();
+    let blocks = [
+        BlockHash(1099),
+        BlockHash(1098),
+        BlockHash(1098), // a repeat: no longer held the second time
+        BlockHash(1010), // back in the first run
+        BlockHash(7),    // never stored
+        BlockHash(1099), // a repeat across a run change
+        BlockHash(1097),
+    ];
+    let err = ix
+        .apply_removed(hdr(1, 0, 2, device()), &blocks)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        IndexError::UnknownBlocks {
+            rank: r,
+            count: 3,
+            first: BlockHash(1098)
+        }
+    );
+    // Blocks 0..10 lead; 97..100 and 10 are gone, the rest stay.
+    let q = query(100);
+    assert_eq!(ix.find_matches(&q, MatchOptions::default()).blocks(r), 10);
+    assert_eq!(ix.stats().stored_pairs, 96);
+    // Every removed name is forgotten, every other one still resolves.
+    for gone in [1099u64, 1098, 1097, 1010] {
+        assert!(matches!(
+            ix.apply_removed(hdr(1, 0, 3, device()), &[BlockHash(gone)]),
+            Err(IndexError::UnknownBlocks { count: 1, .. })
+        ));
+    }
+    ix.apply_removed(hdr(1, 0, 4, device()), &[BlockHash(1096), BlockHash(1011)])
+        .unwrap();
+    assert_eq!(ix.stats().stored_pairs, 94);
+}
