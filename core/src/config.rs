@@ -20,6 +20,7 @@
 //! | `timing` | `Off` | record the hash / match / select overhead split in histograms |
 //! | `metrics` | `Off` | record per-request TTFT, ITL, ISL, OSL and KV hit rate in histograms |
 //! | `disaggregation` | `Optional` | prefill requests fall back to aggregated workers when no prefill worker exists |
+//! | `queue` | `Off` | with `On { max_queued_tokens, order }`, [`crate::router::Router::submit`] queues a request while every eligible rank is busy, up to a cap of queued prompt tokens (order default FCFS with priority jumps) |
 
 use std::time::Duration;
 
@@ -124,6 +125,32 @@ pub enum Disaggregation {
     Enforced,
 }
 
+/// The order of the admission queue within a priority class (see [`crate::queue`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum QueueOrder {
+    /// Arrival time minus priority jump, earliest first: best for tail TTFT.
+    #[default]
+    Fcfs,
+    /// Weighted shortest processing time, `(1 + priority jump) / new prefill tokens`, largest
+    /// first: best for mean TTFT.
+    Wspt,
+}
+
+/// Whether requests wait when every eligible rank is busy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Queueing {
+    /// Never: a request goes to the least loaded busy rank (`route` always does this).
+    #[default]
+    Off,
+    /// [`crate::router::Router::submit`] queues the request; past `max_queued_tokens` prompt
+    /// tokens waiting it is rejected with [`crate::router::RouteError::ResourceExhausted`].
+    /// Needs a busy threshold to have any effect.
+    On {
+        max_queued_tokens: u64,
+        order: QueueOrder,
+    },
+}
+
 /// The router's configuration. Build it with struct update syntax over `Default`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterConfig {
@@ -153,6 +180,8 @@ pub struct RouterConfig {
     pub metrics: Metrics,
     /// Prefill → aggregated fallback.
     pub disaggregation: Disaggregation,
+    /// Admission queue.
+    pub queue: Queueing,
 }
 
 impl Default for RouterConfig {
@@ -171,6 +200,7 @@ impl Default for RouterConfig {
             timing: Timing::Off,
             metrics: Metrics::Off,
             disaggregation: Disaggregation::Optional,
+            queue: Queueing::Off,
         }
     }
 }
@@ -263,6 +293,16 @@ impl RouterConfig {
             }
             _ => {}
         }
+        if let Queueing::On {
+            max_queued_tokens: 0,
+            ..
+        } = self.queue
+        {
+            return Err(ConfigError::Invalid {
+                field: "queue.max_queued_tokens",
+                reason: "must be > 0",
+            });
+        }
         Ok(())
     }
 
@@ -292,6 +332,7 @@ mod tests {
         assert_eq!(c.policy, Policy::KvAware);
         assert_eq!(c.metrics, Metrics::Off);
         assert_eq!(c.disaggregation, Disaggregation::Optional);
+        assert_eq!(c.queue, Queueing::Off);
         c.validate().unwrap();
     }
 
@@ -380,6 +421,16 @@ mod tests {
                 ..d()
             }),
             "policy.min_match_ratio"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                queue: Queueing::On {
+                    max_queued_tokens: 0,
+                    order: QueueOrder::Wspt
+                },
+                ..d()
+            }),
+            "queue.max_queued_tokens"
         );
         let msg = RouterConfig {
             temperature: -1.0,

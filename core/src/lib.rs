@@ -46,6 +46,7 @@ pub mod event;
 pub mod hash;
 pub mod index;
 pub mod load;
+pub mod queue;
 pub mod registry;
 pub mod rng;
 pub mod router;

@@ -38,16 +38,20 @@
 //! ([`Router::apply_event`]) and hands out lock-free readers.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::Future;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
 
 use crossbeam_utils::CachePadded;
 
-use crate::config::{ConfigError, Disaggregation, Metrics, RouterConfig, Timing};
+use crate::config::{ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Timing};
 use crate::event::{DpRank, KvEvent, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
 use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex};
@@ -56,6 +60,7 @@ use crate::load::{
     prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Ledger, LedgerCounts, LoadError,
     LoadView, RequestId, Step,
 };
+use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
 use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole};
 use crate::rng::{mix64, SharedRng};
 use crate::select::{
@@ -136,9 +141,11 @@ pub struct RouteHints<'a> {
     pub lora_name: Option<&'a str>,
     /// Cache isolation salt: changes the block hash seed.
     pub cache_salt: Option<&'a str>,
-    /// Seconds to move ahead in a queue; carried for the admission queue (not yet built), no
-    /// effect on the choice.
+    /// Seconds to move ahead in the admission queue (finite; see [`crate::queue`]); no effect
+    /// on the choice.
     pub priority_jump: f64,
+    /// Strict priority class in the admission queue: higher classes always go first.
+    pub priority_class: PriorityClass,
     /// Expected generated tokens, when known: the request's output blocks then weigh what is
     /// left of it in the rank's decode load (see [`crate::load`]); recorded in the decision.
     pub expected_output_tokens: Option<u32>,
@@ -177,8 +184,36 @@ pub enum RouteError {
         request: RequestId,
         worker: WorkerId,
     },
+    #[error(
+        "request {request:?} ({request_tokens} prompt tokens) rejected: {queued_tokens} tokens already queued, cap {cap_tokens}; retry later"
+    )]
+    ResourceExhausted {
+        request: RequestId,
+        request_tokens: u64,
+        queued_tokens: u64,
+        cap_tokens: u64,
+    },
+    #[error("request {request:?} is neither queued nor released and untaken")]
+    NotQueued { request: RequestId },
+    #[error("request {request:?} hint `{field}` is invalid: {reason}")]
+    InvalidHint {
+        request: RequestId,
+        field: &'static str,
+        reason: &'static str,
+    },
     #[error(transparent)]
     Load(#[from] LoadError),
+}
+
+impl RouteError {
+    /// True when the same request may succeed if retried later unchanged (the queue was full,
+    /// or the fleet not yet ready).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            RouteError::ResourceExhausted { .. } | RouteError::NotReady { .. }
+        )
+    }
 }
 
 /// Why a router could not be built or a worker could not join or leave.
@@ -242,6 +277,54 @@ pub struct Decision {
     pub expected_output_tokens: Option<u32>,
     /// Every candidate considered (busy ones included), when asked for.
     pub evidence: Option<Vec<Candidate>>,
+}
+
+/// When a request may be booked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// Now, on the least loaded busy rank if every one is busy (`route`).
+    Immediate,
+    /// Now if some eligible rank is free; else wait (an admission with an empty queue, or the
+    /// queue's head on release).
+    IfFree,
+    /// Wait behind the requests already queued (unless pinned).
+    Behind,
+}
+
+/// What a gated route came to.
+#[derive(Debug)]
+enum Routed {
+    Decided(Decision),
+    /// Not booked: the request must wait. Carries what the queue orders by.
+    Wait {
+        new_prefill_tokens: u64,
+    },
+}
+
+/// The time of one call: the caller's, or the clock's, read once and only when needed.
+#[derive(Debug)]
+struct Now(std::cell::Cell<Option<Instant>>);
+
+impl Now {
+    fn lazy() -> Self {
+        Now(std::cell::Cell::new(None))
+    }
+
+    fn at(t: Instant) -> Self {
+        Now(std::cell::Cell::new(Some(t)))
+    }
+
+    /// The time; a reading the caller already took stands in for the clock.
+    fn get_or(&self, reading: Option<Instant>) -> Instant {
+        match self.0.get() {
+            Some(t) => t,
+            None => {
+                let t = reading.unwrap_or_else(Instant::now);
+                self.0.set(Some(t));
+                t
+            }
+        }
+    }
 }
 
 /// Overhead split of routing, in nanoseconds (recorded when [`Timing::On`]).
@@ -474,6 +557,10 @@ pub struct RouterCounts {
     pub pinned_not_allowed: u64,
     /// Requests freed after reaching a worker (marked dispatched, by id or by their guard).
     pub completed: u64,
+    /// Requests rejected for a bad hint ([`RouteError::InvalidHint`]).
+    pub invalid_hints: u64,
+    /// Submits of an id already queued or released and untaken.
+    pub duplicate_admissions: u64,
     pub ledger: LedgerCounts,
 }
 
@@ -492,6 +579,8 @@ struct Counters {
     unknown_worker: AtomicU64,
     pinned_not_allowed: AtomicU64,
     completed: AtomicU64,
+    invalid_hints: AtomicU64,
+    duplicate_admissions: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -528,6 +617,7 @@ pub struct Router {
     counters: Counters,
     timings: Option<Mutex<Timings>>,
     metrics: Option<MetricsShards>,
+    queue: Option<Queue>,
 }
 
 impl std::fmt::Debug for Router {
@@ -555,6 +645,17 @@ impl Router {
             counters: Counters::default(),
             timings: (config.timing == Timing::On).then(|| Mutex::new(Timings::new())),
             metrics: (config.metrics == Metrics::On).then(MetricsShards::new),
+            queue: match config.queue {
+                Queueing::Off => None,
+                Queueing::On {
+                    max_queued_tokens,
+                    order,
+                } => Some(Queue {
+                    state: Mutex::new(QueueState::new(order, max_queued_tokens)),
+                    depth: AtomicUsize::new(0),
+                    epoch: Instant::now(),
+                }),
+            },
             config,
         })
     }
@@ -594,6 +695,7 @@ impl Router {
                 index.register_rank(r.rank)?;
             }
         }
+        self.load_freed();
         Ok(())
     }
 
@@ -602,7 +704,10 @@ impl Router {
     pub fn leave_worker(&self, worker: WorkerId) -> Result<usize, RouterError> {
         self.registry.leave(worker)?;
         let purged = self.ledger.purge_worker(worker);
-        match lock(&self.index).remove_worker(worker) {
+        let removed = lock(&self.index).remove_worker(worker);
+        // A queued request whose only eligible workers left now fails instead of waiting.
+        self.load_freed();
+        match removed {
             Ok(()) | Err(IndexError::UnknownWorker { .. }) => Ok(purged),
             Err(e) => Err(e.into()),
         }
@@ -610,7 +715,9 @@ impl Router {
 
     /// Frees requests booked more than `request_expiry` before `now`; returns how many.
     pub fn expire(&self, now: Instant) -> usize {
-        self.ledger.expire(now, self.config.request_expiry)
+        let n = self.ledger.expire(now, self.config.request_expiry);
+        self.release_queued(now);
+        n
     }
 
     /// A rank's load, if the rank exists.
@@ -657,6 +764,8 @@ impl Router {
             unknown_worker: r(&c.unknown_worker),
             pinned_not_allowed: r(&c.pinned_not_allowed),
             completed: r(&c.completed),
+            invalid_hints: r(&c.invalid_hints),
+            duplicate_admissions: r(&c.duplicate_admissions),
             ledger: self.ledger.counts(),
         }
     }
@@ -686,6 +795,7 @@ impl Router {
     pub fn prefill_done(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
         let step = self.ledger.prefill_done(request, self.metrics_now())?;
         self.record_step(request, &step, |m| &mut m.ttft_us, 1);
+        self.load_freed();
         Ok(step.rank)
     }
 
@@ -735,20 +845,51 @@ impl Router {
                 record(&mut m.kv_hit_bp, u64::try_from(hit_bp).unwrap_or(u64::MAX));
             }
         }
+        self.load_freed();
         Ok(freed)
     }
 
-    /// Decides which rank serves `req`, and books it unless query-only.
+    /// Decides which rank serves `req`, and books it unless query-only. Never waits: when
+    /// every eligible rank is busy the least loaded takes it ([`DecidedBy::FallbackAllBusy`]);
+    /// [`Router::submit`] queues instead.
     pub fn route(&self, req: &RouteRequest<'_>) -> Result<Decision, RouteError> {
+        match self.route_gated(req, &Now::lazy(), Gate::Immediate)? {
+            Routed::Decided(d) => Ok(d),
+            // `Gate::Immediate` always decides.
+            Routed::Wait { .. } => Err(RouteError::NoWorkers { request: req.id }),
+        }
+    }
+
+    /// [`Router::route`] at a given time (bookings, sessions and cache records are stamped with
+    /// `now`), for callers that own the clock.
+    pub fn route_at(&self, req: &RouteRequest<'_>, now: Instant) -> Result<Decision, RouteError> {
+        match self.route_gated(req, &Now::at(now), Gate::Immediate)? {
+            Routed::Decided(d) => Ok(d),
+            Routed::Wait { .. } => Err(RouteError::NoWorkers { request: req.id }),
+        }
+    }
+
+    fn route_gated(
+        &self,
+        req: &RouteRequest<'_>,
+        now: &Now,
+        gate: Gate,
+    ) -> Result<Routed, RouteError> {
         SCRATCH.with(|s| match s.try_borrow_mut() {
-            Ok(mut s) => self.route_with(req, &mut s),
+            Ok(mut s) => self.route_with(req, &mut s, now, gate),
             // Re-entered from inside a route on this thread (not possible through this API,
             // but never panic): use a fresh scratch.
-            Err(_) => self.route_with(req, &mut Scratch::default()),
+            Err(_) => self.route_with(req, &mut Scratch::default(), now, gate),
         })
     }
 
-    fn route_with(&self, req: &RouteRequest<'_>, s: &mut Scratch) -> Result<Decision, RouteError> {
+    fn route_with(
+        &self,
+        req: &RouteRequest<'_>,
+        s: &mut Scratch,
+        now: &Now,
+        gate: Gate,
+    ) -> Result<Routed, RouteError> {
         let request = req.id;
         let hints = &req.hints;
         if req.tokens.is_empty() {
@@ -933,6 +1074,19 @@ impl Router {
                 block_size: bs,
                 temperature,
             };
+            let waits = hints.mode == Mode::Book
+                && match gate {
+                    Gate::Immediate => false,
+                    Gate::IfFree => outcome == BusyOutcome::AllBusy,
+                    Gate::Behind => true,
+                };
+            if waits {
+                let best = s.candidates.iter().map(|c| c.overlap_blocks).max();
+                let cached = u64::from(best.unwrap_or(0)) * u64::from(bs);
+                return Ok(Routed::Wait {
+                    new_prefill_tokens: tokens.saturating_sub(cached),
+                });
+            }
             let (pick, by) = match outcome {
                 BusyOutcome::AllBusy => {
                     bump(&self.counters.all_busy);
@@ -970,7 +1124,7 @@ impl Router {
                     cached_tokens: chosen.overlap.cached_tokens,
                     block_size: bs,
                     expected_output_tokens: hints.expected_output_tokens,
-                    now: t3.unwrap_or_else(Instant::now),
+                    now: now.get_or(t3),
                 })?;
                 bump(&self.counters.routed);
                 if fallback.is_some() {
@@ -986,7 +1140,7 @@ impl Router {
             lock(t).record(ns(t0, t1), ns(t1, t2), ns(t2, t3));
         }
 
-        Ok(Decision {
+        Ok(Routed::Decided(Decision {
             request,
             worker: chosen.rank,
             overlap: chosen.overlap,
@@ -997,7 +1151,7 @@ impl Router {
             bookkeeping,
             expected_output_tokens: hints.expected_output_tokens,
             evidence,
-        })
+        }))
     }
 
     /// Probes `targets` (candidates whose cost could fall to the cheapest, [`ProbeTargets`])
@@ -1052,6 +1206,419 @@ impl Router {
     fn prefix_key(&self, keys: &[u64]) -> Option<u64> {
         let n = self.prefix_key_blocks().min(keys.len());
         n.checked_sub(1).map(|i| keys[i])
+    }
+}
+
+/// A request admitted by [`Router::submit`]: routed now, or waiting in the queue.
+#[derive(Debug)]
+pub enum Admission {
+    Routed(Decision),
+    /// Waiting; its decision arrives through [`Router::poll_released`],
+    /// [`Router::take_released`], [`Router::drain_released`] or [`Router::wait`].
+    Queued(Ticket),
+}
+
+/// A queued request's claim on its decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ticket {
+    pub request: RequestId,
+}
+
+/// What a cancel removed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cancelled {
+    /// The request was still waiting: it leaves the queue, nothing was booked.
+    Waiting,
+    /// It had been released but its decision not taken: the booking is freed.
+    Released,
+}
+
+/// A queued request, owned (the caller's buffers need not outlive the wait).
+#[derive(Debug)]
+struct OwnedRequest {
+    tokens: Vec<u32>,
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+    allowed: Option<Vec<WorkerId>>,
+    /// The hints with every borrowed field empty; [`OwnedRequest::request`] fills them in.
+    hints: RouteHints<'static>,
+}
+
+impl OwnedRequest {
+    fn new(req: &RouteRequest<'_>) -> Self {
+        let h = &req.hints;
+        OwnedRequest {
+            tokens: req.tokens.to_vec(),
+            lora_name: h.lora_name.map(str::to_owned),
+            cache_salt: h.cache_salt.map(str::to_owned),
+            allowed: h.allowed.map(<[WorkerId]>::to_vec),
+            hints: RouteHints {
+                phase: h.phase,
+                pinned: h.pinned,
+                mode: h.mode,
+                lora_name: None,
+                cache_salt: None,
+                priority_jump: h.priority_jump,
+                priority_class: h.priority_class,
+                expected_output_tokens: h.expected_output_tokens,
+                allowed: None,
+                overrides: h.overrides,
+                evidence: h.evidence,
+            },
+        }
+    }
+
+    fn request(&self, id: RequestId) -> RouteRequest<'_> {
+        RouteRequest {
+            id,
+            tokens: &self.tokens,
+            hints: RouteHints {
+                lora_name: self.lora_name.as_deref(),
+                cache_salt: self.cache_salt.as_deref(),
+                allowed: self.allowed.as_deref(),
+                ..self.hints
+            },
+        }
+    }
+}
+
+/// Queue depth, waits and outcomes ([`Router::queue_stats`]).
+#[derive(Debug, Clone)]
+pub struct QueueStats {
+    /// Requests waiting now.
+    pub depth: usize,
+    /// Their prompt tokens.
+    pub queued_tokens: u64,
+    pub cap_tokens: u64,
+    /// Released decisions not yet taken.
+    pub released_untaken: usize,
+    pub enqueued: u64,
+    /// Left the queue with a decision (booked) or an error.
+    pub released: u64,
+    /// Of those, released with an error (e.g. no eligible worker any more).
+    pub released_failed: u64,
+    /// Refused at the cap ([`RouteError::ResourceExhausted`]).
+    pub rejected: u64,
+    pub cancelled_waiting: u64,
+    pub cancelled_released: u64,
+    /// Time from submit to release, µs, for every released request.
+    pub wait_us: Histogram<u64>,
+}
+
+#[derive(Debug)]
+struct QueueState {
+    queue: AdmissionQueue<OwnedRequest>,
+    released: HashMap<RequestId, Result<Decision, RouteError>>,
+    wakers: HashMap<RequestId, Waker>,
+    wait_us: Histogram<u64>,
+    enqueued: u64,
+    released_n: u64,
+    released_failed: u64,
+    rejected: u64,
+    cancelled_waiting: u64,
+    cancelled_released: u64,
+}
+
+impl QueueState {
+    fn new(order: crate::config::QueueOrder, cap: u64) -> Self {
+        QueueState {
+            queue: AdmissionQueue::new(order, cap),
+            released: HashMap::new(),
+            wakers: HashMap::new(),
+            wait_us: histogram_upto(1 << 26),
+            enqueued: 0,
+            released_n: 0,
+            released_failed: 0,
+            rejected: 0,
+            cancelled_waiting: 0,
+            cancelled_released: 0,
+        }
+    }
+
+    /// Hands a released request's outcome to whoever waits for it.
+    fn deliver(&mut self, request: RequestId, outcome: Result<Decision, RouteError>) {
+        self.released_n += 1;
+        if outcome.is_err() {
+            self.released_failed += 1;
+        }
+        self.released.insert(request, outcome);
+        if let Some(w) = self.wakers.remove(&request) {
+            w.wake();
+        }
+    }
+}
+
+/// The admission queue and its waiters.
+#[derive(Debug)]
+struct Queue {
+    state: Mutex<QueueState>,
+    /// Requests waiting, readable without the lock (lifecycle calls release only when > 0).
+    depth: AtomicUsize,
+    /// Arrival times are seconds since this instant.
+    epoch: Instant,
+}
+
+impl Router {
+    /// Admits `req`: routes and books it now when an eligible rank is free (or the request is
+    /// pinned, query-only, or queueing is off); otherwise, with [`Queueing::On`], queues it
+    /// behind the requests already waiting, in the configured order. Past the cap of queued
+    /// prompt tokens it is rejected with the retryable [`RouteError::ResourceExhausted`].
+    pub fn submit(&self, req: &RouteRequest<'_>) -> Result<Admission, RouteError> {
+        self.submit_at(req, Instant::now())
+    }
+
+    /// [`Router::submit`] at a given time.
+    pub fn submit_at(&self, req: &RouteRequest<'_>, now: Instant) -> Result<Admission, RouteError> {
+        let Some(q) = &self.queue else {
+            return self.route_at(req, now).map(Admission::Routed);
+        };
+        if !req.hints.priority_jump.is_finite() {
+            bump(&self.counters.invalid_hints);
+            return Err(RouteError::InvalidHint {
+                request: req.id,
+                field: "priority_jump",
+                reason: "must be finite",
+            });
+        }
+        let mut st = lock(&q.state);
+        if st.queue.contains(req.id) || st.released.contains_key(&req.id) {
+            bump(&self.counters.duplicate_admissions);
+            return Err(RouteError::Load(LoadError::DuplicateRequest {
+                request: req.id,
+            }));
+        }
+        let gate = if st.queue.is_empty() {
+            Gate::IfFree
+        } else {
+            Gate::Behind
+        };
+        let new_prefill_tokens = match self.route_gated(req, &Now::at(now), gate)? {
+            Routed::Decided(d) => return Ok(Admission::Routed(d)),
+            Routed::Wait { new_prefill_tokens } => new_prefill_tokens,
+        };
+        let tokens = req.tokens.len() as u64;
+        let waiting = Waiting {
+            request: req.id,
+            tokens,
+            enqueued_at: now,
+            item: OwnedRequest::new(req),
+        };
+        let order = OrderInput {
+            class: req.hints.priority_class,
+            priority_jump: req.hints.priority_jump,
+            arrival_secs: now.saturating_duration_since(q.epoch).as_secs_f64(),
+            new_prefill_tokens,
+        };
+        match st.queue.push(waiting, order) {
+            Ok(()) => {
+                st.enqueued += 1;
+                q.depth.store(st.queue.len(), Ordering::Relaxed);
+            }
+            Err(Refused::OverCap(over, _)) => {
+                st.rejected += 1;
+                return Err(RouteError::ResourceExhausted {
+                    request: req.id,
+                    request_tokens: tokens,
+                    queued_tokens: over.queued_tokens,
+                    cap_tokens: over.cap_tokens,
+                });
+            }
+            Err(Refused::Duplicate(_)) => {
+                return Err(RouteError::Load(LoadError::DuplicateRequest {
+                    request: req.id,
+                }));
+            }
+        }
+        // Capacity may have freed between the check and the push.
+        self.release_locked(q, &mut st, now);
+        Ok(Admission::Queued(Ticket { request: req.id }))
+    }
+
+    /// Releases queued requests, in order, while the head can be booked on a free eligible
+    /// rank (or fails outright); returns how many left the queue. Frees, prefill completions,
+    /// joins, leaves and health changes call this themselves; call it to drive the queue from
+    /// a timer as well.
+    pub fn release_queued(&self, now: Instant) -> usize {
+        match &self.queue {
+            Some(q) if q.depth.load(Ordering::Relaxed) > 0 => {
+                let mut st = lock(&q.state);
+                self.release_locked(q, &mut st, now)
+            }
+            _ => 0,
+        }
+    }
+
+    fn release_locked(&self, q: &Queue, st: &mut QueueState, now: Instant) -> usize {
+        let mut n = 0;
+        while let Some(head) = st.queue.peek() {
+            let req = head.item.request(head.request);
+            let outcome = match self.route_gated(&req, &Now::at(now), Gate::IfFree) {
+                Ok(Routed::Wait { .. }) => break,
+                Ok(Routed::Decided(d)) => Ok(d),
+                Err(e) => Err(e),
+            };
+            let Some(w) = st.queue.pop() else { break };
+            let waited = now.saturating_duration_since(w.enqueued_at);
+            record(
+                &mut st.wait_us,
+                u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
+            );
+            st.deliver(w.request, outcome);
+            n += 1;
+        }
+        q.depth.store(st.queue.len(), Ordering::Relaxed);
+        n
+    }
+
+    /// The released outcome of a queued request, if it has one; registers `waker` to be woken
+    /// at release otherwise. An outcome is handed out once; after that (or for a request that
+    /// never queued, or was cancelled) the answer is [`RouteError::NotQueued`].
+    pub fn poll_released(
+        &self,
+        request: RequestId,
+        waker: Option<&Waker>,
+    ) -> Poll<Result<Decision, RouteError>> {
+        let Some(q) = &self.queue else {
+            return Poll::Ready(Err(RouteError::NotQueued { request }));
+        };
+        let mut st = lock(&q.state);
+        if let Some(outcome) = st.released.remove(&request) {
+            return Poll::Ready(outcome);
+        }
+        if !st.queue.contains(request) {
+            return Poll::Ready(Err(RouteError::NotQueued { request }));
+        }
+        if let Some(w) = waker {
+            match st.wakers.get_mut(&request) {
+                Some(old) if old.will_wake(w) => {}
+                Some(old) => old.clone_from(w),
+                None => {
+                    st.wakers.insert(request, w.clone());
+                }
+            }
+        }
+        Poll::Pending
+    }
+
+    /// The released outcome of a queued request, once; `None` while it waits.
+    pub fn take_released(&self, request: RequestId) -> Option<Result<Decision, RouteError>> {
+        match self.poll_released(request, None) {
+            Poll::Ready(r) => Some(r),
+            Poll::Pending => None,
+        }
+    }
+
+    /// Hands every released, untaken outcome to `f`; returns how many.
+    pub fn drain_released(
+        &self,
+        mut f: impl FnMut(RequestId, Result<Decision, RouteError>),
+    ) -> usize {
+        let Some(q) = &self.queue else { return 0 };
+        let taken: Vec<_> = lock(&q.state).released.drain().collect();
+        let n = taken.len();
+        for (id, outcome) in taken {
+            f(id, outcome);
+        }
+        n
+    }
+
+    /// Withdraws a queued request exactly once: a waiting request leaves the queue; a released
+    /// one whose decision was not taken has its booking freed. A second cancel (or one for a
+    /// request whose decision was taken: free it instead) is [`RouteError::NotQueued`].
+    pub fn cancel_queued(&self, request: RequestId) -> Result<Cancelled, RouteError> {
+        let Some(q) = &self.queue else {
+            return Err(RouteError::NotQueued { request });
+        };
+        let mut st = lock(&q.state);
+        st.wakers.remove(&request);
+        if st.queue.remove(request).is_some() {
+            st.cancelled_waiting += 1;
+            q.depth.store(st.queue.len(), Ordering::Relaxed);
+            return Ok(Cancelled::Waiting);
+        }
+        match st.released.remove(&request) {
+            Some(outcome) => {
+                st.cancelled_released += 1;
+                drop(st);
+                if let Ok(d) = outcome {
+                    if d.bookkeeping == Bookkeeping::Booked {
+                        self.free(request)?;
+                    }
+                }
+                Ok(Cancelled::Released)
+            }
+            None => Err(RouteError::NotQueued { request }),
+        }
+    }
+
+    /// A future of a queued request's outcome, for async embedders (any executor: it only
+    /// registers the task's waker). Dropping it before it resolves cancels the request.
+    pub fn wait<R: Deref<Target = Router>>(router: R, ticket: Ticket) -> Released<R> {
+        Released {
+            router,
+            request: ticket.request,
+            done: false,
+        }
+    }
+
+    /// Queue depth, waits and outcomes (`None` unless [`Queueing::On`]).
+    pub fn queue_stats(&self) -> Option<QueueStats> {
+        let q = self.queue.as_ref()?;
+        let st = lock(&q.state);
+        Some(QueueStats {
+            depth: st.queue.len(),
+            queued_tokens: st.queue.queued_tokens(),
+            cap_tokens: st.queue.cap_tokens(),
+            released_untaken: st.released.len(),
+            enqueued: st.enqueued,
+            released: st.released_n,
+            released_failed: st.released_failed,
+            rejected: st.rejected,
+            cancelled_waiting: st.cancelled_waiting,
+            cancelled_released: st.cancelled_released,
+            wait_us: st.wait_us.clone(),
+        })
+    }
+
+    /// Lets queued requests go after load freed (cheap when nothing waits).
+    fn load_freed(&self) {
+        if self
+            .queue
+            .as_ref()
+            .is_some_and(|q| q.depth.load(Ordering::Relaxed) > 0)
+        {
+            self.release_queued(Instant::now());
+        }
+    }
+}
+
+/// The outcome of a queued request, as a future ([`Router::wait`]). Resolves once; dropped
+/// unresolved, it cancels the request (and frees it if it was already released).
+#[derive(Debug)]
+pub struct Released<R: Deref<Target = Router>> {
+    router: R,
+    request: RequestId,
+    done: bool,
+}
+
+impl<R: Deref<Target = Router> + Unpin> Future for Released<R> {
+    type Output = Result<Decision, RouteError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let out = self.router.poll_released(self.request, Some(cx.waker()));
+        if out.is_ready() {
+            self.done = true;
+        }
+        out
+    }
+}
+
+impl<R: Deref<Target = Router>> Drop for Released<R> {
+    fn drop(&mut self) {
+        if !self.done {
+            // NotQueued here means it was already taken or cancelled elsewhere.
+            let _ = self.router.cancel_queued(self.request);
+        }
     }
 }
 
@@ -1872,5 +2439,246 @@ mod tests {
         let q = Quantiles::of(&a.ttft_us);
         assert_eq!((q.count, q.p50), (2, 5));
         assert_eq!(Quantiles::of(&RequestMetrics::new().itl_us).count, 0);
+    }
+}
+
+#[cfg(test)]
+mod queue_tests {
+    use super::*;
+    use crate::config::{BusyThresholds, QueueOrder};
+    use crate::index::IndexConfig;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const BS: u32 = 16;
+
+    /// One worker of 10 blocks, busy over 5 active blocks: a 96-token (6-block) request makes
+    /// it busy.
+    fn busy_router(order: QueueOrder, cap: u64) -> Router {
+        let r = Router::new(
+            RouterConfig {
+                busy: BusyThresholds {
+                    decode_blocks_fraction: Some(0.5),
+                    prefill_tokens_fraction: None,
+                },
+                queue: Queueing::On {
+                    max_queued_tokens: cap,
+                    order,
+                },
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        r.join_worker(WorkerConfig::simple(1, 10, BS)).unwrap();
+        r
+    }
+
+    fn toks(seed: u32, n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| seed * 100_000 + i).collect()
+    }
+
+    fn req(id: u64, tokens: &[u32]) -> RouteRequest<'_> {
+        RouteRequest {
+            id: RequestId(id),
+            tokens,
+            hints: RouteHints::default(),
+        }
+    }
+
+    fn queued(a: Admission) -> Ticket {
+        match a {
+            Admission::Queued(t) => t,
+            Admission::Routed(d) => panic!("routed {d:?}"),
+        }
+    }
+
+    #[test]
+    fn submit_queues_while_busy_and_frees_release_in_fcfs_order_with_jumps() {
+        let r = busy_router(QueueOrder::Fcfs, 10_000);
+        let t0 = Instant::now();
+        let (a, b, c) = (toks(1, 96), toks(2, 96), toks(3, 96));
+        assert!(matches!(
+            r.submit_at(&req(1, &a), t0),
+            Ok(Admission::Routed(_))
+        ));
+        let tb = queued(
+            r.submit_at(&req(2, &b), t0 + Duration::from_secs(1))
+                .unwrap(),
+        );
+        // Arrives a second later with a 1.5 s jump: goes ahead of request 2.
+        let mut qc = req(3, &c);
+        qc.hints.priority_jump = 1.5;
+        let tc = queued(r.submit_at(&qc, t0 + Duration::from_secs(2)).unwrap());
+        let st = r.queue_stats().unwrap();
+        assert_eq!((st.depth, st.queued_tokens, st.enqueued), (2, 192, 2));
+        assert!(r.take_released(tb.request).is_none());
+        // Freeing request 1 lets one request go: request 3, which makes the worker busy again.
+        r.free(RequestId(1)).unwrap();
+        let d3 = r.take_released(tc.request).unwrap().unwrap();
+        assert_eq!(d3.request, RequestId(3));
+        assert!(r.take_released(tb.request).is_none(), "still waiting");
+        r.free(RequestId(3)).unwrap();
+        assert_eq!(
+            r.take_released(tb.request).unwrap().unwrap().request,
+            RequestId(2)
+        );
+        assert_eq!(
+            r.take_released(tb.request),
+            Some(Err(RouteError::NotQueued {
+                request: RequestId(2)
+            })),
+            "handed out once"
+        );
+        let st = r.queue_stats().unwrap();
+        assert_eq!((st.depth, st.released, st.wait_us.len()), (0, 2, 2));
+        r.free(RequestId(2)).unwrap();
+        assert!(r.total_load().is_idle());
+    }
+
+    #[test]
+    fn route_never_queues_and_submit_without_a_queue_routes() {
+        let r = busy_router(QueueOrder::Fcfs, 10_000);
+        r.route(&req(1, &toks(1, 96))).unwrap();
+        let d = r.route(&req(2, &toks(2, 96))).unwrap();
+        assert_eq!(d.decided_by, DecidedBy::FallbackAllBusy);
+        let plain = Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        plain.join_worker(WorkerConfig::simple(1, 10, BS)).unwrap();
+        assert!(matches!(
+            plain.submit(&req(1, &toks(1, 96))),
+            Ok(Admission::Routed(_))
+        ));
+        assert!(plain.queue_stats().is_none());
+    }
+
+    #[test]
+    fn over_the_cap_is_resource_exhausted_with_exact_numbers() {
+        let r = busy_router(QueueOrder::Fcfs, 150);
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
+        let e = r.submit_at(&req(3, &toks(3, 80)), t0).unwrap_err();
+        assert_eq!(
+            e,
+            RouteError::ResourceExhausted {
+                request: RequestId(3),
+                request_tokens: 80,
+                queued_tokens: 96,
+                cap_tokens: 150,
+            }
+        );
+        assert!(e.is_retryable());
+        assert!(
+            e.to_string().contains("96 tokens already queued, cap 150"),
+            "{e}"
+        );
+        // 54 more tokens fit exactly.
+        queued(r.submit_at(&req(4, &toks(4, 54)), t0).unwrap());
+        let st = r.queue_stats().unwrap();
+        assert_eq!(
+            (st.rejected, st.queued_tokens, st.cap_tokens),
+            (1, 150, 150)
+        );
+        // A second submit of a waiting id is a duplicate, not a second entry.
+        assert!(matches!(
+            r.submit_at(&req(2, &toks(2, 10)), t0),
+            Err(RouteError::Load(LoadError::DuplicateRequest { .. }))
+        ));
+        assert!(!RouteError::NoTokens {
+            request: RequestId(1)
+        }
+        .is_retryable());
+    }
+
+    #[test]
+    fn wspt_releases_the_shortest_new_prefill_first() {
+        let r = busy_router(QueueOrder::Wspt, 10_000);
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        queued(r.submit_at(&req(2, &toks(2, 160)), t0).unwrap());
+        queued(
+            r.submit_at(&req(3, &toks(3, 112)), t0 + Duration::from_secs(5))
+                .unwrap(),
+        );
+        let t4 = toks(4, 160);
+        let mut q4 = req(4, &t4);
+        q4.hints.priority_class = PriorityClass(1);
+        queued(r.submit_at(&q4, t0 + Duration::from_secs(9)).unwrap());
+        let mut order = Vec::new();
+        let mut active = 1u64;
+        while order.len() < 3 {
+            r.free(RequestId(active)).unwrap();
+            let mut got = Vec::new();
+            r.drain_released(|id, d| {
+                d.unwrap();
+                got.push(id.0)
+            });
+            assert_eq!(got.len(), 1, "one at a time: each makes the worker busy");
+            active = got[0];
+            order.push(active);
+        }
+        assert_eq!(order, vec![4, 3, 2], "class first, then shortest");
+    }
+
+    struct CountWake(AtomicU64);
+    impl std::task::Wake for CountWake {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn cancel_removes_exactly_once_and_the_future_wakes_and_resolves() {
+        let r = Arc::new(busy_router(QueueOrder::Fcfs, 10_000));
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        let t2 = queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
+        let t3 = queued(r.submit_at(&req(3, &toks(3, 96)), t0).unwrap());
+        // Waiting: leaves the queue once.
+        assert_eq!(r.cancel_queued(t2.request), Ok(Cancelled::Waiting));
+        assert_eq!(
+            r.cancel_queued(t2.request),
+            Err(RouteError::NotQueued {
+                request: RequestId(2)
+            })
+        );
+        // A future registers its waker, is woken at release and resolves once.
+        let counter = Arc::new(CountWake(AtomicU64::new(0)));
+        let waker = Waker::from(Arc::clone(&counter));
+        let mut cx = Context::from_waker(&waker);
+        let mut fut = Router::wait(Arc::clone(&r), t3);
+        assert!(Pin::new(&mut fut).poll(&mut cx).is_pending());
+        r.free(RequestId(1)).unwrap();
+        assert_eq!(counter.0.load(Ordering::Relaxed), 1);
+        match Pin::new(&mut fut).poll(&mut cx) {
+            Poll::Ready(Ok(d)) => assert_eq!(d.request, RequestId(3)),
+            other => panic!("{other:?}"),
+        }
+        drop(fut);
+        assert_eq!(r.active_requests(), 1, "a resolved future cancels nothing");
+        // Released but untaken, then cancelled: the booking is freed.
+        let t4 = queued(r.submit_at(&req(4, &toks(4, 96)), t0).unwrap());
+        r.free(RequestId(3)).unwrap();
+        assert_eq!(r.active_requests(), 1);
+        assert_eq!(r.cancel_queued(t4.request), Ok(Cancelled::Released));
+        assert!(r.total_load().is_idle());
+        assert!(r.cancel_queued(t4.request).is_err());
+        // A future dropped while waiting cancels its request.
+        r.submit_at(&req(5, &toks(5, 96)), t0).unwrap();
+        let t6 = queued(r.submit_at(&req(6, &toks(6, 96)), t0).unwrap());
+        let mut fut = Router::wait(Arc::clone(&r), t6);
+        assert!(Pin::new(&mut fut).poll(&mut cx).is_pending());
+        drop(fut);
+        let st = r.queue_stats().unwrap();
+        assert_eq!(
+            (st.depth, st.cancelled_waiting, st.cancelled_released),
+            (0, 2, 1)
+        );
+        r.free(RequestId(5)).unwrap();
+        assert!(r.total_load().is_idle());
     }
 }
