@@ -44,6 +44,7 @@
 pub mod config;
 pub mod event;
 pub mod hash;
+pub mod health;
 pub mod index;
 pub mod load;
 pub mod queue;

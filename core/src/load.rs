@@ -41,7 +41,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -49,6 +49,7 @@ use crossbeam_utils::CachePadded;
 
 use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
+use crate::health::Health;
 use crate::rng::mix64;
 
 /// A request's identity, chosen by the caller (unique among its active requests).
@@ -276,6 +277,8 @@ pub struct RankState {
     load: CachePadded<RankLoad>,
     refs: Mutex<PrefixRefs>,
     retired: AtomicBool,
+    /// [`Health`] as a byte, set by the embedder.
+    health: AtomicU8,
 }
 
 impl RankState {
@@ -286,6 +289,7 @@ impl RankState {
             load: CachePadded::new(RankLoad::default()),
             refs: Mutex::new(PrefixRefs::default()),
             retired: AtomicBool::new(false),
+            health: AtomicU8::new(Health::Healthy.to_u8()),
         }
     }
 
@@ -327,6 +331,17 @@ impl RankState {
         // The ledger shard mutex already orders a booking's insert against the purge that
         // follows `retire`; SeqCst keeps the flag correct for callers outside that protocol.
         self.retired.load(Ordering::SeqCst)
+    }
+
+    /// The rank's health mark (a relaxed load: advice, like the load counters).
+    #[inline]
+    pub fn health(&self) -> Health {
+        Health::from_u8(self.health.load(Ordering::Relaxed))
+    }
+
+    /// Sets the health mark; returns the previous one.
+    pub fn set_health(&self, h: Health) -> Health {
+        Health::from_u8(self.health.swap(h.to_u8(), Ordering::Relaxed))
     }
 
     /// Marks the rank as gone (its worker left).

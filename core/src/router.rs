@@ -54,6 +54,7 @@ use crossbeam_utils::CachePadded;
 use crate::config::{ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Timing};
 use crate::event::{DpRank, KvEvent, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
+use crate::health::Health;
 use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex};
 pub use crate::load::Dispatch;
 use crate::load::{
@@ -64,8 +65,9 @@ use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
 use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole};
 use crate::rng::{mix64, SharedRng};
 use crate::select::{
-    filter_busy, selector_for, Busy, BusyOutcome, Candidate, CostTerms, LeastLoaded, Overlap,
-    Overrides, PolicyKind, ProbeTargets, RequestShape, Scored, SelectInput, Selector, Weights,
+    filter_busy, filter_unhealthy, selector_for, Busy, BusyOutcome, Candidate, CostTerms,
+    HealthOutcome, LeastLoaded, Overlap, Overrides, PolicyKind, ProbeTargets, RequestShape, Scored,
+    SelectInput, Selector, Weights,
 };
 
 /// The serving phase a request is routed for.
@@ -238,6 +240,8 @@ pub enum DecidedBy {
     Pinned,
     /// Every eligible rank was busy: the least loaded was taken.
     FallbackAllBusy,
+    /// Every eligible rank's worker is marked unhealthy: the least loaded was taken.
+    FallbackAllUnhealthy,
 }
 
 /// A decision that served the request differently from its phase.
@@ -561,6 +565,13 @@ pub struct RouterCounts {
     pub invalid_hints: u64,
     /// Submits of an id already queued or released and untaken.
     pub duplicate_admissions: u64,
+    /// Candidates left out because their worker was marked unreachable (one per request per
+    /// rank).
+    pub vetoed_unreachable: u64,
+    /// The same for workers marked wedged.
+    pub vetoed_wedged: u64,
+    /// Requests whose every candidate was marked ([`DecidedBy::FallbackAllUnhealthy`]).
+    pub all_unhealthy: u64,
     pub ledger: LedgerCounts,
 }
 
@@ -581,6 +592,9 @@ struct Counters {
     completed: AtomicU64,
     invalid_hints: AtomicU64,
     duplicate_admissions: AtomicU64,
+    vetoed_unreachable: AtomicU64,
+    vetoed_wedged: AtomicU64,
+    all_unhealthy: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -618,6 +632,10 @@ pub struct Router {
     timings: Option<Mutex<Timings>>,
     metrics: Option<MetricsShards>,
     queue: Option<Queue>,
+    /// Ranks whose worker is marked unhealthy; selection reads no mark while 0.
+    marked_ranks: AtomicUsize,
+    /// Serialises health marks with leaves, so that `marked_ranks` stays exact.
+    health_writer: Mutex<()>,
 }
 
 impl std::fmt::Debug for Router {
@@ -656,6 +674,8 @@ impl Router {
                     epoch: Instant::now(),
                 }),
             },
+            marked_ranks: AtomicUsize::new(0),
+            health_writer: Mutex::new(()),
             config,
         })
     }
@@ -702,7 +722,12 @@ impl Router {
     /// A worker leaves: its bookings are dropped (returns how many) and its blocks leave the
     /// index.
     pub fn leave_worker(&self, worker: WorkerId) -> Result<usize, RouterError> {
-        self.registry.leave(worker)?;
+        {
+            let _w = lock(&self.health_writer);
+            let retired = self.registry.leave(worker)?;
+            let marked = retired.iter().filter(|r| !r.health().is_healthy()).count();
+            self.marked_ranks.fetch_sub(marked, Ordering::Relaxed);
+        }
         let purged = self.ledger.purge_worker(worker);
         let removed = lock(&self.index).remove_worker(worker);
         // A queued request whose only eligible workers left now fails instead of waiting.
@@ -711,6 +736,34 @@ impl Router {
             Ok(()) | Err(IndexError::UnknownWorker { .. }) => Ok(purged),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Marks a worker's health (see [`crate::health`]); returns its previous mark. Marking a
+    /// worker healthy again may release queued requests.
+    pub fn set_health(&self, worker: WorkerId, health: Health) -> Result<Health, RouterError> {
+        let previous = {
+            let _w = lock(&self.health_writer);
+            let fleet = self.registry.load();
+            let Some(w) = fleet.worker(worker) else {
+                return Err(RegistryError::UnknownWorker { worker }.into());
+            };
+            let mut previous = Health::Healthy;
+            for r in &fleet.ranks[w.ranks.clone()] {
+                previous = r.state.set_health(health);
+                match (previous.is_healthy(), health.is_healthy()) {
+                    (true, false) => {
+                        self.marked_ranks.fetch_add(1, Ordering::Relaxed);
+                    }
+                    (false, true) => {
+                        self.marked_ranks.fetch_sub(1, Ordering::Relaxed);
+                    }
+                    _ => {}
+                }
+            }
+            previous
+        };
+        self.load_freed();
+        Ok(previous)
     }
 
     /// Frees requests booked more than `request_expiry` before `now`; returns how many.
@@ -766,6 +819,9 @@ impl Router {
             completed: r(&c.completed),
             invalid_hints: r(&c.invalid_hints),
             duplicate_admissions: r(&c.duplicate_admissions),
+            vetoed_unreachable: r(&c.vetoed_unreachable),
+            vetoed_wedged: r(&c.vetoed_wedged),
+            all_unhealthy: r(&c.all_unhealthy),
             ledger: self.ledger.counts(),
         }
     }
@@ -961,6 +1017,7 @@ impl Router {
             busy,
             busy_on: busy.decode_blocks_fraction.is_some()
                 || busy.prefill_tokens_fraction.is_some(),
+            health_on: self.marked_ranks.load(Ordering::Relaxed) > 0,
         };
         let full = |c: &Scored| {
             let i = c.fleet_index as usize;
@@ -1062,10 +1119,36 @@ impl Router {
             );
             let ev = (hints.evidence == EvidenceLevel::Full)
                 .then(|| s.candidates.iter().map(full).collect());
-            let outcome = if scorer.busy_on {
-                filter_busy(&mut s.candidates)
+            let health = if scorer.health_on {
+                filter_unhealthy(&mut s.candidates)
             } else {
-                BusyOutcome::Filtered
+                HealthOutcome::Filtered {
+                    unreachable: 0,
+                    wedged: 0,
+                }
+            };
+            let outcome = match health {
+                HealthOutcome::AllVetoed => {
+                    bump(&self.counters.all_unhealthy);
+                    None
+                }
+                HealthOutcome::Filtered {
+                    unreachable,
+                    wedged,
+                } => {
+                    if unreachable + wedged > 0 {
+                        let c = &self.counters;
+                        c.vetoed_unreachable
+                            .fetch_add(u64::from(unreachable), Ordering::Relaxed);
+                        c.vetoed_wedged
+                            .fetch_add(u64::from(wedged), Ordering::Relaxed);
+                    }
+                    Some(if scorer.busy_on {
+                        filter_busy(&mut s.candidates)
+                    } else {
+                        BusyOutcome::Filtered
+                    })
+                }
             };
             let input = SelectInput {
                 candidates: &s.candidates,
@@ -1077,8 +1160,8 @@ impl Router {
             let waits = hints.mode == Mode::Book
                 && match gate {
                     Gate::Immediate => false,
-                    Gate::IfFree => outcome == BusyOutcome::AllBusy,
-                    Gate::Behind => true,
+                    Gate::IfFree => outcome == Some(BusyOutcome::AllBusy),
+                    Gate::Behind => outcome.is_some(),
                 };
             if waits {
                 let best = s.candidates.iter().map(|c| c.overlap_blocks).max();
@@ -1088,14 +1171,18 @@ impl Router {
                 });
             }
             let (pick, by) = match outcome {
-                BusyOutcome::AllBusy => {
+                None => (
+                    LeastLoaded.select(&input, &mut rng),
+                    DecidedBy::FallbackAllUnhealthy,
+                ),
+                Some(BusyOutcome::AllBusy) => {
                     bump(&self.counters.all_busy);
                     (
                         LeastLoaded.select(&input, &mut rng),
                         DecidedBy::FallbackAllBusy,
                     )
                 }
-                BusyOutcome::Filtered => {
+                Some(BusyOutcome::Filtered) => {
                     let by = match self.selector.kind() {
                         PolicyKind::KvAware => DecidedBy::Cost,
                         k => DecidedBy::Policy(k),
@@ -1635,6 +1722,8 @@ struct Scorer<'a> {
     /// False when every threshold is off: then no rank is busy, and the worker configs are
     /// never visited.
     busy_on: bool,
+    /// False when no worker is marked: then every rank reads as healthy without a load.
+    health_on: bool,
 }
 
 impl Scorer<'_> {
@@ -1651,6 +1740,11 @@ impl Scorer<'_> {
                 Busy::of(&load, &self.fleet.workers[r.worker].config, self.busy)
             } else {
                 Busy::Free
+            },
+            health: if self.health_on {
+                r.state.health()
+            } else {
+                Health::Healthy
             },
             shared_blocks: 0,
             cost: CostTerms::total_of(self.weights, self.shape, &load, credit, 0),
@@ -2680,5 +2774,132 @@ mod queue_tests {
         );
         r.free(RequestId(5)).unwrap();
         assert!(r.total_load().is_idle());
+    }
+}
+
+#[cfg(test)]
+mod health_tests {
+    use super::*;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+
+    const BS: u32 = 16;
+
+    fn router() -> Router {
+        let r = Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        for w in 1..=3 {
+            r.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+        }
+        r
+    }
+
+    fn req(id: u64, tokens: &[u32]) -> RouteRequest<'_> {
+        RouteRequest {
+            id: RequestId(id),
+            tokens,
+            hints: RouteHints::default(),
+        }
+    }
+
+    /// Worker 1 holds the whole prompt; marked, it is steered around, whatever its cache.
+    #[test]
+    fn marked_workers_are_steered_around_and_counted_per_reason() {
+        let r = router();
+        let t: Vec<u32> = (0..64).collect();
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        let blocks: Vec<StoredBlock> = locals
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(i as u64),
+                local_hash: *h,
+            })
+            .collect();
+        let header = EventHeader {
+            source: WorkerRank::new(1, 0),
+            event_id: EventId(0),
+            tier: StorageTier::Device,
+        };
+        lock(&r.index).apply_stored(header, None, &blocks).unwrap();
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
+        assert_eq!(
+            r.set_health(WorkerId(1), Health::Unreachable).unwrap(),
+            Health::Healthy
+        );
+        r.set_health(WorkerId(2), Health::Wedged).unwrap();
+        for _ in 0..10 {
+            let d = r.route(&q).unwrap();
+            assert_eq!(d.worker, WorkerRank::new(3, 0));
+            assert_eq!(d.decided_by, DecidedBy::Cost);
+        }
+        let c = r.counts();
+        assert_eq!(
+            (c.vetoed_unreachable, c.vetoed_wedged, c.all_unhealthy),
+            (10, 10, 0)
+        );
+        // Every candidate marked: never refused, the least loaded serves.
+        r.set_health(WorkerId(3), Health::Wedged).unwrap();
+        r.route(&req(10, &(1000..1100).collect::<Vec<u32>>()))
+            .unwrap();
+        let booked = r.fleet().ranks[0].state.load().requests
+            + r.fleet().ranks[1].state.load().requests
+            + r.fleet().ranks[2].state.load().requests;
+        assert_eq!(booked, 1);
+        for _ in 0..5 {
+            let d = r.route(&q).unwrap();
+            assert_eq!(d.decided_by, DecidedBy::FallbackAllUnhealthy);
+            assert_eq!(d.load.requests, 0, "least loaded: {d:?}");
+        }
+        assert_eq!(
+            r.counts().all_unhealthy,
+            6,
+            "the booked request and five queries"
+        );
+        // Healthy again: the cache wins again.
+        r.set_health(WorkerId(1), Health::Healthy).unwrap();
+        assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
+        assert_eq!(
+            r.set_health(WorkerId(9), Health::Wedged),
+            Err(RouterError::Registry(RegistryError::UnknownWorker {
+                worker: WorkerId(9)
+            }))
+        );
+    }
+
+    /// The count of marked ranks, which lets selection skip reading marks, stays exact across
+    /// repeated marks and a marked worker leaving.
+    #[test]
+    fn marked_rank_count_follows_marks_and_leaves() {
+        let r = router();
+        r.join_worker(WorkerConfig {
+            dp_size: 4,
+            ..WorkerConfig::simple(7, 1000, BS)
+        })
+        .unwrap();
+        r.set_health(WorkerId(7), Health::Wedged).unwrap();
+        r.set_health(WorkerId(7), Health::Unreachable).unwrap();
+        r.set_health(WorkerId(1), Health::Unreachable).unwrap();
+        assert_eq!(r.marked_ranks.load(Ordering::Relaxed), 5);
+        r.leave_worker(WorkerId(7)).unwrap();
+        assert_eq!(r.marked_ranks.load(Ordering::Relaxed), 1);
+        r.set_health(WorkerId(1), Health::Healthy).unwrap();
+        assert_eq!(r.marked_ranks.load(Ordering::Relaxed), 0);
+    }
+
+    /// Pinned requests go where pinned, marked or not: the caller chose.
+    #[test]
+    fn pins_ignore_marks() {
+        let r = router();
+        r.set_health(WorkerId(2), Health::Unreachable).unwrap();
+        let t: Vec<u32> = (0..40).collect();
+        let mut q = req(1, &t);
+        q.hints.pinned.backend_instance = Some(WorkerId(2));
+        assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(2, 0));
     }
 }
