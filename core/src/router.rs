@@ -153,8 +153,28 @@ pub struct RouteHints<'a> {
     pub expected_output_tokens: Option<u32>,
     /// Only these workers may serve (`None`: any).
     pub allowed: Option<&'a [WorkerId]>,
+    /// Labels a worker must carry, every one, to serve ([`RouteError::NoEligibleWorker`] when
+    /// none does).
+    pub required: &'a [Label<'a>],
+    /// Labels that lower the cost of a worker carrying them by their weight, in blocks.
+    pub preferred: &'a [PreferredLabel<'a>],
     pub overrides: Overrides,
     pub evidence: EvidenceLevel,
+}
+
+/// A worker label, `key=value`, as a request names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Label<'a> {
+    pub key: &'a str,
+    pub value: &'a str,
+}
+
+/// A label a request prefers, and by how much: a worker carrying it costs `weight` blocks
+/// less (finite, ≥ 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PreferredLabel<'a> {
+    pub label: Label<'a>,
+    pub weight: f64,
 }
 
 /// One request to route.
@@ -178,6 +198,13 @@ pub enum RouteError {
     NoWorkers { request: RequestId },
     #[error("request {request:?} is pinned to unknown worker {worker:?}")]
     UnknownWorker {
+        request: RequestId,
+        worker: WorkerId,
+    },
+    #[error("no worker carries every label request {request:?} requires")]
+    NoEligibleWorker { request: RequestId },
+    #[error("request {request:?} is pinned to worker {worker:?}, which lacks a required label")]
+    PinnedLacksLabels {
         request: RequestId,
         worker: WorkerId,
     },
@@ -572,6 +599,9 @@ pub struct RouterCounts {
     pub vetoed_wedged: u64,
     /// Requests whose every candidate was marked ([`DecidedBy::FallbackAllUnhealthy`]).
     pub all_unhealthy: u64,
+    /// Requests no worker carried the required labels of ([`RouteError::NoEligibleWorker`]
+    /// and [`RouteError::PinnedLacksLabels`]).
+    pub no_eligible: u64,
     pub ledger: LedgerCounts,
 }
 
@@ -595,6 +625,7 @@ struct Counters {
     vetoed_unreachable: AtomicU64,
     vetoed_wedged: AtomicU64,
     all_unhealthy: AtomicU64,
+    no_eligible: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -609,6 +640,8 @@ struct Scratch {
     slot: Vec<u32>,
     matched: Vec<(f64, u32)>,
     candidates: Vec<Scored>,
+    /// The request's preferred labels as (label bit, weight).
+    preferred: Vec<(u64, f64)>,
 }
 
 thread_local! {
@@ -822,6 +855,7 @@ impl Router {
             vetoed_unreachable: r(&c.vetoed_unreachable),
             vetoed_wedged: r(&c.vetoed_wedged),
             all_unhealthy: r(&c.all_unhealthy),
+            no_eligible: r(&c.no_eligible),
             ledger: self.ledger.counts(),
         }
     }
@@ -1007,8 +1041,34 @@ impl Router {
             s.matched
                 .push((CostTerms::credit_of(&weights, &score.per_tier), blocks));
         }
+        // Constraints: required labels as one mask; preferred ones as (bit, weight).
+        let mut required = 0u64;
+        for l in hints.required {
+            match fleet.label_bit(l.key, l.value) {
+                Some(bit) => required |= bit,
+                None => {
+                    bump(&self.counters.no_eligible);
+                    return Err(RouteError::NoEligibleWorker { request });
+                }
+            }
+        }
+        s.preferred.clear();
+        for p in hints.preferred {
+            if !(p.weight.is_finite() && p.weight >= 0.0) {
+                bump(&self.counters.invalid_hints);
+                return Err(RouteError::InvalidHint {
+                    request,
+                    field: "preferred.weight",
+                    reason: "must be a finite number ≥ 0",
+                });
+            }
+            if let Some(bit) = fleet.label_bit(p.label.key, p.label.value) {
+                s.preferred.push((bit, p.weight));
+            }
+        }
         let busy = &self.config.busy;
         let scorer = Scorer {
+            preferred: &s.preferred,
             fleet: &fleet,
             slot: &s.slot,
             matched: &s.matched,
@@ -1025,7 +1085,13 @@ impl Router {
                 0 => [0; StorageTier::COUNT],
                 m => s.scores.scores[m as usize - 1].per_tier,
             };
-            Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape)
+            let mut c = Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape);
+            if !scorer.preferred.is_empty() {
+                c.cost = c
+                    .cost
+                    .with_preference(scorer.preference(fleet.ranks[i].label_bits));
+            }
+            c
         };
 
         let mut rng = self.rng.fork();
@@ -1048,6 +1114,13 @@ impl Router {
             if hints.allowed.is_some_and(|a| !a.contains(&wid)) {
                 bump(&self.counters.pinned_not_allowed);
                 return Err(RouteError::PinnedNotAllowed {
+                    request,
+                    worker: wid,
+                });
+            }
+            if w.label_bits & required != required {
+                bump(&self.counters.no_eligible);
+                return Err(RouteError::PinnedLacksLabels {
                     request,
                     worker: wid,
                 });
@@ -1097,8 +1170,13 @@ impl Router {
             s.candidates.clear();
             s.candidates.reserve(fleet.ranks.len());
             let mut targets = ProbeTargets::new(if probe { shape.full_blocks } else { 0 });
+            let mut unlabelled = 0usize;
             for (i, r) in fleet.ranks.iter().enumerate() {
                 if r.role != role || hints.allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
+                    continue;
+                }
+                if r.label_bits & required != required {
+                    unlabelled += 1;
                     continue;
                 }
                 let c = scorer.score(i);
@@ -1106,6 +1184,10 @@ impl Router {
                 s.candidates.push(c);
             }
             if s.candidates.is_empty() {
+                if unlabelled > 0 {
+                    bump(&self.counters.no_eligible);
+                    return Err(RouteError::NoEligibleWorker { request });
+                }
                 bump(&self.counters.no_workers);
                 return Err(RouteError::NoWorkers { request });
             }
@@ -1327,8 +1409,17 @@ struct OwnedRequest {
     lora_name: Option<String>,
     cache_salt: Option<String>,
     allowed: Option<Vec<WorkerId>>,
+    required: Vec<(String, String)>,
+    preferred: Vec<(String, String, f64)>,
     /// The hints with every borrowed field empty; [`OwnedRequest::request`] fills them in.
     hints: RouteHints<'static>,
+}
+
+/// Label slices rebuilt from an owned request's strings, for one route.
+#[derive(Debug, Default)]
+struct LabelBufs<'a> {
+    required: Vec<Label<'a>>,
+    preferred: Vec<PreferredLabel<'a>>,
 }
 
 impl OwnedRequest {
@@ -1339,7 +1430,19 @@ impl OwnedRequest {
             lora_name: h.lora_name.map(str::to_owned),
             cache_salt: h.cache_salt.map(str::to_owned),
             allowed: h.allowed.map(<[WorkerId]>::to_vec),
+            required: h
+                .required
+                .iter()
+                .map(|l| (l.key.to_owned(), l.value.to_owned()))
+                .collect(),
+            preferred: h
+                .preferred
+                .iter()
+                .map(|p| (p.label.key.to_owned(), p.label.value.to_owned(), p.weight))
+                .collect(),
             hints: RouteHints {
+                required: &[],
+                preferred: &[],
                 phase: h.phase,
                 pinned: h.pinned,
                 mode: h.mode,
@@ -1355,7 +1458,17 @@ impl OwnedRequest {
         }
     }
 
-    fn request(&self, id: RequestId) -> RouteRequest<'_> {
+    fn request<'a>(&'a self, id: RequestId, bufs: &'a mut LabelBufs<'a>) -> RouteRequest<'a> {
+        bufs.required.extend(
+            self.required
+                .iter()
+                .map(|(k, v)| Label { key: k, value: v }),
+        );
+        bufs.preferred
+            .extend(self.preferred.iter().map(|(k, v, w)| PreferredLabel {
+                label: Label { key: k, value: v },
+                weight: *w,
+            }));
         RouteRequest {
             id,
             tokens: &self.tokens,
@@ -1363,6 +1476,8 @@ impl OwnedRequest {
                 lora_name: self.lora_name.as_deref(),
                 cache_salt: self.cache_salt.as_deref(),
                 allowed: self.allowed.as_deref(),
+                required: &bufs.required,
+                preferred: &bufs.preferred,
                 ..self.hints
             },
         }
@@ -1538,7 +1653,8 @@ impl Router {
     fn release_locked(&self, q: &Queue, st: &mut QueueState, now: Instant) -> usize {
         let mut n = 0;
         while let Some(head) = st.queue.peek() {
-            let req = head.item.request(head.request);
+            let mut bufs = LabelBufs::default();
+            let req = head.item.request(head.request, &mut bufs);
             let outcome = match self.route_gated(&req, &Now::at(now), Gate::IfFree) {
                 Ok(Routed::Wait { .. }) => break,
                 Ok(Routed::Decided(d)) => Ok(d),
@@ -1711,6 +1827,8 @@ impl<R: Deref<Target = Router>> Drop for Released<R> {
 
 /// Everything one request's ranks are scored against.
 struct Scorer<'a> {
+    /// The request's preferred labels, as (label bit, weight in blocks).
+    preferred: &'a [(u64, f64)],
     fleet: &'a Fleet,
     /// By fleet index: 0, or 1 + the index of the rank's score.
     slot: &'a [u32],
@@ -1747,9 +1865,20 @@ impl Scorer<'_> {
                 Health::Healthy
             },
             shared_blocks: 0,
-            cost: CostTerms::total_of(self.weights, self.shape, &load, credit, 0),
+            cost: CostTerms::total_of(self.weights, self.shape, &load, credit, 0)
+                - self.preference(r.label_bits),
             load,
         }
+    }
+
+    /// Blocks off the cost of a rank carrying `label_bits` for the preferred labels.
+    #[inline(always)]
+    fn preference(&self, label_bits: u64) -> f64 {
+        self.preferred
+            .iter()
+            .filter(|(bit, _)| label_bits & bit != 0)
+            .map(|(_, w)| w)
+            .sum()
     }
 
     /// `c` with `shared` of the prompt's blocks active on its rank: the same load, the cost
@@ -1758,7 +1887,8 @@ impl Scorer<'_> {
         let (credit, _) = self.matched[self.slot[c.fleet_index as usize] as usize];
         Scored {
             shared_blocks: shared,
-            cost: CostTerms::total_of(self.weights, self.shape, &c.load, credit, shared),
+            cost: CostTerms::total_of(self.weights, self.shape, &c.load, credit, shared)
+                - self.preference(self.fleet.ranks[c.fleet_index as usize].label_bits),
             ..*c
         }
     }
@@ -2901,5 +3031,178 @@ mod health_tests {
         let mut q = req(1, &t);
         q.hints.pinned.backend_instance = Some(WorkerId(2));
         assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(2, 0));
+    }
+}
+
+#[cfg(test)]
+mod constraint_tests {
+    use super::*;
+    use crate::config::{BusyThresholds, QueueOrder};
+    use crate::index::IndexConfig;
+    use std::collections::HashSet;
+
+    const BS: u32 = 16;
+
+    fn labelled(id: u64, kv_blocks: u64, labels: &[(&str, &str)]) -> WorkerConfig {
+        WorkerConfig {
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..WorkerConfig::simple(id, kv_blocks, BS)
+        }
+    }
+
+    fn router(config: RouterConfig, kv_blocks: u64) -> Router {
+        let r = Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap();
+        r.join_worker(labelled(1, kv_blocks, &[("zone", "a"), ("gpu", "h100")]))
+            .unwrap();
+        r.join_worker(labelled(2, kv_blocks, &[("zone", "b"), ("gpu", "h100")]))
+            .unwrap();
+        r.join_worker(labelled(3, kv_blocks, &[("zone", "a"), ("gpu", "a10")]))
+            .unwrap();
+        r
+    }
+
+    const ZONE_A: Label<'static> = Label {
+        key: "zone",
+        value: "a",
+    };
+
+    #[test]
+    fn required_labels_filter_and_none_eligible_is_a_clear_error() {
+        let r = router(RouterConfig::default(), 1000);
+        let t: Vec<u32> = (0..64).collect();
+        let mut q = RouteRequest {
+            id: RequestId(1),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.required = &[ZONE_A];
+        let mut seen = HashSet::new();
+        for _ in 0..100 {
+            seen.insert(r.route(&q).unwrap().worker.worker.0);
+        }
+        assert_eq!(seen, HashSet::from([1, 3]));
+        let both = [
+            Label {
+                key: "zone",
+                value: "b",
+            },
+            Label {
+                key: "gpu",
+                value: "a10",
+            },
+        ];
+        q.hints.required = &both;
+        assert_eq!(
+            r.route(&q),
+            Err(RouteError::NoEligibleWorker {
+                request: RequestId(1)
+            })
+        );
+        let unknown = [Label {
+            key: "zone",
+            value: "z",
+        }];
+        q.hints.required = &unknown;
+        assert!(matches!(
+            r.route(&q),
+            Err(RouteError::NoEligibleWorker { .. })
+        ));
+        q.hints.required = &[ZONE_A];
+        q.hints.pinned.backend_instance = Some(WorkerId(2));
+        assert_eq!(
+            r.route(&q),
+            Err(RouteError::PinnedLacksLabels {
+                request: RequestId(1),
+                worker: WorkerId(2)
+            })
+        );
+        assert_eq!(r.counts().no_eligible, 3);
+    }
+
+    #[test]
+    fn preferred_labels_lower_the_cost_by_their_weight() {
+        let r = router(RouterConfig::default(), 1000);
+        let t: Vec<u32> = (0..64).collect();
+        let prefer = [PreferredLabel {
+            label: Label {
+                key: "gpu",
+                value: "h100",
+            },
+            weight: 3.0,
+        }];
+        let mut q = RouteRequest {
+            id: RequestId(1),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.preferred = &prefer;
+        q.hints.evidence = EvidenceLevel::Full;
+        for _ in 0..50 {
+            let d = r.route(&q).unwrap();
+            assert_ne!(d.worker.worker, WorkerId(3));
+            assert_eq!(d.cost.preference, 3.0);
+            assert_eq!(d.cost.total, 4.0 + 4.0 - 3.0);
+            let ev = d.evidence.unwrap();
+            let w3 = ev.iter().find(|c| c.rank.worker == WorkerId(3)).unwrap();
+            assert_eq!((w3.cost.preference, w3.cost.total), (0.0, 8.0));
+        }
+        let bad = [PreferredLabel {
+            weight: f64::NAN,
+            ..prefer[0]
+        }];
+        q.hints.preferred = &bad;
+        assert!(matches!(
+            r.route(&q),
+            Err(RouteError::InvalidHint {
+                field: "preferred.weight",
+                ..
+            })
+        ));
+        assert_eq!(r.counts().invalid_hints, 1);
+    }
+
+    /// A queued request keeps its constraints: with the zone-a workers busy and zone b free,
+    /// it waits, and goes to zone a when load frees there.
+    #[test]
+    fn queued_requests_keep_their_labels() {
+        let r = router(
+            RouterConfig {
+                busy: BusyThresholds {
+                    decode_blocks_fraction: Some(0.5),
+                    prefill_tokens_fraction: None,
+                },
+                queue: Queueing::On {
+                    max_queued_tokens: 10_000,
+                    order: QueueOrder::Fcfs,
+                },
+                ..RouterConfig::default()
+            },
+            10,
+        );
+        let t: Vec<u32> = (0..96).collect();
+        for (id, w) in [(1, 1), (3, 3)] {
+            let mut q = RouteRequest {
+                id: RequestId(id),
+                tokens: &t,
+                hints: RouteHints::default(),
+            };
+            q.hints.pinned.backend_instance = Some(WorkerId(w));
+            r.route(&q).unwrap();
+        }
+        let mut q = RouteRequest {
+            id: RequestId(9),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.required = &[ZONE_A];
+        assert!(matches!(r.submit(&q), Ok(Admission::Queued(_))));
+        r.free(RequestId(3)).unwrap();
+        let d = r.take_released(RequestId(9)).unwrap().unwrap();
+        assert_eq!(d.worker, WorkerRank::new(3, 0));
     }
 }

@@ -160,7 +160,9 @@ pub struct CostTerms {
     pub shared_blocks: u32,
     /// Active prompt blocks, weighted output blocks and the request's blocks less the shared.
     pub decode_cost: f64,
-    /// prefill_cost + decode_cost.
+    /// Blocks taken off for the request's preferred labels the rank carries.
+    pub preference: f64,
+    /// prefill_cost + decode_cost − preference.
     pub total: f64,
 }
 
@@ -186,8 +188,17 @@ impl CostTerms {
             prefill_cost,
             shared_blocks,
             decode_cost,
+            preference: 0.0,
             total: prefill_cost + decode_cost,
         }
+    }
+
+    /// These terms less `preference` blocks for preferred labels: the same subtraction
+    /// selection applies to [`CostTerms::total_of`], so the totals agree to the bit.
+    pub fn with_preference(mut self, preference: f64) -> Self {
+        self.preference = preference;
+        self.total -= preference;
+        self
     }
 
     /// `CostTerms::new(..).total` without the other terms, from the rank's credit
@@ -781,6 +792,7 @@ mod tests {
                     rank: WorkerRank::new(i, 0),
                     worker: i as usize,
                     role: crate::registry::WorkerRole::Aggregated,
+                    label_bits: 0,
                     state: std::sync::Arc::new(crate::load::RankState::new(WorkerRank::new(i, 0))),
                 })
                 .collect()
