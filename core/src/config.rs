@@ -20,6 +20,7 @@
 //! | `timing` | `Off` | record the hash / match / select overhead split in histograms |
 //! | `metrics` | `Off` | record per-request TTFT, ITL, ISL, OSL and KV hit rate in histograms |
 //! | `disaggregation` | `Optional` | prefill requests fall back to aggregated workers when no prefill worker exists |
+//! | `session_idle_ttl` | 300 s | a sticky session idle this long (its last request ended) is dropped by [`crate::router::Router::expire_sessions`] |
 //! | `queue` | `Off` | with `On { max_queued_tokens, order }`, [`crate::router::Router::submit`] queues a request while every eligible rank is busy, up to a cap of queued prompt tokens (order default FCFS with priority jumps) |
 
 use std::time::Duration;
@@ -182,6 +183,8 @@ pub struct RouterConfig {
     pub disaggregation: Disaggregation,
     /// Admission queue.
     pub queue: Queueing,
+    /// Idle time after which a sticky session expires.
+    pub session_idle_ttl: Duration,
 }
 
 impl Default for RouterConfig {
@@ -201,6 +204,7 @@ impl Default for RouterConfig {
             metrics: Metrics::Off,
             disaggregation: Disaggregation::Optional,
             queue: Queueing::Off,
+            session_idle_ttl: Duration::from_secs(300),
         }
     }
 }
@@ -293,6 +297,12 @@ impl RouterConfig {
             }
             _ => {}
         }
+        if self.session_idle_ttl.is_zero() {
+            return Err(ConfigError::Invalid {
+                field: "session_idle_ttl",
+                reason: "must be > 0",
+            });
+        }
         if let Queueing::On {
             max_queued_tokens: 0,
             ..
@@ -333,6 +343,7 @@ mod tests {
         assert_eq!(c.metrics, Metrics::Off);
         assert_eq!(c.disaggregation, Disaggregation::Optional);
         assert_eq!(c.queue, Queueing::Off);
+        assert_eq!(c.session_idle_ttl, Duration::from_secs(300));
         c.validate().unwrap();
     }
 
@@ -431,6 +442,13 @@ mod tests {
                 ..d()
             }),
             "queue.max_queued_tokens"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                session_idle_ttl: Duration::ZERO,
+                ..d()
+            }),
+            "session_idle_ttl"
         );
         let msg = RouterConfig {
             temperature: -1.0,

@@ -52,6 +52,7 @@ pub mod registry;
 pub mod rng;
 pub mod router;
 pub mod select;
+pub mod session;
 
 pub use config::{ConfigError, Policy, RouterConfig};
 pub use event::{

@@ -51,6 +51,7 @@ use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
 use crate::health::Health;
 use crate::rng::mix64;
+use crate::session::SessionId;
 
 /// A request's identity, chosen by the caller (unique among its active requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -373,6 +374,7 @@ struct Booking {
     block_size: u32,
     expected_output_tokens: Option<u32>,
     booked_at: Instant,
+    session: Option<SessionId>,
     dispatch: Dispatch,
     first_token_seen: bool,
     /// The last token event (first token or block boundary) timed by a caller's clock.
@@ -399,6 +401,8 @@ pub struct BookingSpec<'a> {
     pub block_size: u32,
     /// Expected output length, when known: output blocks decay by it.
     pub expected_output_tokens: Option<u32>,
+    /// The sticky session the request belongs to, handed back when it is freed.
+    pub session: Option<SessionId>,
     pub now: Instant,
 }
 
@@ -426,6 +430,7 @@ pub struct Freed {
     pub cached_tokens: u64,
     pub dispatch: Dispatch,
     pub age: Duration,
+    pub session: Option<SessionId>,
 }
 
 /// Lifecycle counters of the ledger.
@@ -518,6 +523,7 @@ impl Ledger {
             cached_tokens,
             block_size,
             expected_output_tokens,
+            session,
             now,
         } = spec;
         let mut keys = self.take_spare(prefix_keys.len());
@@ -553,6 +559,7 @@ impl Ledger {
                     block_size,
                     expected_output_tokens,
                     booked_at: now,
+                    session,
                     dispatch: Dispatch::NotYet,
                     first_token_seen: false,
                     last_token_at: None,
@@ -598,6 +605,7 @@ impl Ledger {
             cached_tokens: b.cached_tokens,
             dispatch: b.dispatch,
             age: b.booked_at.elapsed(),
+            session: b.session,
         };
         self.give_spare(b.prefix_keys);
         freed
@@ -794,6 +802,7 @@ mod tests {
             cached_tokens: 0,
             block_size: 16,
             expected_output_tokens: None,
+            session: None,
             now,
         }
     }

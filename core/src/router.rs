@@ -69,6 +69,9 @@ use crate::select::{
     HealthOutcome, LeastLoaded, Overlap, Overrides, PolicyKind, ProbeTargets, RequestShape, Scored,
     SelectInput, Selector, Weights,
 };
+use crate::session::{
+    SessionClose, SessionEnd, SessionEndReason, SessionId, SessionRouting, Sessions,
+};
 
 /// The serving phase a request is routed for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -158,6 +161,11 @@ pub struct RouteHints<'a> {
     pub required: &'a [Label<'a>],
     /// Labels that lower the cost of a worker carrying them by their weight, in blocks.
     pub preferred: &'a [PreferredLabel<'a>],
+    /// The sticky session the request belongs to (see [`crate::session`]); an explicit pin
+    /// takes precedence over it.
+    pub session: Option<SessionId>,
+    /// Whether the session closes when this request ends.
+    pub session_close: SessionClose,
     pub overrides: Overrides,
     pub evidence: EvidenceLevel,
 }
@@ -265,6 +273,8 @@ pub enum DecidedBy {
     Policy(PolicyKind),
     /// The caller pinned the worker.
     Pinned,
+    /// The request's sticky session is bound to the rank.
+    Session,
     /// Every eligible rank was busy: the least loaded was taken.
     FallbackAllBusy,
     /// Every eligible rank's worker is marked unhealthy: the least loaded was taken.
@@ -306,6 +316,9 @@ pub struct Decision {
     pub fallback: Option<Fallback>,
     pub bookkeeping: Bookkeeping,
     pub expected_output_tokens: Option<u32>,
+    /// How a session request's session steered it (`None` without a session, or when an
+    /// explicit pin decided).
+    pub session: Option<SessionRouting>,
     /// Every candidate considered (busy ones included), when asked for.
     pub evidence: Option<Vec<Candidate>>,
 }
@@ -322,8 +335,9 @@ enum Gate {
     Behind,
 }
 
-/// What a gated route came to.
+/// What a gated route came to. The decision stays inline: boxing it would allocate per route.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 enum Routed {
     Decided(Decision),
     /// Not booked: the request must wait. Carries what the queue orders by.
@@ -602,6 +616,12 @@ pub struct RouterCounts {
     /// Requests no worker carried the required labels of ([`RouteError::NoEligibleWorker`]
     /// and [`RouteError::PinnedLacksLabels`]).
     pub no_eligible: u64,
+    /// Sessions bound at their first booked request.
+    pub sessions_bound: u64,
+    /// Session requests whose bound rank had gone (or could not serve): chosen afresh.
+    pub sessions_rerouted: u64,
+    pub sessions_expired: u64,
+    pub sessions_closed: u64,
     pub ledger: LedgerCounts,
 }
 
@@ -626,6 +646,10 @@ struct Counters {
     vetoed_wedged: AtomicU64,
     all_unhealthy: AtomicU64,
     no_eligible: AtomicU64,
+    sessions_bound: AtomicU64,
+    sessions_rerouted: AtomicU64,
+    sessions_expired: AtomicU64,
+    sessions_closed: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -669,7 +693,13 @@ pub struct Router {
     marked_ranks: AtomicUsize,
     /// Serialises health marks with leaves, so that `marked_ranks` stays exact.
     health_writer: Mutex<()>,
+    sessions: Sessions,
+    /// Told of every session that ends (expired or closed).
+    on_session_end: std::sync::RwLock<Option<SessionCallback>>,
 }
+
+/// The embedder's handler of ended sessions ([`Router::on_session_end`]).
+pub type SessionCallback = Box<dyn Fn(SessionEnd) + Send + Sync>;
 
 impl std::fmt::Debug for Router {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -709,6 +739,8 @@ impl Router {
             },
             marked_ranks: AtomicUsize::new(0),
             health_writer: Mutex::new(()),
+            sessions: Sessions::default(),
+            on_session_end: std::sync::RwLock::new(None),
             config,
         })
     }
@@ -799,6 +831,61 @@ impl Router {
         Ok(previous)
     }
 
+    /// Sets the handler told of every session that ends (expired or closed), so that the
+    /// embedder can close it on its worker. Called outside the router's locks.
+    pub fn on_session_end(&self, f: impl Fn(SessionEnd) + Send + Sync + 'static) {
+        *self
+            .on_session_end
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Box::new(f));
+    }
+
+    fn session_ended(&self, end: SessionEnd) {
+        bump(match end.reason {
+            SessionEndReason::Expired => &self.counters.sessions_expired,
+            SessionEndReason::Closed => &self.counters.sessions_closed,
+        });
+        if let Some(f) = &*self
+            .on_session_end
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+        {
+            f(end);
+        }
+    }
+
+    /// Ends the sessions idle for `session_idle_ttl` at `now` (whose last request has ended),
+    /// and those whose close-after-request is due; tells the session handler of each. Returns
+    /// how many ended.
+    pub fn expire_sessions(&self, now: Instant) -> usize {
+        if self.sessions.is_empty() {
+            return 0;
+        }
+        let mut ended = Vec::new();
+        self.sessions.sweep(
+            now,
+            self.config.session_idle_ttl,
+            |r| self.ledger.rank_of(r).is_some(),
+            &mut ended,
+        );
+        for &end in &ended {
+            self.session_ended(end);
+        }
+        ended.len()
+    }
+
+    /// Closes a session now (the handler is told); `None` if it was not bound.
+    pub fn close_session(&self, session: SessionId) -> Option<SessionEnd> {
+        let end = self.sessions.close(session)?;
+        self.session_ended(end);
+        Some(end)
+    }
+
+    /// The rank a session is bound to.
+    pub fn session_rank(&self, session: SessionId) -> Option<WorkerRank> {
+        self.sessions.bound(session)
+    }
+
     /// Frees requests booked more than `request_expiry` before `now`; returns how many.
     pub fn expire(&self, now: Instant) -> usize {
         let n = self.ledger.expire(now, self.config.request_expiry);
@@ -856,6 +943,10 @@ impl Router {
             vetoed_wedged: r(&c.vetoed_wedged),
             all_unhealthy: r(&c.all_unhealthy),
             no_eligible: r(&c.no_eligible),
+            sessions_bound: r(&c.sessions_bound),
+            sessions_rerouted: r(&c.sessions_rerouted),
+            sessions_expired: r(&c.sessions_expired),
+            sessions_closed: r(&c.sessions_closed),
             ledger: self.ledger.counts(),
         }
     }
@@ -933,6 +1024,11 @@ impl Router {
                 record(&mut m.isl_tokens, freed.prompt_tokens);
                 record(&mut m.osl_blocks, freed.output_blocks);
                 record(&mut m.kv_hit_bp, u64::try_from(hit_bp).unwrap_or(u64::MAX));
+            }
+        }
+        if let Some(sid) = freed.session {
+            if let Some(end) = self.sessions.request_ended(sid, request, Instant::now()) {
+                self.session_ended(end);
             }
         }
         self.load_freed();
@@ -1101,9 +1197,32 @@ impl Router {
         };
         let probe = self.selector.kind() == PolicyKind::KvAware;
         let mut fallback = None;
-        let (chosen, decided_by, evidence) = if let Some((wid, dp)) =
-            hints.pinned.for_phase(hints.phase)
-        {
+        // A sticky session acts as a pin to its rank while that rank is present and may
+        // serve the request; otherwise it is chosen afresh (and rebound when booked).
+        let mut session_routing = None;
+        let mut pin = hints
+            .pinned
+            .for_phase(hints.phase)
+            .map(|p| (p, DecidedBy::Pinned));
+        if let (None, Some(sid)) = (pin, hints.session) {
+            session_routing = Some(match self.sessions.bound(sid) {
+                None => SessionRouting::Bound,
+                Some(rank) => {
+                    let usable = fleet.rank_index(rank).is_some_and(|i| {
+                        let r = &fleet.ranks[i];
+                        r.label_bits & required == required
+                            && hints.allowed.is_none_or(|a| a.contains(&rank.worker))
+                    });
+                    if usable {
+                        pin = Some(((rank.worker, Some(rank.dp_rank)), DecidedBy::Session));
+                        SessionRouting::Sticky
+                    } else {
+                        SessionRouting::Rerouted { previous: rank }
+                    }
+                }
+            });
+        }
+        let (chosen, decided_by, evidence) = if let Some(((wid, dp), pinned_by)) = pin {
             let Some(w) = fleet.worker(wid) else {
                 bump(&self.counters.unknown_worker);
                 return Err(RouteError::UnknownWorker {
@@ -1153,7 +1272,7 @@ impl Router {
             }
             let c = full(&s.candidates[0]);
             let ev = (hints.evidence == EvidenceLevel::Full).then(|| vec![c]);
-            (c, DecidedBy::Pinned, ev)
+            (c, pinned_by, ev)
         } else {
             let mut role = match hints.phase {
                 Phase::Aggregated => WorkerRole::Aggregated,
@@ -1293,9 +1412,26 @@ impl Router {
                     cached_tokens: chosen.overlap.cached_tokens,
                     block_size: bs,
                     expected_output_tokens: hints.expected_output_tokens,
+                    session: hints.session,
                     now: now.get_or(t3),
                 })?;
                 bump(&self.counters.routed);
+                if let Some(sid) = hints.session {
+                    self.sessions.record(
+                        sid,
+                        chosen.rank,
+                        request,
+                        now.get_or(t3),
+                        hints.session_close,
+                    );
+                    match session_routing {
+                        Some(SessionRouting::Bound) => bump(&self.counters.sessions_bound),
+                        Some(SessionRouting::Rerouted { .. }) => {
+                            bump(&self.counters.sessions_rerouted)
+                        }
+                        _ => {}
+                    }
+                }
                 if fallback.is_some() {
                     bump(&self.counters.prefill_fallbacks);
                 }
@@ -1319,6 +1455,7 @@ impl Router {
             fallback,
             bookkeeping,
             expected_output_tokens: hints.expected_output_tokens,
+            session: session_routing,
             evidence,
         }))
     }
@@ -1378,8 +1515,10 @@ impl Router {
     }
 }
 
-/// A request admitted by [`Router::submit`]: routed now, or waiting in the queue.
+/// A request admitted by [`Router::submit`]: routed now, or waiting in the queue. The decision
+/// stays inline, as [`Router::route`] returns it: boxing it would allocate per admission.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum Admission {
     Routed(Decision),
     /// Waiting; its decision arrives through [`Router::poll_released`],
@@ -1443,6 +1582,8 @@ impl OwnedRequest {
             hints: RouteHints {
                 required: &[],
                 preferred: &[],
+                session: h.session,
+                session_close: h.session_close,
                 phase: h.phase,
                 pinned: h.pinned,
                 mode: h.mode,
@@ -3204,5 +3345,156 @@ mod constraint_tests {
         r.free(RequestId(3)).unwrap();
         let d = r.take_released(RequestId(9)).unwrap().unwrap();
         assert_eq!(d.worker, WorkerRank::new(3, 0));
+    }
+}
+
+#[cfg(test)]
+mod session_tests {
+    use super::*;
+    use crate::index::IndexConfig;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const BS: u32 = 16;
+
+    fn router() -> Router {
+        let r = Router::new(
+            RouterConfig {
+                session_idle_ttl: Duration::from_secs(30),
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        for w in 1..=4 {
+            r.join_worker(WorkerConfig {
+                dp_size: 2,
+                ..WorkerConfig::simple(w, 1000, BS)
+            })
+            .unwrap();
+        }
+        r
+    }
+
+    fn turn(r: &Router, id: u64, session: u64, now: Instant) -> Decision {
+        let t: Vec<u32> = (0..48).map(|i| (id as u32) * 1000 + i).collect();
+        let mut q = RouteRequest {
+            id: RequestId(id),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.session = Some(SessionId(session));
+        r.route_at(&q, now).unwrap()
+    }
+
+    #[test]
+    fn a_session_sticks_to_its_rank_and_is_rerouted_when_its_worker_left() {
+        let r = router();
+        let t0 = Instant::now();
+        let first = turn(&r, 1, 7, t0);
+        assert_eq!(first.session, Some(SessionRouting::Bound));
+        assert_eq!(r.session_rank(SessionId(7)), Some(first.worker));
+        // Later turns go to the same (worker, dp rank), whatever the load says.
+        for id in 2..10 {
+            let d = turn(&r, id, 7, t0);
+            assert_eq!(d.worker, first.worker);
+            assert_eq!(
+                (d.session, d.decided_by),
+                (Some(SessionRouting::Sticky), DecidedBy::Session)
+            );
+        }
+        r.leave_worker(first.worker.worker).unwrap();
+        let d = turn(&r, 10, 7, t0);
+        assert_ne!(d.worker.worker, first.worker.worker);
+        assert_eq!(
+            d.session,
+            Some(SessionRouting::Rerouted {
+                previous: first.worker
+            })
+        );
+        assert_eq!(r.session_rank(SessionId(7)), Some(d.worker), "rebound");
+        assert_eq!(turn(&r, 11, 7, t0).session, Some(SessionRouting::Sticky));
+        let c = r.counts();
+        assert_eq!((c.sessions_bound, c.sessions_rerouted), (1, 1));
+    }
+
+    #[test]
+    fn idle_sessions_expire_through_the_callback() {
+        let r = router();
+        let ended = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&ended);
+        r.on_session_end(move |e| lock(&sink).push(e));
+        let t0 = Instant::now();
+        let a = turn(&r, 1, 1, t0);
+        turn(&r, 2, 2, t0 + Duration::from_secs(20));
+        r.free(RequestId(1)).unwrap();
+        r.free(RequestId(2)).unwrap();
+        // The frees read the clock (after t0 + 0): session 1 was last used then.
+        let late = Instant::now() + Duration::from_secs(60);
+        assert_eq!(r.expire_sessions(t0 + Duration::from_secs(29)), 0);
+        assert_eq!(r.expire_sessions(late), 2);
+        let got = lock(&ended).clone();
+        assert_eq!(got.len(), 2);
+        assert!(got.contains(&SessionEnd {
+            session: SessionId(1),
+            worker: a.worker,
+            reason: SessionEndReason::Expired
+        }));
+        assert_eq!(r.counts().sessions_expired, 2);
+        assert_eq!(turn(&r, 3, 1, late).session, Some(SessionRouting::Bound));
+    }
+
+    /// A session whose request is still generating does not expire, however long it runs.
+    #[test]
+    fn a_running_request_keeps_its_session() {
+        let r = router();
+        let t0 = Instant::now();
+        turn(&r, 1, 1, t0);
+        assert_eq!(r.expire_sessions(t0 + Duration::from_secs(3600)), 0);
+        r.free(RequestId(1)).unwrap();
+        assert_eq!(
+            r.expire_sessions(Instant::now() + Duration::from_secs(31)),
+            1
+        );
+    }
+
+    #[test]
+    fn a_close_with_a_request_is_deferred_until_it_ends() {
+        let r = router();
+        let ended = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&ended);
+        r.on_session_end(move |e| lock(&sink).push(e));
+        let t0 = Instant::now();
+        let first = turn(&r, 1, 5, t0);
+        let t: Vec<u32> = (0..48).collect();
+        let mut q = RouteRequest {
+            id: RequestId(2),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.session = Some(SessionId(5));
+        q.hints.session_close = SessionClose::AfterThisRequest;
+        r.route_at(&q, t0).unwrap();
+        r.free(RequestId(1)).unwrap();
+        assert!(lock(&ended).is_empty(), "request 2 still generates");
+        assert_eq!(r.session_rank(SessionId(5)), Some(first.worker));
+        r.output_block(RequestId(2)).unwrap();
+        r.free(RequestId(2)).unwrap();
+        assert_eq!(
+            lock(&ended).clone(),
+            vec![SessionEnd {
+                session: SessionId(5),
+                worker: first.worker,
+                reason: SessionEndReason::Closed
+            }]
+        );
+        assert_eq!(r.session_rank(SessionId(5)), None);
+        // Closed with a request that then expired: the sweep closes it.
+        r.route_at(&q, t0).unwrap();
+        assert_eq!(r.expire(Instant::now() + r.config().request_expiry), 1);
+        assert_eq!(r.expire_sessions(t0), 1);
+        assert_eq!(lock(&ended).len(), 2);
+        assert_eq!(r.counts().sessions_closed, 2);
+        assert_eq!(r.close_session(SessionId(5)), None);
     }
 }
