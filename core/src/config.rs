@@ -21,6 +21,9 @@
 //! | `metrics` | `Off` | record per-request TTFT, ITL, ISL, OSL and KV hit rate in histograms |
 //! | `disaggregation` | `Optional` | prefill requests fall back to aggregated workers when no prefill worker exists |
 //! | `session_idle_ttl` | 300 s | a sticky session idle this long (its last request ended) is dropped by [`crate::router::Router::expire_sessions`] |
+//! | `approximate.ttl` | 120 s | how long a routing decision counts as cached blocks on a worker without KV events (see [`crate::approx`]) |
+//! | `approximate.speculative` | `Off` | `On { ttl }`: workers with events also get a short-lived record of each decision until their events arrive |
+//! | `approximate.max_records` | 2^20 | cap of the record table (checkpoint blocks) |
 //! | `queue` | `Off` | with `On { max_queued_tokens, order }`, [`crate::router::Router::submit`] queues a request while every eligible rank is busy, up to a cap of queued prompt tokens (order default FCFS with priority jumps) |
 
 use std::time::Duration;
@@ -152,6 +155,37 @@ pub enum Queueing {
     },
 }
 
+/// Speculative records for workers that publish KV events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Speculative {
+    #[default]
+    Off,
+    /// Each booked decision counts as cached on its rank for `ttl` (a second or two: until
+    /// the worker's own events arrive).
+    On { ttl: Duration },
+}
+
+/// Routing decisions recorded as cached blocks (see [`crate::approx`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Approximate {
+    /// Lifetime of a record on a worker without KV events.
+    pub ttl: Duration,
+    /// Records on workers with KV events.
+    pub speculative: Speculative,
+    /// Most records held.
+    pub max_records: usize,
+}
+
+impl Default for Approximate {
+    fn default() -> Self {
+        Approximate {
+            ttl: Duration::from_secs(120),
+            speculative: Speculative::Off,
+            max_records: 1 << 20,
+        }
+    }
+}
+
 /// The router's configuration. Build it with struct update syntax over `Default`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterConfig {
@@ -185,6 +219,8 @@ pub struct RouterConfig {
     pub queue: Queueing,
     /// Idle time after which a sticky session expires.
     pub session_idle_ttl: Duration,
+    /// Approximate mode and speculative records.
+    pub approximate: Approximate,
 }
 
 impl Default for RouterConfig {
@@ -205,6 +241,7 @@ impl Default for RouterConfig {
             disaggregation: Disaggregation::Optional,
             queue: Queueing::Off,
             session_idle_ttl: Duration::from_secs(300),
+            approximate: Approximate::default(),
         }
     }
 }
@@ -303,6 +340,28 @@ impl RouterConfig {
                 reason: "must be > 0",
             });
         }
+        if self.approximate.ttl.is_zero() {
+            return Err(ConfigError::Invalid {
+                field: "approximate.ttl",
+                reason: "must be > 0",
+            });
+        }
+        if self.approximate.speculative
+            == (Speculative::On {
+                ttl: Duration::ZERO,
+            })
+        {
+            return Err(ConfigError::Invalid {
+                field: "approximate.speculative.ttl",
+                reason: "must be > 0",
+            });
+        }
+        if self.approximate.max_records == 0 {
+            return Err(ConfigError::Invalid {
+                field: "approximate.max_records",
+                reason: "must be > 0",
+            });
+        }
         if let Queueing::On {
             max_queued_tokens: 0,
             ..
@@ -344,6 +403,8 @@ mod tests {
         assert_eq!(c.disaggregation, Disaggregation::Optional);
         assert_eq!(c.queue, Queueing::Off);
         assert_eq!(c.session_idle_ttl, Duration::from_secs(300));
+        assert_eq!(c.approximate.ttl, Duration::from_secs(120));
+        assert_eq!(c.approximate.speculative, Speculative::Off);
         c.validate().unwrap();
     }
 
@@ -450,6 +511,33 @@ mod tests {
             }),
             "session_idle_ttl"
         );
+        for (approximate, field) in [
+            (
+                Approximate {
+                    ttl: Duration::ZERO,
+                    ..Approximate::default()
+                },
+                "approximate.ttl",
+            ),
+            (
+                Approximate {
+                    speculative: Speculative::On {
+                        ttl: Duration::ZERO,
+                    },
+                    ..Approximate::default()
+                },
+                "approximate.speculative.ttl",
+            ),
+            (
+                Approximate {
+                    max_records: 0,
+                    ..Approximate::default()
+                },
+                "approximate.max_records",
+            ),
+        ] {
+            assert_eq!(field_of(RouterConfig { approximate, ..d() }), field);
+        }
         let msg = RouterConfig {
             temperature: -1.0,
             ..d()

@@ -41,6 +41,7 @@
 //! ```
 #![deny(unsafe_code)]
 
+pub mod approx;
 pub mod config;
 pub mod event;
 pub mod hash;

@@ -50,6 +50,7 @@ use crossbeam_utils::CachePadded;
 use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
 use crate::health::Health;
+use crate::registry::KvEvents;
 use crate::rng::mix64;
 use crate::session::SessionId;
 
@@ -280,6 +281,8 @@ pub struct RankState {
     retired: AtomicBool,
     /// [`Health`] as a byte, set by the embedder.
     health: AtomicU8,
+    /// True when the worker publishes no KV events ([`KvEvents::Absent`]).
+    no_events: AtomicBool,
 }
 
 impl RankState {
@@ -291,6 +294,7 @@ impl RankState {
             refs: Mutex::new(PrefixRefs::default()),
             retired: AtomicBool::new(false),
             health: AtomicU8::new(Health::Healthy.to_u8()),
+            no_events: AtomicBool::new(false),
         }
     }
 
@@ -343,6 +347,22 @@ impl RankState {
     /// Sets the health mark; returns the previous one.
     pub fn set_health(&self, h: Health) -> Health {
         Health::from_u8(self.health.swap(h.to_u8(), Ordering::Relaxed))
+    }
+
+    /// Whether the rank's worker publishes KV events.
+    #[inline]
+    pub fn kv_events(&self) -> KvEvents {
+        if self.no_events.load(Ordering::Relaxed) {
+            KvEvents::Absent
+        } else {
+            KvEvents::Published
+        }
+    }
+
+    /// Sets whether the rank's worker publishes KV events.
+    pub fn set_kv_events(&self, events: KvEvents) {
+        self.no_events
+            .store(events == KvEvents::Absent, Ordering::Relaxed);
     }
 
     /// Marks the rank as gone (its worker left).

@@ -39,6 +39,17 @@ pub enum WorkerRole {
     Aggregated,
 }
 
+/// Whether a worker publishes KV events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum KvEvents {
+    /// It does: the index knows its cache.
+    #[default]
+    Published,
+    /// It does not: the router records its own decisions as the worker's cache, with a TTL
+    /// (approximate mode, [`crate::approx`]).
+    Absent,
+}
+
 /// A worker's configuration, as it announces itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerConfig {

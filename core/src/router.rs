@@ -51,18 +51,23 @@ use hdrhistogram::Histogram;
 
 use crossbeam_utils::CachePadded;
 
-use crate::config::{ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Timing};
-use crate::event::{DpRank, KvEvent, StorageTier, WorkerId, WorkerRank};
+use crate::approx::{ApproxCache, ApproxCounts};
+use crate::config::{
+    ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Speculative, Timing,
+};
+use crate::event::{DpRank, KvEvent, KvEventData, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
 use crate::health::Health;
-use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex};
+use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex, RankScore};
 pub use crate::load::Dispatch;
 use crate::load::{
     prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Ledger, LedgerCounts, LoadError,
     LoadView, RequestId, Step,
 };
 use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
-use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole};
+use crate::registry::{
+    Fleet, KvEvents, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole,
+};
 use crate::rng::{mix64, SharedRng};
 use crate::select::{
     filter_busy, filter_unhealthy, selector_for, Busy, BusyOutcome, Candidate, CostTerms,
@@ -622,6 +627,10 @@ pub struct RouterCounts {
     pub sessions_rerouted: u64,
     pub sessions_expired: u64,
     pub sessions_closed: u64,
+    /// Routes where the router's own cache records raised some rank's overlap.
+    pub approx_raised: u64,
+    /// The record table's counters.
+    pub approx: ApproxCounts,
     pub ledger: LedgerCounts,
 }
 
@@ -650,6 +659,7 @@ struct Counters {
     sessions_rerouted: AtomicU64,
     sessions_expired: AtomicU64,
     sessions_closed: AtomicU64,
+    approx_raised: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -694,6 +704,7 @@ pub struct Router {
     /// Serialises health marks with leaves, so that `marked_ranks` stays exact.
     health_writer: Mutex<()>,
     sessions: Sessions,
+    approx: ApproxCache,
     /// Told of every session that ends (expired or closed).
     on_session_end: std::sync::RwLock<Option<SessionCallback>>,
 }
@@ -740,6 +751,7 @@ impl Router {
             marked_ranks: AtomicUsize::new(0),
             health_writer: Mutex::new(()),
             sessions: Sessions::default(),
+            approx: ApproxCache::new(config.approximate.max_records),
             on_session_end: std::sync::RwLock::new(None),
             config,
         })
@@ -757,6 +769,13 @@ impl Router {
 
     /// Applies a KV event to the index (serialised with other writers).
     pub fn apply_event(&self, event: &KvEvent) -> Result<(), IndexError> {
+        if matches!(
+            event.data,
+            KvEventData::Removed { .. } | KvEventData::Cleared
+        ) {
+            // The worker says its cache shrank: speculation about it stops counting.
+            self.approx.retire_rank(event.header.source);
+        }
         lock(&self.index).apply(event)
     }
 
@@ -770,13 +789,24 @@ impl Router {
         self.registry.readiness()
     }
 
-    /// A worker joins; its ranks are registered with the index.
+    /// A worker that publishes KV events joins; its ranks are registered with the index.
     pub fn join_worker(&self, config: WorkerConfig) -> Result<(), RouterError> {
+        self.join_worker_with(config, KvEvents::Published)
+    }
+
+    /// A worker joins, saying whether it publishes KV events (without them, the router records
+    /// its own decisions as the worker's cache: approximate mode).
+    pub fn join_worker_with(
+        &self,
+        config: WorkerConfig,
+        events: KvEvents,
+    ) -> Result<(), RouterError> {
         let id = config.id;
         let fleet = self.registry.join(config)?;
         if let Some(w) = fleet.worker(id) {
             let mut index = lock(&self.index);
             for r in &fleet.ranks[w.ranks.clone()] {
+                r.state.set_kv_events(events);
                 index.register_rank(r.rank)?;
             }
         }
@@ -794,6 +824,7 @@ impl Router {
             self.marked_ranks.fetch_sub(marked, Ordering::Relaxed);
         }
         let purged = self.ledger.purge_worker(worker);
+        self.approx.remove_worker(worker);
         let removed = lock(&self.index).remove_worker(worker);
         // A queued request whose only eligible workers left now fails instead of waiting.
         self.load_freed();
@@ -886,9 +917,11 @@ impl Router {
         self.sessions.bound(session)
     }
 
-    /// Frees requests booked more than `request_expiry` before `now`; returns how many.
+    /// Frees requests booked more than `request_expiry` before `now` (returns how many), drops
+    /// the cache records that expired, and lets queued requests go if that freed room.
     pub fn expire(&self, now: Instant) -> usize {
         let n = self.ledger.expire(now, self.config.request_expiry);
+        self.approx.sweep(now);
         self.release_queued(now);
         n
     }
@@ -947,6 +980,8 @@ impl Router {
             sessions_rerouted: r(&c.sessions_rerouted),
             sessions_expired: r(&c.sessions_expired),
             sessions_closed: r(&c.sessions_closed),
+            approx_raised: r(&c.approx_raised),
+            approx: self.approx.counts(),
             ledger: self.ledger.counts(),
         }
     }
@@ -1136,6 +1171,42 @@ impl Router {
             let blocks = score.per_tier.iter().sum();
             s.matched
                 .push((CostTerms::credit_of(&weights, &score.per_tier), blocks));
+        }
+        // The router's own records (approximate mode, speculation) raise a rank's overlap to
+        // their depth, as device blocks; the index's overlap stands where it is deeper.
+        if !self.approx.is_empty() && !s.locals.is_empty() {
+            prefix_keys_extend(&s.locals, &mut s.keys, s.locals.len());
+            let mut raised = false;
+            let (scores, slot, matched) = (&mut s.scores.scores, &mut s.slot, &mut s.matched);
+            self.approx
+                .lookup(&s.keys, now.get_or(None), |rank, depth| {
+                    let Some(i) = fleet.rank_index(rank) else {
+                        return;
+                    };
+                    let m = match slot[i] {
+                        0 => {
+                            scores.push(RankScore {
+                                rank,
+                                blocks: 0,
+                                per_tier: [0; StorageTier::COUNT],
+                            });
+                            matched.push((0.0, 0));
+                            slot[i] = matched.len() as u32 - 1;
+                            slot[i] as usize
+                        }
+                        m => m as usize,
+                    };
+                    let score = &mut scores[m - 1];
+                    if depth > score.blocks {
+                        score.per_tier[StorageTier::Device.index()] += depth - score.blocks;
+                        score.blocks = depth;
+                        matched[m] = (CostTerms::credit_of(&weights, &score.per_tier), depth);
+                        raised = true;
+                    }
+                });
+            if raised {
+                bump(&self.counters.approx_raised);
+            }
         }
         // Constraints: required labels as one mask; preferred ones as (bit, weight).
         let mut required = 0u64;
@@ -1416,6 +1487,19 @@ impl Router {
                     now: now.get_or(t3),
                 })?;
                 bump(&self.counters.routed);
+                let record_ttl = match fleet.ranks[chosen.fleet_index].state.kv_events() {
+                    KvEvents::Absent => Some(self.config.approximate.ttl),
+                    KvEvents::Published => match self.config.approximate.speculative {
+                        Speculative::On { ttl } => Some(ttl),
+                        Speculative::Off => None,
+                    },
+                };
+                if let Some(ttl) = record_ttl {
+                    let full = s.locals.len();
+                    prefix_keys_extend(&s.locals, &mut s.keys, full);
+                    self.approx
+                        .record(&s.keys[..full], chosen.rank, now.get_or(t3) + ttl);
+                }
                 if let Some(sid) = hints.session {
                     self.sessions.record(
                         sid,
@@ -3496,5 +3580,167 @@ mod session_tests {
         assert_eq!(lock(&ended).len(), 2);
         assert_eq!(r.counts().sessions_closed, 2);
         assert_eq!(r.close_session(SessionId(5)), None);
+    }
+}
+
+#[cfg(test)]
+mod approx_tests {
+    use super::*;
+    use crate::config::Approximate;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+    use std::time::Duration;
+
+    const BS: u32 = 16;
+
+    fn router(speculative: Speculative) -> Router {
+        Router::new(
+            RouterConfig {
+                approximate: Approximate {
+                    speculative,
+                    ..Approximate::default()
+                },
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap()
+    }
+
+    fn prompt(n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| i * 13 + 5).collect()
+    }
+
+    /// Query-only overlap on `rank` at `now`.
+    fn overlap_on(r: &Router, tokens: &[u32], rank: WorkerRank, now: Instant) -> u32 {
+        let mut q = RouteRequest {
+            id: RequestId(999),
+            tokens,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        let d = r.route_at(&q, now).unwrap();
+        let ev = d.evidence.unwrap();
+        ev.iter()
+            .find(|c| c.rank == rank)
+            .map_or(0, |c| c.overlap.blocks)
+    }
+
+    fn pinned(r: &Router, id: u64, tokens: &[u32], worker: u64, now: Instant) {
+        let mut q = RouteRequest {
+            id: RequestId(id),
+            tokens,
+            hints: RouteHints::default(),
+        };
+        q.hints.pinned.backend_instance = Some(WorkerId(worker));
+        r.route_at(&q, now).unwrap();
+    }
+
+    #[test]
+    fn decisions_on_a_worker_without_events_count_as_its_cache_for_the_ttl() {
+        let r = router(Speculative::Off);
+        r.join_worker_with(WorkerConfig::simple(1, 1000, BS), KvEvents::Absent)
+            .unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t0 = Instant::now();
+        let p = prompt(128); // 8 blocks
+        pinned(&r, 1, &p, 1, t0);
+        pinned(&r, 2, &p, 2, t0);
+        r.free(RequestId(1)).unwrap();
+        r.free(RequestId(2)).unwrap();
+        let w1 = WorkerRank::new(1, 0);
+        let longer: Vec<u32> = p.iter().copied().chain(1_000..1_100).collect();
+        assert_eq!(overlap_on(&r, &longer, w1, t0 + Duration::from_secs(1)), 8);
+        assert_eq!(
+            overlap_on(&r, &longer, WorkerRank::new(2, 0), t0),
+            0,
+            "a worker with events is not recorded unless speculation is on"
+        );
+        let mut q = RouteRequest {
+            id: RequestId(3),
+            tokens: &longer,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        assert_eq!(
+            r.route_at(&q, t0 + Duration::from_secs(119))
+                .unwrap()
+                .worker,
+            w1
+        );
+        assert_eq!(
+            overlap_on(&r, &longer, w1, t0 + Duration::from_secs(120)),
+            0
+        );
+        assert!(r.counts().approx_raised >= 2);
+        r.expire(t0 + Duration::from_secs(120));
+        assert_eq!(r.counts().approx.records, 0);
+    }
+
+    /// A speculative record bridges the time to the worker's first events, is overtaken by
+    /// them, and never outlives its TTL; an eviction from the worker retires it at once.
+    #[test]
+    fn speculative_records_bridge_to_real_events_and_never_outlive_their_ttl() {
+        let ttl = Duration::from_millis(1500);
+        let r = router(Speculative::On { ttl });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t0 = Instant::now();
+        let p = prompt(128);
+        let w1 = WorkerRank::new(1, 0);
+        pinned(&r, 1, &p, 1, t0);
+        // A burst of the same prefix now sees it on worker 1.
+        for ms in [0u64, 1, 500, 1499] {
+            assert_eq!(overlap_on(&r, &p, w1, t0 + Duration::from_millis(ms)), 8);
+        }
+        for ms in [1500u64, 1501, 5000, 120_000] {
+            assert_eq!(
+                overlap_on(&r, &p, w1, t0 + Duration::from_millis(ms)),
+                0,
+                "{ms} ms"
+            );
+        }
+        // The worker's events for the first 4 blocks: the index's overlap stays after the
+        // record expired; before, the deeper of the two counts.
+        let locals = BlockHasher::new(BS as usize).local_hashes(&p);
+        let blocks: Vec<StoredBlock> = locals[..4]
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(i as u64 + 1),
+                local_hash: *h,
+            })
+            .collect();
+        let header = EventHeader {
+            source: w1,
+            event_id: EventId(0),
+            tier: StorageTier::Device,
+        };
+        r.apply_event(&KvEvent {
+            header,
+            data: KvEventData::Stored {
+                parent: None,
+                blocks,
+            },
+        })
+        .unwrap();
+        let t1 = t0 + Duration::from_secs(10);
+        pinned(&r, 2, &p, 1, t1);
+        assert_eq!(overlap_on(&r, &p, w1, t1 + Duration::from_millis(10)), 8);
+        assert_eq!(overlap_on(&r, &p, w1, t1 + ttl), 4);
+        // An eviction from the worker retires its speculation immediately.
+        pinned(&r, 3, &prompt(200), 1, t1);
+        r.apply_event(&KvEvent {
+            header: EventHeader {
+                event_id: EventId(1),
+                ..header
+            },
+            data: KvEventData::Removed {
+                blocks: vec![BlockHash(4)],
+            },
+        })
+        .unwrap();
+        assert_eq!(overlap_on(&r, &p, w1, t1 + Duration::from_millis(10)), 3);
     }
 }
