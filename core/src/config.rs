@@ -24,6 +24,7 @@
 //! | `approximate.ttl` | 120 s | how long a routing decision counts as cached blocks on a worker without KV events (see [`crate::approx`]) |
 //! | `approximate.speculative` | `Off` | `On { ttl }`: workers with events also get a short-lived record of each decision until their events arrive |
 //! | `approximate.max_records` | 2^20 | cap of the record table (checkpoint blocks) |
+//! | `warm_up` | `Off` | `On { share, duration, low_share }`: a worker that joined less than `duration` ago, or whose reported cache is below `low_share` × the fleet's mean, takes `share` of the cache misses (the least loaded such worker) |
 //! | `queue` | `Off` | with `On { max_queued_tokens, order }`, [`crate::router::Router::submit`] queues a request while every eligible rank is busy, up to a cap of queued prompt tokens (order default FCFS with priority jumps) |
 
 use std::time::Duration;
@@ -186,6 +187,23 @@ impl Default for Approximate {
     }
 }
 
+/// Warm-up of workers with an empty (or nearly empty) cache.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum WarmUp {
+    #[default]
+    Off,
+    On {
+        /// Fraction of cache-miss requests (no candidate holds a block) sent to a warming
+        /// worker, in (0, 1].
+        share: f64,
+        /// How long a worker warms after joining (or after falling below `low_share`).
+        duration: Duration,
+        /// A worker whose reported device blocks are below this fraction of the fleet's mean
+        /// warms again, in [0, 1) (0: only joins warm).
+        low_share: f64,
+    },
+}
+
 /// The router's configuration. Build it with struct update syntax over `Default`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterConfig {
@@ -221,6 +239,8 @@ pub struct RouterConfig {
     pub session_idle_ttl: Duration,
     /// Approximate mode and speculative records.
     pub approximate: Approximate,
+    /// Warm-up of new and nearly empty workers.
+    pub warm_up: WarmUp,
 }
 
 impl Default for RouterConfig {
@@ -242,6 +262,7 @@ impl Default for RouterConfig {
             queue: Queueing::Off,
             session_idle_ttl: Duration::from_secs(300),
             approximate: Approximate::default(),
+            warm_up: WarmUp::Off,
         }
     }
 }
@@ -362,6 +383,31 @@ impl RouterConfig {
                 reason: "must be > 0",
             });
         }
+        if let WarmUp::On {
+            share,
+            duration,
+            low_share,
+        } = self.warm_up
+        {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(ConfigError::Invalid {
+                    field: "warm_up.share",
+                    reason: "must be in (0, 1]",
+                });
+            }
+            if duration.is_zero() {
+                return Err(ConfigError::Invalid {
+                    field: "warm_up.duration",
+                    reason: "must be > 0",
+                });
+            }
+            if !(0.0..1.0).contains(&low_share) {
+                return Err(ConfigError::Invalid {
+                    field: "warm_up.low_share",
+                    reason: "must be in [0, 1)",
+                });
+            }
+        }
         if let Queueing::On {
             max_queued_tokens: 0,
             ..
@@ -405,6 +451,7 @@ mod tests {
         assert_eq!(c.session_idle_ttl, Duration::from_secs(300));
         assert_eq!(c.approximate.ttl, Duration::from_secs(120));
         assert_eq!(c.approximate.speculative, Speculative::Off);
+        assert_eq!(c.warm_up, WarmUp::Off);
         c.validate().unwrap();
     }
 
@@ -538,6 +585,20 @@ mod tests {
         ] {
             assert_eq!(field_of(RouterConfig { approximate, ..d() }), field);
         }
+        let warm = |share, duration, low_share| RouterConfig {
+            warm_up: WarmUp::On {
+                share,
+                duration,
+                low_share,
+            },
+            ..d()
+        };
+        let minute = Duration::from_secs(60);
+        assert_eq!(field_of(warm(0.0, minute, 0.1)), "warm_up.share");
+        assert_eq!(field_of(warm(f64::NAN, minute, 0.1)), "warm_up.share");
+        assert_eq!(field_of(warm(0.2, Duration::ZERO, 0.1)), "warm_up.duration");
+        assert_eq!(field_of(warm(0.2, minute, 1.0)), "warm_up.low_share");
+        assert_eq!(field_of(warm(1.0, minute, 0.0)), "ok");
         let msg = RouterConfig {
             temperature: -1.0,
             ..d()

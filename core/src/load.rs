@@ -283,6 +283,10 @@ pub struct RankState {
     health: AtomicU8,
     /// True when the worker publishes no KV events ([`KvEvents::Absent`]).
     no_events: AtomicBool,
+    /// Warm-up ends at this many nanoseconds past the router's epoch (0: not warming).
+    warm_until_ns: AtomicU64,
+    /// Device blocks the worker reported through its events (stored less removed).
+    reported_blocks: AtomicU64,
 }
 
 impl RankState {
@@ -295,6 +299,8 @@ impl RankState {
             retired: AtomicBool::new(false),
             health: AtomicU8::new(Health::Healthy.to_u8()),
             no_events: AtomicBool::new(false),
+            warm_until_ns: AtomicU64::new(0),
+            reported_blocks: AtomicU64::new(0),
         }
     }
 
@@ -363,6 +369,36 @@ impl RankState {
     pub fn set_kv_events(&self, events: KvEvents) {
         self.no_events
             .store(events == KvEvents::Absent, Ordering::Relaxed);
+    }
+
+    /// When the rank's warm-up ends, in nanoseconds past the router's epoch (0: never warmed).
+    #[inline]
+    pub fn warm_until_ns(&self) -> u64 {
+        self.warm_until_ns.load(Ordering::Relaxed)
+    }
+
+    /// Warms the rank until `until_ns` (past the router's epoch), or longer if already so.
+    pub fn warm_until(&self, until_ns: u64) {
+        self.warm_until_ns.fetch_max(until_ns, Ordering::Relaxed);
+    }
+
+    /// Device blocks the rank reported (stored less removed, since its last clear).
+    pub fn reported_blocks(&self) -> u64 {
+        self.reported_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Adjusts the reported blocks: `stored` more, `removed` fewer (never below 0), or all
+    /// gone on a clear.
+    pub fn report_blocks(&self, stored: u64, removed: u64, cleared: bool) {
+        let _ = self
+            .reported_blocks
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                Some(if cleared {
+                    0
+                } else {
+                    (b + stored).saturating_sub(removed)
+                })
+            });
     }
 
     /// Marks the rank as gone (its worker left).

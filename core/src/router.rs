@@ -53,7 +53,7 @@ use crossbeam_utils::CachePadded;
 
 use crate::approx::{ApproxCache, ApproxCounts};
 use crate::config::{
-    ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Speculative, Timing,
+    ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Speculative, Timing, WarmUp,
 };
 use crate::event::{DpRank, KvEvent, KvEventData, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
@@ -62,7 +62,7 @@ use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixI
 pub use crate::load::Dispatch;
 use crate::load::{
     prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Ledger, LedgerCounts, LoadError,
-    LoadView, RequestId, Step,
+    LoadView, RankState, RequestId, Step,
 };
 use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
 use crate::registry::{
@@ -284,6 +284,8 @@ pub enum DecidedBy {
     FallbackAllBusy,
     /// Every eligible rank's worker is marked unhealthy: the least loaded was taken.
     FallbackAllUnhealthy,
+    /// A cache miss sent to a warming worker (see [`crate::config::WarmUp`]).
+    WarmUp,
 }
 
 /// A decision that served the request differently from its phase.
@@ -629,6 +631,10 @@ pub struct RouterCounts {
     pub sessions_closed: u64,
     /// Routes where the router's own cache records raised some rank's overlap.
     pub approx_raised: u64,
+    /// Cache misses sent to a warming worker ([`DecidedBy::WarmUp`]).
+    pub warm_up: u64,
+    /// Ranks put back to warming because their reported cache fell far below the fleet's.
+    pub rewarmed: u64,
     /// The record table's counters.
     pub approx: ApproxCounts,
     pub ledger: LedgerCounts,
@@ -660,6 +666,8 @@ struct Counters {
     sessions_expired: AtomicU64,
     sessions_closed: AtomicU64,
     approx_raised: AtomicU64,
+    warm_up: AtomicU64,
+    rewarmed: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -705,6 +713,10 @@ pub struct Router {
     health_writer: Mutex<()>,
     sessions: Sessions,
     approx: ApproxCache,
+    /// Warm-up deadlines are nanoseconds past this instant.
+    epoch: Instant,
+    /// The latest warm-up deadline of any rank: no rank warms past it.
+    warm_horizon_ns: AtomicU64,
     /// Told of every session that ends (expired or closed).
     on_session_end: std::sync::RwLock<Option<SessionCallback>>,
 }
@@ -752,6 +764,8 @@ impl Router {
             health_writer: Mutex::new(()),
             sessions: Sessions::default(),
             approx: ApproxCache::new(config.approximate.max_records),
+            epoch: Instant::now(),
+            warm_horizon_ns: AtomicU64::new(0),
             on_session_end: std::sync::RwLock::new(None),
             config,
         })
@@ -776,7 +790,27 @@ impl Router {
             // The worker says its cache shrank: speculation about it stops counting.
             self.approx.retire_rank(event.header.source);
         }
-        lock(&self.index).apply(event)
+        let applied = lock(&self.index).apply(event);
+        if applied.is_ok() && event.header.tier == StorageTier::Device {
+            let fleet = self.registry.load();
+            if let Some(i) = fleet.rank_index(event.header.source) {
+                let state = &fleet.ranks[i].state;
+                match &event.data {
+                    KvEventData::Stored { blocks, .. } => {
+                        state.report_blocks(blocks.len() as u64, 0, false)
+                    }
+                    KvEventData::Removed { blocks } => {
+                        state.report_blocks(0, blocks.len() as u64, false)
+                    }
+                    KvEventData::Cleared => {
+                        // A restart with an empty cache: warm it again.
+                        state.report_blocks(0, 0, true);
+                        self.warm(state, Instant::now());
+                    }
+                }
+            }
+        }
+        applied
     }
 
     /// The fleet snapshot.
@@ -801,12 +835,23 @@ impl Router {
         config: WorkerConfig,
         events: KvEvents,
     ) -> Result<(), RouterError> {
+        self.join_worker_at(config, events, Instant::now())
+    }
+
+    /// [`Router::join_worker_with`] at a given time (its warm-up starts then).
+    pub fn join_worker_at(
+        &self,
+        config: WorkerConfig,
+        events: KvEvents,
+        now: Instant,
+    ) -> Result<(), RouterError> {
         let id = config.id;
         let fleet = self.registry.join(config)?;
         if let Some(w) = fleet.worker(id) {
             let mut index = lock(&self.index);
             for r in &fleet.ranks[w.ranks.clone()] {
                 r.state.set_kv_events(events);
+                self.warm(&r.state, now);
                 index.register_rank(r.rank)?;
             }
         }
@@ -918,10 +963,13 @@ impl Router {
     }
 
     /// Frees requests booked more than `request_expiry` before `now` (returns how many), drops
-    /// the cache records that expired, and lets queued requests go if that freed room.
+    /// the cache records that expired, warms ranks whose reported cache fell far below the
+    /// fleet's (with warm-up on), and lets queued requests go if that freed room. Call it
+    /// periodically (every second or so).
     pub fn expire(&self, now: Instant) -> usize {
         let n = self.ledger.expire(now, self.config.request_expiry);
         self.approx.sweep(now);
+        self.rewarm_low_ranks(now);
         self.release_queued(now);
         n
     }
@@ -981,6 +1029,8 @@ impl Router {
             sessions_expired: r(&c.sessions_expired),
             sessions_closed: r(&c.sessions_closed),
             approx_raised: r(&c.approx_raised),
+            warm_up: r(&c.warm_up),
+            rewarmed: r(&c.rewarmed),
             approx: self.approx.counts(),
             ledger: self.ledger.counts(),
         }
@@ -1459,7 +1509,10 @@ impl Router {
                         PolicyKind::KvAware => DecidedBy::Cost,
                         k => DecidedBy::Policy(k),
                     };
-                    (self.selector.select(&input, &mut rng), by)
+                    match self.warm_pick(&fleet, &s.candidates, now, &mut rng) {
+                        Some(pick) => (pick, DecidedBy::WarmUp),
+                        None => (self.selector.select(&input, &mut rng), by),
+                    }
                 }
             };
             (full(&s.candidates[pick]), by, ev)
@@ -1579,6 +1632,84 @@ impl Router {
                     *c = scorer.with_shared(c, shared as u32);
                 }
                 None => bump(&self.counters.shared_probes_busy),
+            }
+        }
+    }
+
+    /// Nanoseconds from the router's epoch to `t` (0 before it).
+    fn ns_since_epoch(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Warms `state` from `now` for the configured duration (no-op with warm-up off).
+    fn warm(&self, state: &RankState, now: Instant) {
+        if let WarmUp::On { duration, .. } = self.config.warm_up {
+            let until = self.ns_since_epoch(now + duration);
+            state.warm_until(until);
+            self.warm_horizon_ns.fetch_max(until, Ordering::Relaxed);
+        }
+    }
+
+    /// For a cache miss (no candidate holds a block), with probability `share`, the least
+    /// loaded candidate still warming (random ties); `None` otherwise.
+    fn warm_pick(
+        &self,
+        fleet: &Fleet,
+        candidates: &[Scored],
+        now: &Now,
+        rng: &mut crate::rng::Rng,
+    ) -> Option<usize> {
+        let WarmUp::On { share, .. } = self.config.warm_up else {
+            return None;
+        };
+        let now_ns = self.ns_since_epoch(now.get_or(None));
+        if now_ns >= self.warm_horizon_ns.load(Ordering::Relaxed)
+            || candidates.iter().any(|c| c.overlap_blocks > 0)
+            || rng.unit_f64() >= share
+        {
+            return None;
+        }
+        let bs = self.config.block_size;
+        let (mut best, mut best_load, mut ties) = (None, u64::MAX, 0u64);
+        for (i, c) in candidates.iter().enumerate() {
+            if fleet.ranks[c.fleet_index as usize].state.warm_until_ns() <= now_ns {
+                continue;
+            }
+            let load = c.load.load_blocks(bs);
+            if load < best_load {
+                (best, best_load, ties) = (Some(i), load, 1);
+            } else if load == best_load {
+                ties += 1;
+                if rng.below(ties) == 0 {
+                    best = Some(i);
+                }
+            }
+        }
+        if best.is_some() {
+            bump(&self.counters.warm_up);
+        }
+        best
+    }
+
+    /// Warms every rank whose reported cache is below `low_share` of the fleet's mean and
+    /// that is not warming already.
+    fn rewarm_low_ranks(&self, now: Instant) {
+        let WarmUp::On { low_share, .. } = self.config.warm_up else {
+            return;
+        };
+        let fleet = self.registry.load();
+        if low_share <= 0.0 || fleet.ranks.is_empty() {
+            return;
+        }
+        let total: u64 = fleet.ranks.iter().map(|r| r.state.reported_blocks()).sum();
+        let mean = total as f64 / fleet.ranks.len() as f64;
+        let now_ns = self.ns_since_epoch(now);
+        for r in fleet.ranks.iter() {
+            if (r.state.reported_blocks() as f64) < low_share * mean
+                && r.state.warm_until_ns() <= now_ns
+            {
+                self.warm(&r.state, now);
+                bump(&self.counters.rewarmed);
             }
         }
     }
@@ -3742,5 +3873,162 @@ mod approx_tests {
         })
         .unwrap();
         assert_eq!(overlap_on(&r, &p, w1, t1 + Duration::from_millis(10)), 3);
+    }
+}
+
+#[cfg(test)]
+mod warm_up_tests {
+    use super::*;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+    use std::collections::HashSet;
+    use std::time::Duration;
+
+    const BS: u32 = 16;
+    const MINUTE: Duration = Duration::from_secs(60);
+
+    fn router(share: f64, low_share: f64) -> Router {
+        let r = Router::new(
+            RouterConfig {
+                warm_up: WarmUp::On {
+                    share,
+                    duration: MINUTE,
+                    low_share,
+                },
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        r
+    }
+
+    fn query(r: &Router, seed: u32, now: Instant) -> Decision {
+        let t: Vec<u32> = (0..64).map(|i| seed * 1000 + i).collect();
+        let mut q = RouteRequest {
+            id: RequestId(u64::from(seed)),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        r.route_at(&q, now).unwrap()
+    }
+
+    fn store(r: &Router, worker: u64, seed: u32, n: usize, id: u64) {
+        let t: Vec<u32> = (0..(n * BS as usize) as u32)
+            .map(|i| seed * 1000 + i)
+            .collect();
+        let blocks: Vec<StoredBlock> = BlockHasher::new(BS as usize)
+            .local_hashes(&t)
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(u64::from(seed) << 20 | i as u64),
+                local_hash: *h,
+            })
+            .collect();
+        r.apply_event(&KvEvent {
+            header: EventHeader {
+                source: WorkerRank::new(worker, 0),
+                event_id: EventId(id),
+                tier: StorageTier::Device,
+            },
+            data: KvEventData::Stored {
+                parent: None,
+                blocks,
+            },
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn a_new_worker_takes_its_share_of_cache_misses_for_the_duration() {
+        let r = router(1.0, 0.0);
+        let t0 = Instant::now();
+        let settled = t0 + MINUTE;
+        for seed in 0..20 {
+            assert_eq!(query(&r, seed, settled).decided_by, DecidedBy::Cost);
+        }
+        r.join_worker_at(
+            WorkerConfig::simple(3, 1000, BS),
+            KvEvents::Published,
+            settled,
+        )
+        .unwrap();
+        let now = settled + Duration::from_secs(1);
+        for seed in 0..20 {
+            let d = query(&r, seed, now);
+            assert_eq!(
+                (d.worker, d.decided_by),
+                (WorkerRank::new(3, 0), DecidedBy::WarmUp)
+            );
+        }
+        // A request with a holder is not a miss: the cost decides.
+        store(&r, 1, 77, 4, 0);
+        let d = query(&r, 77, now);
+        assert_eq!(
+            (d.worker, d.decided_by),
+            (WorkerRank::new(1, 0), DecidedBy::Cost)
+        );
+        assert_eq!(query(&r, 5, settled + MINUTE).decided_by, DecidedBy::Cost);
+        assert_eq!(r.counts().warm_up, 20);
+    }
+
+    #[test]
+    fn the_share_is_a_fraction_of_misses() {
+        let r = router(0.25, 0.0);
+        r.join_worker(WorkerConfig::simple(3, 1000, BS)).unwrap();
+        let now = Instant::now();
+        let warm = (0..4000)
+            .filter(|&seed| query(&r, seed, now).decided_by == DecidedBy::WarmUp)
+            .count();
+        assert!((850..1150).contains(&warm), "{warm}");
+    }
+
+    /// A worker whose reported cache is far below the fleet's warms again at the next expire
+    /// sweep; a cleared worker warms at once.
+    #[test]
+    fn far_below_the_fleets_share_or_cleared_warms_again() {
+        let r = router(1.0, 0.1);
+        r.join_worker(WorkerConfig::simple(3, 1000, BS)).unwrap();
+        store(&r, 1, 1, 50, 0);
+        store(&r, 2, 2, 50, 0);
+        store(&r, 3, 3, 5, 0);
+        let later = Instant::now() + 2 * MINUTE;
+        assert_eq!(query(&r, 9, later).decided_by, DecidedBy::Cost);
+        r.expire(later);
+        assert_eq!(
+            r.counts().rewarmed,
+            0,
+            "5 of a mean 35 blocks is above 10 %"
+        );
+        store(&r, 1, 11, 200, 1);
+        r.expire(later);
+        assert_eq!(r.counts().rewarmed, 1, "5 of a mean 101.7 is below 10 %");
+        let d = query(&r, 9, later);
+        assert_eq!(
+            (d.worker, d.decided_by),
+            (WorkerRank::new(3, 0), DecidedBy::WarmUp)
+        );
+        r.apply_event(&KvEvent {
+            header: EventHeader {
+                source: WorkerRank::new(2, 0),
+                event_id: EventId(1),
+                tier: StorageTier::Device,
+            },
+            data: KvEventData::Cleared,
+        })
+        .unwrap();
+        assert_eq!(r.fleet().ranks[1].state.reported_blocks(), 0);
+        let now = Instant::now();
+        let mut seen = HashSet::new();
+        for seed in 100..140 {
+            let d = query(&r, seed, now);
+            assert_eq!(d.decided_by, DecidedBy::WarmUp);
+            seen.insert(d.worker.worker.0);
+        }
+        assert!(seen.contains(&2), "{seen:?}");
     }
 }
