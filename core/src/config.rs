@@ -25,6 +25,7 @@
 //! | `approximate.speculative` | `Off` | `On { ttl }`: workers with events also get a short-lived record of each decision until their events arrive |
 //! | `approximate.max_records` | 2^20 | cap of the record table (checkpoint blocks) |
 //! | `warm_up` | `Off` | `On { share, duration, low_share }`: a worker that joined less than `duration` ago, or whose reported cache is below `low_share` × the fleet's mean, takes `share` of the cache misses (the least loaded such worker) |
+//! | `pool_credit` | 0.25 | credit per block found in a shared KV pool beyond a worker's own overlap (the external tier's weight) |
 //! | `queue` | `Off` | with `On { max_queued_tokens, order }`, [`crate::router::Router::submit`] queues a request while every eligible rank is busy, up to a cap of queued prompt tokens (order default FCFS with priority jumps) |
 
 use std::time::Duration;
@@ -241,6 +242,8 @@ pub struct RouterConfig {
     pub approximate: Approximate,
     /// Warm-up of new and nearly empty workers.
     pub warm_up: WarmUp,
+    /// Credit per shared-pool block beyond a worker's own overlap.
+    pub pool_credit: f64,
 }
 
 impl Default for RouterConfig {
@@ -263,6 +266,7 @@ impl Default for RouterConfig {
             session_idle_ttl: Duration::from_secs(300),
             approximate: Approximate::default(),
             warm_up: WarmUp::Off,
+            pool_credit: 0.25,
         }
     }
 }
@@ -303,6 +307,7 @@ impl RouterConfig {
         non_negative("tier_weights.disk", self.tier_weights.disk)?;
         non_negative("tier_weights.external", self.tier_weights.external)?;
         non_negative("temperature", self.temperature)?;
+        non_negative("pool_credit", self.pool_credit)?;
         fraction(
             "busy.decode_blocks_fraction",
             self.busy.decode_blocks_fraction,
@@ -452,6 +457,7 @@ mod tests {
         assert_eq!(c.approximate.ttl, Duration::from_secs(120));
         assert_eq!(c.approximate.speculative, Speculative::Off);
         assert_eq!(c.warm_up, WarmUp::Off);
+        assert_eq!(c.pool_credit, 0.25);
         c.validate().unwrap();
     }
 
@@ -599,6 +605,13 @@ mod tests {
         assert_eq!(field_of(warm(0.2, Duration::ZERO, 0.1)), "warm_up.duration");
         assert_eq!(field_of(warm(0.2, minute, 1.0)), "warm_up.low_share");
         assert_eq!(field_of(warm(1.0, minute, 0.0)), "ok");
+        assert_eq!(
+            field_of(RouterConfig {
+                pool_credit: -0.5,
+                ..d()
+            }),
+            "pool_credit"
+        );
         let msg = RouterConfig {
             temperature: -1.0,
             ..d()

@@ -171,8 +171,25 @@ pub struct RouteHints<'a> {
     pub session: Option<SessionId>,
     /// Whether the session closes when this request ends.
     pub session_close: SessionClose,
+    /// What the fleet's shared KV pool holds of the prompt.
+    pub pool: PoolHits<'a>,
     pub overrides: Overrides,
     pub evidence: EvidenceLevel,
+}
+
+/// The shared KV pool's answer for a request's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PoolHits<'a> {
+    /// No pool, or not asked.
+    #[default]
+    None,
+    /// The pool holds these ranges of block positions (0 = the prompt's first block). Blocks
+    /// beyond a worker's own overlap, contiguous with it, are credited at
+    /// [`RouterConfig::pool_credit`]. Ranges past the prompt are clipped; a range whose start
+    /// exceeds its end makes the whole answer count as failed.
+    Hits(&'a [std::ops::Range<u32>]),
+    /// The pool did not answer (timeout, error): counted and ignored.
+    Failed,
 }
 
 /// A worker label, `key=value`, as a request names it.
@@ -635,6 +652,9 @@ pub struct RouterCounts {
     pub warm_up: u64,
     /// Ranks put back to warming because their reported cache fell far below the fleet's.
     pub rewarmed: u64,
+    /// Requests whose shared-pool answer failed (no answer, or a malformed one) and was
+    /// ignored.
+    pub pool_failed: u64,
     /// The record table's counters.
     pub approx: ApproxCounts,
     pub ledger: LedgerCounts,
@@ -668,6 +688,7 @@ struct Counters {
     approx_raised: AtomicU64,
     warm_up: AtomicU64,
     rewarmed: AtomicU64,
+    pool_failed: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -684,6 +705,8 @@ struct Scratch {
     candidates: Vec<Scored>,
     /// The request's preferred labels as (label bit, weight).
     preferred: Vec<(u64, f64)>,
+    /// The pool's hits, clipped, sorted and merged into disjoint `[start, end)` ranges.
+    pool: Vec<(u32, u32)>,
 }
 
 thread_local! {
@@ -1031,6 +1054,7 @@ impl Router {
             approx_raised: r(&c.approx_raised),
             warm_up: r(&c.warm_up),
             rewarmed: r(&c.rewarmed),
+            pool_failed: r(&c.pool_failed),
             approx: self.approx.counts(),
             ledger: self.ledger.counts(),
         }
@@ -1283,8 +1307,20 @@ impl Router {
                 s.preferred.push((bit, p.weight));
             }
         }
+        s.pool.clear();
+        match hints.pool {
+            PoolHits::None => {}
+            PoolHits::Failed => bump(&self.counters.pool_failed),
+            PoolHits::Hits(ranges) => {
+                if merge_pool_ranges(ranges, shape.full_blocks, &mut s.pool).is_err() {
+                    bump(&self.counters.pool_failed);
+                }
+            }
+        }
         let busy = &self.config.busy;
         let scorer = Scorer {
+            pool: &s.pool,
+            pool_credit: self.config.pool_credit,
             preferred: &s.preferred,
             fleet: &fleet,
             slot: &s.slot,
@@ -1303,6 +1339,10 @@ impl Router {
                 m => s.scores.scores[m as usize - 1].per_tier,
             };
             let mut c = Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape);
+            let (pool_credit, pool_blocks) = scorer.pool_extension(c.overlap.blocks);
+            if pool_blocks > 0 {
+                c.cost = c.cost.with_pool_credit(&weights, pool_credit, pool_blocks);
+            }
             if !scorer.preferred.is_empty() {
                 c.cost = c
                     .cost
@@ -1765,6 +1805,8 @@ struct OwnedRequest {
     allowed: Option<Vec<WorkerId>>,
     required: Vec<(String, String)>,
     preferred: Vec<(String, String, f64)>,
+    /// The pool's hits (`None` without an answer: a failed one was counted at admission).
+    pool: Option<Vec<std::ops::Range<u32>>>,
     /// The hints with every borrowed field empty; [`OwnedRequest::request`] fills them in.
     hints: RouteHints<'static>,
 }
@@ -1794,9 +1836,14 @@ impl OwnedRequest {
                 .iter()
                 .map(|p| (p.label.key.to_owned(), p.label.value.to_owned(), p.weight))
                 .collect(),
+            pool: match h.pool {
+                PoolHits::Hits(r) => Some(r.to_vec()),
+                PoolHits::None | PoolHits::Failed => None,
+            },
             hints: RouteHints {
                 required: &[],
                 preferred: &[],
+                pool: PoolHits::None,
                 session: h.session,
                 session_close: h.session_close,
                 phase: h.phase,
@@ -1834,6 +1881,7 @@ impl OwnedRequest {
                 allowed: self.allowed.as_deref(),
                 required: &bufs.required,
                 preferred: &bufs.preferred,
+                pool: self.pool.as_deref().map_or(PoolHits::None, PoolHits::Hits),
                 ..self.hints
             },
         }
@@ -2181,8 +2229,45 @@ impl<R: Deref<Target = Router>> Drop for Released<R> {
     }
 }
 
+/// Clips `ranges` to `full_blocks`, sorts and merges them into `out`; `Err` (and `out` empty)
+/// when a range is inverted.
+fn merge_pool_ranges(
+    ranges: &[std::ops::Range<u32>],
+    full_blocks: u32,
+    out: &mut Vec<(u32, u32)>,
+) -> Result<(), ()> {
+    out.clear();
+    for r in ranges {
+        if r.start > r.end {
+            out.clear();
+            return Err(());
+        }
+        let (a, b) = (r.start.min(full_blocks), r.end.min(full_blocks));
+        if a < b {
+            out.push((a, b));
+        }
+    }
+    out.sort_unstable();
+    let mut merged = 0;
+    for i in 0..out.len() {
+        let (a, b) = out[i];
+        if merged > 0 && a <= out[merged - 1].1 {
+            out[merged - 1].1 = out[merged - 1].1.max(b);
+        } else {
+            out[merged] = (a, b);
+            merged += 1;
+        }
+    }
+    out.truncate(merged);
+    Ok(())
+}
+
 /// Everything one request's ranks are scored against.
 struct Scorer<'a> {
+    /// The shared pool's hits, disjoint and sorted (empty: no pool credit).
+    pool: &'a [(u32, u32)],
+    /// Credit per pool block.
+    pool_credit: f64,
     /// The request's preferred labels, as (label bit, weight in blocks).
     preferred: &'a [(u64, f64)],
     fleet: &'a Fleet,
@@ -2206,7 +2291,12 @@ impl Scorer<'_> {
     fn score(&self, i: usize) -> Scored {
         let r = &self.fleet.ranks[i];
         let load = r.state.load();
-        let (credit, blocks) = self.matched[self.slot[i] as usize];
+        let (own_credit, blocks) = self.matched[self.slot[i] as usize];
+        let credit = if self.pool.is_empty() {
+            own_credit
+        } else {
+            own_credit + self.pool_extension(blocks).0
+        };
         Scored {
             fleet_index: i as u32,
             overlap_blocks: blocks,
@@ -2227,6 +2317,16 @@ impl Scorer<'_> {
         }
     }
 
+    /// The pool's credit and blocks for a rank holding `own` leading blocks: the pool's run
+    /// of blocks starting where the rank's own overlap ends.
+    #[inline]
+    fn pool_extension(&self, own: u32) -> (f64, u32) {
+        match self.pool.iter().find(|&&(a, b)| a <= own && own < b) {
+            Some(&(_, b)) => (f64::from(b - own) * self.pool_credit, b - own),
+            None => (0.0, 0),
+        }
+    }
+
     /// Blocks off the cost of a rank carrying `label_bits` for the preferred labels.
     #[inline(always)]
     fn preference(&self, label_bits: u64) -> f64 {
@@ -2240,7 +2340,12 @@ impl Scorer<'_> {
     /// `c` with `shared` of the prompt's blocks active on its rank: the same load, the cost
     /// recomputed.
     fn with_shared(&self, c: &Scored, shared: u32) -> Scored {
-        let (credit, _) = self.matched[self.slot[c.fleet_index as usize] as usize];
+        let (own_credit, blocks) = self.matched[self.slot[c.fleet_index as usize] as usize];
+        let credit = if self.pool.is_empty() {
+            own_credit
+        } else {
+            own_credit + self.pool_extension(blocks).0
+        };
         Scored {
             shared_blocks: shared,
             cost: CostTerms::total_of(self.weights, self.shape, &c.load, credit, shared)
@@ -4030,5 +4135,125 @@ mod warm_up_tests {
             seen.insert(d.worker.worker.0);
         }
         assert!(seen.contains(&2), "{seen:?}");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)]
+mod pool_tests {
+    use super::*;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+
+    const BS: u32 = 16;
+
+    #[test]
+    fn ranges_are_clipped_sorted_and_merged() {
+        let mut out = Vec::new();
+        merge_pool_ranges(&[5..8, 0..3, 2..6, 9..40, 12..12], 20, &mut out).unwrap();
+        assert_eq!(out, vec![(0, 8), (9, 20)]);
+        #[allow(clippy::reversed_empty_ranges)]
+        let bad = [0..3, 7..4];
+        assert!(merge_pool_ranges(&bad, 20, &mut out).is_err());
+        assert!(out.is_empty());
+    }
+
+    fn setup() -> (Router, Vec<u32>) {
+        let r = Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t: Vec<u32> = (0..160).map(|i| i * 3 + 1).collect(); // 10 blocks
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        let blocks: Vec<StoredBlock> = locals[..4]
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(i as u64),
+                local_hash: *h,
+            })
+            .collect();
+        let header = EventHeader {
+            source: WorkerRank::new(1, 0),
+            event_id: EventId(0),
+            tier: StorageTier::Device,
+        };
+        lock(&r.index).apply_stored(header, None, &blocks).unwrap();
+        (r, t)
+    }
+
+    fn evidence<'a>(r: &Router, t: &'a [u32], pool: PoolHits<'a>) -> (Decision, Vec<Candidate>) {
+        let mut q = RouteRequest {
+            id: RequestId(1),
+            tokens: t,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        q.hints.pool = pool;
+        let mut d = r.route(&q).unwrap();
+        let mut ev = d.evidence.take().unwrap();
+        ev.sort_by_key(|c| c.rank);
+        (d, ev)
+    }
+
+    /// Worker 1 holds blocks 0-3, worker 2 nothing; the pool holds 0-9. Each is credited the
+    /// pool's blocks beyond its own overlap, at 0.25.
+    #[test]
+    fn pool_hits_beyond_the_own_overlap_are_credited_at_the_multiplier() {
+        let (r, t) = setup();
+        let hits = [0..10];
+        let (d, ev) = evidence(&r, &t, PoolHits::Hits(&hits));
+        assert_eq!(
+            (ev[0].cost.pool_blocks, ev[0].cost.credit_blocks),
+            (6, 4.0 + 1.5)
+        );
+        assert_eq!(
+            (ev[1].cost.pool_blocks, ev[1].cost.credit_blocks),
+            (10, 2.5)
+        );
+        assert_eq!(ev[0].cost.total, (10.0 - 5.5) + 10.0);
+        assert_eq!(d.worker, WorkerRank::new(1, 0));
+        assert_eq!(
+            d.cost, ev[0].cost,
+            "the decision's terms are the evidence's"
+        );
+        // A pool run that does not continue the worker's own prefix earns nothing.
+        let gap = [6..10];
+        let (_, ev) = evidence(&r, &t, PoolHits::Hits(&gap));
+        assert_eq!((ev[0].cost.pool_blocks, ev[1].cost.pool_blocks), (0, 0));
+        // Credit enough to change the choice: at 1.0, worker 2 ties worker 1 on credit and
+        // the tie is broken at random; both are chosen over many draws.
+        let r2 = Router::new(
+            RouterConfig {
+                pool_credit: 1.0,
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        r2.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r2.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..50 {
+            seen.insert(evidence(&r2, &t, PoolHits::Hits(&hits)).0.worker);
+        }
+        assert_eq!(seen.len(), 2);
+    }
+
+    #[test]
+    fn a_failed_or_malformed_pool_answer_is_counted_and_ignored() {
+        let (r, t) = setup();
+        let (plain, _) = evidence(&r, &t, PoolHits::None);
+        let (failed, _) = evidence(&r, &t, PoolHits::Failed);
+        #[allow(clippy::reversed_empty_ranges)]
+        let bad = [3..1];
+        let (malformed, _) = evidence(&r, &t, PoolHits::Hits(&bad));
+        assert_eq!(plain.cost, failed.cost);
+        assert_eq!(plain.cost, malformed.cost);
+        assert_eq!(r.counts().pool_failed, 2);
     }
 }

@@ -160,6 +160,9 @@ pub struct CostTerms {
     pub shared_blocks: u32,
     /// Active prompt blocks, weighted output blocks and the request's blocks less the shared.
     pub decode_cost: f64,
+    /// Blocks beyond the rank's own overlap found in the shared KV pool (credited at the pool
+    /// multiplier, included in `credit_blocks`).
+    pub pool_blocks: u32,
     /// Blocks taken off for the request's preferred labels the rank carries.
     pub preference: f64,
     /// prefill_cost + decode_cost − preference.
@@ -188,9 +191,22 @@ impl CostTerms {
             prefill_cost,
             shared_blocks,
             decode_cost,
+            pool_blocks: 0,
             preference: 0.0,
             total: prefill_cost + decode_cost,
         }
+    }
+
+    /// These terms with `extra_credit` more blocks of credit, for `pool_blocks` blocks found
+    /// in a shared pool: the same operations as selection's [`CostTerms::total_of`] with the
+    /// summed credit, so the totals agree to the bit. Apply before
+    /// [`CostTerms::with_preference`].
+    pub fn with_pool_credit(mut self, w: &Weights, extra_credit: f64, pool_blocks: u32) -> Self {
+        self.credit_blocks += extra_credit;
+        self.prefill_cost = Self::prefill_cost(w, self.prefill_blocks, self.credit_blocks);
+        self.pool_blocks = pool_blocks;
+        self.total = self.prefill_cost + self.decode_cost;
+        self
     }
 
     /// These terms less `preference` blocks for preferred labels: the same subtraction
