@@ -628,7 +628,7 @@ pub struct RouterCounts {
     pub completed: u64,
     /// Requests rejected for a bad hint ([`RouteError::InvalidHint`]).
     pub invalid_hints: u64,
-    /// Submits of an id already queued or released and untaken.
+    /// Submits of an id already queued, released and untaken, or booked.
     pub duplicate_admissions: u64,
     /// Candidates left out because their worker was marked unreachable (one per request per
     /// rank).
@@ -1787,6 +1787,17 @@ pub struct Ticket {
     pub request: RequestId,
 }
 
+/// Where a submitted request stands in the queue ([`Router::ticket_state`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TicketState {
+    /// In the queue.
+    Waiting,
+    /// Released; its outcome waits to be taken.
+    Released,
+    /// Neither: never queued, taken, or cancelled.
+    Unknown,
+}
+
 /// What a cancel removed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cancelled {
@@ -1987,7 +1998,10 @@ impl Router {
             });
         }
         let mut st = lock(&q.state);
-        if st.queue.contains(req.id) || st.released.contains_key(&req.id) {
+        if st.queue.contains(req.id)
+            || st.released.contains_key(&req.id)
+            || self.ledger.rank_of(req.id).is_some()
+        {
             bump(&self.counters.duplicate_admissions);
             return Err(RouteError::Load(LoadError::DuplicateRequest {
                 request: req.id,
@@ -2107,6 +2121,21 @@ impl Router {
         Poll::Pending
     }
 
+    /// Where `request` stands, without taking anything.
+    pub fn ticket_state(&self, request: RequestId) -> TicketState {
+        let Some(q) = &self.queue else {
+            return TicketState::Unknown;
+        };
+        let st = lock(&q.state);
+        if st.queue.contains(request) {
+            TicketState::Waiting
+        } else if st.released.contains_key(&request) {
+            TicketState::Released
+        } else {
+            TicketState::Unknown
+        }
+    }
+
     /// The released outcome of a queued request, once; `None` while it waits.
     pub fn take_released(&self, request: RequestId) -> Option<Result<Decision, RouteError>> {
         match self.poll_released(request, None) {
@@ -2149,7 +2178,9 @@ impl Router {
                 drop(st);
                 if let Ok(d) = outcome {
                     if d.bookkeeping == Bookkeeping::Booked {
-                        self.free(request)?;
+                        // An error means the booking already went (its worker left, or it
+                        // expired); the ledger counted it, and the cancel stands.
+                        let _ = self.free(request);
                     }
                 }
                 Ok(Cancelled::Released)
@@ -3277,6 +3308,39 @@ mod queue_tests {
             request: RequestId(1)
         }
         .is_retryable());
+    }
+
+    /// A submit once queued an id that was already booked (the ledger checks duplicates
+    /// only when booking), so its release failed and the caller saw two outcomes for one id.
+    #[test]
+    fn submit_of_a_booked_id_is_a_duplicate_not_a_queue_entry() {
+        let r = busy_router(QueueOrder::Fcfs, 10_000);
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        assert_eq!(
+            r.submit_at(&req(1, &toks(1, 16)), t0).unwrap_err(),
+            RouteError::Load(LoadError::DuplicateRequest {
+                request: RequestId(1)
+            })
+        );
+        assert_eq!(r.queue_stats().unwrap().depth, 0);
+        assert_eq!(r.counts().duplicate_admissions, 1);
+    }
+
+    /// Cancelling a released request whose booking already went (its worker left) once
+    /// reported an error although the cancel took effect.
+    #[test]
+    fn cancel_after_the_released_booking_was_purged_still_cancels() {
+        let r = busy_router(QueueOrder::Fcfs, 10_000);
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        let t = queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
+        r.free(RequestId(1)).unwrap();
+        assert_eq!(r.ticket_state(t.request), TicketState::Released);
+        r.leave_worker(WorkerId(1)).unwrap();
+        assert_eq!(r.cancel_queued(t.request), Ok(Cancelled::Released));
+        assert_eq!(r.ticket_state(t.request), TicketState::Unknown);
+        assert_eq!(r.active_requests(), 0);
     }
 
     #[test]
