@@ -628,7 +628,8 @@ pub struct RouterCounts {
     pub completed: u64,
     /// Requests rejected for a bad hint ([`RouteError::InvalidHint`]).
     pub invalid_hints: u64,
-    /// Submits of an id already queued, released and untaken, or booked.
+    /// Submits of an id already queued, released and untaken, or booked (one that finds a free
+    /// rank at once meets the ledger's own duplicate check instead).
     pub duplicate_admissions: u64,
     /// Candidates left out because their worker was marked unreachable (one per request per
     /// rank).
@@ -780,6 +781,7 @@ impl Router {
                 } => Some(Queue {
                     state: Mutex::new(QueueState::new(order, max_queued_tokens)),
                     depth: AtomicUsize::new(0),
+                    untaken: AtomicUsize::new(0),
                     epoch: Instant::now(),
                 }),
             },
@@ -1971,6 +1973,8 @@ struct Queue {
     state: Mutex<QueueState>,
     /// Requests waiting, readable without the lock (lifecycle calls release only when > 0).
     depth: AtomicUsize,
+    /// Released outcomes not yet taken, readable without the lock.
+    untaken: AtomicUsize,
     /// Arrival times are seconds since this instant.
     epoch: Instant,
 }
@@ -1997,6 +2001,15 @@ impl Router {
                 reason: "must be finite",
             });
         }
+        // Nothing waits and no outcome is untaken: route without the queue's lock (a booked
+        // duplicate id is refused by the ledger), and take the lock only to wait.
+        let mut waits = None;
+        if q.depth.load(Ordering::Relaxed) == 0 && q.untaken.load(Ordering::Relaxed) == 0 {
+            match self.route_gated(req, &Now::at(now), Gate::IfFree)? {
+                Routed::Decided(d) => return Ok(Admission::Routed(d)),
+                Routed::Wait { new_prefill_tokens } => waits = Some(new_prefill_tokens),
+            }
+        }
         let mut st = lock(&q.state);
         if st.queue.contains(req.id)
             || st.released.contains_key(&req.id)
@@ -2007,14 +2020,19 @@ impl Router {
                 request: req.id,
             }));
         }
-        let gate = if st.queue.is_empty() {
-            Gate::IfFree
-        } else {
-            Gate::Behind
-        };
-        let new_prefill_tokens = match self.route_gated(req, &Now::at(now), gate)? {
-            Routed::Decided(d) => return Ok(Admission::Routed(d)),
-            Routed::Wait { new_prefill_tokens } => new_prefill_tokens,
+        let new_prefill_tokens = match waits {
+            Some(n) => n,
+            None => {
+                let gate = if st.queue.is_empty() {
+                    Gate::IfFree
+                } else {
+                    Gate::Behind
+                };
+                match self.route_gated(req, &Now::at(now), gate)? {
+                    Routed::Decided(d) => return Ok(Admission::Routed(d)),
+                    Routed::Wait { new_prefill_tokens } => new_prefill_tokens,
+                }
+            }
         };
         let tokens = req.tokens.len() as u64;
         let waiting = Waiting {
@@ -2088,6 +2106,7 @@ impl Router {
             n += 1;
         }
         q.depth.store(st.queue.len(), Ordering::Relaxed);
+        q.untaken.store(st.released.len(), Ordering::Relaxed);
         n
     }
 
@@ -2104,6 +2123,7 @@ impl Router {
         };
         let mut st = lock(&q.state);
         if let Some(outcome) = st.released.remove(&request) {
+            q.untaken.store(st.released.len(), Ordering::Relaxed);
             return Poll::Ready(outcome);
         }
         if !st.queue.contains(request) {
@@ -2150,7 +2170,11 @@ impl Router {
         mut f: impl FnMut(RequestId, Result<Decision, RouteError>),
     ) -> usize {
         let Some(q) = &self.queue else { return 0 };
-        let taken: Vec<_> = lock(&q.state).released.drain().collect();
+        let taken: Vec<_> = {
+            let mut st = lock(&q.state);
+            q.untaken.store(0, Ordering::Relaxed);
+            st.released.drain().collect()
+        };
         let n = taken.len();
         for (id, outcome) in taken {
             f(id, outcome);
@@ -2175,6 +2199,7 @@ impl Router {
         match st.released.remove(&request) {
             Some(outcome) => {
                 st.cancelled_released += 1;
+                q.untaken.store(st.released.len(), Ordering::Relaxed);
                 drop(st);
                 if let Ok(d) = outcome {
                     if d.bookkeeping == Bookkeeping::Booked {
