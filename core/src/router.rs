@@ -2224,6 +2224,13 @@ impl Router {
         }
     }
 
+    /// Requests waiting in the queue now (one relaxed load; 0 without a queue).
+    pub fn queue_depth(&self) -> usize {
+        self.queue
+            .as_ref()
+            .map_or(0, |q| q.depth.load(Ordering::Relaxed))
+    }
+
     /// Queue depth, waits and outcomes (`None` unless [`Queueing::On`]).
     pub fn queue_stats(&self) -> Option<QueueStats> {
         let q = self.queue.as_ref()?;
