@@ -23,7 +23,8 @@
 //! mean equal prefixes. A route records the whole chain with one expiry, and a key already
 //! present keeps the later of its two expiries, so along any recorded chain expiries never
 //! increase: the live records of a rank are closed under prefixes, and a query's depth on a
-//! rank is found by binary search. To keep a long prompt's record cheap, only *checkpoint*
+//! rank is found by a galloping search from the first block, which computes the query's
+//! prefix keys only as far as it looks. To keep a long prompt's record cheap, only *checkpoint*
 //! blocks are written: the first [`DENSE_BLOCKS`], then every [`STRIDE`]-th, and the last; a
 //! depth is therefore exact up to [`DENSE_BLOCKS`] and otherwise found to within
 //! [`STRIDE`] − 1 blocks below the truth (never above). The table is capped; records past the
@@ -35,6 +36,8 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::event::{WorkerId, WorkerRank};
+use crate::hash::LocalHash;
+use crate::load::prefix_keys_extend;
 use crate::rng::mix64;
 
 /// Blocks recorded one by one at the start of a prompt.
@@ -182,16 +185,28 @@ impl ApproxCache {
         self.dropped.fetch_add(dropped, Ordering::Relaxed);
     }
 
-    /// For every rank with live records of the prompt whose full blocks have prefix `keys`,
-    /// calls `f(rank, blocks)` with the depth of its longest live record.
-    pub fn lookup(&self, keys: &[u64], now: Instant, mut f: impl FnMut(WorkerRank, u32)) {
-        if keys.is_empty() || self.is_empty() {
+    /// For every rank with live records of the prompt whose full blocks hash to `locals`,
+    /// calls `f(rank, blocks)` with the depth of its longest live record. `keys` holds the
+    /// prompt's prefix keys computed so far and is extended only as far as the search looks:
+    /// a galloping search from the first block, so a shallow or absent record costs a few
+    /// keys, not the whole prompt's.
+    pub fn lookup(
+        &self,
+        locals: &[LocalHash],
+        keys: &mut Vec<u64>,
+        now: Instant,
+        mut f: impl FnMut(WorkerRank, u32),
+    ) {
+        let n = locals.len();
+        if n == 0 || self.is_empty() {
             return;
         }
         let inner = lock(&self.inner);
-        let n = keys.len();
+        let count = checkpoint_count(n);
         for (&rank, &(epoch, _)) in &inner.ranks {
-            let live = |i: usize| {
+            let mut live = |j: usize| {
+                let i = checkpoint_at(j, n);
+                prefix_keys_extend(locals, keys, i + 1);
                 inner
                     .records
                     .get(&(keys[i], rank))
@@ -200,17 +215,28 @@ impl ApproxCache {
             if !live(0) {
                 continue;
             }
-            // Binary search over the checkpoints for the last live one.
-            let (mut lo, mut hi) = (1usize, checkpoint_count(n));
-            while lo < hi {
+            // Gallop to a dead checkpoint (or the end), then bisect: `lo` is live, `hi` dead.
+            let (mut lo, mut step) = (0usize, 1usize);
+            let mut hi = loop {
+                let probe = lo + step;
+                if probe >= count {
+                    break count;
+                }
+                if !live(probe) {
+                    break probe;
+                }
+                lo = probe;
+                step *= 2;
+            };
+            while hi - lo > 1 {
                 let mid = lo + (hi - lo) / 2;
-                if live(checkpoint_at(mid, n)) {
-                    lo = mid + 1;
+                if live(mid) {
+                    lo = mid;
                 } else {
                     hi = mid;
                 }
             }
-            f(rank, (checkpoint_at(lo - 1, n) + 1) as u32);
+            f(rank, (checkpoint_at(lo, n) + 1) as u32);
         }
     }
 
@@ -310,8 +336,25 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    fn keys(seed: u64, n: usize) -> Vec<u64> {
-        (0..n as u64).map(|i| mix64(seed * 1_000_003 + i)).collect()
+    fn locals(seed: u64, n: usize) -> Vec<LocalHash> {
+        (0..n as u64)
+            .map(|i| LocalHash(mix64(seed * 1_000_003 + i)))
+            .collect()
+    }
+
+    fn keys_of(locals: &[LocalHash]) -> Vec<u64> {
+        let mut k = Vec::new();
+        crate::load::prefix_keys_into(locals, &mut k);
+        k
+    }
+
+    /// `lookup` from scratch keys (as a route starts with few).
+    fn look(c: &ApproxCache, l: &[LocalHash], now: Instant) -> Vec<(WorkerRank, u32)> {
+        let mut keys = Vec::new();
+        let mut got = Vec::new();
+        c.lookup(l, &mut keys, now, |rank, d| got.push((rank, d)));
+        got.sort();
+        got
     }
 
     /// The closed forms agree with the definition, for every prompt length.
@@ -333,26 +376,51 @@ mod tests {
         let c = ApproxCache::new(1 << 20);
         let t0 = Instant::now();
         let r = WorkerRank::new(1, 0);
-        let a = keys(1, 100);
-        c.record(&a[..10], r, t0 + Duration::from_secs(5));
-        let mut got = Vec::new();
-        c.lookup(&a, t0, |rank, d| got.push((rank, d)));
-        assert_eq!(got, vec![(r, 10)]);
-        c.record(&a, r, t0 + Duration::from_secs(5));
-        got.clear();
-        c.lookup(&a, t0, |rank, d| got.push((rank, d)));
-        assert_eq!(got, vec![(r, 100)], "the last block is a checkpoint");
-        for q in [20usize, 47, 63, 64, 99] {
+        let a = locals(1, 100);
+        let ka = keys_of(&a);
+        c.record(&ka[..10], r, t0 + Duration::from_secs(5));
+        assert_eq!(look(&c, &a, t0), vec![(r, 10)]);
+        c.record(&ka, r, t0 + Duration::from_secs(5));
+        assert_eq!(
+            look(&c, &a, t0),
+            vec![(r, 100)],
+            "the last block is a checkpoint"
+        );
+        for q in [1usize, 15, 16, 17, 20, 47, 63, 64, 99] {
             // A query that shares q blocks and then diverges.
             let mut b = a[..q].to_vec();
-            b.extend(keys(9, 50));
-            let mut d = usize::MAX;
-            c.lookup(&b, t0, |_, x| d = x as usize);
+            b.extend(locals(9, 50));
+            let d = look(&c, &b, t0)[0].1 as usize;
             assert!(d <= q && d + STRIDE > q, "q = {q}, found {d}");
+            if q <= DENSE_BLOCKS {
+                assert_eq!(d, q);
+            }
         }
-        got.clear();
-        c.lookup(&keys(2, 30), t0, |rank, d| got.push((rank, d)));
-        assert!(got.is_empty());
+        assert!(look(&c, &locals(2, 30), t0).is_empty());
+    }
+
+    /// The galloping search computes only the keys it looks at: none past the first for a
+    /// prompt no record starts, a few for a shallow record.
+    #[test]
+    fn lookup_extends_keys_only_as_far_as_it_looks() {
+        let c = ApproxCache::new(1 << 20);
+        let t0 = Instant::now();
+        let a = locals(1, 512);
+        c.record(
+            &keys_of(&a[..3]),
+            WorkerRank::new(1, 0),
+            t0 + Duration::from_secs(5),
+        );
+        let other = locals(2, 512);
+        let mut keys = Vec::new();
+        c.lookup(&other, &mut keys, t0, |_, _| {});
+        assert_eq!(keys.len(), 1);
+        let mut keys = Vec::new();
+        let mut depth = 0;
+        c.lookup(&a, &mut keys, t0, |_, d| depth = d);
+        assert_eq!(depth, 3);
+        assert!(keys.len() <= 5, "{}", keys.len());
+        assert_eq!(keys, keys_of(&a[..keys.len()]));
     }
 
     /// A record never outlives its TTL, and a longer-lived refresh of a prefix keeps the
@@ -362,14 +430,11 @@ mod tests {
         let c = ApproxCache::new(1 << 20);
         let t0 = Instant::now();
         let r = WorkerRank::new(1, 0);
-        let a = keys(1, 40);
-        c.record(&a, r, t0 + Duration::from_secs(2));
-        c.record(&a[..8], r, t0 + Duration::from_secs(10));
-        let depth = |at: Instant| {
-            let mut d = 0;
-            c.lookup(&a, at, |_, x| d = x);
-            d
-        };
+        let a = locals(1, 40);
+        let ka = keys_of(&a);
+        c.record(&ka, r, t0 + Duration::from_secs(2));
+        c.record(&ka[..8], r, t0 + Duration::from_secs(10));
+        let depth = |at: Instant| look(&c, &a, at).first().map_or(0, |x| x.1);
         assert_eq!(depth(t0 + Duration::from_millis(1999)), 40);
         assert_eq!(depth(t0 + Duration::from_secs(2)), 8);
         assert_eq!(depth(t0 + Duration::from_secs(10)), 0);
@@ -385,18 +450,14 @@ mod tests {
         let c = ApproxCache::new(1 << 20);
         let t0 = Instant::now();
         let (r1, r2) = (WorkerRank::new(1, 0), WorkerRank::new(2, 0));
-        let a = keys(1, 20);
-        c.record(&a, r1, t0 + Duration::from_secs(5));
-        c.record(&a, r2, t0 + Duration::from_secs(5));
+        let a = locals(1, 20);
+        let ka = keys_of(&a);
+        c.record(&ka, r1, t0 + Duration::from_secs(5));
+        c.record(&ka, r2, t0 + Duration::from_secs(5));
         c.retire_rank(r1);
-        let mut got = Vec::new();
-        c.lookup(&a, t0, |rank, d| got.push((rank, d)));
-        assert_eq!(got, vec![(r2, 20)]);
-        c.record(&a[..5], r1, t0 + Duration::from_secs(5));
-        got.clear();
-        c.lookup(&a, t0, |rank, d| got.push((rank, d)));
-        got.sort();
-        assert_eq!(got, vec![(r1, 5), (r2, 20)]);
+        assert_eq!(look(&c, &a, t0), vec![(r2, 20)]);
+        c.record(&ka[..5], r1, t0 + Duration::from_secs(5));
+        assert_eq!(look(&c, &a, t0), vec![(r1, 5), (r2, 20)]);
         // 17 checkpoints each (blocks 0-15, 19); rank 1 refreshed 5 of its own.
         assert_eq!(c.sweep(t0), 12, "the retired epoch's tail");
         c.remove_worker(WorkerId(2));
@@ -407,11 +468,8 @@ mod tests {
     fn the_cap_drops_and_counts() {
         let c = ApproxCache::new(10);
         let t0 = Instant::now();
-        c.record(
-            &keys(1, 14),
-            WorkerRank::new(1, 0),
-            t0 + Duration::from_secs(1),
-        );
+        let k = keys_of(&locals(1, 14));
+        c.record(&k, WorkerRank::new(1, 0), t0 + Duration::from_secs(1));
         let n = c.counts();
         assert_eq!((n.records, n.written, n.dropped), (10, 10, 4));
     }

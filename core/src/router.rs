@@ -1251,11 +1251,10 @@ impl Router {
         // The router's own records (approximate mode, speculation) raise a rank's overlap to
         // their depth, as device blocks; the index's overlap stands where it is deeper.
         if !self.approx.is_empty() && !s.locals.is_empty() {
-            prefix_keys_extend(&s.locals, &mut s.keys, s.locals.len());
             let mut raised = false;
             let (scores, slot, matched) = (&mut s.scores.scores, &mut s.slot, &mut s.matched);
             self.approx
-                .lookup(&s.keys, now.get_or(None), |rank, depth| {
+                .lookup(&s.locals, &mut s.keys, now.get_or(None), |rank, depth| {
                     let Some(i) = fleet.rank_index(rank) else {
                         return;
                     };
@@ -1457,7 +1456,7 @@ impl Router {
                 if r.role != role || hints.allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
                     continue;
                 }
-                if r.label_bits & required != required {
+                if required != 0 && r.label_bits & required != required {
                     unlabelled += 1;
                     continue;
                 }
@@ -2374,8 +2373,10 @@ impl Scorer<'_> {
                 Health::Healthy
             },
             shared_blocks: 0,
-            cost: CostTerms::total_of(self.weights, self.shape, &load, credit, 0)
-                - self.preference(r.label_bits),
+            cost: self.less_preference(
+                CostTerms::total_of(self.weights, self.shape, &load, credit, 0),
+                r.label_bits,
+            ),
             load,
         }
     }
@@ -2387,6 +2388,17 @@ impl Scorer<'_> {
         match self.pool.iter().find(|&&(a, b)| a <= own && own < b) {
             Some(&(_, b)) => (f64::from(b - own) * self.pool_credit, b - own),
             None => (0.0, 0),
+        }
+    }
+
+    /// `cost` less the preference of a rank carrying `label_bits` (untouched without
+    /// preferred labels, as [`CostTerms::with_preference`] is then not applied either).
+    #[inline(always)]
+    fn less_preference(&self, cost: f64, label_bits: u64) -> f64 {
+        if self.preferred.is_empty() {
+            cost
+        } else {
+            cost - self.preference(label_bits)
         }
     }
 
@@ -2411,8 +2423,10 @@ impl Scorer<'_> {
         };
         Scored {
             shared_blocks: shared,
-            cost: CostTerms::total_of(self.weights, self.shape, &c.load, credit, shared)
-                - self.preference(self.fleet.ranks[c.fleet_index as usize].label_bits),
+            cost: self.less_preference(
+                CostTerms::total_of(self.weights, self.shape, &c.load, credit, shared),
+                self.fleet.ranks[c.fleet_index as usize].label_bits,
+            ),
             ..*c
         }
     }
