@@ -92,6 +92,9 @@ struct Inner {
     records: Table<(u64, WorkerRank), Record>,
     /// Ranks holding records, with their current epoch and record count.
     ranks: Table<WorkerRank, (u32, usize)>,
+    /// The key of a recorded prompt's first block → the ranks it was recorded on: a lookup
+    /// visits only the ranks whose records start like the query.
+    heads: Table<u64, Vec<WorkerRank>>,
 }
 
 /// Counters of the record table.
@@ -151,6 +154,10 @@ impl ApproxCache {
         let mut g = lock(&self.inner);
         let inner = &mut *g;
         let (epoch, count) = inner.ranks.entry(rank).or_insert((0, 0));
+        let heads = inner.heads.entry(keys[0]).or_default();
+        if !heads.contains(&rank) {
+            heads.push(rank);
+        }
         let (mut written, mut dropped) = (0u64, 0u64);
         for i in checkpoints(keys.len()) {
             let full = inner.records.len() >= self.max_records;
@@ -201,9 +208,16 @@ impl ApproxCache {
         if n == 0 || self.is_empty() {
             return;
         }
+        prefix_keys_extend(locals, keys, 1);
         let inner = lock(&self.inner);
+        let Some(heads) = inner.heads.get(&keys[0]) else {
+            return;
+        };
         let count = checkpoint_count(n);
-        for (&rank, &(epoch, _)) in &inner.ranks {
+        for &rank in heads {
+            let Some(&(epoch, _)) = inner.ranks.get(&rank) else {
+                continue;
+            };
             let mut live = |j: usize| {
                 let i = checkpoint_at(j, n);
                 prefix_keys_extend(locals, keys, i + 1);
@@ -259,6 +273,10 @@ impl ApproxCache {
         let before = g.records.len();
         g.records.retain(|(_, r), _| r.worker != worker);
         g.ranks.retain(|r, _| r.worker != worker);
+        g.heads.retain(|_, ranks| {
+            ranks.retain(|r| r.worker != worker);
+            !ranks.is_empty()
+        });
         self.swept
             .fetch_add((before - g.records.len()) as u64, Ordering::Relaxed);
         self.len.store(g.records.len(), Ordering::Relaxed);
@@ -288,6 +306,11 @@ impl ApproxCache {
             keep
         });
         ranks.retain(|_, (_, c)| *c > 0);
+        let records = &inner.records;
+        inner.heads.retain(|key, ranks| {
+            ranks.retain(|r| records.contains_key(&(*key, *r)));
+            !ranks.is_empty()
+        });
         let gone = before - inner.records.len();
         self.swept.fetch_add(gone as u64, Ordering::Relaxed);
         self.len.store(inner.records.len(), Ordering::Relaxed);
