@@ -209,26 +209,30 @@ impl ApproxCache {
             return;
         }
         prefix_keys_extend(locals, keys, 1);
-        let inner = lock(&self.inner);
-        let Some(heads) = inner.heads.get(&keys[0]) else {
+        let key0 = keys[0];
+        let mut guard = lock(&self.inner);
+        let inner = &mut *guard;
+        let Some(heads) = inner.heads.get_mut(&key0) else {
             return;
         };
+        let (records, ranks) = (&inner.records, &inner.ranks);
+        let live_at = |key: u64, rank: WorkerRank| {
+            ranks.get(&rank).is_some_and(|&(epoch, _)| {
+                records
+                    .get(&(key, rank))
+                    .is_some_and(|r| r.epoch == epoch && r.expires > now)
+            })
+        };
+        // Ranks whose first record expired or was retired leave the list now (no allocation),
+        // so that later lookups do not visit them again; a new record puts them back.
+        heads.retain(|&rank| live_at(key0, rank));
         let count = checkpoint_count(n);
-        for &rank in heads {
-            let Some(&(epoch, _)) = inner.ranks.get(&rank) else {
-                continue;
-            };
+        for &rank in heads.iter() {
             let mut live = |j: usize| {
                 let i = checkpoint_at(j, n);
                 prefix_keys_extend(locals, keys, i + 1);
-                inner
-                    .records
-                    .get(&(keys[i], rank))
-                    .is_some_and(|r| r.epoch == epoch && r.expires > now)
+                live_at(keys[i], rank)
             };
-            if !live(0) {
-                continue;
-            }
             // Gallop to a dead checkpoint (or the end), then bisect: `lo` is live, `hi` dead.
             let (mut lo, mut step) = (0usize, 1usize);
             let mut hi = loop {
