@@ -1451,19 +1451,13 @@ impl Router {
             s.candidates.clear();
             s.candidates.reserve(fleet.ranks.len());
             let mut targets = ProbeTargets::new(if probe { shape.full_blocks } else { 0 });
-            let mut unlabelled = 0usize;
-            for (i, r) in fleet.ranks.iter().enumerate() {
-                if r.role != role || hints.allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
-                    continue;
-                }
-                if required != 0 && r.label_bits & required != required {
-                    unlabelled += 1;
-                    continue;
-                }
-                let c = scorer.score(i);
-                targets.offer(s.candidates.len(), &c);
-                s.candidates.push(c);
-            }
+            let unlabelled = scorer.gather(
+                role,
+                hints.allowed,
+                required,
+                &mut s.candidates,
+                &mut targets,
+            );
             if s.candidates.is_empty() {
                 if unlabelled > 0 {
                     bump(&self.counters.no_eligible);
@@ -2348,17 +2342,82 @@ struct Scorer<'a> {
 }
 
 impl Scorer<'_> {
+    /// True when pool hits, preferred labels or health marks apply: scoring then does more
+    /// than the cost and the busy check.
+    fn extras(&self) -> bool {
+        self.health_on || !self.pool.is_empty() || !self.preferred.is_empty()
+    }
+
     /// Rank `i` of the fleet as selection sees it.
-    #[inline(always)]
     fn score(&self, i: usize) -> Scored {
+        if self.extras() {
+            self.score_as::<true>(i)
+        } else {
+            self.score_as::<false>(i)
+        }
+    }
+
+    /// Scores every rank of `role` that `allowed` and `required` admit into `out`, offering
+    /// each to `targets`; returns how many lacked a required label. One loop per kind of
+    /// request, so that a plain one pays for no condition it does not use.
+    fn gather(
+        &self,
+        role: WorkerRole,
+        allowed: Option<&[WorkerId]>,
+        required: u64,
+        out: &mut Vec<Scored>,
+        targets: &mut ProbeTargets,
+    ) -> usize {
+        if self.extras() || allowed.is_some() || required != 0 {
+            self.gather_as::<true>(role, allowed, required, out, targets)
+        } else {
+            self.gather_as::<false>(role, allowed, required, out, targets)
+        }
+    }
+
+    #[inline(always)]
+    fn gather_as<const EXTRAS: bool>(
+        &self,
+        role: WorkerRole,
+        allowed: Option<&[WorkerId]>,
+        required: u64,
+        out: &mut Vec<Scored>,
+        targets: &mut ProbeTargets,
+    ) -> usize {
+        let mut unlabelled = 0;
+        for (i, r) in self.fleet.ranks.iter().enumerate() {
+            if r.role != role {
+                continue;
+            }
+            if EXTRAS {
+                if allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
+                    continue;
+                }
+                if r.label_bits & required != required {
+                    unlabelled += 1;
+                    continue;
+                }
+            }
+            let c = self.score_as::<EXTRAS>(i);
+            targets.offer(out.len(), &c);
+            out.push(c);
+        }
+        unlabelled
+    }
+
+    /// Rank `i` scored; without `EXTRAS`, pool hits, preferences and health marks are known
+    /// not to apply.
+    #[inline(always)]
+    fn score_as<const EXTRAS: bool>(&self, i: usize) -> Scored {
         let r = &self.fleet.ranks[i];
         let load = r.state.load();
         let (own_credit, blocks) = self.matched[self.slot[i] as usize];
-        let credit = if self.pool.is_empty() {
-            own_credit
-        } else {
+        let credit = if EXTRAS && !self.pool.is_empty() {
             own_credit + self.pool_extension(blocks).0
+        } else {
+            own_credit
         };
+        let cost = CostTerms::total_of(self.weights, self.shape, &load, credit, 0);
         Scored {
             fleet_index: i as u32,
             overlap_blocks: blocks,
@@ -2367,16 +2426,17 @@ impl Scorer<'_> {
             } else {
                 Busy::Free
             },
-            health: if self.health_on {
+            health: if EXTRAS && self.health_on {
                 r.state.health()
             } else {
                 Health::Healthy
             },
             shared_blocks: 0,
-            cost: self.less_preference(
-                CostTerms::total_of(self.weights, self.shape, &load, credit, 0),
-                r.label_bits,
-            ),
+            cost: if EXTRAS {
+                self.less_preference(cost, r.label_bits)
+            } else {
+                cost
+            },
             load,
         }
     }
