@@ -12,6 +12,15 @@
 //!                                        drop frees exactly once
 //! ```
 //!
+//! **Under load and churn.** [`Router::submit`] admits through the admission queue
+//! ([`crate::queue`]) when every eligible rank is busy; health marks ([`Router::set_health`])
+//! steer around workers; required and preferred labels ([`RouteHints::required`],
+//! [`RouteHints::preferred`]) constrain and bias the choice; a session id
+//! ([`RouteHints::session`], [`crate::session`]) sticks to its rank; the router's own records
+//! ([`crate::approx`]) stand in for the KV events of workers that publish none; warming workers
+//! ([`crate::config::WarmUp`]) take a share of cache misses; and a shared pool's hits
+//! ([`RouteHints::pool`]) earn credit beyond a worker's own overlap.
+//!
 //! **Phases.** A prefill-phase request goes to prefill workers; when none has joined it falls
 //! back to aggregated workers (reported as [`Fallback::PrefillToAggregated`]) unless the config
 //! enforces disaggregation ([`Disaggregation::Enforced`]).
