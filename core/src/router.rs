@@ -201,6 +201,14 @@ pub enum PoolHits<'a> {
     Failed,
 }
 
+/// A KV event as the router's own bookkeeping sees it ([`Router::note_event`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventSeen {
+    Stored { blocks: u64 },
+    Removed { blocks: u64 },
+    Cleared,
+}
+
 /// A worker label, `key=value`, as a request names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Label<'a> {
@@ -815,36 +823,51 @@ impl Router {
         self.reader.clone()
     }
 
-    /// Applies a KV event to the index (serialised with other writers).
+    /// Applies a KV event to the index (serialised with other writers), and tells the
+    /// router's own bookkeeping of it ([`Router::note_event`]).
     pub fn apply_event(&self, event: &KvEvent) -> Result<(), IndexError> {
-        if matches!(
-            event.data,
-            KvEventData::Removed { .. } | KvEventData::Cleared
-        ) {
-            // The worker says its cache shrank: speculation about it stops counting.
-            self.approx.retire_rank(event.header.source);
-        }
         let applied = lock(&self.index).apply(event);
-        if applied.is_ok() && event.header.tier == StorageTier::Device {
-            let fleet = self.registry.load();
-            if let Some(i) = fleet.rank_index(event.header.source) {
-                let state = &fleet.ranks[i].state;
-                match &event.data {
-                    KvEventData::Stored { blocks, .. } => {
-                        state.report_blocks(blocks.len() as u64, 0, false)
-                    }
-                    KvEventData::Removed { blocks } => {
-                        state.report_blocks(0, blocks.len() as u64, false)
-                    }
-                    KvEventData::Cleared => {
-                        // A restart with an empty cache: warm it again.
-                        state.report_blocks(0, 0, true);
-                        self.warm(state, Instant::now());
-                    }
-                }
-            }
+        if applied.is_ok() {
+            let seen = match &event.data {
+                KvEventData::Stored { blocks, .. } => EventSeen::Stored {
+                    blocks: blocks.len() as u64,
+                },
+                KvEventData::Removed { blocks } => EventSeen::Removed {
+                    blocks: blocks.len() as u64,
+                },
+                KvEventData::Cleared => EventSeen::Cleared,
+            };
+            self.note_event(event.header.source, event.header.tier, seen);
         }
         applied
+    }
+
+    /// Tells the router of a KV event applied to the index elsewhere (an ingest path that
+    /// writes the index directly): an eviction or clear retires the worker's speculative
+    /// records, and device blocks stored and removed feed warm-up's measure of each worker's
+    /// cache (a clear warms the worker again). [`Router::apply_event`] calls it itself.
+    pub fn note_event(&self, source: WorkerRank, tier: StorageTier, seen: EventSeen) {
+        if matches!(seen, EventSeen::Removed { .. } | EventSeen::Cleared) {
+            // The worker says its cache shrank: speculation about it stops counting.
+            self.approx.retire_rank(source);
+        }
+        if tier != StorageTier::Device {
+            return;
+        }
+        let fleet = self.registry.load();
+        let Some(i) = fleet.rank_index(source) else {
+            return;
+        };
+        let state = &fleet.ranks[i].state;
+        match seen {
+            EventSeen::Stored { blocks } => state.report_blocks(blocks, 0, false),
+            EventSeen::Removed { blocks } => state.report_blocks(0, blocks, false),
+            EventSeen::Cleared => {
+                // A restart with an empty cache: warm it again.
+                state.report_blocks(0, 0, true);
+                self.warm(state, Instant::now());
+            }
+        }
     }
 
     /// The fleet snapshot.
@@ -4157,6 +4180,26 @@ mod approx_tests {
         })
         .unwrap();
         assert_eq!(overlap_on(&r, &p, w1, t1 + Duration::from_millis(10)), 3);
+    }
+
+    /// An ingest path that writes the index itself tells the router through `note_event`:
+    /// an eviction reported that way retires the speculation just the same.
+    #[test]
+    fn events_applied_elsewhere_are_noted() {
+        let r = router(Speculative::On {
+            ttl: Duration::from_secs(5),
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let t0 = Instant::now();
+        let p = prompt(128);
+        let w1 = WorkerRank::new(1, 0);
+        pinned(&r, 1, &p, 1, t0);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 8);
+        r.note_event(w1, StorageTier::Device, EventSeen::Stored { blocks: 8 });
+        assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 8);
+        r.note_event(w1, StorageTier::Device, EventSeen::Removed { blocks: 3 });
+        assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 5);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 0);
     }
 }
 
