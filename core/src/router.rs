@@ -965,7 +965,8 @@ impl Router {
     }
 
     /// Sets the handler told of every session that ends (expired or closed), so that the
-    /// embedder can close it on its worker. Called outside the router's locks.
+    /// embedder can close it on its worker. Called outside the router's locks, but under the
+    /// handler's own: it must not set a new handler itself.
     pub fn on_session_end(&self, f: impl Fn(SessionEnd) + Send + Sync + 'static) {
         *self
             .on_session_end
