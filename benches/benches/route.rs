@@ -20,6 +20,17 @@
 //! | `dynamo_select_worker` | Dynamo's `select_worker` on a prepared `SchedulingRequest` |
 //! | `dynamo_prepare_and_select` | the same, plus building its per-request maps (overlap per tier, effective blocks and tokens, load projections) from a match and the loads, which its scheduler does per request |
 //!
+//! The `route_8k_256w_all_conditions` group times the same query with every routing condition
+//! on: admission through the queue (`submit`, nothing waiting), busy thresholds, a sticky
+//! session, one worker marked wedged, required and preferred labels (half the workers in the
+//! required zone), one worker without KV events (approximate records), speculative records,
+//! warm-up and shared-pool hits:
+//!
+//! | bench | what it times |
+//! |---|---|
+//! | `route_query_only` | `route()` in query-only mode with the hints above |
+//! | `submit_book_and_free` | `submit()` booking the request (session bound, records written), then `free` |
+//!
 //! `cargo bench -p kvroute-benches --bench route`
 
 use std::collections::HashMap;
@@ -30,11 +41,17 @@ use dynamo_kv_router::protocols::{RoutingConstraints, WorkerConfigLike, WorkerWi
 use dynamo_kv_router::scheduling::{OverlapSignals, ScheduleMode, SchedulingRequest};
 use dynamo_kv_router::selector::{DefaultWorkerSelector, WorkerSelectionInput, WorkerSelector};
 use dynamo_kv_router::{KvRouterConfig, WorkerLoadProjection};
-use kvroute_core::config::{RouterConfig, Timing};
+use kvroute_core::config::{
+    Approximate, BusyThresholds, QueueOrder, Queueing, RouterConfig, Speculative, Timing, WarmUp,
+};
 use kvroute_core::hash::BlockHasher;
+use kvroute_core::health::Health;
 use kvroute_core::load::{prefix_keys_into, RequestId};
+use kvroute_core::registry::KvEvents;
 use kvroute_core::registry::WorkerConfig;
+use kvroute_core::router::{Admission, Label, PoolHits, PreferredLabel};
 use kvroute_core::router::{Mode, RouteHints, RouteRequest, Router};
+use kvroute_core::session::SessionId;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, OverlapScores,
     PrefixIndex, StorageTier, StoredBlock, WorkerRank,
@@ -76,6 +93,17 @@ fn store(index: &mut PrefixIndex, rank: WorkerRank, locals: &[LocalHash], tag: u
 }
 
 fn fleet(config: RouterConfig) -> Router {
+    fleet_with(config, Conditions::Off)
+}
+
+/// Whether the fleet carries labels, a marked worker and a worker without events.
+#[derive(Clone, Copy, PartialEq)]
+enum Conditions {
+    Off,
+    On,
+}
+
+fn fleet_with(config: RouterConfig, conditions: Conditions) -> Router {
     let mut index = PrefixIndex::new(IndexConfig::default());
     let hasher = BlockHasher::new(BS);
     let mut event = 0u64;
@@ -94,8 +122,23 @@ fn fleet(config: RouterConfig) -> Router {
     }
     let router = Router::new(config, index).unwrap();
     for w in 0..WORKERS {
+        let mut c = WorkerConfig::simple(w, 100_000, BS as u32);
+        let mut events = KvEvents::Published;
+        if conditions == Conditions::On {
+            let zone = if w % 2 == 0 { "a" } else { "b" };
+            c.labels = vec![
+                ("zone".to_string(), zone.to_string()),
+                ("gpu".to_string(), format!("g{}", w % 3)),
+            ];
+            if w == WORKERS - 2 {
+                events = KvEvents::Absent;
+            }
+        }
+        router.join_worker_with(c, events).unwrap();
+    }
+    if conditions == Conditions::On {
         router
-            .join_worker(WorkerConfig::simple(w, 100_000, BS as u32))
+            .set_health(kvroute_core::WorkerId(4), Health::Wedged)
             .unwrap();
     }
     // Background load: one 2,048-token request per worker.
@@ -353,5 +396,79 @@ fn bench_vs_dynamo(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_route, bench_vs_dynamo);
+fn bench_all_conditions(c: &mut Criterion) {
+    let config = RouterConfig {
+        busy: BusyThresholds {
+            decode_blocks_fraction: Some(0.9),
+            prefill_tokens_fraction: None,
+        },
+        queue: Queueing::On {
+            max_queued_tokens: 1 << 24,
+            order: QueueOrder::Fcfs,
+        },
+        approximate: Approximate {
+            speculative: Speculative::On {
+                ttl: Duration::from_secs(2),
+            },
+            ..Approximate::default()
+        },
+        warm_up: WarmUp::On {
+            share: 0.1,
+            duration: Duration::from_secs(60),
+            low_share: 0.1,
+        },
+        ..RouterConfig::default()
+    };
+    let router = fleet_with(config, Conditions::On);
+    let query = prompt(7);
+    let required = [Label {
+        key: "zone",
+        value: "a",
+    }];
+    let preferred = [PreferredLabel {
+        label: Label {
+            key: "gpu",
+            value: "g1",
+        },
+        weight: 4.0,
+    }];
+    let pool = [0..200, 220..300];
+    let hints = RouteHints {
+        required: &required,
+        preferred: &preferred,
+        pool: PoolHits::Hits(&pool),
+        session: Some(SessionId(7)),
+        priority_jump: 1.0,
+        ..RouteHints::default()
+    };
+    let mut g = c.benchmark_group("route_8k_256w_all_conditions");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("route_query_only", |b| {
+        let mut q = RouteRequest {
+            id: RequestId(1),
+            tokens: &query,
+            hints,
+        };
+        q.hints.mode = Mode::QueryOnly;
+        b.iter(|| black_box(router.route(black_box(&q)).unwrap().worker))
+    });
+    g.bench_function("submit_book_and_free", |b| {
+        let q = RouteRequest {
+            id: RequestId(2),
+            tokens: &query,
+            hints,
+        };
+        b.iter(|| {
+            let w = match router.submit(black_box(&q)).unwrap() {
+                Admission::Routed(d) => d.worker,
+                Admission::Queued(t) => panic!("nothing waits here: {t:?}"),
+            };
+            router.free(RequestId(2)).unwrap();
+            black_box(w)
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_route, bench_vs_dynamo, bench_all_conditions);
 criterion_main!(benches);

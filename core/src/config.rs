@@ -20,6 +20,13 @@
 //! | `timing` | `Off` | record the hash / match / select overhead split in histograms |
 //! | `metrics` | `Off` | record per-request TTFT, ITL, ISL, OSL and KV hit rate in histograms |
 //! | `disaggregation` | `Optional` | prefill requests fall back to aggregated workers when no prefill worker exists |
+//! | `session_idle_ttl` | 300 s | a sticky session idle this long (its last request ended) is dropped by [`crate::router::Router::expire_sessions`] |
+//! | `approximate.ttl` | 120 s | how long a routing decision counts as cached blocks on a worker without KV events (see [`crate::approx`]) |
+//! | `approximate.speculative` | `Off` | `On { ttl }`: workers with events also get a short-lived record of each decision until their events arrive |
+//! | `approximate.max_records` | 2^20 | cap of the record table (checkpoint blocks) |
+//! | `warm_up` | `Off` | `On { share, duration, low_share }`: a worker that joined less than `duration` ago, or whose reported cache is below `low_share` × the fleet's mean, takes `share` of the cache misses (the least loaded such worker) |
+//! | `pool_credit` | 0.25 | credit per block found in a shared KV pool beyond a worker's own overlap (the external tier's weight) |
+//! | `queue` | `Off` | with `On { max_queued_tokens, order }`, [`crate::router::Router::submit`] queues a request while every eligible rank is busy, up to a cap of queued prompt tokens (order default FCFS with priority jumps) |
 
 use std::time::Duration;
 
@@ -124,6 +131,80 @@ pub enum Disaggregation {
     Enforced,
 }
 
+/// The order of the admission queue within a priority class (see [`crate::queue`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum QueueOrder {
+    /// Arrival time minus priority jump, earliest first: best for tail TTFT.
+    #[default]
+    Fcfs,
+    /// Weighted shortest processing time, `(1 + priority jump) / new prefill tokens`, largest
+    /// first: best for mean TTFT.
+    Wspt,
+}
+
+/// Whether requests wait when every eligible rank is busy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Queueing {
+    /// Never: a request goes to the least loaded busy rank (`route` always does this).
+    #[default]
+    Off,
+    /// [`crate::router::Router::submit`] queues the request; past `max_queued_tokens` prompt
+    /// tokens waiting it is rejected with [`crate::router::RouteError::ResourceExhausted`].
+    /// Needs a busy threshold to have any effect.
+    On {
+        max_queued_tokens: u64,
+        order: QueueOrder,
+    },
+}
+
+/// Speculative records for workers that publish KV events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Speculative {
+    #[default]
+    Off,
+    /// Each booked decision counts as cached on its rank for `ttl` (a second or two: until
+    /// the worker's own events arrive).
+    On { ttl: Duration },
+}
+
+/// Routing decisions recorded as cached blocks (see [`crate::approx`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Approximate {
+    /// Lifetime of a record on a worker without KV events.
+    pub ttl: Duration,
+    /// Records on workers with KV events.
+    pub speculative: Speculative,
+    /// Most records held.
+    pub max_records: usize,
+}
+
+impl Default for Approximate {
+    fn default() -> Self {
+        Approximate {
+            ttl: Duration::from_secs(120),
+            speculative: Speculative::Off,
+            max_records: 1 << 20,
+        }
+    }
+}
+
+/// Warm-up of workers with an empty (or nearly empty) cache.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum WarmUp {
+    #[default]
+    Off,
+    On {
+        /// Fraction of cache-miss requests (no candidate holds a block) sent to a warming
+        /// worker, in (0, 1].
+        share: f64,
+        /// How long a worker warms after joining (or after falling below `low_share`).
+        duration: Duration,
+        /// A worker whose reported device blocks are below this fraction of the fleet's mean
+        /// warms again, in [0, 1) (0: only joins warm).
+        low_share: f64,
+    },
+}
+
 /// The router's configuration. Build it with struct update syntax over `Default`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterConfig {
@@ -153,6 +234,16 @@ pub struct RouterConfig {
     pub metrics: Metrics,
     /// Prefill → aggregated fallback.
     pub disaggregation: Disaggregation,
+    /// Admission queue.
+    pub queue: Queueing,
+    /// Idle time after which a sticky session expires.
+    pub session_idle_ttl: Duration,
+    /// Approximate mode and speculative records.
+    pub approximate: Approximate,
+    /// Warm-up of new and nearly empty workers.
+    pub warm_up: WarmUp,
+    /// Credit per shared-pool block beyond a worker's own overlap.
+    pub pool_credit: f64,
 }
 
 impl Default for RouterConfig {
@@ -171,6 +262,11 @@ impl Default for RouterConfig {
             timing: Timing::Off,
             metrics: Metrics::Off,
             disaggregation: Disaggregation::Optional,
+            queue: Queueing::Off,
+            session_idle_ttl: Duration::from_secs(300),
+            approximate: Approximate::default(),
+            warm_up: WarmUp::Off,
+            pool_credit: 0.25,
         }
     }
 }
@@ -211,6 +307,7 @@ impl RouterConfig {
         non_negative("tier_weights.disk", self.tier_weights.disk)?;
         non_negative("tier_weights.external", self.tier_weights.external)?;
         non_negative("temperature", self.temperature)?;
+        non_negative("pool_credit", self.pool_credit)?;
         fraction(
             "busy.decode_blocks_fraction",
             self.busy.decode_blocks_fraction,
@@ -263,6 +360,69 @@ impl RouterConfig {
             }
             _ => {}
         }
+        if self.session_idle_ttl.is_zero() {
+            return Err(ConfigError::Invalid {
+                field: "session_idle_ttl",
+                reason: "must be > 0",
+            });
+        }
+        if self.approximate.ttl.is_zero() {
+            return Err(ConfigError::Invalid {
+                field: "approximate.ttl",
+                reason: "must be > 0",
+            });
+        }
+        if self.approximate.speculative
+            == (Speculative::On {
+                ttl: Duration::ZERO,
+            })
+        {
+            return Err(ConfigError::Invalid {
+                field: "approximate.speculative.ttl",
+                reason: "must be > 0",
+            });
+        }
+        if self.approximate.max_records == 0 {
+            return Err(ConfigError::Invalid {
+                field: "approximate.max_records",
+                reason: "must be > 0",
+            });
+        }
+        if let WarmUp::On {
+            share,
+            duration,
+            low_share,
+        } = self.warm_up
+        {
+            if !(share > 0.0 && share <= 1.0) {
+                return Err(ConfigError::Invalid {
+                    field: "warm_up.share",
+                    reason: "must be in (0, 1]",
+                });
+            }
+            if duration.is_zero() {
+                return Err(ConfigError::Invalid {
+                    field: "warm_up.duration",
+                    reason: "must be > 0",
+                });
+            }
+            if !(0.0..1.0).contains(&low_share) {
+                return Err(ConfigError::Invalid {
+                    field: "warm_up.low_share",
+                    reason: "must be in [0, 1)",
+                });
+            }
+        }
+        if let Queueing::On {
+            max_queued_tokens: 0,
+            ..
+        } = self.queue
+        {
+            return Err(ConfigError::Invalid {
+                field: "queue.max_queued_tokens",
+                reason: "must be > 0",
+            });
+        }
         Ok(())
     }
 
@@ -292,6 +452,12 @@ mod tests {
         assert_eq!(c.policy, Policy::KvAware);
         assert_eq!(c.metrics, Metrics::Off);
         assert_eq!(c.disaggregation, Disaggregation::Optional);
+        assert_eq!(c.queue, Queueing::Off);
+        assert_eq!(c.session_idle_ttl, Duration::from_secs(300));
+        assert_eq!(c.approximate.ttl, Duration::from_secs(120));
+        assert_eq!(c.approximate.speculative, Speculative::Off);
+        assert_eq!(c.warm_up, WarmUp::Off);
+        assert_eq!(c.pool_credit, 0.25);
         c.validate().unwrap();
     }
 
@@ -380,6 +546,71 @@ mod tests {
                 ..d()
             }),
             "policy.min_match_ratio"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                queue: Queueing::On {
+                    max_queued_tokens: 0,
+                    order: QueueOrder::Wspt
+                },
+                ..d()
+            }),
+            "queue.max_queued_tokens"
+        );
+        assert_eq!(
+            field_of(RouterConfig {
+                session_idle_ttl: Duration::ZERO,
+                ..d()
+            }),
+            "session_idle_ttl"
+        );
+        for (approximate, field) in [
+            (
+                Approximate {
+                    ttl: Duration::ZERO,
+                    ..Approximate::default()
+                },
+                "approximate.ttl",
+            ),
+            (
+                Approximate {
+                    speculative: Speculative::On {
+                        ttl: Duration::ZERO,
+                    },
+                    ..Approximate::default()
+                },
+                "approximate.speculative.ttl",
+            ),
+            (
+                Approximate {
+                    max_records: 0,
+                    ..Approximate::default()
+                },
+                "approximate.max_records",
+            ),
+        ] {
+            assert_eq!(field_of(RouterConfig { approximate, ..d() }), field);
+        }
+        let warm = |share, duration, low_share| RouterConfig {
+            warm_up: WarmUp::On {
+                share,
+                duration,
+                low_share,
+            },
+            ..d()
+        };
+        let minute = Duration::from_secs(60);
+        assert_eq!(field_of(warm(0.0, minute, 0.1)), "warm_up.share");
+        assert_eq!(field_of(warm(f64::NAN, minute, 0.1)), "warm_up.share");
+        assert_eq!(field_of(warm(0.2, Duration::ZERO, 0.1)), "warm_up.duration");
+        assert_eq!(field_of(warm(0.2, minute, 1.0)), "warm_up.low_share");
+        assert_eq!(field_of(warm(1.0, minute, 0.0)), "ok");
+        assert_eq!(
+            field_of(RouterConfig {
+                pool_credit: -0.5,
+                ..d()
+            }),
+            "pool_credit"
         );
         let msg = RouterConfig {
             temperature: -1.0,

@@ -1,5 +1,8 @@
 //! kvroute's routing core: block hashing, the KV event model, the sharded prefix index, and
-//! routing decisions (worker registry, load tracking, selection, the [`router::Router`] facade).
+//! routing decisions (worker registry, load tracking, selection, the [`router::Router`] facade),
+//! with what a real fleet needs around them: an admission queue ([`queue`]), worker health
+//! marks ([`health`]), sticky sessions ([`session`]) and the router's own cache records for
+//! workers without KV events ([`approx`]).
 //!
 //! The core does no I/O and starts no threads. It is data structures and decisions, driven by
 //! whoever embeds it: a transport's shard loops, a test, a benchmark.
@@ -41,15 +44,19 @@
 //! ```
 #![deny(unsafe_code)]
 
+pub mod approx;
 pub mod config;
 pub mod event;
 pub mod hash;
+pub mod health;
 pub mod index;
 pub mod load;
+pub mod queue;
 pub mod registry;
 pub mod rng;
 pub mod router;
 pub mod select;
+pub mod session;
 
 pub use config::{ConfigError, Policy, RouterConfig};
 pub use event::{

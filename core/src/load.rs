@@ -41,7 +41,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -49,7 +49,10 @@ use crossbeam_utils::CachePadded;
 
 use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
+use crate::health::Health;
+use crate::registry::KvEvents;
 use crate::rng::mix64;
+use crate::session::SessionId;
 
 /// A request's identity, chosen by the caller (unique among its active requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -276,6 +279,14 @@ pub struct RankState {
     load: CachePadded<RankLoad>,
     refs: Mutex<PrefixRefs>,
     retired: AtomicBool,
+    /// [`Health`] as a byte, set by the embedder.
+    health: AtomicU8,
+    /// True when the worker publishes no KV events ([`KvEvents::Absent`]).
+    no_events: AtomicBool,
+    /// Warm-up ends at this many nanoseconds past the router's epoch (0: not warming).
+    warm_until_ns: AtomicU64,
+    /// Device blocks the worker reported through its events (stored less removed).
+    reported_blocks: AtomicU64,
 }
 
 impl RankState {
@@ -286,6 +297,10 @@ impl RankState {
             load: CachePadded::new(RankLoad::default()),
             refs: Mutex::new(PrefixRefs::default()),
             retired: AtomicBool::new(false),
+            health: AtomicU8::new(Health::Healthy.to_u8()),
+            no_events: AtomicBool::new(false),
+            warm_until_ns: AtomicU64::new(0),
+            reported_blocks: AtomicU64::new(0),
         }
     }
 
@@ -329,6 +344,63 @@ impl RankState {
         self.retired.load(Ordering::SeqCst)
     }
 
+    /// The rank's health mark (a relaxed load: advice, like the load counters).
+    #[inline]
+    pub fn health(&self) -> Health {
+        Health::from_u8(self.health.load(Ordering::Relaxed))
+    }
+
+    /// Sets the health mark; returns the previous one.
+    pub fn set_health(&self, h: Health) -> Health {
+        Health::from_u8(self.health.swap(h.to_u8(), Ordering::Relaxed))
+    }
+
+    /// Whether the rank's worker publishes KV events.
+    #[inline]
+    pub fn kv_events(&self) -> KvEvents {
+        if self.no_events.load(Ordering::Relaxed) {
+            KvEvents::Absent
+        } else {
+            KvEvents::Published
+        }
+    }
+
+    /// Sets whether the rank's worker publishes KV events.
+    pub fn set_kv_events(&self, events: KvEvents) {
+        self.no_events
+            .store(events == KvEvents::Absent, Ordering::Relaxed);
+    }
+
+    /// When the rank's warm-up ends, in nanoseconds past the router's epoch (0: never warmed).
+    #[inline]
+    pub fn warm_until_ns(&self) -> u64 {
+        self.warm_until_ns.load(Ordering::Relaxed)
+    }
+
+    /// Warms the rank until `until_ns` (past the router's epoch), or longer if already so.
+    pub fn warm_until(&self, until_ns: u64) {
+        self.warm_until_ns.fetch_max(until_ns, Ordering::Relaxed);
+    }
+
+    /// Device blocks the rank reported (stored less removed, since its last clear).
+    pub fn reported_blocks(&self) -> u64 {
+        self.reported_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Adjusts the reported blocks: `stored` more, `removed` fewer (never below 0), or all
+    /// gone on a clear.
+    pub fn report_blocks(&self, stored: u64, removed: u64, cleared: bool) {
+        let _ = self
+            .reported_blocks
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                Some(if cleared {
+                    0
+                } else {
+                    (b + stored).saturating_sub(removed)
+                })
+            });
+    }
+
     /// Marks the rank as gone (its worker left).
     pub fn retire(&self) {
         // SeqCst: see `is_retired`.
@@ -358,6 +430,7 @@ struct Booking {
     block_size: u32,
     expected_output_tokens: Option<u32>,
     booked_at: Instant,
+    session: Option<SessionId>,
     dispatch: Dispatch,
     first_token_seen: bool,
     /// The last token event (first token or block boundary) timed by a caller's clock.
@@ -384,6 +457,8 @@ pub struct BookingSpec<'a> {
     pub block_size: u32,
     /// Expected output length, when known: output blocks decay by it.
     pub expected_output_tokens: Option<u32>,
+    /// The sticky session the request belongs to, handed back when it is freed.
+    pub session: Option<SessionId>,
     pub now: Instant,
 }
 
@@ -411,6 +486,7 @@ pub struct Freed {
     pub cached_tokens: u64,
     pub dispatch: Dispatch,
     pub age: Duration,
+    pub session: Option<SessionId>,
 }
 
 /// Lifecycle counters of the ledger.
@@ -503,6 +579,7 @@ impl Ledger {
             cached_tokens,
             block_size,
             expected_output_tokens,
+            session,
             now,
         } = spec;
         let mut keys = self.take_spare(prefix_keys.len());
@@ -538,6 +615,7 @@ impl Ledger {
                     block_size,
                     expected_output_tokens,
                     booked_at: now,
+                    session,
                     dispatch: Dispatch::NotYet,
                     first_token_seen: false,
                     last_token_at: None,
@@ -583,6 +661,7 @@ impl Ledger {
             cached_tokens: b.cached_tokens,
             dispatch: b.dispatch,
             age: b.booked_at.elapsed(),
+            session: b.session,
         };
         self.give_spare(b.prefix_keys);
         freed
@@ -779,6 +858,7 @@ mod tests {
             cached_tokens: 0,
             block_size: 16,
             expected_output_tokens: None,
+            session: None,
             now,
         }
     }

@@ -11,7 +11,11 @@
 //! carries its [`RankState`] (`Arc`) and its worker's role, so selection walks one flat array
 //! and reads load counters with no lookup. A small open-addressing table built with the
 //! snapshot ([`RankLookup`]) maps a rank to its place in that array in one probe or two, so the
-//! index's scores land on their ranks without a search per score. Ranks keep their `RankState` across snapshots; a leaving worker's states are
+//! index's scores land on their ranks without a search per score.
+//!
+//! Worker labels (`zone=a`, `gpu=h100`) are interned per snapshot: every distinct label gets a
+//! bit (at most [`MAX_LABELS`] in a fleet) and each rank carries its worker's label bits, so a
+//! request's required labels become one mask test per rank. Ranks keep their `RankState` across snapshots; a leaving worker's states are
 //! retired before the snapshot without them is published, so in-flight bookings against the old
 //! snapshot notice (see [`crate::load`]).
 
@@ -33,6 +37,17 @@ pub enum WorkerRole {
     /// Does both.
     #[default]
     Aggregated,
+}
+
+/// Whether a worker publishes KV events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum KvEvents {
+    /// It does: the index knows its cache.
+    #[default]
+    Published,
+    /// It does not: the router records its own decisions as the worker's cache, with a TTL
+    /// (approximate mode, [`crate::approx`]).
+    Absent,
 }
 
 /// A worker's configuration, as it announces itself.
@@ -77,6 +92,8 @@ pub enum RegistryError {
     WorkerExists { worker: WorkerId },
     #[error("unknown worker {worker:?}")]
     UnknownWorker { worker: WorkerId },
+    #[error("worker {worker:?} would bring the fleet past {limit} distinct labels")]
+    TooManyLabels { worker: WorkerId, limit: usize },
     #[error("worker {worker:?} config field `{field}` is invalid: {reason}")]
     InvalidWorker {
         worker: WorkerId,
@@ -91,6 +108,8 @@ pub struct WorkerEntry {
     pub config: WorkerConfig,
     /// Its ranks: a range of [`Fleet::ranks`].
     pub ranks: std::ops::Range<usize>,
+    /// Its labels, as bits of [`Fleet::labels`].
+    pub label_bits: u64,
 }
 
 /// One rank in a snapshot.
@@ -101,6 +120,8 @@ pub struct RankEntry {
     pub worker: usize,
     /// Its worker's role (copied here so that selection need not visit the worker).
     pub role: WorkerRole,
+    /// Its worker's label bits (copied likewise).
+    pub label_bits: u64,
     pub state: Arc<RankState>,
 }
 
@@ -168,6 +189,8 @@ pub struct Fleet {
     pub ranks: Vec<RankEntry>,
     /// Where each rank sits in `ranks`.
     pub lookup: RankLookup,
+    /// Every distinct `(key, value)` label of the fleet; label `i` is bit `i`.
+    pub labels: Vec<(String, String)>,
     /// Bumped by every join and leave.
     pub generation: u64,
 }
@@ -185,6 +208,14 @@ impl Fleet {
     #[inline]
     pub fn rank_index(&self, rank: WorkerRank) -> Option<usize> {
         self.lookup.get(rank)
+    }
+
+    /// The bit of a label, if some worker carries it.
+    pub fn label_bit(&self, key: &str, value: &str) -> Option<u64> {
+        self.labels
+            .iter()
+            .position(|(k, v)| k == key && v == value)
+            .map(|i| 1u64 << i)
     }
 
     /// Number of workers.
@@ -307,8 +338,15 @@ impl Registry {
                 }))
             })
             .collect();
+        let id = config.id;
         configs.push((config, states));
         configs.sort_by_key(|(c, _)| c.id);
+        if distinct_labels(&configs).len() > MAX_LABELS {
+            return Err(RegistryError::TooManyLabels {
+                worker: id,
+                limit: MAX_LABELS,
+            });
+        }
         let fleet = Arc::new(build(configs, old.generation + 1));
         self.current.store(Arc::clone(&fleet));
         Ok(fleet)
@@ -347,28 +385,54 @@ impl Registry {
     }
 }
 
+/// Most distinct labels a fleet may carry (one bit each).
+pub const MAX_LABELS: usize = 64;
+
+/// The distinct labels of `configs`, in first-seen order.
+fn distinct_labels(configs: &[(WorkerConfig, Vec<Arc<RankState>>)]) -> Vec<(String, String)> {
+    let mut labels: Vec<(String, String)> = Vec::new();
+    for (c, _) in configs {
+        for l in &c.labels {
+            if !labels.contains(l) {
+                labels.push(l.clone());
+            }
+        }
+    }
+    labels
+}
+
 fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> Fleet {
+    let mut labels = distinct_labels(&configs);
+    labels.truncate(MAX_LABELS);
     let mut workers = Vec::with_capacity(configs.len());
     let mut ranks = Vec::new();
     for (i, (config, states)) in configs.into_iter().enumerate() {
+        let label_bits = config
+            .labels
+            .iter()
+            .filter_map(|l| labels.iter().position(|x| x == l))
+            .fold(0u64, |bits, i| bits | 1 << i);
         let start = ranks.len();
         for state in states {
             ranks.push(RankEntry {
                 rank: state.rank(),
                 worker: i,
                 role: config.role,
+                label_bits,
                 state,
             });
         }
         workers.push(WorkerEntry {
             config,
             ranks: start..ranks.len(),
+            label_bits,
         });
     }
     Fleet {
         workers,
         lookup: RankLookup::new(&ranks),
         ranks,
+        labels,
         generation,
     }
 }
@@ -450,6 +514,47 @@ mod tests {
         assert!(s1.is_retired());
         assert_eq!(reg.load().ranks.len(), 1);
         assert_eq!(reg.load().ranks[0].worker, 0);
+    }
+
+    #[test]
+    fn labels_are_interned_as_bits_and_capped() {
+        let reg = Registry::new(16, 0);
+        let with = |id: u64, labels: &[(&str, &str)]| WorkerConfig {
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..WorkerConfig::simple(id, 100, 16)
+        };
+        reg.join(with(1, &[("zone", "a"), ("gpu", "h100")]))
+            .unwrap();
+        reg.join(with(2, &[("zone", "b"), ("gpu", "h100")]))
+            .unwrap();
+        let f = reg.load();
+        let (a, b, h) = (
+            f.label_bit("zone", "a").unwrap(),
+            f.label_bit("zone", "b").unwrap(),
+            f.label_bit("gpu", "h100").unwrap(),
+        );
+        assert_eq!(f.ranks[0].label_bits, a | h);
+        assert_eq!(f.ranks[1].label_bits, b | h);
+        assert_eq!(f.label_bit("zone", "c"), None);
+        let many: Vec<(String, String)> =
+            (0..64).map(|i| ("k".to_string(), i.to_string())).collect();
+        let err = reg
+            .join(WorkerConfig {
+                labels: many,
+                ..WorkerConfig::simple(3, 100, 16)
+            })
+            .unwrap_err();
+        assert_eq!(
+            err,
+            RegistryError::TooManyLabels {
+                worker: WorkerId(3),
+                limit: MAX_LABELS
+            }
+        );
+        assert_eq!(reg.load().len(), 2, "the refused worker did not join");
     }
 
     #[test]

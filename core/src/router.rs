@@ -12,6 +12,15 @@
 //!                                        drop frees exactly once
 //! ```
 //!
+//! **Under load and churn.** [`Router::submit`] admits through the admission queue
+//! ([`crate::queue`]) when every eligible rank is busy; health marks ([`Router::set_health`])
+//! steer around workers; required and preferred labels ([`RouteHints::required`],
+//! [`RouteHints::preferred`]) constrain and bias the choice; a session id
+//! ([`RouteHints::session`], [`crate::session`]) sticks to its rank; the router's own records
+//! ([`crate::approx`]) stand in for the KV events of workers that publish none; warming workers
+//! ([`crate::config::WarmUp`]) take a share of cache misses; and a shared pool's hits
+//! ([`RouteHints::pool`]) earn credit beyond a worker's own overlap.
+//!
 //! **Phases.** A prefill-phase request goes to prefill workers; when none has joined it falls
 //! back to aggregated workers (reported as [`Fallback::PrefillToAggregated`]) unless the config
 //! enforces disaggregation ([`Disaggregation::Enforced`]).
@@ -38,29 +47,44 @@
 //! ([`Router::apply_event`]) and hands out lock-free readers.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::Future;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
 
 use crossbeam_utils::CachePadded;
 
-use crate::config::{ConfigError, Disaggregation, Metrics, RouterConfig, Timing};
-use crate::event::{DpRank, KvEvent, StorageTier, WorkerId, WorkerRank};
+use crate::approx::{ApproxCache, ApproxCounts};
+use crate::config::{
+    ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Speculative, Timing, WarmUp,
+};
+use crate::event::{DpRank, KvEvent, KvEventData, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
-use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex};
+use crate::health::Health;
+use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex, RankScore};
 pub use crate::load::Dispatch;
 use crate::load::{
     prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Ledger, LedgerCounts, LoadError,
-    LoadView, RequestId, Step,
+    LoadView, RankState, RequestId, Step,
 };
-use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole};
+use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
+use crate::registry::{
+    Fleet, KvEvents, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole,
+};
 use crate::rng::{mix64, SharedRng};
 use crate::select::{
-    filter_busy, selector_for, Busy, BusyOutcome, Candidate, CostTerms, LeastLoaded, Overlap,
-    Overrides, PolicyKind, ProbeTargets, RequestShape, Scored, SelectInput, Selector, Weights,
+    filter_busy, filter_unhealthy, selector_for, Busy, BusyOutcome, Candidate, CostTerms,
+    HealthOutcome, LeastLoaded, Overlap, Overrides, PolicyKind, ProbeTargets, RequestShape, Scored,
+    SelectInput, Selector, Weights,
+};
+use crate::session::{
+    SessionClose, SessionEnd, SessionEndReason, SessionId, SessionRouting, Sessions,
 };
 
 /// The serving phase a request is routed for.
@@ -136,16 +160,68 @@ pub struct RouteHints<'a> {
     pub lora_name: Option<&'a str>,
     /// Cache isolation salt: changes the block hash seed.
     pub cache_salt: Option<&'a str>,
-    /// Seconds to move ahead in a queue; carried for the admission queue (not yet built), no
-    /// effect on the choice.
+    /// Seconds to move ahead in the admission queue (finite; see [`crate::queue`]); no effect
+    /// on the choice.
     pub priority_jump: f64,
+    /// Strict priority class in the admission queue: higher classes always go first.
+    pub priority_class: PriorityClass,
     /// Expected generated tokens, when known: the request's output blocks then weigh what is
     /// left of it in the rank's decode load (see [`crate::load`]); recorded in the decision.
     pub expected_output_tokens: Option<u32>,
     /// Only these workers may serve (`None`: any).
     pub allowed: Option<&'a [WorkerId]>,
+    /// Labels a worker must carry, every one, to serve ([`RouteError::NoEligibleWorker`] when
+    /// none does).
+    pub required: &'a [Label<'a>],
+    /// Labels that lower the cost of a worker carrying them by their weight, in blocks.
+    pub preferred: &'a [PreferredLabel<'a>],
+    /// The sticky session the request belongs to (see [`crate::session`]); an explicit pin
+    /// takes precedence over it.
+    pub session: Option<SessionId>,
+    /// Whether the session closes when this request ends.
+    pub session_close: SessionClose,
+    /// What the fleet's shared KV pool holds of the prompt.
+    pub pool: PoolHits<'a>,
     pub overrides: Overrides,
     pub evidence: EvidenceLevel,
+}
+
+/// The shared KV pool's answer for a request's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PoolHits<'a> {
+    /// No pool, or not asked.
+    #[default]
+    None,
+    /// The pool holds these ranges of block positions (0 = the prompt's first block). Blocks
+    /// beyond a worker's own overlap, contiguous with it, are credited at
+    /// [`RouterConfig::pool_credit`]. Ranges past the prompt are clipped; a range whose start
+    /// exceeds its end makes the whole answer count as failed.
+    Hits(&'a [std::ops::Range<u32>]),
+    /// The pool did not answer (timeout, error): counted and ignored.
+    Failed,
+}
+
+/// A KV event as the router's own bookkeeping sees it ([`Router::note_event`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventSeen {
+    Stored { blocks: u64 },
+    Removed { blocks: u64 },
+    Cleared,
+}
+
+/// A worker label, `key=value`, as a request names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Label<'a> {
+    pub key: &'a str,
+    pub value: &'a str,
+}
+
+/// A label a request prefers, and by how much: a worker carrying it costs `weight` blocks
+/// less (finite, ≥ 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PreferredLabel<'a> {
+    pub label: Label<'a>,
+    pub weight: f64,
 }
 
 /// One request to route.
@@ -172,13 +248,48 @@ pub enum RouteError {
         request: RequestId,
         worker: WorkerId,
     },
+    #[error("no worker carries every label request {request:?} requires")]
+    NoEligibleWorker { request: RequestId },
+    #[error("request {request:?} is pinned to worker {worker:?}, which lacks a required label")]
+    PinnedLacksLabels {
+        request: RequestId,
+        worker: WorkerId,
+    },
     #[error("request {request:?} is pinned to worker {worker:?}, which its allowed set excludes")]
     PinnedNotAllowed {
         request: RequestId,
         worker: WorkerId,
     },
+    #[error(
+        "request {request:?} ({request_tokens} prompt tokens) rejected: {queued_tokens} tokens already queued, cap {cap_tokens}; retry later"
+    )]
+    ResourceExhausted {
+        request: RequestId,
+        request_tokens: u64,
+        queued_tokens: u64,
+        cap_tokens: u64,
+    },
+    #[error("request {request:?} is neither queued nor released and untaken")]
+    NotQueued { request: RequestId },
+    #[error("request {request:?} hint `{field}` is invalid: {reason}")]
+    InvalidHint {
+        request: RequestId,
+        field: &'static str,
+        reason: &'static str,
+    },
     #[error(transparent)]
     Load(#[from] LoadError),
+}
+
+impl RouteError {
+    /// True when the same request may succeed if retried later unchanged (the queue was full,
+    /// or the fleet not yet ready).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            RouteError::ResourceExhausted { .. } | RouteError::NotReady { .. }
+        )
+    }
 }
 
 /// Why a router could not be built or a worker could not join or leave.
@@ -201,8 +312,14 @@ pub enum DecidedBy {
     Policy(PolicyKind),
     /// The caller pinned the worker.
     Pinned,
+    /// The request's sticky session is bound to the rank.
+    Session,
     /// Every eligible rank was busy: the least loaded was taken.
     FallbackAllBusy,
+    /// Every eligible rank's worker is marked unhealthy: the least loaded was taken.
+    FallbackAllUnhealthy,
+    /// A cache miss sent to a warming worker (see [`crate::config::WarmUp`]).
+    WarmUp,
 }
 
 /// A decision that served the request differently from its phase.
@@ -240,8 +357,60 @@ pub struct Decision {
     pub fallback: Option<Fallback>,
     pub bookkeeping: Bookkeeping,
     pub expected_output_tokens: Option<u32>,
+    /// How a session request's session steered it (`None` without a session, or when an
+    /// explicit pin decided).
+    pub session: Option<SessionRouting>,
     /// Every candidate considered (busy ones included), when asked for.
     pub evidence: Option<Vec<Candidate>>,
+}
+
+/// When a request may be booked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gate {
+    /// Now, on the least loaded busy rank if every one is busy (`route`).
+    Immediate,
+    /// Now if some eligible rank is free; else wait (an admission with an empty queue, or the
+    /// queue's head on release).
+    IfFree,
+    /// Wait behind the requests already queued (unless pinned).
+    Behind,
+}
+
+/// What a gated route came to. The decision stays inline: boxing it would allocate per route.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+enum Routed {
+    Decided(Decision),
+    /// Not booked: the request must wait. Carries what the queue orders by.
+    Wait {
+        new_prefill_tokens: u64,
+    },
+}
+
+/// The time of one call: the caller's, or the clock's, read once and only when needed.
+#[derive(Debug)]
+struct Now(std::cell::Cell<Option<Instant>>);
+
+impl Now {
+    fn lazy() -> Self {
+        Now(std::cell::Cell::new(None))
+    }
+
+    fn at(t: Instant) -> Self {
+        Now(std::cell::Cell::new(Some(t)))
+    }
+
+    /// The time; a reading the caller already took stands in for the clock.
+    fn get_or(&self, reading: Option<Instant>) -> Instant {
+        match self.0.get() {
+            Some(t) => t,
+            None => {
+                let t = reading.unwrap_or_else(Instant::now);
+                self.0.set(Some(t));
+                t
+            }
+        }
+    }
 }
 
 /// Overhead split of routing, in nanoseconds (recorded when [`Timing::On`]).
@@ -474,6 +643,38 @@ pub struct RouterCounts {
     pub pinned_not_allowed: u64,
     /// Requests freed after reaching a worker (marked dispatched, by id or by their guard).
     pub completed: u64,
+    /// Requests rejected for a bad hint ([`RouteError::InvalidHint`]).
+    pub invalid_hints: u64,
+    /// Submits of an id already queued, released and untaken, or booked (one that finds a free
+    /// rank at once meets the ledger's own duplicate check instead).
+    pub duplicate_admissions: u64,
+    /// Candidates left out because their worker was marked unreachable (one per request per
+    /// rank).
+    pub vetoed_unreachable: u64,
+    /// The same for workers marked wedged.
+    pub vetoed_wedged: u64,
+    /// Requests whose every candidate was marked ([`DecidedBy::FallbackAllUnhealthy`]).
+    pub all_unhealthy: u64,
+    /// Requests no worker carried the required labels of ([`RouteError::NoEligibleWorker`]
+    /// and [`RouteError::PinnedLacksLabels`]).
+    pub no_eligible: u64,
+    /// Sessions bound at their first booked request.
+    pub sessions_bound: u64,
+    /// Session requests whose bound rank had gone (or could not serve): chosen afresh.
+    pub sessions_rerouted: u64,
+    pub sessions_expired: u64,
+    pub sessions_closed: u64,
+    /// Routes where the router's own cache records raised some rank's overlap.
+    pub approx_raised: u64,
+    /// Cache misses sent to a warming worker ([`DecidedBy::WarmUp`]).
+    pub warm_up: u64,
+    /// Ranks put back to warming because their reported cache fell far below the fleet's.
+    pub rewarmed: u64,
+    /// Requests whose shared-pool answer failed (no answer, or a malformed one) and was
+    /// ignored.
+    pub pool_failed: u64,
+    /// The record table's counters.
+    pub approx: ApproxCounts,
     pub ledger: LedgerCounts,
 }
 
@@ -492,6 +693,20 @@ struct Counters {
     unknown_worker: AtomicU64,
     pinned_not_allowed: AtomicU64,
     completed: AtomicU64,
+    invalid_hints: AtomicU64,
+    duplicate_admissions: AtomicU64,
+    vetoed_unreachable: AtomicU64,
+    vetoed_wedged: AtomicU64,
+    all_unhealthy: AtomicU64,
+    no_eligible: AtomicU64,
+    sessions_bound: AtomicU64,
+    sessions_rerouted: AtomicU64,
+    sessions_expired: AtomicU64,
+    sessions_closed: AtomicU64,
+    approx_raised: AtomicU64,
+    warm_up: AtomicU64,
+    rewarmed: AtomicU64,
+    pool_failed: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -506,6 +721,10 @@ struct Scratch {
     slot: Vec<u32>,
     matched: Vec<(f64, u32)>,
     candidates: Vec<Scored>,
+    /// The request's preferred labels as (label bit, weight).
+    preferred: Vec<(u64, f64)>,
+    /// The pool's hits, clipped, sorted and merged into disjoint `[start, end)` ranges.
+    pool: Vec<(u32, u32)>,
 }
 
 thread_local! {
@@ -528,7 +747,23 @@ pub struct Router {
     counters: Counters,
     timings: Option<Mutex<Timings>>,
     metrics: Option<MetricsShards>,
+    queue: Option<Queue>,
+    /// Ranks whose worker is marked unhealthy; selection reads no mark while 0.
+    marked_ranks: AtomicUsize,
+    /// Serialises health marks with leaves, so that `marked_ranks` stays exact.
+    health_writer: Mutex<()>,
+    sessions: Sessions,
+    approx: ApproxCache,
+    /// Warm-up deadlines are nanoseconds past this instant.
+    epoch: Instant,
+    /// The latest warm-up deadline of any rank: no rank warms past it.
+    warm_horizon_ns: AtomicU64,
+    /// Told of every session that ends (expired or closed).
+    on_session_end: std::sync::RwLock<Option<SessionCallback>>,
 }
+
+/// The embedder's handler of ended sessions ([`Router::on_session_end`]).
+pub type SessionCallback = Box<dyn Fn(SessionEnd) + Send + Sync>;
 
 impl std::fmt::Debug for Router {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -555,6 +790,25 @@ impl Router {
             counters: Counters::default(),
             timings: (config.timing == Timing::On).then(|| Mutex::new(Timings::new())),
             metrics: (config.metrics == Metrics::On).then(MetricsShards::new),
+            queue: match config.queue {
+                Queueing::Off => None,
+                Queueing::On {
+                    max_queued_tokens,
+                    order,
+                } => Some(Queue {
+                    state: Mutex::new(QueueState::new(order, max_queued_tokens)),
+                    depth: AtomicUsize::new(0),
+                    untaken: AtomicUsize::new(0),
+                    epoch: Instant::now(),
+                }),
+            },
+            marked_ranks: AtomicUsize::new(0),
+            health_writer: Mutex::new(()),
+            sessions: Sessions::default(),
+            approx: ApproxCache::new(config.approximate.max_records),
+            epoch: Instant::now(),
+            warm_horizon_ns: AtomicU64::new(0),
+            on_session_end: std::sync::RwLock::new(None),
             config,
         })
     }
@@ -569,9 +823,51 @@ impl Router {
         self.reader.clone()
     }
 
-    /// Applies a KV event to the index (serialised with other writers).
+    /// Applies a KV event to the index (serialised with other writers), and tells the
+    /// router's own bookkeeping of it ([`Router::note_event`]).
     pub fn apply_event(&self, event: &KvEvent) -> Result<(), IndexError> {
-        lock(&self.index).apply(event)
+        let applied = lock(&self.index).apply(event);
+        if applied.is_ok() {
+            let seen = match &event.data {
+                KvEventData::Stored { blocks, .. } => EventSeen::Stored {
+                    blocks: blocks.len() as u64,
+                },
+                KvEventData::Removed { blocks } => EventSeen::Removed {
+                    blocks: blocks.len() as u64,
+                },
+                KvEventData::Cleared => EventSeen::Cleared,
+            };
+            self.note_event(event.header.source, event.header.tier, seen);
+        }
+        applied
+    }
+
+    /// Tells the router of a KV event applied to the index elsewhere (an ingest path that
+    /// writes the index directly): an eviction or clear retires the worker's speculative
+    /// records, and device blocks stored and removed feed warm-up's measure of each worker's
+    /// cache (a clear warms the worker again). [`Router::apply_event`] calls it itself.
+    pub fn note_event(&self, source: WorkerRank, tier: StorageTier, seen: EventSeen) {
+        if matches!(seen, EventSeen::Removed { .. } | EventSeen::Cleared) {
+            // The worker says its cache shrank: speculation about it stops counting.
+            self.approx.retire_rank(source);
+        }
+        if tier != StorageTier::Device {
+            return;
+        }
+        let fleet = self.registry.load();
+        let Some(i) = fleet.rank_index(source) else {
+            return;
+        };
+        let state = &fleet.ranks[i].state;
+        match seen {
+            EventSeen::Stored { blocks } => state.report_blocks(blocks, 0, false),
+            EventSeen::Removed { blocks } => state.report_blocks(0, blocks, false),
+            EventSeen::Cleared => {
+                // A restart with an empty cache: warm it again.
+                state.report_blocks(0, 0, true);
+                self.warm(state, Instant::now());
+            }
+        }
     }
 
     /// The fleet snapshot.
@@ -584,33 +880,156 @@ impl Router {
         self.registry.readiness()
     }
 
-    /// A worker joins; its ranks are registered with the index.
+    /// A worker that publishes KV events joins; its ranks are registered with the index.
     pub fn join_worker(&self, config: WorkerConfig) -> Result<(), RouterError> {
+        self.join_worker_with(config, KvEvents::Published)
+    }
+
+    /// A worker joins, saying whether it publishes KV events (without them, the router records
+    /// its own decisions as the worker's cache: approximate mode).
+    pub fn join_worker_with(
+        &self,
+        config: WorkerConfig,
+        events: KvEvents,
+    ) -> Result<(), RouterError> {
+        self.join_worker_at(config, events, Instant::now())
+    }
+
+    /// [`Router::join_worker_with`] at a given time (its warm-up starts then).
+    pub fn join_worker_at(
+        &self,
+        config: WorkerConfig,
+        events: KvEvents,
+        now: Instant,
+    ) -> Result<(), RouterError> {
         let id = config.id;
         let fleet = self.registry.join(config)?;
         if let Some(w) = fleet.worker(id) {
             let mut index = lock(&self.index);
             for r in &fleet.ranks[w.ranks.clone()] {
+                r.state.set_kv_events(events);
+                self.warm(&r.state, now);
                 index.register_rank(r.rank)?;
             }
         }
+        self.load_freed();
         Ok(())
     }
 
     /// A worker leaves: its bookings are dropped (returns how many) and its blocks leave the
     /// index.
     pub fn leave_worker(&self, worker: WorkerId) -> Result<usize, RouterError> {
-        self.registry.leave(worker)?;
+        {
+            let _w = lock(&self.health_writer);
+            let retired = self.registry.leave(worker)?;
+            let marked = retired.iter().filter(|r| !r.health().is_healthy()).count();
+            self.marked_ranks.fetch_sub(marked, Ordering::Relaxed);
+        }
         let purged = self.ledger.purge_worker(worker);
-        match lock(&self.index).remove_worker(worker) {
+        self.approx.remove_worker(worker);
+        let removed = lock(&self.index).remove_worker(worker);
+        // A queued request whose only eligible workers left now fails instead of waiting.
+        self.load_freed();
+        match removed {
             Ok(()) | Err(IndexError::UnknownWorker { .. }) => Ok(purged),
             Err(e) => Err(e.into()),
         }
     }
 
-    /// Frees requests booked more than `request_expiry` before `now`; returns how many.
+    /// Marks a worker's health (see [`crate::health`]); returns its previous mark. Marking a
+    /// worker healthy again may release queued requests.
+    pub fn set_health(&self, worker: WorkerId, health: Health) -> Result<Health, RouterError> {
+        let previous = {
+            let _w = lock(&self.health_writer);
+            let fleet = self.registry.load();
+            let Some(w) = fleet.worker(worker) else {
+                return Err(RegistryError::UnknownWorker { worker }.into());
+            };
+            let mut previous = Health::Healthy;
+            for r in &fleet.ranks[w.ranks.clone()] {
+                previous = r.state.set_health(health);
+                match (previous.is_healthy(), health.is_healthy()) {
+                    (true, false) => {
+                        self.marked_ranks.fetch_add(1, Ordering::Relaxed);
+                    }
+                    (false, true) => {
+                        self.marked_ranks.fetch_sub(1, Ordering::Relaxed);
+                    }
+                    _ => {}
+                }
+            }
+            previous
+        };
+        self.load_freed();
+        Ok(previous)
+    }
+
+    /// Sets the handler told of every session that ends (expired or closed), so that the
+    /// embedder can close it on its worker. Called outside the router's locks, but under the
+    /// handler's own: it must not set a new handler itself.
+    pub fn on_session_end(&self, f: impl Fn(SessionEnd) + Send + Sync + 'static) {
+        *self
+            .on_session_end
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Box::new(f));
+    }
+
+    fn session_ended(&self, end: SessionEnd) {
+        bump(match end.reason {
+            SessionEndReason::Expired => &self.counters.sessions_expired,
+            SessionEndReason::Closed => &self.counters.sessions_closed,
+        });
+        if let Some(f) = &*self
+            .on_session_end
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+        {
+            f(end);
+        }
+    }
+
+    /// Ends the sessions idle for `session_idle_ttl` at `now` (whose last request has ended),
+    /// and those whose close-after-request is due; tells the session handler of each. Returns
+    /// how many ended.
+    pub fn expire_sessions(&self, now: Instant) -> usize {
+        if self.sessions.is_empty() {
+            return 0;
+        }
+        let mut ended = Vec::new();
+        self.sessions.sweep(
+            now,
+            self.config.session_idle_ttl,
+            |r| self.ledger.rank_of(r).is_some(),
+            &mut ended,
+        );
+        for &end in &ended {
+            self.session_ended(end);
+        }
+        ended.len()
+    }
+
+    /// Closes a session now (the handler is told); `None` if it was not bound.
+    pub fn close_session(&self, session: SessionId) -> Option<SessionEnd> {
+        let end = self.sessions.close(session)?;
+        self.session_ended(end);
+        Some(end)
+    }
+
+    /// The rank a session is bound to.
+    pub fn session_rank(&self, session: SessionId) -> Option<WorkerRank> {
+        self.sessions.bound(session)
+    }
+
+    /// Frees requests booked more than `request_expiry` before `now` (returns how many), drops
+    /// the cache records that expired, warms ranks whose reported cache fell far below the
+    /// fleet's (with warm-up on), and lets queued requests go if that freed room. Call it
+    /// periodically (every second or so).
     pub fn expire(&self, now: Instant) -> usize {
-        self.ledger.expire(now, self.config.request_expiry)
+        let n = self.ledger.expire(now, self.config.request_expiry);
+        self.approx.sweep(now);
+        self.rewarm_low_ranks(now);
+        self.release_queued(now);
+        n
     }
 
     /// A rank's load, if the rank exists.
@@ -657,6 +1076,21 @@ impl Router {
             unknown_worker: r(&c.unknown_worker),
             pinned_not_allowed: r(&c.pinned_not_allowed),
             completed: r(&c.completed),
+            invalid_hints: r(&c.invalid_hints),
+            duplicate_admissions: r(&c.duplicate_admissions),
+            vetoed_unreachable: r(&c.vetoed_unreachable),
+            vetoed_wedged: r(&c.vetoed_wedged),
+            all_unhealthy: r(&c.all_unhealthy),
+            no_eligible: r(&c.no_eligible),
+            sessions_bound: r(&c.sessions_bound),
+            sessions_rerouted: r(&c.sessions_rerouted),
+            sessions_expired: r(&c.sessions_expired),
+            sessions_closed: r(&c.sessions_closed),
+            approx_raised: r(&c.approx_raised),
+            warm_up: r(&c.warm_up),
+            rewarmed: r(&c.rewarmed),
+            pool_failed: r(&c.pool_failed),
+            approx: self.approx.counts(),
             ledger: self.ledger.counts(),
         }
     }
@@ -686,6 +1120,7 @@ impl Router {
     pub fn prefill_done(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
         let step = self.ledger.prefill_done(request, self.metrics_now())?;
         self.record_step(request, &step, |m| &mut m.ttft_us, 1);
+        self.load_freed();
         Ok(step.rank)
     }
 
@@ -735,20 +1170,56 @@ impl Router {
                 record(&mut m.kv_hit_bp, u64::try_from(hit_bp).unwrap_or(u64::MAX));
             }
         }
+        if let Some(sid) = freed.session {
+            if let Some(end) = self.sessions.request_ended(sid, request, Instant::now()) {
+                self.session_ended(end);
+            }
+        }
+        self.load_freed();
         Ok(freed)
     }
 
-    /// Decides which rank serves `req`, and books it unless query-only.
+    /// Decides which rank serves `req`, and books it unless query-only. Never waits: when
+    /// every eligible rank is busy the least loaded takes it ([`DecidedBy::FallbackAllBusy`]);
+    /// [`Router::submit`] queues instead.
     pub fn route(&self, req: &RouteRequest<'_>) -> Result<Decision, RouteError> {
+        match self.route_gated(req, &Now::lazy(), Gate::Immediate)? {
+            Routed::Decided(d) => Ok(d),
+            // `Gate::Immediate` always decides.
+            Routed::Wait { .. } => Err(RouteError::NoWorkers { request: req.id }),
+        }
+    }
+
+    /// [`Router::route`] at a given time (bookings, sessions and cache records are stamped with
+    /// `now`), for callers that own the clock.
+    pub fn route_at(&self, req: &RouteRequest<'_>, now: Instant) -> Result<Decision, RouteError> {
+        match self.route_gated(req, &Now::at(now), Gate::Immediate)? {
+            Routed::Decided(d) => Ok(d),
+            Routed::Wait { .. } => Err(RouteError::NoWorkers { request: req.id }),
+        }
+    }
+
+    fn route_gated(
+        &self,
+        req: &RouteRequest<'_>,
+        now: &Now,
+        gate: Gate,
+    ) -> Result<Routed, RouteError> {
         SCRATCH.with(|s| match s.try_borrow_mut() {
-            Ok(mut s) => self.route_with(req, &mut s),
+            Ok(mut s) => self.route_with(req, &mut s, now, gate),
             // Re-entered from inside a route on this thread (not possible through this API,
             // but never panic): use a fresh scratch.
-            Err(_) => self.route_with(req, &mut Scratch::default()),
+            Err(_) => self.route_with(req, &mut Scratch::default(), now, gate),
         })
     }
 
-    fn route_with(&self, req: &RouteRequest<'_>, s: &mut Scratch) -> Result<Decision, RouteError> {
+    fn route_with(
+        &self,
+        req: &RouteRequest<'_>,
+        s: &mut Scratch,
+        now: &Now,
+        gate: Gate,
+    ) -> Result<Routed, RouteError> {
         let request = req.id;
         let hints = &req.hints;
         if req.tokens.is_empty() {
@@ -810,8 +1281,81 @@ impl Router {
             s.matched
                 .push((CostTerms::credit_of(&weights, &score.per_tier), blocks));
         }
+        // The router's own records (approximate mode, speculation) raise a rank's overlap to
+        // their depth, as device blocks; the index's overlap stands where it is deeper.
+        if !self.approx.is_empty() && !s.locals.is_empty() {
+            let mut raised = false;
+            let (scores, slot, matched) = (&mut s.scores.scores, &mut s.slot, &mut s.matched);
+            self.approx
+                .lookup(&s.locals, &mut s.keys, now.get_or(None), |rank, depth| {
+                    let Some(i) = fleet.rank_index(rank) else {
+                        return;
+                    };
+                    let m = match slot[i] {
+                        0 => {
+                            scores.push(RankScore {
+                                rank,
+                                blocks: 0,
+                                per_tier: [0; StorageTier::COUNT],
+                            });
+                            matched.push((0.0, 0));
+                            slot[i] = matched.len() as u32 - 1;
+                            slot[i] as usize
+                        }
+                        m => m as usize,
+                    };
+                    let score = &mut scores[m - 1];
+                    if depth > score.blocks {
+                        score.per_tier[StorageTier::Device.index()] += depth - score.blocks;
+                        score.blocks = depth;
+                        matched[m] = (CostTerms::credit_of(&weights, &score.per_tier), depth);
+                        raised = true;
+                    }
+                });
+            if raised {
+                bump(&self.counters.approx_raised);
+            }
+        }
+        // Constraints: required labels as one mask; preferred ones as (bit, weight).
+        let mut required = 0u64;
+        for l in hints.required {
+            match fleet.label_bit(l.key, l.value) {
+                Some(bit) => required |= bit,
+                None => {
+                    bump(&self.counters.no_eligible);
+                    return Err(RouteError::NoEligibleWorker { request });
+                }
+            }
+        }
+        s.preferred.clear();
+        for p in hints.preferred {
+            if !(p.weight.is_finite() && p.weight >= 0.0) {
+                bump(&self.counters.invalid_hints);
+                return Err(RouteError::InvalidHint {
+                    request,
+                    field: "preferred.weight",
+                    reason: "must be a finite number ≥ 0",
+                });
+            }
+            if let Some(bit) = fleet.label_bit(p.label.key, p.label.value) {
+                s.preferred.push((bit, p.weight));
+            }
+        }
+        s.pool.clear();
+        match hints.pool {
+            PoolHits::None => {}
+            PoolHits::Failed => bump(&self.counters.pool_failed),
+            PoolHits::Hits(ranges) => {
+                if merge_pool_ranges(ranges, shape.full_blocks, &mut s.pool).is_err() {
+                    bump(&self.counters.pool_failed);
+                }
+            }
+        }
         let busy = &self.config.busy;
         let scorer = Scorer {
+            pool: &s.pool,
+            pool_credit: self.config.pool_credit,
+            preferred: &s.preferred,
             fleet: &fleet,
             slot: &s.slot,
             matched: &s.matched,
@@ -820,6 +1364,7 @@ impl Router {
             busy,
             busy_on: busy.decode_blocks_fraction.is_some()
                 || busy.prefill_tokens_fraction.is_some(),
+            health_on: self.marked_ranks.load(Ordering::Relaxed) > 0,
         };
         let full = |c: &Scored| {
             let i = c.fleet_index as usize;
@@ -827,7 +1372,17 @@ impl Router {
                 0 => [0; StorageTier::COUNT],
                 m => s.scores.scores[m as usize - 1].per_tier,
             };
-            Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape)
+            let mut c = Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape);
+            let (pool_credit, pool_blocks) = scorer.pool_extension(c.overlap.blocks);
+            if pool_blocks > 0 {
+                c.cost = c.cost.with_pool_credit(&weights, pool_credit, pool_blocks);
+            }
+            if !scorer.preferred.is_empty() {
+                c.cost = c
+                    .cost
+                    .with_preference(scorer.preference(fleet.ranks[i].label_bits));
+            }
+            c
         };
 
         let mut rng = self.rng.fork();
@@ -837,9 +1392,32 @@ impl Router {
         };
         let probe = self.selector.kind() == PolicyKind::KvAware;
         let mut fallback = None;
-        let (chosen, decided_by, evidence) = if let Some((wid, dp)) =
-            hints.pinned.for_phase(hints.phase)
-        {
+        // A sticky session acts as a pin to its rank while that rank is present and may
+        // serve the request; otherwise it is chosen afresh (and rebound when booked).
+        let mut session_routing = None;
+        let mut pin = hints
+            .pinned
+            .for_phase(hints.phase)
+            .map(|p| (p, DecidedBy::Pinned));
+        if let (None, Some(sid)) = (pin, hints.session) {
+            session_routing = Some(match self.sessions.bound(sid) {
+                None => SessionRouting::Bound,
+                Some(rank) => {
+                    let usable = fleet.rank_index(rank).is_some_and(|i| {
+                        let r = &fleet.ranks[i];
+                        r.label_bits & required == required
+                            && hints.allowed.is_none_or(|a| a.contains(&rank.worker))
+                    });
+                    if usable {
+                        pin = Some(((rank.worker, Some(rank.dp_rank)), DecidedBy::Session));
+                        SessionRouting::Sticky
+                    } else {
+                        SessionRouting::Rerouted { previous: rank }
+                    }
+                }
+            });
+        }
+        let (chosen, decided_by, evidence) = if let Some(((wid, dp), pinned_by)) = pin {
             let Some(w) = fleet.worker(wid) else {
                 bump(&self.counters.unknown_worker);
                 return Err(RouteError::UnknownWorker {
@@ -850,6 +1428,13 @@ impl Router {
             if hints.allowed.is_some_and(|a| !a.contains(&wid)) {
                 bump(&self.counters.pinned_not_allowed);
                 return Err(RouteError::PinnedNotAllowed {
+                    request,
+                    worker: wid,
+                });
+            }
+            if w.label_bits & required != required {
+                bump(&self.counters.no_eligible);
+                return Err(RouteError::PinnedLacksLabels {
                     request,
                     worker: wid,
                 });
@@ -882,7 +1467,7 @@ impl Router {
             }
             let c = full(&s.candidates[0]);
             let ev = (hints.evidence == EvidenceLevel::Full).then(|| vec![c]);
-            (c, DecidedBy::Pinned, ev)
+            (c, pinned_by, ev)
         } else {
             let mut role = match hints.phase {
                 Phase::Aggregated => WorkerRole::Aggregated,
@@ -899,15 +1484,18 @@ impl Router {
             s.candidates.clear();
             s.candidates.reserve(fleet.ranks.len());
             let mut targets = ProbeTargets::new(if probe { shape.full_blocks } else { 0 });
-            for (i, r) in fleet.ranks.iter().enumerate() {
-                if r.role != role || hints.allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
-                    continue;
-                }
-                let c = scorer.score(i);
-                targets.offer(s.candidates.len(), &c);
-                s.candidates.push(c);
-            }
+            let unlabelled = scorer.gather(
+                role,
+                hints.allowed,
+                required,
+                &mut s.candidates,
+                &mut targets,
+            );
             if s.candidates.is_empty() {
+                if unlabelled > 0 {
+                    bump(&self.counters.no_eligible);
+                    return Err(RouteError::NoEligibleWorker { request });
+                }
                 bump(&self.counters.no_workers);
                 return Err(RouteError::NoWorkers { request });
             }
@@ -921,10 +1509,36 @@ impl Router {
             );
             let ev = (hints.evidence == EvidenceLevel::Full)
                 .then(|| s.candidates.iter().map(full).collect());
-            let outcome = if scorer.busy_on {
-                filter_busy(&mut s.candidates)
+            let health = if scorer.health_on {
+                filter_unhealthy(&mut s.candidates)
             } else {
-                BusyOutcome::Filtered
+                HealthOutcome::Filtered {
+                    unreachable: 0,
+                    wedged: 0,
+                }
+            };
+            let outcome = match health {
+                HealthOutcome::AllVetoed => {
+                    bump(&self.counters.all_unhealthy);
+                    None
+                }
+                HealthOutcome::Filtered {
+                    unreachable,
+                    wedged,
+                } => {
+                    if unreachable + wedged > 0 {
+                        let c = &self.counters;
+                        c.vetoed_unreachable
+                            .fetch_add(u64::from(unreachable), Ordering::Relaxed);
+                        c.vetoed_wedged
+                            .fetch_add(u64::from(wedged), Ordering::Relaxed);
+                    }
+                    Some(if scorer.busy_on {
+                        filter_busy(&mut s.candidates)
+                    } else {
+                        BusyOutcome::Filtered
+                    })
+                }
             };
             let input = SelectInput {
                 candidates: &s.candidates,
@@ -933,20 +1547,40 @@ impl Router {
                 block_size: bs,
                 temperature,
             };
+            let waits = hints.mode == Mode::Book
+                && match gate {
+                    Gate::Immediate => false,
+                    Gate::IfFree => outcome == Some(BusyOutcome::AllBusy),
+                    Gate::Behind => outcome.is_some(),
+                };
+            if waits {
+                let best = s.candidates.iter().map(|c| c.overlap_blocks).max();
+                let cached = u64::from(best.unwrap_or(0)) * u64::from(bs);
+                return Ok(Routed::Wait {
+                    new_prefill_tokens: tokens.saturating_sub(cached),
+                });
+            }
             let (pick, by) = match outcome {
-                BusyOutcome::AllBusy => {
+                None => (
+                    LeastLoaded.select(&input, &mut rng),
+                    DecidedBy::FallbackAllUnhealthy,
+                ),
+                Some(BusyOutcome::AllBusy) => {
                     bump(&self.counters.all_busy);
                     (
                         LeastLoaded.select(&input, &mut rng),
                         DecidedBy::FallbackAllBusy,
                     )
                 }
-                BusyOutcome::Filtered => {
+                Some(BusyOutcome::Filtered) => {
                     let by = match self.selector.kind() {
                         PolicyKind::KvAware => DecidedBy::Cost,
                         k => DecidedBy::Policy(k),
                     };
-                    (self.selector.select(&input, &mut rng), by)
+                    match self.warm_pick(&fleet, &s.candidates, now, &mut rng) {
+                        Some(pick) => (pick, DecidedBy::WarmUp),
+                        None => (self.selector.select(&input, &mut rng), by),
+                    }
                 }
             };
             (full(&s.candidates[pick]), by, ev)
@@ -970,9 +1604,39 @@ impl Router {
                     cached_tokens: chosen.overlap.cached_tokens,
                     block_size: bs,
                     expected_output_tokens: hints.expected_output_tokens,
-                    now: t3.unwrap_or_else(Instant::now),
+                    session: hints.session,
+                    now: now.get_or(t3),
                 })?;
                 bump(&self.counters.routed);
+                let record_ttl = match fleet.ranks[chosen.fleet_index].state.kv_events() {
+                    KvEvents::Absent => Some(self.config.approximate.ttl),
+                    KvEvents::Published => match self.config.approximate.speculative {
+                        Speculative::On { ttl } => Some(ttl),
+                        Speculative::Off => None,
+                    },
+                };
+                if let Some(ttl) = record_ttl {
+                    let full = s.locals.len();
+                    prefix_keys_extend(&s.locals, &mut s.keys, full);
+                    self.approx
+                        .record(&s.keys[..full], chosen.rank, now.get_or(t3) + ttl);
+                }
+                if let Some(sid) = hints.session {
+                    self.sessions.record(
+                        sid,
+                        chosen.rank,
+                        request,
+                        now.get_or(t3),
+                        hints.session_close,
+                    );
+                    match session_routing {
+                        Some(SessionRouting::Bound) => bump(&self.counters.sessions_bound),
+                        Some(SessionRouting::Rerouted { .. }) => {
+                            bump(&self.counters.sessions_rerouted)
+                        }
+                        _ => {}
+                    }
+                }
                 if fallback.is_some() {
                     bump(&self.counters.prefill_fallbacks);
                 }
@@ -986,7 +1650,7 @@ impl Router {
             lock(t).record(ns(t0, t1), ns(t1, t2), ns(t2, t3));
         }
 
-        Ok(Decision {
+        Ok(Routed::Decided(Decision {
             request,
             worker: chosen.rank,
             overlap: chosen.overlap,
@@ -996,8 +1660,9 @@ impl Router {
             fallback,
             bookkeeping,
             expected_output_tokens: hints.expected_output_tokens,
+            session: session_routing,
             evidence,
-        })
+        }))
     }
 
     /// Probes `targets` (candidates whose cost could fall to the cheapest, [`ProbeTargets`])
@@ -1039,6 +1704,84 @@ impl Router {
         }
     }
 
+    /// Nanoseconds from the router's epoch to `t` (0 before it).
+    fn ns_since_epoch(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Warms `state` from `now` for the configured duration (no-op with warm-up off).
+    fn warm(&self, state: &RankState, now: Instant) {
+        if let WarmUp::On { duration, .. } = self.config.warm_up {
+            let until = self.ns_since_epoch(now + duration);
+            state.warm_until(until);
+            self.warm_horizon_ns.fetch_max(until, Ordering::Relaxed);
+        }
+    }
+
+    /// For a cache miss (no candidate holds a block), with probability `share`, the least
+    /// loaded candidate still warming (random ties); `None` otherwise.
+    fn warm_pick(
+        &self,
+        fleet: &Fleet,
+        candidates: &[Scored],
+        now: &Now,
+        rng: &mut crate::rng::Rng,
+    ) -> Option<usize> {
+        let WarmUp::On { share, .. } = self.config.warm_up else {
+            return None;
+        };
+        let now_ns = self.ns_since_epoch(now.get_or(None));
+        if now_ns >= self.warm_horizon_ns.load(Ordering::Relaxed)
+            || candidates.iter().any(|c| c.overlap_blocks > 0)
+            || rng.unit_f64() >= share
+        {
+            return None;
+        }
+        let bs = self.config.block_size;
+        let (mut best, mut best_load, mut ties) = (None, u64::MAX, 0u64);
+        for (i, c) in candidates.iter().enumerate() {
+            if fleet.ranks[c.fleet_index as usize].state.warm_until_ns() <= now_ns {
+                continue;
+            }
+            let load = c.load.load_blocks(bs);
+            if load < best_load {
+                (best, best_load, ties) = (Some(i), load, 1);
+            } else if load == best_load {
+                ties += 1;
+                if rng.below(ties) == 0 {
+                    best = Some(i);
+                }
+            }
+        }
+        if best.is_some() {
+            bump(&self.counters.warm_up);
+        }
+        best
+    }
+
+    /// Warms every rank whose reported cache is below `low_share` of the fleet's mean and
+    /// that is not warming already.
+    fn rewarm_low_ranks(&self, now: Instant) {
+        let WarmUp::On { low_share, .. } = self.config.warm_up else {
+            return;
+        };
+        let fleet = self.registry.load();
+        if low_share <= 0.0 || fleet.ranks.is_empty() {
+            return;
+        }
+        let total: u64 = fleet.ranks.iter().map(|r| r.state.reported_blocks()).sum();
+        let mean = total as f64 / fleet.ranks.len() as f64;
+        let now_ns = self.ns_since_epoch(now);
+        for r in fleet.ranks.iter() {
+            if (r.state.reported_blocks() as f64) < low_share * mean
+                && r.state.warm_until_ns() <= now_ns
+            {
+                self.warm(&r.state, now);
+                bump(&self.counters.rewarmed);
+            }
+        }
+    }
+
     /// How many leading blocks the prefix key covers.
     fn prefix_key_blocks(&self) -> usize {
         match self.config.policy {
@@ -1055,8 +1798,567 @@ impl Router {
     }
 }
 
+/// A request admitted by [`Router::submit`]: routed now, or waiting in the queue. The decision
+/// stays inline, as [`Router::route`] returns it: boxing it would allocate per admission.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+pub enum Admission {
+    Routed(Decision),
+    /// Waiting; its decision arrives through [`Router::poll_released`],
+    /// [`Router::take_released`], [`Router::drain_released`] or [`Router::wait`].
+    Queued(Ticket),
+}
+
+/// A queued request's claim on its decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ticket {
+    pub request: RequestId,
+}
+
+/// Where a submitted request stands in the queue ([`Router::ticket_state`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TicketState {
+    /// In the queue.
+    Waiting,
+    /// Released; its outcome waits to be taken.
+    Released,
+    /// Neither: never queued, taken, or cancelled.
+    Unknown,
+}
+
+/// What a cancel removed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cancelled {
+    /// The request was still waiting: it leaves the queue, nothing was booked.
+    Waiting,
+    /// It had been released but its decision not taken: the booking is freed.
+    Released,
+}
+
+/// A queued request, owned (the caller's buffers need not outlive the wait).
+#[derive(Debug)]
+struct OwnedRequest {
+    tokens: Vec<u32>,
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+    allowed: Option<Vec<WorkerId>>,
+    required: Vec<(String, String)>,
+    preferred: Vec<(String, String, f64)>,
+    /// The pool's hits (`None` without an answer: a failed one was counted at admission).
+    pool: Option<Vec<std::ops::Range<u32>>>,
+    /// The hints with every borrowed field empty; [`OwnedRequest::request`] fills them in.
+    hints: RouteHints<'static>,
+}
+
+/// Label slices rebuilt from an owned request's strings, for one route.
+#[derive(Debug, Default)]
+struct LabelBufs<'a> {
+    required: Vec<Label<'a>>,
+    preferred: Vec<PreferredLabel<'a>>,
+}
+
+impl OwnedRequest {
+    fn new(req: &RouteRequest<'_>) -> Self {
+        let h = &req.hints;
+        OwnedRequest {
+            tokens: req.tokens.to_vec(),
+            lora_name: h.lora_name.map(str::to_owned),
+            cache_salt: h.cache_salt.map(str::to_owned),
+            allowed: h.allowed.map(<[WorkerId]>::to_vec),
+            required: h
+                .required
+                .iter()
+                .map(|l| (l.key.to_owned(), l.value.to_owned()))
+                .collect(),
+            preferred: h
+                .preferred
+                .iter()
+                .map(|p| (p.label.key.to_owned(), p.label.value.to_owned(), p.weight))
+                .collect(),
+            pool: match h.pool {
+                PoolHits::Hits(r) => Some(r.to_vec()),
+                PoolHits::None | PoolHits::Failed => None,
+            },
+            hints: RouteHints {
+                required: &[],
+                preferred: &[],
+                pool: PoolHits::None,
+                session: h.session,
+                session_close: h.session_close,
+                phase: h.phase,
+                pinned: h.pinned,
+                mode: h.mode,
+                lora_name: None,
+                cache_salt: None,
+                priority_jump: h.priority_jump,
+                priority_class: h.priority_class,
+                expected_output_tokens: h.expected_output_tokens,
+                allowed: None,
+                overrides: h.overrides,
+                evidence: h.evidence,
+            },
+        }
+    }
+
+    fn request<'a>(&'a self, id: RequestId, bufs: &'a mut LabelBufs<'a>) -> RouteRequest<'a> {
+        bufs.required.extend(
+            self.required
+                .iter()
+                .map(|(k, v)| Label { key: k, value: v }),
+        );
+        bufs.preferred
+            .extend(self.preferred.iter().map(|(k, v, w)| PreferredLabel {
+                label: Label { key: k, value: v },
+                weight: *w,
+            }));
+        RouteRequest {
+            id,
+            tokens: &self.tokens,
+            hints: RouteHints {
+                lora_name: self.lora_name.as_deref(),
+                cache_salt: self.cache_salt.as_deref(),
+                allowed: self.allowed.as_deref(),
+                required: &bufs.required,
+                preferred: &bufs.preferred,
+                pool: self.pool.as_deref().map_or(PoolHits::None, PoolHits::Hits),
+                ..self.hints
+            },
+        }
+    }
+}
+
+/// Queue depth, waits and outcomes ([`Router::queue_stats`]).
+#[derive(Debug, Clone)]
+pub struct QueueStats {
+    /// Requests waiting now.
+    pub depth: usize,
+    /// Their prompt tokens.
+    pub queued_tokens: u64,
+    pub cap_tokens: u64,
+    /// Released decisions not yet taken.
+    pub released_untaken: usize,
+    pub enqueued: u64,
+    /// Left the queue with a decision (booked) or an error.
+    pub released: u64,
+    /// Of those, released with an error (e.g. no eligible worker any more).
+    pub released_failed: u64,
+    /// Refused at the cap ([`RouteError::ResourceExhausted`]).
+    pub rejected: u64,
+    pub cancelled_waiting: u64,
+    pub cancelled_released: u64,
+    /// Time from submit to release, µs, for every released request.
+    pub wait_us: Histogram<u64>,
+}
+
+#[derive(Debug)]
+struct QueueState {
+    queue: AdmissionQueue<OwnedRequest>,
+    released: HashMap<RequestId, Result<Decision, RouteError>>,
+    wakers: HashMap<RequestId, Waker>,
+    wait_us: Histogram<u64>,
+    enqueued: u64,
+    released_n: u64,
+    released_failed: u64,
+    rejected: u64,
+    cancelled_waiting: u64,
+    cancelled_released: u64,
+}
+
+impl QueueState {
+    fn new(order: crate::config::QueueOrder, cap: u64) -> Self {
+        QueueState {
+            queue: AdmissionQueue::new(order, cap),
+            released: HashMap::new(),
+            wakers: HashMap::new(),
+            wait_us: histogram_upto(1 << 26),
+            enqueued: 0,
+            released_n: 0,
+            released_failed: 0,
+            rejected: 0,
+            cancelled_waiting: 0,
+            cancelled_released: 0,
+        }
+    }
+
+    /// Hands a released request's outcome to whoever waits for it.
+    fn deliver(&mut self, request: RequestId, outcome: Result<Decision, RouteError>) {
+        self.released_n += 1;
+        if outcome.is_err() {
+            self.released_failed += 1;
+        }
+        self.released.insert(request, outcome);
+        if let Some(w) = self.wakers.remove(&request) {
+            w.wake();
+        }
+    }
+}
+
+/// The admission queue and its waiters.
+#[derive(Debug)]
+struct Queue {
+    state: Mutex<QueueState>,
+    /// Requests waiting, readable without the lock (lifecycle calls release only when > 0).
+    depth: AtomicUsize,
+    /// Released outcomes not yet taken, readable without the lock.
+    untaken: AtomicUsize,
+    /// Arrival times are seconds since this instant.
+    epoch: Instant,
+}
+
+impl Router {
+    /// Admits `req`: routes and books it now when an eligible rank is free (or the request is
+    /// pinned, query-only, or queueing is off); otherwise, with [`Queueing::On`], queues it
+    /// behind the requests already waiting, in the configured order. Past the cap of queued
+    /// prompt tokens it is rejected with the retryable [`RouteError::ResourceExhausted`].
+    pub fn submit(&self, req: &RouteRequest<'_>) -> Result<Admission, RouteError> {
+        self.submit_at(req, Instant::now())
+    }
+
+    /// [`Router::submit`] at a given time.
+    pub fn submit_at(&self, req: &RouteRequest<'_>, now: Instant) -> Result<Admission, RouteError> {
+        let Some(q) = &self.queue else {
+            return self.route_at(req, now).map(Admission::Routed);
+        };
+        if !req.hints.priority_jump.is_finite() {
+            bump(&self.counters.invalid_hints);
+            return Err(RouteError::InvalidHint {
+                request: req.id,
+                field: "priority_jump",
+                reason: "must be finite",
+            });
+        }
+        // Nothing waits and no outcome is untaken: route without the queue's lock (a booked
+        // duplicate id is refused by the ledger), and take the lock only to wait.
+        let mut waits = None;
+        if q.depth.load(Ordering::Relaxed) == 0 && q.untaken.load(Ordering::Relaxed) == 0 {
+            match self.route_gated(req, &Now::at(now), Gate::IfFree)? {
+                Routed::Decided(d) => return Ok(Admission::Routed(d)),
+                Routed::Wait { new_prefill_tokens } => waits = Some(new_prefill_tokens),
+            }
+        }
+        let mut st = lock(&q.state);
+        if st.queue.contains(req.id)
+            || st.released.contains_key(&req.id)
+            || self.ledger.rank_of(req.id).is_some()
+        {
+            bump(&self.counters.duplicate_admissions);
+            return Err(RouteError::Load(LoadError::DuplicateRequest {
+                request: req.id,
+            }));
+        }
+        let new_prefill_tokens = match waits {
+            Some(n) => n,
+            None => {
+                let gate = if st.queue.is_empty() {
+                    Gate::IfFree
+                } else {
+                    Gate::Behind
+                };
+                match self.route_gated(req, &Now::at(now), gate)? {
+                    Routed::Decided(d) => return Ok(Admission::Routed(d)),
+                    Routed::Wait { new_prefill_tokens } => new_prefill_tokens,
+                }
+            }
+        };
+        let tokens = req.tokens.len() as u64;
+        let waiting = Waiting {
+            request: req.id,
+            tokens,
+            enqueued_at: now,
+            item: OwnedRequest::new(req),
+        };
+        let order = OrderInput {
+            class: req.hints.priority_class,
+            priority_jump: req.hints.priority_jump,
+            arrival_secs: now.saturating_duration_since(q.epoch).as_secs_f64(),
+            new_prefill_tokens,
+        };
+        match st.queue.push(waiting, order) {
+            Ok(()) => {
+                st.enqueued += 1;
+                q.depth.store(st.queue.len(), Ordering::Relaxed);
+            }
+            Err(Refused::OverCap(over, _)) => {
+                st.rejected += 1;
+                return Err(RouteError::ResourceExhausted {
+                    request: req.id,
+                    request_tokens: tokens,
+                    queued_tokens: over.queued_tokens,
+                    cap_tokens: over.cap_tokens,
+                });
+            }
+            Err(Refused::Duplicate(_)) => {
+                return Err(RouteError::Load(LoadError::DuplicateRequest {
+                    request: req.id,
+                }));
+            }
+        }
+        // Capacity may have freed between the check and the push.
+        self.release_locked(q, &mut st, now);
+        Ok(Admission::Queued(Ticket { request: req.id }))
+    }
+
+    /// Releases queued requests, in order, while the head can be booked on a free eligible
+    /// rank (or fails outright); returns how many left the queue. Frees, prefill completions,
+    /// joins, leaves and health changes call this themselves; call it to drive the queue from
+    /// a timer as well.
+    pub fn release_queued(&self, now: Instant) -> usize {
+        match &self.queue {
+            Some(q) if q.depth.load(Ordering::Relaxed) > 0 => {
+                let mut st = lock(&q.state);
+                self.release_locked(q, &mut st, now)
+            }
+            _ => 0,
+        }
+    }
+
+    fn release_locked(&self, q: &Queue, st: &mut QueueState, now: Instant) -> usize {
+        let mut n = 0;
+        while let Some(head) = st.queue.peek() {
+            let mut bufs = LabelBufs::default();
+            let req = head.item.request(head.request, &mut bufs);
+            let outcome = match self.route_gated(&req, &Now::at(now), Gate::IfFree) {
+                Ok(Routed::Wait { .. }) => break,
+                Ok(Routed::Decided(d)) => Ok(d),
+                Err(e) => Err(e),
+            };
+            let Some(w) = st.queue.pop() else { break };
+            let waited = now.saturating_duration_since(w.enqueued_at);
+            record(
+                &mut st.wait_us,
+                u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
+            );
+            st.deliver(w.request, outcome);
+            n += 1;
+        }
+        q.depth.store(st.queue.len(), Ordering::Relaxed);
+        q.untaken.store(st.released.len(), Ordering::Relaxed);
+        n
+    }
+
+    /// The released outcome of a queued request, if it has one; registers `waker` to be woken
+    /// at release otherwise. An outcome is handed out once; after that (or for a request that
+    /// never queued, or was cancelled) the answer is [`RouteError::NotQueued`].
+    pub fn poll_released(
+        &self,
+        request: RequestId,
+        waker: Option<&Waker>,
+    ) -> Poll<Result<Decision, RouteError>> {
+        let Some(q) = &self.queue else {
+            return Poll::Ready(Err(RouteError::NotQueued { request }));
+        };
+        let mut st = lock(&q.state);
+        if let Some(outcome) = st.released.remove(&request) {
+            q.untaken.store(st.released.len(), Ordering::Relaxed);
+            return Poll::Ready(outcome);
+        }
+        if !st.queue.contains(request) {
+            return Poll::Ready(Err(RouteError::NotQueued { request }));
+        }
+        if let Some(w) = waker {
+            match st.wakers.get_mut(&request) {
+                Some(old) if old.will_wake(w) => {}
+                Some(old) => old.clone_from(w),
+                None => {
+                    st.wakers.insert(request, w.clone());
+                }
+            }
+        }
+        Poll::Pending
+    }
+
+    /// Where `request` stands, without taking anything.
+    pub fn ticket_state(&self, request: RequestId) -> TicketState {
+        let Some(q) = &self.queue else {
+            return TicketState::Unknown;
+        };
+        let st = lock(&q.state);
+        if st.queue.contains(request) {
+            TicketState::Waiting
+        } else if st.released.contains_key(&request) {
+            TicketState::Released
+        } else {
+            TicketState::Unknown
+        }
+    }
+
+    /// The released outcome of a queued request, once; `None` while it waits.
+    pub fn take_released(&self, request: RequestId) -> Option<Result<Decision, RouteError>> {
+        match self.poll_released(request, None) {
+            Poll::Ready(r) => Some(r),
+            Poll::Pending => None,
+        }
+    }
+
+    /// Hands every released, untaken outcome to `f`; returns how many.
+    pub fn drain_released(
+        &self,
+        mut f: impl FnMut(RequestId, Result<Decision, RouteError>),
+    ) -> usize {
+        let Some(q) = &self.queue else { return 0 };
+        let taken: Vec<_> = {
+            let mut st = lock(&q.state);
+            q.untaken.store(0, Ordering::Relaxed);
+            st.released.drain().collect()
+        };
+        let n = taken.len();
+        for (id, outcome) in taken {
+            f(id, outcome);
+        }
+        n
+    }
+
+    /// Withdraws a queued request exactly once: a waiting request leaves the queue; a released
+    /// one whose decision was not taken has its booking freed. A second cancel (or one for a
+    /// request whose decision was taken: free it instead) is [`RouteError::NotQueued`].
+    pub fn cancel_queued(&self, request: RequestId) -> Result<Cancelled, RouteError> {
+        let Some(q) = &self.queue else {
+            return Err(RouteError::NotQueued { request });
+        };
+        let mut st = lock(&q.state);
+        st.wakers.remove(&request);
+        if st.queue.remove(request).is_some() {
+            st.cancelled_waiting += 1;
+            q.depth.store(st.queue.len(), Ordering::Relaxed);
+            return Ok(Cancelled::Waiting);
+        }
+        match st.released.remove(&request) {
+            Some(outcome) => {
+                st.cancelled_released += 1;
+                q.untaken.store(st.released.len(), Ordering::Relaxed);
+                drop(st);
+                if let Ok(d) = outcome {
+                    if d.bookkeeping == Bookkeeping::Booked {
+                        // An error means the booking already went (its worker left, or it
+                        // expired); the ledger counted it, and the cancel stands.
+                        let _ = self.free(request);
+                    }
+                }
+                Ok(Cancelled::Released)
+            }
+            None => Err(RouteError::NotQueued { request }),
+        }
+    }
+
+    /// A future of a queued request's outcome, for async embedders (any executor: it only
+    /// registers the task's waker). Dropping it before it resolves cancels the request.
+    pub fn wait<R: Deref<Target = Router>>(router: R, ticket: Ticket) -> Released<R> {
+        Released {
+            router,
+            request: ticket.request,
+            done: false,
+        }
+    }
+
+    /// Requests waiting in the queue now (one relaxed load; 0 without a queue).
+    pub fn queue_depth(&self) -> usize {
+        self.queue
+            .as_ref()
+            .map_or(0, |q| q.depth.load(Ordering::Relaxed))
+    }
+
+    /// Queue depth, waits and outcomes (`None` unless [`Queueing::On`]).
+    pub fn queue_stats(&self) -> Option<QueueStats> {
+        let q = self.queue.as_ref()?;
+        let st = lock(&q.state);
+        Some(QueueStats {
+            depth: st.queue.len(),
+            queued_tokens: st.queue.queued_tokens(),
+            cap_tokens: st.queue.cap_tokens(),
+            released_untaken: st.released.len(),
+            enqueued: st.enqueued,
+            released: st.released_n,
+            released_failed: st.released_failed,
+            rejected: st.rejected,
+            cancelled_waiting: st.cancelled_waiting,
+            cancelled_released: st.cancelled_released,
+            wait_us: st.wait_us.clone(),
+        })
+    }
+
+    /// Lets queued requests go after load freed (cheap when nothing waits).
+    fn load_freed(&self) {
+        if self
+            .queue
+            .as_ref()
+            .is_some_and(|q| q.depth.load(Ordering::Relaxed) > 0)
+        {
+            self.release_queued(Instant::now());
+        }
+    }
+}
+
+/// The outcome of a queued request, as a future ([`Router::wait`]). Resolves once; dropped
+/// unresolved, it cancels the request (and frees it if it was already released).
+#[derive(Debug)]
+pub struct Released<R: Deref<Target = Router>> {
+    router: R,
+    request: RequestId,
+    done: bool,
+}
+
+impl<R: Deref<Target = Router> + Unpin> Future for Released<R> {
+    type Output = Result<Decision, RouteError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let out = self.router.poll_released(self.request, Some(cx.waker()));
+        if out.is_ready() {
+            self.done = true;
+        }
+        out
+    }
+}
+
+impl<R: Deref<Target = Router>> Drop for Released<R> {
+    fn drop(&mut self) {
+        if !self.done {
+            // NotQueued here means it was already taken or cancelled elsewhere.
+            let _ = self.router.cancel_queued(self.request);
+        }
+    }
+}
+
+/// Clips `ranges` to `full_blocks`, sorts and merges them into `out`; `Err` (and `out` empty)
+/// when a range is inverted.
+fn merge_pool_ranges(
+    ranges: &[std::ops::Range<u32>],
+    full_blocks: u32,
+    out: &mut Vec<(u32, u32)>,
+) -> Result<(), ()> {
+    out.clear();
+    for r in ranges {
+        if r.start > r.end {
+            out.clear();
+            return Err(());
+        }
+        let (a, b) = (r.start.min(full_blocks), r.end.min(full_blocks));
+        if a < b {
+            out.push((a, b));
+        }
+    }
+    out.sort_unstable();
+    let mut merged = 0;
+    for i in 0..out.len() {
+        let (a, b) = out[i];
+        if merged > 0 && a <= out[merged - 1].1 {
+            out[merged - 1].1 = out[merged - 1].1.max(b);
+        } else {
+            out[merged] = (a, b);
+            merged += 1;
+        }
+    }
+    out.truncate(merged);
+    Ok(())
+}
+
 /// Everything one request's ranks are scored against.
 struct Scorer<'a> {
+    /// The shared pool's hits, disjoint and sorted (empty: no pool credit).
+    pool: &'a [(u32, u32)],
+    /// Credit per pool block.
+    pool_credit: f64,
+    /// The request's preferred labels, as (label bit, weight in blocks).
+    preferred: &'a [(u64, f64)],
     fleet: &'a Fleet,
     /// By fleet index: 0, or 1 + the index of the rank's score.
     slot: &'a [u32],
@@ -1068,15 +2370,87 @@ struct Scorer<'a> {
     /// False when every threshold is off: then no rank is busy, and the worker configs are
     /// never visited.
     busy_on: bool,
+    /// False when no worker is marked: then every rank reads as healthy without a load.
+    health_on: bool,
 }
 
 impl Scorer<'_> {
+    /// True when pool hits, preferred labels or health marks apply: scoring then does more
+    /// than the cost and the busy check.
+    fn extras(&self) -> bool {
+        self.health_on || !self.pool.is_empty() || !self.preferred.is_empty()
+    }
+
     /// Rank `i` of the fleet as selection sees it.
-    #[inline(always)]
     fn score(&self, i: usize) -> Scored {
+        if self.extras() {
+            self.score_as::<true>(i)
+        } else {
+            self.score_as::<false>(i)
+        }
+    }
+
+    /// Scores every rank of `role` that `allowed` and `required` admit into `out`, offering
+    /// each to `targets`; returns how many lacked a required label. One loop per kind of
+    /// request, so that a plain one pays for no condition it does not use.
+    fn gather(
+        &self,
+        role: WorkerRole,
+        allowed: Option<&[WorkerId]>,
+        required: u64,
+        out: &mut Vec<Scored>,
+        targets: &mut ProbeTargets,
+    ) -> usize {
+        if self.extras() || allowed.is_some() || required != 0 {
+            self.gather_as::<true>(role, allowed, required, out, targets)
+        } else {
+            self.gather_as::<false>(role, allowed, required, out, targets)
+        }
+    }
+
+    #[inline(always)]
+    fn gather_as<const EXTRAS: bool>(
+        &self,
+        role: WorkerRole,
+        allowed: Option<&[WorkerId]>,
+        required: u64,
+        out: &mut Vec<Scored>,
+        targets: &mut ProbeTargets,
+    ) -> usize {
+        let mut unlabelled = 0;
+        for (i, r) in self.fleet.ranks.iter().enumerate() {
+            if r.role != role {
+                continue;
+            }
+            if EXTRAS {
+                if allowed.is_some_and(|a| !a.contains(&r.rank.worker)) {
+                    continue;
+                }
+                if r.label_bits & required != required {
+                    unlabelled += 1;
+                    continue;
+                }
+            }
+            let c = self.score_as::<EXTRAS>(i);
+            targets.offer(out.len(), &c);
+            out.push(c);
+        }
+        unlabelled
+    }
+
+    /// Rank `i` scored; without `EXTRAS`, pool hits, preferences and health marks are known
+    /// not to apply.
+    #[inline(always)]
+    fn score_as<const EXTRAS: bool>(&self, i: usize) -> Scored {
         let r = &self.fleet.ranks[i];
         let load = r.state.load();
-        let (credit, blocks) = self.matched[self.slot[i] as usize];
+        let (own_credit, blocks) = self.matched[self.slot[i] as usize];
+        let credit = if EXTRAS && !self.pool.is_empty() {
+            own_credit + self.pool_extension(blocks).0
+        } else {
+            own_credit
+        };
+        let cost = CostTerms::total_of(self.weights, self.shape, &load, credit, 0);
         Scored {
             fleet_index: i as u32,
             overlap_blocks: blocks,
@@ -1085,19 +2459,67 @@ impl Scorer<'_> {
             } else {
                 Busy::Free
             },
+            health: if EXTRAS && self.health_on {
+                r.state.health()
+            } else {
+                Health::Healthy
+            },
             shared_blocks: 0,
-            cost: CostTerms::total_of(self.weights, self.shape, &load, credit, 0),
+            cost: if EXTRAS {
+                self.less_preference(cost, r.label_bits)
+            } else {
+                cost
+            },
             load,
         }
+    }
+
+    /// The pool's credit and blocks for a rank holding `own` leading blocks: the pool's run
+    /// of blocks starting where the rank's own overlap ends.
+    #[inline]
+    fn pool_extension(&self, own: u32) -> (f64, u32) {
+        match self.pool.iter().find(|&&(a, b)| a <= own && own < b) {
+            Some(&(_, b)) => (f64::from(b - own) * self.pool_credit, b - own),
+            None => (0.0, 0),
+        }
+    }
+
+    /// `cost` less the preference of a rank carrying `label_bits` (untouched without
+    /// preferred labels, as [`CostTerms::with_preference`] is then not applied either).
+    #[inline(always)]
+    fn less_preference(&self, cost: f64, label_bits: u64) -> f64 {
+        if self.preferred.is_empty() {
+            cost
+        } else {
+            cost - self.preference(label_bits)
+        }
+    }
+
+    /// Blocks off the cost of a rank carrying `label_bits` for the preferred labels.
+    #[inline(always)]
+    fn preference(&self, label_bits: u64) -> f64 {
+        self.preferred
+            .iter()
+            .filter(|(bit, _)| label_bits & bit != 0)
+            .map(|(_, w)| w)
+            .sum()
     }
 
     /// `c` with `shared` of the prompt's blocks active on its rank: the same load, the cost
     /// recomputed.
     fn with_shared(&self, c: &Scored, shared: u32) -> Scored {
-        let (credit, _) = self.matched[self.slot[c.fleet_index as usize] as usize];
+        let (own_credit, blocks) = self.matched[self.slot[c.fleet_index as usize] as usize];
+        let credit = if self.pool.is_empty() {
+            own_credit
+        } else {
+            own_credit + self.pool_extension(blocks).0
+        };
         Scored {
             shared_blocks: shared,
-            cost: CostTerms::total_of(self.weights, self.shape, &c.load, credit, shared),
+            cost: self.less_preference(
+                CostTerms::total_of(self.weights, self.shape, &c.load, credit, shared),
+                self.fleet.ranks[c.fleet_index as usize].label_bits,
+            ),
             ..*c
         }
     }
@@ -1872,5 +3294,1189 @@ mod tests {
         let q = Quantiles::of(&a.ttft_us);
         assert_eq!((q.count, q.p50), (2, 5));
         assert_eq!(Quantiles::of(&RequestMetrics::new().itl_us).count, 0);
+    }
+}
+
+#[cfg(test)]
+mod queue_tests {
+    use super::*;
+    use crate::config::{BusyThresholds, QueueOrder};
+    use crate::index::IndexConfig;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const BS: u32 = 16;
+
+    /// One worker of 10 blocks, busy over 5 active blocks: a 96-token (6-block) request makes
+    /// it busy.
+    fn busy_router(order: QueueOrder, cap: u64) -> Router {
+        let r = Router::new(
+            RouterConfig {
+                busy: BusyThresholds {
+                    decode_blocks_fraction: Some(0.5),
+                    prefill_tokens_fraction: None,
+                },
+                queue: Queueing::On {
+                    max_queued_tokens: cap,
+                    order,
+                },
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        r.join_worker(WorkerConfig::simple(1, 10, BS)).unwrap();
+        r
+    }
+
+    fn toks(seed: u32, n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| seed * 100_000 + i).collect()
+    }
+
+    fn req(id: u64, tokens: &[u32]) -> RouteRequest<'_> {
+        RouteRequest {
+            id: RequestId(id),
+            tokens,
+            hints: RouteHints::default(),
+        }
+    }
+
+    fn queued(a: Admission) -> Ticket {
+        match a {
+            Admission::Queued(t) => t,
+            Admission::Routed(d) => panic!("routed {d:?}"),
+        }
+    }
+
+    #[test]
+    fn submit_queues_while_busy_and_frees_release_in_fcfs_order_with_jumps() {
+        let r = busy_router(QueueOrder::Fcfs, 10_000);
+        let t0 = Instant::now();
+        let (a, b, c) = (toks(1, 96), toks(2, 96), toks(3, 96));
+        assert!(matches!(
+            r.submit_at(&req(1, &a), t0),
+            Ok(Admission::Routed(_))
+        ));
+        let tb = queued(
+            r.submit_at(&req(2, &b), t0 + Duration::from_secs(1))
+                .unwrap(),
+        );
+        // Arrives a second later with a 1.5 s jump: goes ahead of request 2.
+        let mut qc = req(3, &c);
+        qc.hints.priority_jump = 1.5;
+        let tc = queued(r.submit_at(&qc, t0 + Duration::from_secs(2)).unwrap());
+        let st = r.queue_stats().unwrap();
+        assert_eq!((st.depth, st.queued_tokens, st.enqueued), (2, 192, 2));
+        assert!(r.take_released(tb.request).is_none());
+        // Freeing request 1 lets one request go: request 3, which makes the worker busy again.
+        r.free(RequestId(1)).unwrap();
+        let d3 = r.take_released(tc.request).unwrap().unwrap();
+        assert_eq!(d3.request, RequestId(3));
+        assert!(r.take_released(tb.request).is_none(), "still waiting");
+        r.free(RequestId(3)).unwrap();
+        assert_eq!(
+            r.take_released(tb.request).unwrap().unwrap().request,
+            RequestId(2)
+        );
+        assert_eq!(
+            r.take_released(tb.request),
+            Some(Err(RouteError::NotQueued {
+                request: RequestId(2)
+            })),
+            "handed out once"
+        );
+        let st = r.queue_stats().unwrap();
+        assert_eq!((st.depth, st.released, st.wait_us.len()), (0, 2, 2));
+        r.free(RequestId(2)).unwrap();
+        assert!(r.total_load().is_idle());
+    }
+
+    #[test]
+    fn route_never_queues_and_submit_without_a_queue_routes() {
+        let r = busy_router(QueueOrder::Fcfs, 10_000);
+        r.route(&req(1, &toks(1, 96))).unwrap();
+        let d = r.route(&req(2, &toks(2, 96))).unwrap();
+        assert_eq!(d.decided_by, DecidedBy::FallbackAllBusy);
+        let plain = Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        plain.join_worker(WorkerConfig::simple(1, 10, BS)).unwrap();
+        assert!(matches!(
+            plain.submit(&req(1, &toks(1, 96))),
+            Ok(Admission::Routed(_))
+        ));
+        assert!(plain.queue_stats().is_none());
+    }
+
+    #[test]
+    fn over_the_cap_is_resource_exhausted_with_exact_numbers() {
+        let r = busy_router(QueueOrder::Fcfs, 150);
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
+        let e = r.submit_at(&req(3, &toks(3, 80)), t0).unwrap_err();
+        assert_eq!(
+            e,
+            RouteError::ResourceExhausted {
+                request: RequestId(3),
+                request_tokens: 80,
+                queued_tokens: 96,
+                cap_tokens: 150,
+            }
+        );
+        assert!(e.is_retryable());
+        assert!(
+            e.to_string().contains("96 tokens already queued, cap 150"),
+            "{e}"
+        );
+        // 54 more tokens fit exactly.
+        queued(r.submit_at(&req(4, &toks(4, 54)), t0).unwrap());
+        let st = r.queue_stats().unwrap();
+        assert_eq!(
+            (st.rejected, st.queued_tokens, st.cap_tokens),
+            (1, 150, 150)
+        );
+        // A second submit of a waiting id is a duplicate, not a second entry.
+        assert!(matches!(
+            r.submit_at(&req(2, &toks(2, 10)), t0),
+            Err(RouteError::Load(LoadError::DuplicateRequest { .. }))
+        ));
+        assert!(!RouteError::NoTokens {
+            request: RequestId(1)
+        }
+        .is_retryable());
+    }
+
+    /// A submit once queued an id that was already booked (the ledger checks duplicates
+    /// only when booking), so its release failed and the caller saw two outcomes for one id.
+    #[test]
+    fn submit_of_a_booked_id_is_a_duplicate_not_a_queue_entry() {
+        let r = busy_router(QueueOrder::Fcfs, 10_000);
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        assert_eq!(
+            r.submit_at(&req(1, &toks(1, 16)), t0).unwrap_err(),
+            RouteError::Load(LoadError::DuplicateRequest {
+                request: RequestId(1)
+            })
+        );
+        assert_eq!(r.queue_stats().unwrap().depth, 0);
+        assert_eq!(r.counts().duplicate_admissions, 1);
+    }
+
+    /// Cancelling a released request whose booking already went (its worker left) once
+    /// reported an error although the cancel took effect.
+    #[test]
+    fn cancel_after_the_released_booking_was_purged_still_cancels() {
+        let r = busy_router(QueueOrder::Fcfs, 10_000);
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        let t = queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
+        r.free(RequestId(1)).unwrap();
+        assert_eq!(r.ticket_state(t.request), TicketState::Released);
+        r.leave_worker(WorkerId(1)).unwrap();
+        assert_eq!(r.cancel_queued(t.request), Ok(Cancelled::Released));
+        assert_eq!(r.ticket_state(t.request), TicketState::Unknown);
+        assert_eq!(r.active_requests(), 0);
+    }
+
+    #[test]
+    fn wspt_releases_the_shortest_new_prefill_first() {
+        let r = busy_router(QueueOrder::Wspt, 10_000);
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        queued(r.submit_at(&req(2, &toks(2, 160)), t0).unwrap());
+        queued(
+            r.submit_at(&req(3, &toks(3, 112)), t0 + Duration::from_secs(5))
+                .unwrap(),
+        );
+        let t4 = toks(4, 160);
+        let mut q4 = req(4, &t4);
+        q4.hints.priority_class = PriorityClass(1);
+        queued(r.submit_at(&q4, t0 + Duration::from_secs(9)).unwrap());
+        let mut order = Vec::new();
+        let mut active = 1u64;
+        while order.len() < 3 {
+            r.free(RequestId(active)).unwrap();
+            let mut got = Vec::new();
+            r.drain_released(|id, d| {
+                d.unwrap();
+                got.push(id.0)
+            });
+            assert_eq!(got.len(), 1, "one at a time: each makes the worker busy");
+            active = got[0];
+            order.push(active);
+        }
+        assert_eq!(order, vec![4, 3, 2], "class first, then shortest");
+    }
+
+    struct CountWake(AtomicU64);
+    impl std::task::Wake for CountWake {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn cancel_removes_exactly_once_and_the_future_wakes_and_resolves() {
+        let r = Arc::new(busy_router(QueueOrder::Fcfs, 10_000));
+        let t0 = Instant::now();
+        r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+        let t2 = queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
+        let t3 = queued(r.submit_at(&req(3, &toks(3, 96)), t0).unwrap());
+        // Waiting: leaves the queue once.
+        assert_eq!(r.cancel_queued(t2.request), Ok(Cancelled::Waiting));
+        assert_eq!(
+            r.cancel_queued(t2.request),
+            Err(RouteError::NotQueued {
+                request: RequestId(2)
+            })
+        );
+        // A future registers its waker, is woken at release and resolves once.
+        let counter = Arc::new(CountWake(AtomicU64::new(0)));
+        let waker = Waker::from(Arc::clone(&counter));
+        let mut cx = Context::from_waker(&waker);
+        let mut fut = Router::wait(Arc::clone(&r), t3);
+        assert!(Pin::new(&mut fut).poll(&mut cx).is_pending());
+        r.free(RequestId(1)).unwrap();
+        assert_eq!(counter.0.load(Ordering::Relaxed), 1);
+        match Pin::new(&mut fut).poll(&mut cx) {
+            Poll::Ready(Ok(d)) => assert_eq!(d.request, RequestId(3)),
+            other => panic!("{other:?}"),
+        }
+        drop(fut);
+        assert_eq!(r.active_requests(), 1, "a resolved future cancels nothing");
+        // Released but untaken, then cancelled: the booking is freed.
+        let t4 = queued(r.submit_at(&req(4, &toks(4, 96)), t0).unwrap());
+        r.free(RequestId(3)).unwrap();
+        assert_eq!(r.active_requests(), 1);
+        assert_eq!(r.cancel_queued(t4.request), Ok(Cancelled::Released));
+        assert!(r.total_load().is_idle());
+        assert!(r.cancel_queued(t4.request).is_err());
+        // A future dropped while waiting cancels its request.
+        r.submit_at(&req(5, &toks(5, 96)), t0).unwrap();
+        let t6 = queued(r.submit_at(&req(6, &toks(6, 96)), t0).unwrap());
+        let mut fut = Router::wait(Arc::clone(&r), t6);
+        assert!(Pin::new(&mut fut).poll(&mut cx).is_pending());
+        drop(fut);
+        let st = r.queue_stats().unwrap();
+        assert_eq!(
+            (st.depth, st.cancelled_waiting, st.cancelled_released),
+            (0, 2, 1)
+        );
+        r.free(RequestId(5)).unwrap();
+        assert!(r.total_load().is_idle());
+    }
+}
+
+#[cfg(test)]
+mod health_tests {
+    use super::*;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+
+    const BS: u32 = 16;
+
+    fn router() -> Router {
+        let r = Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        for w in 1..=3 {
+            r.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+        }
+        r
+    }
+
+    fn req(id: u64, tokens: &[u32]) -> RouteRequest<'_> {
+        RouteRequest {
+            id: RequestId(id),
+            tokens,
+            hints: RouteHints::default(),
+        }
+    }
+
+    /// Worker 1 holds the whole prompt; marked, it is steered around, whatever its cache.
+    #[test]
+    fn marked_workers_are_steered_around_and_counted_per_reason() {
+        let r = router();
+        let t: Vec<u32> = (0..64).collect();
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        let blocks: Vec<StoredBlock> = locals
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(i as u64),
+                local_hash: *h,
+            })
+            .collect();
+        let header = EventHeader {
+            source: WorkerRank::new(1, 0),
+            event_id: EventId(0),
+            tier: StorageTier::Device,
+        };
+        lock(&r.index).apply_stored(header, None, &blocks).unwrap();
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
+        assert_eq!(
+            r.set_health(WorkerId(1), Health::Unreachable).unwrap(),
+            Health::Healthy
+        );
+        r.set_health(WorkerId(2), Health::Wedged).unwrap();
+        for _ in 0..10 {
+            let d = r.route(&q).unwrap();
+            assert_eq!(d.worker, WorkerRank::new(3, 0));
+            assert_eq!(d.decided_by, DecidedBy::Cost);
+        }
+        let c = r.counts();
+        assert_eq!(
+            (c.vetoed_unreachable, c.vetoed_wedged, c.all_unhealthy),
+            (10, 10, 0)
+        );
+        // Every candidate marked: never refused, the least loaded serves.
+        r.set_health(WorkerId(3), Health::Wedged).unwrap();
+        r.route(&req(10, &(1000..1100).collect::<Vec<u32>>()))
+            .unwrap();
+        let booked = r.fleet().ranks[0].state.load().requests
+            + r.fleet().ranks[1].state.load().requests
+            + r.fleet().ranks[2].state.load().requests;
+        assert_eq!(booked, 1);
+        for _ in 0..5 {
+            let d = r.route(&q).unwrap();
+            assert_eq!(d.decided_by, DecidedBy::FallbackAllUnhealthy);
+            assert_eq!(d.load.requests, 0, "least loaded: {d:?}");
+        }
+        assert_eq!(
+            r.counts().all_unhealthy,
+            6,
+            "the booked request and five queries"
+        );
+        // Healthy again: the cache wins again.
+        r.set_health(WorkerId(1), Health::Healthy).unwrap();
+        assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
+        assert_eq!(
+            r.set_health(WorkerId(9), Health::Wedged),
+            Err(RouterError::Registry(RegistryError::UnknownWorker {
+                worker: WorkerId(9)
+            }))
+        );
+    }
+
+    /// The count of marked ranks, which lets selection skip reading marks, stays exact across
+    /// repeated marks and a marked worker leaving.
+    #[test]
+    fn marked_rank_count_follows_marks_and_leaves() {
+        let r = router();
+        r.join_worker(WorkerConfig {
+            dp_size: 4,
+            ..WorkerConfig::simple(7, 1000, BS)
+        })
+        .unwrap();
+        r.set_health(WorkerId(7), Health::Wedged).unwrap();
+        r.set_health(WorkerId(7), Health::Unreachable).unwrap();
+        r.set_health(WorkerId(1), Health::Unreachable).unwrap();
+        assert_eq!(r.marked_ranks.load(Ordering::Relaxed), 5);
+        r.leave_worker(WorkerId(7)).unwrap();
+        assert_eq!(r.marked_ranks.load(Ordering::Relaxed), 1);
+        r.set_health(WorkerId(1), Health::Healthy).unwrap();
+        assert_eq!(r.marked_ranks.load(Ordering::Relaxed), 0);
+    }
+
+    /// Pinned requests go where pinned, marked or not: the caller chose.
+    #[test]
+    fn pins_ignore_marks() {
+        let r = router();
+        r.set_health(WorkerId(2), Health::Unreachable).unwrap();
+        let t: Vec<u32> = (0..40).collect();
+        let mut q = req(1, &t);
+        q.hints.pinned.backend_instance = Some(WorkerId(2));
+        assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(2, 0));
+    }
+}
+
+#[cfg(test)]
+mod constraint_tests {
+    use super::*;
+    use crate::config::{BusyThresholds, QueueOrder};
+    use crate::index::IndexConfig;
+    use std::collections::HashSet;
+
+    const BS: u32 = 16;
+
+    fn labelled(id: u64, kv_blocks: u64, labels: &[(&str, &str)]) -> WorkerConfig {
+        WorkerConfig {
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..WorkerConfig::simple(id, kv_blocks, BS)
+        }
+    }
+
+    fn router(config: RouterConfig, kv_blocks: u64) -> Router {
+        let r = Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap();
+        r.join_worker(labelled(1, kv_blocks, &[("zone", "a"), ("gpu", "h100")]))
+            .unwrap();
+        r.join_worker(labelled(2, kv_blocks, &[("zone", "b"), ("gpu", "h100")]))
+            .unwrap();
+        r.join_worker(labelled(3, kv_blocks, &[("zone", "a"), ("gpu", "a10")]))
+            .unwrap();
+        r
+    }
+
+    const ZONE_A: Label<'static> = Label {
+        key: "zone",
+        value: "a",
+    };
+
+    #[test]
+    fn required_labels_filter_and_none_eligible_is_a_clear_error() {
+        let r = router(RouterConfig::default(), 1000);
+        let t: Vec<u32> = (0..64).collect();
+        let mut q = RouteRequest {
+            id: RequestId(1),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.required = &[ZONE_A];
+        let mut seen = HashSet::new();
+        for _ in 0..100 {
+            seen.insert(r.route(&q).unwrap().worker.worker.0);
+        }
+        assert_eq!(seen, HashSet::from([1, 3]));
+        let both = [
+            Label {
+                key: "zone",
+                value: "b",
+            },
+            Label {
+                key: "gpu",
+                value: "a10",
+            },
+        ];
+        q.hints.required = &both;
+        assert_eq!(
+            r.route(&q),
+            Err(RouteError::NoEligibleWorker {
+                request: RequestId(1)
+            })
+        );
+        let unknown = [Label {
+            key: "zone",
+            value: "z",
+        }];
+        q.hints.required = &unknown;
+        assert!(matches!(
+            r.route(&q),
+            Err(RouteError::NoEligibleWorker { .. })
+        ));
+        q.hints.required = &[ZONE_A];
+        q.hints.pinned.backend_instance = Some(WorkerId(2));
+        assert_eq!(
+            r.route(&q),
+            Err(RouteError::PinnedLacksLabels {
+                request: RequestId(1),
+                worker: WorkerId(2)
+            })
+        );
+        assert_eq!(r.counts().no_eligible, 3);
+    }
+
+    #[test]
+    fn preferred_labels_lower_the_cost_by_their_weight() {
+        let r = router(RouterConfig::default(), 1000);
+        let t: Vec<u32> = (0..64).collect();
+        let prefer = [PreferredLabel {
+            label: Label {
+                key: "gpu",
+                value: "h100",
+            },
+            weight: 3.0,
+        }];
+        let mut q = RouteRequest {
+            id: RequestId(1),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.preferred = &prefer;
+        q.hints.evidence = EvidenceLevel::Full;
+        for _ in 0..50 {
+            let d = r.route(&q).unwrap();
+            assert_ne!(d.worker.worker, WorkerId(3));
+            assert_eq!(d.cost.preference, 3.0);
+            assert_eq!(d.cost.total, 4.0 + 4.0 - 3.0);
+            let ev = d.evidence.unwrap();
+            let w3 = ev.iter().find(|c| c.rank.worker == WorkerId(3)).unwrap();
+            assert_eq!((w3.cost.preference, w3.cost.total), (0.0, 8.0));
+        }
+        let bad = [PreferredLabel {
+            weight: f64::NAN,
+            ..prefer[0]
+        }];
+        q.hints.preferred = &bad;
+        assert!(matches!(
+            r.route(&q),
+            Err(RouteError::InvalidHint {
+                field: "preferred.weight",
+                ..
+            })
+        ));
+        assert_eq!(r.counts().invalid_hints, 1);
+    }
+
+    /// A queued request keeps its constraints: with the zone-a workers busy and zone b free,
+    /// it waits, and goes to zone a when load frees there.
+    #[test]
+    fn queued_requests_keep_their_labels() {
+        let r = router(
+            RouterConfig {
+                busy: BusyThresholds {
+                    decode_blocks_fraction: Some(0.5),
+                    prefill_tokens_fraction: None,
+                },
+                queue: Queueing::On {
+                    max_queued_tokens: 10_000,
+                    order: QueueOrder::Fcfs,
+                },
+                ..RouterConfig::default()
+            },
+            10,
+        );
+        let t: Vec<u32> = (0..96).collect();
+        for (id, w) in [(1, 1), (3, 3)] {
+            let mut q = RouteRequest {
+                id: RequestId(id),
+                tokens: &t,
+                hints: RouteHints::default(),
+            };
+            q.hints.pinned.backend_instance = Some(WorkerId(w));
+            r.route(&q).unwrap();
+        }
+        let mut q = RouteRequest {
+            id: RequestId(9),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.required = &[ZONE_A];
+        assert!(matches!(r.submit(&q), Ok(Admission::Queued(_))));
+        r.free(RequestId(3)).unwrap();
+        let d = r.take_released(RequestId(9)).unwrap().unwrap();
+        assert_eq!(d.worker, WorkerRank::new(3, 0));
+    }
+}
+
+#[cfg(test)]
+mod session_tests {
+    use super::*;
+    use crate::index::IndexConfig;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const BS: u32 = 16;
+
+    fn router() -> Router {
+        let r = Router::new(
+            RouterConfig {
+                session_idle_ttl: Duration::from_secs(30),
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        for w in 1..=4 {
+            r.join_worker(WorkerConfig {
+                dp_size: 2,
+                ..WorkerConfig::simple(w, 1000, BS)
+            })
+            .unwrap();
+        }
+        r
+    }
+
+    fn turn(r: &Router, id: u64, session: u64, now: Instant) -> Decision {
+        let t: Vec<u32> = (0..48).map(|i| (id as u32) * 1000 + i).collect();
+        let mut q = RouteRequest {
+            id: RequestId(id),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.session = Some(SessionId(session));
+        r.route_at(&q, now).unwrap()
+    }
+
+    #[test]
+    fn a_session_sticks_to_its_rank_and_is_rerouted_when_its_worker_left() {
+        let r = router();
+        let t0 = Instant::now();
+        let first = turn(&r, 1, 7, t0);
+        assert_eq!(first.session, Some(SessionRouting::Bound));
+        assert_eq!(r.session_rank(SessionId(7)), Some(first.worker));
+        // Later turns go to the same (worker, dp rank), whatever the load says.
+        for id in 2..10 {
+            let d = turn(&r, id, 7, t0);
+            assert_eq!(d.worker, first.worker);
+            assert_eq!(
+                (d.session, d.decided_by),
+                (Some(SessionRouting::Sticky), DecidedBy::Session)
+            );
+        }
+        r.leave_worker(first.worker.worker).unwrap();
+        let d = turn(&r, 10, 7, t0);
+        assert_ne!(d.worker.worker, first.worker.worker);
+        assert_eq!(
+            d.session,
+            Some(SessionRouting::Rerouted {
+                previous: first.worker
+            })
+        );
+        assert_eq!(r.session_rank(SessionId(7)), Some(d.worker), "rebound");
+        assert_eq!(turn(&r, 11, 7, t0).session, Some(SessionRouting::Sticky));
+        let c = r.counts();
+        assert_eq!((c.sessions_bound, c.sessions_rerouted), (1, 1));
+    }
+
+    #[test]
+    fn idle_sessions_expire_through_the_callback() {
+        let r = router();
+        let ended = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&ended);
+        r.on_session_end(move |e| lock(&sink).push(e));
+        let t0 = Instant::now();
+        let a = turn(&r, 1, 1, t0);
+        turn(&r, 2, 2, t0 + Duration::from_secs(20));
+        r.free(RequestId(1)).unwrap();
+        r.free(RequestId(2)).unwrap();
+        // The frees read the clock (after t0 + 0): session 1 was last used then.
+        let late = Instant::now() + Duration::from_secs(60);
+        assert_eq!(r.expire_sessions(t0 + Duration::from_secs(29)), 0);
+        assert_eq!(r.expire_sessions(late), 2);
+        let got = lock(&ended).clone();
+        assert_eq!(got.len(), 2);
+        assert!(got.contains(&SessionEnd {
+            session: SessionId(1),
+            worker: a.worker,
+            reason: SessionEndReason::Expired
+        }));
+        assert_eq!(r.counts().sessions_expired, 2);
+        assert_eq!(turn(&r, 3, 1, late).session, Some(SessionRouting::Bound));
+    }
+
+    /// A session whose request is still generating does not expire, however long it runs.
+    #[test]
+    fn a_running_request_keeps_its_session() {
+        let r = router();
+        let t0 = Instant::now();
+        turn(&r, 1, 1, t0);
+        assert_eq!(r.expire_sessions(t0 + Duration::from_secs(3600)), 0);
+        r.free(RequestId(1)).unwrap();
+        assert_eq!(
+            r.expire_sessions(Instant::now() + Duration::from_secs(31)),
+            1
+        );
+    }
+
+    #[test]
+    fn a_close_with_a_request_is_deferred_until_it_ends() {
+        let r = router();
+        let ended = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&ended);
+        r.on_session_end(move |e| lock(&sink).push(e));
+        let t0 = Instant::now();
+        let first = turn(&r, 1, 5, t0);
+        let t: Vec<u32> = (0..48).collect();
+        let mut q = RouteRequest {
+            id: RequestId(2),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.session = Some(SessionId(5));
+        q.hints.session_close = SessionClose::AfterThisRequest;
+        r.route_at(&q, t0).unwrap();
+        r.free(RequestId(1)).unwrap();
+        assert!(lock(&ended).is_empty(), "request 2 still generates");
+        assert_eq!(r.session_rank(SessionId(5)), Some(first.worker));
+        r.output_block(RequestId(2)).unwrap();
+        r.free(RequestId(2)).unwrap();
+        assert_eq!(
+            lock(&ended).clone(),
+            vec![SessionEnd {
+                session: SessionId(5),
+                worker: first.worker,
+                reason: SessionEndReason::Closed
+            }]
+        );
+        assert_eq!(r.session_rank(SessionId(5)), None);
+        // Closed with a request that then expired: the sweep closes it.
+        r.route_at(&q, t0).unwrap();
+        assert_eq!(r.expire(Instant::now() + r.config().request_expiry), 1);
+        assert_eq!(r.expire_sessions(t0), 1);
+        assert_eq!(lock(&ended).len(), 2);
+        assert_eq!(r.counts().sessions_closed, 2);
+        assert_eq!(r.close_session(SessionId(5)), None);
+    }
+}
+
+#[cfg(test)]
+mod approx_tests {
+    use super::*;
+    use crate::config::Approximate;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+    use std::time::Duration;
+
+    const BS: u32 = 16;
+
+    fn router(speculative: Speculative) -> Router {
+        Router::new(
+            RouterConfig {
+                approximate: Approximate {
+                    speculative,
+                    ..Approximate::default()
+                },
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap()
+    }
+
+    fn prompt(n: usize) -> Vec<u32> {
+        (0..n as u32).map(|i| i * 13 + 5).collect()
+    }
+
+    /// Query-only overlap on `rank` at `now`.
+    fn overlap_on(r: &Router, tokens: &[u32], rank: WorkerRank, now: Instant) -> u32 {
+        let mut q = RouteRequest {
+            id: RequestId(999),
+            tokens,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        let d = r.route_at(&q, now).unwrap();
+        let ev = d.evidence.unwrap();
+        ev.iter()
+            .find(|c| c.rank == rank)
+            .map_or(0, |c| c.overlap.blocks)
+    }
+
+    fn pinned(r: &Router, id: u64, tokens: &[u32], worker: u64, now: Instant) {
+        let mut q = RouteRequest {
+            id: RequestId(id),
+            tokens,
+            hints: RouteHints::default(),
+        };
+        q.hints.pinned.backend_instance = Some(WorkerId(worker));
+        r.route_at(&q, now).unwrap();
+    }
+
+    #[test]
+    fn decisions_on_a_worker_without_events_count_as_its_cache_for_the_ttl() {
+        let r = router(Speculative::Off);
+        r.join_worker_with(WorkerConfig::simple(1, 1000, BS), KvEvents::Absent)
+            .unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t0 = Instant::now();
+        let p = prompt(128); // 8 blocks
+        pinned(&r, 1, &p, 1, t0);
+        pinned(&r, 2, &p, 2, t0);
+        r.free(RequestId(1)).unwrap();
+        r.free(RequestId(2)).unwrap();
+        let w1 = WorkerRank::new(1, 0);
+        let longer: Vec<u32> = p.iter().copied().chain(1_000..1_100).collect();
+        assert_eq!(overlap_on(&r, &longer, w1, t0 + Duration::from_secs(1)), 8);
+        assert_eq!(
+            overlap_on(&r, &longer, WorkerRank::new(2, 0), t0),
+            0,
+            "a worker with events is not recorded unless speculation is on"
+        );
+        let mut q = RouteRequest {
+            id: RequestId(3),
+            tokens: &longer,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        assert_eq!(
+            r.route_at(&q, t0 + Duration::from_secs(119))
+                .unwrap()
+                .worker,
+            w1
+        );
+        assert_eq!(
+            overlap_on(&r, &longer, w1, t0 + Duration::from_secs(120)),
+            0
+        );
+        assert!(r.counts().approx_raised >= 2);
+        r.expire(t0 + Duration::from_secs(120));
+        assert_eq!(r.counts().approx.records, 0);
+    }
+
+    /// A speculative record bridges the time to the worker's first events, is overtaken by
+    /// them, and never outlives its TTL; an eviction from the worker retires it at once.
+    #[test]
+    fn speculative_records_bridge_to_real_events_and_never_outlive_their_ttl() {
+        let ttl = Duration::from_millis(1500);
+        let r = router(Speculative::On { ttl });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t0 = Instant::now();
+        let p = prompt(128);
+        let w1 = WorkerRank::new(1, 0);
+        pinned(&r, 1, &p, 1, t0);
+        // A burst of the same prefix now sees it on worker 1.
+        for ms in [0u64, 1, 500, 1499] {
+            assert_eq!(overlap_on(&r, &p, w1, t0 + Duration::from_millis(ms)), 8);
+        }
+        for ms in [1500u64, 1501, 5000, 120_000] {
+            assert_eq!(
+                overlap_on(&r, &p, w1, t0 + Duration::from_millis(ms)),
+                0,
+                "{ms} ms"
+            );
+        }
+        // The worker's events for the first 4 blocks: the index's overlap stays after the
+        // record expired; before, the deeper of the two counts.
+        let locals = BlockHasher::new(BS as usize).local_hashes(&p);
+        let blocks: Vec<StoredBlock> = locals[..4]
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(i as u64 + 1),
+                local_hash: *h,
+            })
+            .collect();
+        let header = EventHeader {
+            source: w1,
+            event_id: EventId(0),
+            tier: StorageTier::Device,
+        };
+        r.apply_event(&KvEvent {
+            header,
+            data: KvEventData::Stored {
+                parent: None,
+                blocks,
+            },
+        })
+        .unwrap();
+        let t1 = t0 + Duration::from_secs(10);
+        pinned(&r, 2, &p, 1, t1);
+        assert_eq!(overlap_on(&r, &p, w1, t1 + Duration::from_millis(10)), 8);
+        assert_eq!(overlap_on(&r, &p, w1, t1 + ttl), 4);
+        // An eviction from the worker retires its speculation immediately.
+        pinned(&r, 3, &prompt(200), 1, t1);
+        r.apply_event(&KvEvent {
+            header: EventHeader {
+                event_id: EventId(1),
+                ..header
+            },
+            data: KvEventData::Removed {
+                blocks: vec![BlockHash(4)],
+            },
+        })
+        .unwrap();
+        assert_eq!(overlap_on(&r, &p, w1, t1 + Duration::from_millis(10)), 3);
+    }
+
+    /// An ingest path that writes the index itself tells the router through `note_event`:
+    /// an eviction reported that way retires the speculation just the same.
+    #[test]
+    fn events_applied_elsewhere_are_noted() {
+        let r = router(Speculative::On {
+            ttl: Duration::from_secs(5),
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let t0 = Instant::now();
+        let p = prompt(128);
+        let w1 = WorkerRank::new(1, 0);
+        pinned(&r, 1, &p, 1, t0);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 8);
+        r.note_event(w1, StorageTier::Device, EventSeen::Stored { blocks: 8 });
+        assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 8);
+        r.note_event(w1, StorageTier::Device, EventSeen::Removed { blocks: 3 });
+        assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 5);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 0);
+    }
+}
+
+#[cfg(test)]
+mod warm_up_tests {
+    use super::*;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+    use std::collections::HashSet;
+    use std::time::Duration;
+
+    const BS: u32 = 16;
+    const MINUTE: Duration = Duration::from_secs(60);
+
+    fn router(share: f64, low_share: f64) -> Router {
+        let r = Router::new(
+            RouterConfig {
+                warm_up: WarmUp::On {
+                    share,
+                    duration: MINUTE,
+                    low_share,
+                },
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        r
+    }
+
+    fn query(r: &Router, seed: u32, now: Instant) -> Decision {
+        let t: Vec<u32> = (0..64).map(|i| seed * 1000 + i).collect();
+        let mut q = RouteRequest {
+            id: RequestId(u64::from(seed)),
+            tokens: &t,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        r.route_at(&q, now).unwrap()
+    }
+
+    fn store(r: &Router, worker: u64, seed: u32, n: usize, id: u64) {
+        let t: Vec<u32> = (0..(n * BS as usize) as u32)
+            .map(|i| seed * 1000 + i)
+            .collect();
+        let blocks: Vec<StoredBlock> = BlockHasher::new(BS as usize)
+            .local_hashes(&t)
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(u64::from(seed) << 20 | i as u64),
+                local_hash: *h,
+            })
+            .collect();
+        r.apply_event(&KvEvent {
+            header: EventHeader {
+                source: WorkerRank::new(worker, 0),
+                event_id: EventId(id),
+                tier: StorageTier::Device,
+            },
+            data: KvEventData::Stored {
+                parent: None,
+                blocks,
+            },
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn a_new_worker_takes_its_share_of_cache_misses_for_the_duration() {
+        let r = router(1.0, 0.0);
+        let t0 = Instant::now();
+        let settled = t0 + MINUTE;
+        for seed in 0..20 {
+            assert_eq!(query(&r, seed, settled).decided_by, DecidedBy::Cost);
+        }
+        r.join_worker_at(
+            WorkerConfig::simple(3, 1000, BS),
+            KvEvents::Published,
+            settled,
+        )
+        .unwrap();
+        let now = settled + Duration::from_secs(1);
+        for seed in 0..20 {
+            let d = query(&r, seed, now);
+            assert_eq!(
+                (d.worker, d.decided_by),
+                (WorkerRank::new(3, 0), DecidedBy::WarmUp)
+            );
+        }
+        // A request with a holder is not a miss: the cost decides.
+        store(&r, 1, 77, 4, 0);
+        let d = query(&r, 77, now);
+        assert_eq!(
+            (d.worker, d.decided_by),
+            (WorkerRank::new(1, 0), DecidedBy::Cost)
+        );
+        assert_eq!(query(&r, 5, settled + MINUTE).decided_by, DecidedBy::Cost);
+        assert_eq!(r.counts().warm_up, 20);
+    }
+
+    #[test]
+    fn the_share_is_a_fraction_of_misses() {
+        let r = router(0.25, 0.0);
+        r.join_worker(WorkerConfig::simple(3, 1000, BS)).unwrap();
+        let now = Instant::now();
+        let warm = (0..4000)
+            .filter(|&seed| query(&r, seed, now).decided_by == DecidedBy::WarmUp)
+            .count();
+        assert!((850..1150).contains(&warm), "{warm}");
+    }
+
+    /// A worker whose reported cache is far below the fleet's warms again at the next expire
+    /// sweep; a cleared worker warms at once.
+    #[test]
+    fn far_below_the_fleets_share_or_cleared_warms_again() {
+        let r = router(1.0, 0.1);
+        r.join_worker(WorkerConfig::simple(3, 1000, BS)).unwrap();
+        store(&r, 1, 1, 50, 0);
+        store(&r, 2, 2, 50, 0);
+        store(&r, 3, 3, 5, 0);
+        let later = Instant::now() + 2 * MINUTE;
+        assert_eq!(query(&r, 9, later).decided_by, DecidedBy::Cost);
+        r.expire(later);
+        assert_eq!(
+            r.counts().rewarmed,
+            0,
+            "5 of a mean 35 blocks is above 10 %"
+        );
+        store(&r, 1, 11, 200, 1);
+        r.expire(later);
+        assert_eq!(r.counts().rewarmed, 1, "5 of a mean 101.7 is below 10 %");
+        let d = query(&r, 9, later);
+        assert_eq!(
+            (d.worker, d.decided_by),
+            (WorkerRank::new(3, 0), DecidedBy::WarmUp)
+        );
+        r.apply_event(&KvEvent {
+            header: EventHeader {
+                source: WorkerRank::new(2, 0),
+                event_id: EventId(1),
+                tier: StorageTier::Device,
+            },
+            data: KvEventData::Cleared,
+        })
+        .unwrap();
+        assert_eq!(r.fleet().ranks[1].state.reported_blocks(), 0);
+        let now = Instant::now();
+        let mut seen = HashSet::new();
+        for seed in 100..140 {
+            let d = query(&r, seed, now);
+            assert_eq!(d.decided_by, DecidedBy::WarmUp);
+            seen.insert(d.worker.worker.0);
+        }
+        assert!(seen.contains(&2), "{seen:?}");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)]
+mod pool_tests {
+    use super::*;
+    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::index::IndexConfig;
+
+    const BS: u32 = 16;
+
+    #[test]
+    fn ranges_are_clipped_sorted_and_merged() {
+        let mut out = Vec::new();
+        merge_pool_ranges(&[5..8, 0..3, 2..6, 9..40, 12..12], 20, &mut out).unwrap();
+        assert_eq!(out, vec![(0, 8), (9, 20)]);
+        #[allow(clippy::reversed_empty_ranges)]
+        let bad = [0..3, 7..4];
+        assert!(merge_pool_ranges(&bad, 20, &mut out).is_err());
+        assert!(out.is_empty());
+    }
+
+    fn setup() -> (Router, Vec<u32>) {
+        let r = Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t: Vec<u32> = (0..160).map(|i| i * 3 + 1).collect(); // 10 blocks
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        let blocks: Vec<StoredBlock> = locals[..4]
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(i as u64),
+                local_hash: *h,
+            })
+            .collect();
+        let header = EventHeader {
+            source: WorkerRank::new(1, 0),
+            event_id: EventId(0),
+            tier: StorageTier::Device,
+        };
+        lock(&r.index).apply_stored(header, None, &blocks).unwrap();
+        (r, t)
+    }
+
+    fn evidence<'a>(r: &Router, t: &'a [u32], pool: PoolHits<'a>) -> (Decision, Vec<Candidate>) {
+        let mut q = RouteRequest {
+            id: RequestId(1),
+            tokens: t,
+            hints: RouteHints::default(),
+        };
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        q.hints.pool = pool;
+        let mut d = r.route(&q).unwrap();
+        let mut ev = d.evidence.take().unwrap();
+        ev.sort_by_key(|c| c.rank);
+        (d, ev)
+    }
+
+    /// Worker 1 holds blocks 0-3, worker 2 nothing; the pool holds 0-9. Each is credited the
+    /// pool's blocks beyond its own overlap, at 0.25.
+    #[test]
+    fn pool_hits_beyond_the_own_overlap_are_credited_at_the_multiplier() {
+        let (r, t) = setup();
+        let hits = [0..10];
+        let (d, ev) = evidence(&r, &t, PoolHits::Hits(&hits));
+        assert_eq!(
+            (ev[0].cost.pool_blocks, ev[0].cost.credit_blocks),
+            (6, 4.0 + 1.5)
+        );
+        assert_eq!(
+            (ev[1].cost.pool_blocks, ev[1].cost.credit_blocks),
+            (10, 2.5)
+        );
+        assert_eq!(ev[0].cost.total, (10.0 - 5.5) + 10.0);
+        assert_eq!(d.worker, WorkerRank::new(1, 0));
+        assert_eq!(
+            d.cost, ev[0].cost,
+            "the decision's terms are the evidence's"
+        );
+        // A pool run that does not continue the worker's own prefix earns nothing.
+        let gap = [6..10];
+        let (_, ev) = evidence(&r, &t, PoolHits::Hits(&gap));
+        assert_eq!((ev[0].cost.pool_blocks, ev[1].cost.pool_blocks), (0, 0));
+        // Credit enough to change the choice: at 1.0, worker 2 ties worker 1 on credit and
+        // the tie is broken at random; both are chosen over many draws.
+        let r2 = Router::new(
+            RouterConfig {
+                pool_credit: 1.0,
+                ..RouterConfig::default()
+            },
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap();
+        r2.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r2.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..50 {
+            seen.insert(evidence(&r2, &t, PoolHits::Hits(&hits)).0.worker);
+        }
+        assert_eq!(seen.len(), 2);
+    }
+
+    #[test]
+    fn a_failed_or_malformed_pool_answer_is_counted_and_ignored() {
+        let (r, t) = setup();
+        let (plain, _) = evidence(&r, &t, PoolHits::None);
+        let (failed, _) = evidence(&r, &t, PoolHits::Failed);
+        #[allow(clippy::reversed_empty_ranges)]
+        let bad = [3..1];
+        let (malformed, _) = evidence(&r, &t, PoolHits::Hits(&bad));
+        assert_eq!(plain.cost, failed.cost);
+        assert_eq!(plain.cost, malformed.cost);
+        assert_eq!(r.counts().pool_failed, 2);
     }
 }

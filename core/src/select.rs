@@ -45,6 +45,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::config::{BusyThresholds, Policy, RouterConfig};
 use crate::event::{StorageTier, WorkerRank};
+use crate::health::Health;
 use crate::load::LoadView;
 use crate::registry::{RankEntry, WorkerConfig};
 use crate::rng::{mix64, Rng};
@@ -159,7 +160,12 @@ pub struct CostTerms {
     pub shared_blocks: u32,
     /// Active prompt blocks, weighted output blocks and the request's blocks less the shared.
     pub decode_cost: f64,
-    /// prefill_cost + decode_cost.
+    /// Blocks beyond the rank's own overlap found in the shared KV pool (credited at the pool
+    /// multiplier, included in `credit_blocks`).
+    pub pool_blocks: u32,
+    /// Blocks taken off for the request's preferred labels the rank carries.
+    pub preference: f64,
+    /// prefill_cost + decode_cost − preference.
     pub total: f64,
 }
 
@@ -185,8 +191,30 @@ impl CostTerms {
             prefill_cost,
             shared_blocks,
             decode_cost,
+            pool_blocks: 0,
+            preference: 0.0,
             total: prefill_cost + decode_cost,
         }
+    }
+
+    /// These terms with `extra_credit` more blocks of credit, for `pool_blocks` blocks found
+    /// in a shared pool: the same operations as selection's [`CostTerms::total_of`] with the
+    /// summed credit, so the totals agree to the bit. Apply before
+    /// [`CostTerms::with_preference`].
+    pub fn with_pool_credit(mut self, w: &Weights, extra_credit: f64, pool_blocks: u32) -> Self {
+        self.credit_blocks += extra_credit;
+        self.prefill_cost = Self::prefill_cost(w, self.prefill_blocks, self.credit_blocks);
+        self.pool_blocks = pool_blocks;
+        self.total = self.prefill_cost + self.decode_cost;
+        self
+    }
+
+    /// These terms less `preference` blocks for preferred labels: the same subtraction
+    /// selection applies to [`CostTerms::total_of`], so the totals agree to the bit.
+    pub fn with_preference(mut self, preference: f64) -> Self {
+        self.preference = preference;
+        self.total -= preference;
+        self
     }
 
     /// `CostTerms::new(..).total` without the other terms, from the rank's credit
@@ -301,6 +329,8 @@ pub struct Scored {
     /// Leading prompt blocks the rank holds, in any tier.
     pub overlap_blocks: u32,
     pub busy: Busy,
+    /// The rank's health mark (always healthy when no worker is marked).
+    pub health: Health,
     /// Prompt blocks active on the rank, when probed ([`shared_probe_targets`]); else 0.
     pub shared_blocks: u32,
     /// Total cost ([`CostTerms::total_of`]).
@@ -320,6 +350,7 @@ pub struct Candidate {
     pub overlap: Overlap,
     pub cost: CostTerms,
     pub busy: Busy,
+    pub health: Health,
 }
 
 impl Candidate {
@@ -339,6 +370,7 @@ impl Candidate {
             overlap: Overlap::new(per_tier, w, shape),
             cost: CostTerms::new(w, shape, &scored.load, &per_tier, scored.shared_blocks),
             busy: scored.busy,
+            health: scored.health,
         }
     }
 }
@@ -359,6 +391,38 @@ pub fn filter_busy(candidates: &mut Vec<Scored>) -> BusyOutcome {
     }
     candidates.retain(|c| c.busy == Busy::Free);
     BusyOutcome::Filtered
+}
+
+/// What the health filter did ([`filter_unhealthy`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HealthOutcome {
+    /// Marked ranks were set aside (as many of each kind), or none was marked.
+    Filtered { unreachable: u32, wedged: u32 },
+    /// Every candidate is marked: all stay, and the least loaded serves.
+    AllVetoed,
+}
+
+/// Drops marked candidates when at least one is healthy (in place, allocation-free).
+pub fn filter_unhealthy(candidates: &mut Vec<Scored>) -> HealthOutcome {
+    if !candidates.is_empty() && candidates.iter().all(|c| !c.health.is_healthy()) {
+        return HealthOutcome::AllVetoed;
+    }
+    let (mut unreachable, mut wedged) = (0, 0);
+    candidates.retain(|c| match c.health {
+        Health::Healthy => true,
+        Health::Unreachable => {
+            unreachable += 1;
+            false
+        }
+        Health::Wedged => {
+            wedged += 1;
+            false
+        }
+    });
+    HealthOutcome::Filtered {
+        unreachable,
+        wedged,
+    }
 }
 
 /// Most ranks probed per request for prompt blocks they already hold active.
@@ -744,6 +808,7 @@ mod tests {
                     rank: WorkerRank::new(i, 0),
                     worker: i as usize,
                     role: crate::registry::WorkerRole::Aggregated,
+                    label_bits: 0,
                     state: std::sync::Arc::new(crate::load::RankState::new(WorkerRank::new(i, 0))),
                 })
                 .collect()
@@ -755,6 +820,7 @@ mod tests {
             fleet_index: i as u32,
             overlap_blocks: per_tier.iter().sum(),
             busy: Busy::Free,
+            health: Health::Healthy,
             shared_blocks: 0,
             cost: CostTerms::total_of(
                 &weights(),
@@ -829,6 +895,7 @@ mod tests {
                     fleet_index: 3,
                     overlap_blocks: per_tier.iter().sum(),
                     busy: Busy::Free,
+                    health: Health::Healthy,
                     shared_blocks: shared,
                     cost: total,
                     load,
@@ -996,6 +1063,41 @@ mod tests {
         assert_eq!(v.len(), 2);
     }
 
+    #[test]
+    fn marked_ranks_leave_selection_unless_all_are_marked() {
+        let s = shape(16);
+        let mk = |i: usize, h: Health| Scored {
+            health: h,
+            ..cand(i, LoadView::default(), [0; 4], &s)
+        };
+        let mut v = vec![
+            mk(0, Health::Unreachable),
+            mk(1, Health::Healthy),
+            mk(2, Health::Wedged),
+            mk(3, Health::Wedged),
+        ];
+        assert_eq!(
+            filter_unhealthy(&mut v),
+            HealthOutcome::Filtered {
+                unreachable: 1,
+                wedged: 2
+            }
+        );
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].fleet_index, 1);
+        let mut v = vec![mk(0, Health::Unreachable), mk(1, Health::Wedged)];
+        assert_eq!(filter_unhealthy(&mut v), HealthOutcome::AllVetoed);
+        assert_eq!(v.len(), 2);
+        let mut empty = Vec::new();
+        assert_eq!(
+            filter_unhealthy(&mut empty),
+            HealthOutcome::Filtered {
+                unreachable: 0,
+                wedged: 0
+            }
+        );
+    }
+
     fn loads(ls: &[u64]) -> Vec<Scored> {
         let s = shape(160);
         ls.iter()
@@ -1160,6 +1262,7 @@ mod tests {
             fleet_index: i,
             overlap_blocks: 0,
             busy,
+            health: Health::Healthy,
             shared_blocks: 0,
             cost,
             load: LoadView {
