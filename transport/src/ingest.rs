@@ -43,7 +43,7 @@ use tokio::sync::{mpsc, watch};
 use crate::apply::{BatchApplier, BatchOutcome};
 use crate::backend::{self, Backend, BackendChoice, BackendError};
 use crate::frame::{DecodeStats, Frame, FrameDecoder, FrameError, MAX_PAYLOAD};
-use crate::net::{self, Listener, Stream};
+use crate::net::{self, ConnEvent, Listener, Stream};
 use crate::wire::{MessageKind, MessageRef};
 
 /// Settings of an [`IngestServer`].
@@ -444,45 +444,22 @@ fn run_thread(cfg: ThreadConfig) {
             max_payload,
             read_chunk,
         });
-        let mut conns: Vec<tokio::task::JoinHandle<()>> = Vec::new();
-        loop {
-            tokio::select! {
-                biased;
-                _ = stop.changed() => break,
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        shared.with_conns(|s| s.connections.accepted += 1);
-                        conns.retain(|h| !h.is_finished());
-                        let ctx = Rc::clone(&ctx);
-                        conns.push(tokio::task::spawn_local(serve(stream, peer, ctx)));
-                    }
-                    Err(error) => {
-                        shared.with_conns(|s| s.connections.accept_errors += 1);
-                        tracing::warn!(%error, "ingest accept failed");
-                        // Out of descriptors, most likely: let connections end before retrying.
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                },
-            }
-        }
-        drop(listener);
-        drop(ctx);
-        let deadline = tokio::time::Instant::now() + grace;
-        let mut cut = 0;
-        for mut conn in conns {
-            if tokio::time::timeout_at(deadline, &mut conn).await.is_err() {
-                conn.abort();
-                cut += 1;
-            }
-        }
-        if cut > 0 {
-            tracing::warn!(
-                connections = cut,
-                ?grace,
-                "ingest shutdown cut open connections"
-            );
-            shared.with_conns(|s| s.connections.cut_at_shutdown += cut);
-        }
+        let counts = Arc::clone(&shared);
+        net::serve_until_stopped(
+            listener,
+            &mut stop,
+            grace,
+            "ingest",
+            |event| {
+                counts.with_conns(|s| match event {
+                    ConnEvent::Accepted => s.connections.accepted += 1,
+                    ConnEvent::AcceptFailed => s.connections.accept_errors += 1,
+                    ConnEvent::CutAtShutdown(n) => s.connections.cut_at_shutdown += n,
+                })
+            },
+            move |stream, peer| serve(stream, peer, Rc::clone(&ctx)),
+        )
+        .await;
     });
     if let Err(e) = ran {
         let _ = ready_on_error.send(Err(e));

@@ -8,6 +8,7 @@
 //! Listeners are bound with `SO_REUSEPORT` so that every runtime thread can own a listener on
 //! the same port and the kernel spreads connections among them.
 
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 #[cfg(target_os = "linux")]
@@ -15,7 +16,10 @@ use std::rc::Rc;
 
 use bytes::BytesMut;
 use socket2::{Domain, Protocol, Socket, Type};
+use std::time::Duration;
+
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
 #[cfg(target_os = "linux")]
 use tokio_uring::buf::BoundedBuf;
 
@@ -23,6 +27,71 @@ use crate::backend::Backend;
 
 /// Backlog of every listener.
 const BACKLOG: i32 = 1024;
+
+/// What happened to a server's connections, for its counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ConnEvent {
+    Accepted,
+    AcceptFailed,
+    /// Connections still open when the shutdown grace ran out, and cut.
+    CutAtShutdown(u64),
+}
+
+/// Accepts connections and serves each on a task of its own on this thread until `stop`
+/// changes; then stops accepting, drops `serve` (and whatever it holds for the connections),
+/// waits up to `grace` for the open connections to end and cuts the rest. `server` names the
+/// server in logs; `count` sees every accept, failed accept and cut.
+pub(crate) async fn serve_until_stopped<F, Fut>(
+    listener: Listener,
+    stop: &mut watch::Receiver<bool>,
+    grace: Duration,
+    server: &'static str,
+    mut count: impl FnMut(ConnEvent),
+    mut serve: F,
+) where
+    F: FnMut(Stream, SocketAddr) -> Fut,
+    Fut: Future<Output = ()> + 'static,
+{
+    let mut conns: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    count(ConnEvent::Accepted);
+                    conns.retain(|h| !h.is_finished());
+                    conns.push(tokio::task::spawn_local(serve(stream, peer)));
+                }
+                Err(error) => {
+                    count(ConnEvent::AcceptFailed);
+                    tracing::warn!(server, %error, "accept failed");
+                    // Out of descriptors, most likely: let connections end before retrying.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+        }
+    }
+    drop(listener);
+    drop(serve);
+    let deadline = tokio::time::Instant::now() + grace;
+    let mut cut = 0;
+    for mut conn in conns {
+        if tokio::time::timeout_at(deadline, &mut conn).await.is_err() {
+            conn.abort();
+            cut += 1;
+        }
+    }
+    if cut > 0 {
+        tracing::warn!(
+            server,
+            connections = cut,
+            ?grace,
+            "shutdown cut open connections"
+        );
+        count(ConnEvent::CutAtShutdown(cut));
+    }
+}
 
 /// Binds `count` listeners (at least one) to `addr` with `SO_REUSEPORT`. With port 0 the first
 /// listener's port is used for the rest. Returns them non-blocking, ready for either backend.

@@ -44,7 +44,7 @@ use tokio::task::AbortHandle;
 use crate::backend::{self, Backend, BackendChoice, BackendError};
 use crate::conn::{FlushError, FrameReader, FrameWriter, ReadEnd};
 use crate::frame::{DecodeStats, FrameError, MAX_PAYLOAD};
-use crate::net::{self, Listener, Stream};
+use crate::net::{self, ConnEvent, Listener, Stream};
 use crate::wire::{
     Dispatch, FinishReason, Heartbeat, Hello, Message, MessageRef, RankLoad, ResponseItem,
 };
@@ -520,43 +520,22 @@ fn run_thread<E: Engine>(start: ThreadStart<E>) {
             shared: Arc::clone(&shared),
             stop: stop.clone(),
         });
-        let mut conns: Vec<tokio::task::JoinHandle<()>> = Vec::new();
-        loop {
-            tokio::select! {
-                biased;
-                _ = stop.changed() => break,
-                accepted = listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        shared.with(|s| s.connections.accepted += 1);
-                        conns.retain(|h| !h.is_finished());
-                        conns.push(tokio::task::spawn_local(serve(stream, peer, Rc::clone(&ctx))));
-                    }
-                    Err(error) => {
-                        shared.with(|s| s.connections.accept_errors += 1);
-                        tracing::warn!(%error, "worker accept failed");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                },
-            }
-        }
-        drop(listener);
-        drop(ctx);
-        let deadline = tokio::time::Instant::now() + grace;
-        let mut cut = 0;
-        for mut conn in conns {
-            if tokio::time::timeout_at(deadline, &mut conn).await.is_err() {
-                conn.abort();
-                cut += 1;
-            }
-        }
-        if cut > 0 {
-            tracing::warn!(
-                connections = cut,
-                ?grace,
-                "worker shutdown cut open connections"
-            );
-            shared.with(|s| s.connections.cut_at_shutdown += cut);
-        }
+        let counts = Arc::clone(&shared);
+        net::serve_until_stopped(
+            listener,
+            &mut stop,
+            grace,
+            "worker",
+            |event| {
+                counts.with(|s| match event {
+                    ConnEvent::Accepted => s.connections.accepted += 1,
+                    ConnEvent::AcceptFailed => s.connections.accept_errors += 1,
+                    ConnEvent::CutAtShutdown(n) => s.connections.cut_at_shutdown += n,
+                })
+            },
+            move |stream, peer| serve(stream, peer, Rc::clone(&ctx)),
+        )
+        .await;
     });
     if let Err(e) = ran {
         let _ = ready_on_error.send(Err(e));
