@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use super::mix::prefetch_read;
-use super::run::Holder;
+use super::run::{holders_of, rank_at, Run};
 use super::shard::ShardShared;
 use super::table::{ChildKey, ROOT};
 use super::{OverlapScores, RankScore};
@@ -28,10 +28,10 @@ fn leading(mask: u64, limit: usize) -> usize {
 
 /// Adds the first `lead` blocks of one rank's holders to its score, each under its fastest tier.
 #[inline]
-fn add_tiers(score: &mut RankScore, holders: &[Holder], lead: usize) {
+fn add_tiers(score: &mut RankScore, holders: &[u64], lead: usize) {
     let lead_mask = if lead >= 64 { !0 } else { (1u64 << lead) - 1 };
     let mut assigned = 0u64;
-    for h in holders {
+    for h in holders_of(holders) {
         let bits = h.mask & lead_mask & !assigned;
         if let Some(t) = score.per_tier.get_mut(h.tier as usize) {
             *t += bits.count_ones();
@@ -62,7 +62,7 @@ pub(crate) fn walk(
     let mut pos = 0usize;
     let mut started = false;
     while let Some(slot) = table.get(key) {
-        let Some(run) = shard.slots.load(slot, &guard) else {
+        let Some(run) = shard.slots.load(slot, &guard).and_then(Run::parse) else {
             break;
         };
         let rest = &query[pos..];
@@ -82,7 +82,7 @@ pub(crate) fn walk(
         }
         if run.parent != key.parent
             || run.parent_off != key.off
-            || run.hashes.first() != rest.first()
+            || run.hashes.first() != rest.first().map(|h| &h.0)
         {
             break; // the slot was reused since the link was read
         }
@@ -90,14 +90,23 @@ pub(crate) fn walk(
             .hashes
             .iter()
             .zip(rest)
-            .take_while(|(a, b)| a == b)
+            .take_while(|(a, b)| **a == b.0)
             .count();
         if !started {
             started = true;
-            for group in run.holders.chunk_by(|a, b| a.rank == b.rank) {
-                let union = group.iter().fold(0, |u, h| u | h.mask);
+            let holders = run.holders;
+            let n = holders.len() / 2;
+            let mut next = 0;
+            while next < n {
+                // The rank's holders (one per tier) are adjacent.
+                let (first, id) = (next, rank_at(holders, next));
+                while next < n && rank_at(holders, next) == id {
+                    next += 1;
+                }
+                let group = &holders[2 * first..2 * next];
+                let union = holders_of(group).fold(0, |u, h| u | h.mask);
                 let lead = leading(union, m);
-                let Some(Some(rank)) = ranks.get(group[0].rank as usize) else {
+                let Some(Some(rank)) = ranks.get(id as usize) else {
                     continue;
                 };
                 if lead == 0 {
@@ -110,23 +119,24 @@ pub(crate) fn walk(
                 };
                 add_tiers(&mut score, group, lead);
                 if lead == m {
-                    out.active.push((group[0].rank, out.scores.len() as u32));
+                    out.active.push((id, out.scores.len() as u32));
                 }
                 out.scores.push(score);
             }
         } else {
-            let holders = &run.holders[..];
+            let holders = run.holders;
+            let n = holders.len() / 2;
             let mut h = 0usize;
             out.active.retain(|&(rank, idx)| {
-                while h < holders.len() && holders[h].rank < rank {
+                while h < n && rank_at(holders, h) < rank {
                     h += 1;
                 }
                 let start = h;
-                while h < holders.len() && holders[h].rank == rank {
+                while h < n && rank_at(holders, h) == rank {
                     h += 1;
                 }
-                let group = &holders[start..h];
-                let union = group.iter().fold(0, |u, x| u | x.mask);
+                let group = &holders[2 * start..2 * h];
+                let union = holders_of(group).fold(0, |u, x| u | x.mask);
                 let lead = leading(union, m);
                 if lead > 0 {
                     add_tiers(&mut out.scores[idx as usize], group, lead);

@@ -10,12 +10,20 @@
 //!
 //! A holder's mask has bit `i` set when the rank holds block `i` of the run in that tier, so a
 //! rank that holds only part of a run, or has a hole in it, needs no split and no copy of the
-//! hashes. Runs are immutable once published; the writer replaces a changed run whole, sharing
-//! the hash array with the old version when only holders changed.
+//! hashes.
+//!
+//! A published run is one array of words, header, hashes and holders together, so that a
+//! reader reaches all of it through one pointer and its first cache line holds the header and
+//! the first hashes:
+//!
+//! ```text
+//!  [parent slot | parent offset | length | holders] [hash 0] ... [hash n-1] [rank|tier, mask] ...
+//! ```
+//!
+//! Runs are immutable once published; the writer edits a working copy ([`RunBuf`]) and
+//! publishes it whole.
 
-use std::sync::Arc;
-
-use crate::hash::LocalHash;
+use std::mem::MaybeUninit;
 
 /// Blocks per run at most: one bit per block in a holder's mask.
 pub(crate) const RUN_CAP: usize = 64;
@@ -28,78 +36,107 @@ pub(crate) struct Holder {
     pub mask: u64,
 }
 
-/// A published run.
-#[derive(Debug)]
-pub(crate) struct Run {
-    /// Slot of the run this one continues, or `table::ROOT`.
-    pub parent: u32,
-    /// Offset in the parent of the block this run continues after.
-    pub parent_off: u8,
-    pub hashes: Arc<[LocalHash]>,
-    /// Sorted by (rank, tier).
-    pub holders: Box<[Holder]>,
-}
-
-/// A working copy's hashes: still those of the published run, or the writer's own.
-#[derive(Clone, Debug)]
-pub(crate) enum Hashes {
-    Shared(Arc<[LocalHash]>),
-    Owned(Vec<LocalHash>),
-}
-
-impl Hashes {
+impl Holder {
+    /// The holder of a word pair `[rank << 8 | tier, mask]`.
     #[inline]
-    pub(crate) fn as_slice(&self) -> &[LocalHash] {
-        match self {
-            Hashes::Shared(a) => a,
-            Hashes::Owned(v) => v,
+    pub(crate) fn from_pair(p: &[u64]) -> Self {
+        Holder {
+            rank: (p[0] >> 8) as u32,
+            tier: p[0] as u8,
+            mask: p[1],
         }
     }
 
-    /// The hashes to change, copied out of the published run on first use.
-    pub(crate) fn to_mut(&mut self) -> &mut Vec<LocalHash> {
-        if let Hashes::Shared(a) = self {
-            *self = Hashes::Owned(a.to_vec());
-        }
-        match self {
-            Hashes::Owned(v) => v,
-            Hashes::Shared(_) => unreachable!("just made owned"),
-        }
+    #[inline]
+    fn pair(&self) -> [u64; 2] {
+        [(self.rank as u64) << 8 | self.tier as u64, self.mask]
+    }
+}
+
+/// The rank of holder `i` of a run's holder words.
+#[inline]
+pub(crate) fn rank_at(holders: &[u64], i: usize) -> u32 {
+    (holders[2 * i] >> 8) as u32
+}
+
+/// The holders of a run's holder words.
+#[inline]
+pub(crate) fn holders_of(words: &[u64]) -> impl Iterator<Item = Holder> + '_ {
+    words.chunks_exact(2).map(Holder::from_pair)
+}
+
+/// A published run, read in place.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Run<'a> {
+    pub parent: u32,
+    pub parent_off: u8,
+    pub hashes: &'a [u64],
+    /// Word pairs `[rank << 8 | tier, mask]`, sorted by (rank, tier).
+    pub holders: &'a [u64],
+}
+
+impl<'a> Run<'a> {
+    /// Words of the published form.
+    pub(crate) fn words(&self) -> usize {
+        1 + self.hashes.len() + self.holders.len()
     }
 
-    fn into_shared(self) -> Arc<[LocalHash]> {
-        match self {
-            Hashes::Shared(a) => a,
-            Hashes::Owned(v) => v.into(),
-        }
+    /// Reads a run's words; `None` if they are not a run (never for published words).
+    #[inline]
+    pub(crate) fn parse(words: &'a [u64]) -> Option<Self> {
+        let (&head, rest) = words.split_first()?;
+        let len = (head >> 40) as u8 as usize;
+        let holders = (head >> 48) as usize;
+        let hashes = rest.get(..len)?;
+        Some(Run {
+            parent: head as u32,
+            parent_off: (head >> 32) as u8,
+            hashes,
+            holders: rest.get(len..len + 2 * holders)?,
+        })
     }
 }
 
 /// The writer's working copy of a run during one event.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct RunBuf {
     pub parent: u32,
     pub parent_off: u8,
-    pub hashes: Hashes,
+    pub hashes: Vec<u64>,
     pub holders: Vec<Holder>,
 }
 
 impl RunBuf {
-    pub(crate) fn from_run(run: &Run) -> Self {
+    pub(crate) fn from_run(run: Run<'_>) -> Self {
         RunBuf {
             parent: run.parent,
             parent_off: run.parent_off,
-            hashes: Hashes::Shared(Arc::clone(&run.hashes)),
-            holders: run.holders.to_vec(),
+            hashes: run.hashes.to_vec(),
+            holders: holders_of(run.holders).collect(),
         }
     }
 
-    pub(crate) fn into_run(self) -> Run {
-        Run {
-            parent: self.parent,
-            parent_off: self.parent_off,
-            hashes: self.hashes.into_shared(),
-            holders: self.holders.into_boxed_slice(),
+    /// Words the published form takes.
+    pub(crate) fn words(&self) -> usize {
+        1 + self.hashes.len() + 2 * self.holders.len()
+    }
+
+    /// The published form, word by word ([`RunBuf::words`] of them).
+    pub(crate) fn encode(&self) -> impl Iterator<Item = u64> + '_ {
+        debug_assert!(self.hashes.len() <= RUN_CAP && self.holders.len() < 1 << 16);
+        let head = self.parent as u64
+            | (self.parent_off as u64) << 32
+            | (self.hashes.len() as u64) << 40
+            | (self.holders.len() as u64) << 48;
+        std::iter::once(head)
+            .chain(self.hashes.iter().copied())
+            .chain(self.holders.iter().flat_map(|h| h.pair()))
+    }
+
+    /// Writes the published form into `out`, which has [`RunBuf::words`] words.
+    pub(crate) fn write(&self, out: &mut [MaybeUninit<u64>]) {
+        for (slot, w) in out.iter_mut().zip(self.encode()) {
+            slot.write(w);
         }
     }
 
@@ -165,12 +202,9 @@ impl RunBuf {
     }
 }
 
-/// Heap bytes of a published run, its hash array's `Arc` header included.
-pub(crate) fn run_bytes(hashes: usize, holders: usize) -> usize {
-    2 * std::mem::size_of::<usize>()
-        + std::mem::size_of::<Run>()
-        + hashes * std::mem::size_of::<LocalHash>()
-        + holders * std::mem::size_of::<Holder>()
+/// Heap bytes of a published run of `words` words, its length header included.
+pub(crate) fn run_bytes(words: usize) -> usize {
+    (words + 1) * std::mem::size_of::<u64>()
 }
 
 #[cfg(test)]
@@ -182,7 +216,7 @@ mod tests {
         let mut r = RunBuf {
             parent: 0,
             parent_off: 0,
-            hashes: Hashes::Owned(vec![LocalHash(1), LocalHash(2)]),
+            hashes: vec![1, 2],
             holders: vec![],
         };
         assert_eq!(r.hold(3, 0, 0b01), 0);
@@ -200,5 +234,35 @@ mod tests {
         assert_eq!(r.unhold(7, 0, 0b10), (0, 0));
         assert!(!r.has_rank(3));
         assert!(r.has_rank(1));
+    }
+
+    #[test]
+    fn a_run_reads_back_as_it_was_written() {
+        let buf = RunBuf {
+            parent: 77,
+            parent_off: 63,
+            hashes: (0..64).map(|i| i * 3 + 1).collect(),
+            holders: vec![
+                Holder {
+                    rank: 0,
+                    tier: 0,
+                    mask: !0,
+                },
+                Holder {
+                    rank: u32::MAX >> 8,
+                    tier: 3,
+                    mask: 0b101,
+                },
+            ],
+        };
+        let words: Vec<u64> = buf.encode().collect();
+        assert_eq!(words.len(), buf.words());
+        let run = Run::parse(&words).unwrap();
+        assert_eq!((run.parent, run.parent_off), (77, 63));
+        assert_eq!(run.hashes, &buf.hashes[..]);
+        let holders: Vec<Holder> = holders_of(run.holders).collect();
+        assert_eq!(holders, buf.holders);
+        assert_eq!(RunBuf::from_run(run).words(), buf.words());
+        assert!(Run::parse(&words[..words.len() - 1]).is_none());
     }
 }

@@ -11,15 +11,14 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use super::run::{run_bytes, Hashes, Run, RunBuf, RUN_CAP};
+use super::run::{holders_of, run_bytes, Run, RunBuf, RUN_CAP};
 use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use crate::event::StoredBlock;
-use crate::hash::LocalHash;
 
 /// What readers share.
 pub(crate) struct ShardShared {
-    pub slots: Slots<Run>,
+    pub slots: Slots,
     pub children: ChildTable,
 }
 
@@ -192,22 +191,23 @@ impl ShardWriter {
 
     // ---- reading the writer's current view (working copies first) ----
 
-    fn with_run<R>(&self, slot: u32, f: impl FnOnce(u32, u8, &[LocalHash]) -> R) -> Option<R> {
+    fn with_run<R>(&self, slot: u32, f: impl FnOnce(u32, u8, &[u64]) -> R) -> Option<R> {
         let meta = self.metas.get(slot as usize)?;
         if meta.dirty != CLEAN {
             let b = &self.dirty[meta.dirty as usize].1;
-            return Some(f(b.parent, b.parent_off, b.hashes.as_slice()));
+            return Some(f(b.parent, b.parent_off, &b.hashes));
         }
         let run = self.published(slot)?;
-        Some(f(run.parent, run.parent_off, &run.hashes))
+        Some(f(run.parent, run.parent_off, run.hashes))
     }
 
     /// The run readers see in `slot`.
     #[allow(unsafe_code)]
-    fn published(&self, slot: u32) -> Option<&Run> {
+    fn published(&self, slot: u32) -> Option<Run<'_>> {
         // SAFETY: this is the shard's single writer, and only `commit`, which takes `&mut self`
-        // (so no reference returned here is alive), publishes into the slots.
-        unsafe { self.shared.slots.current(slot) }
+        // (so no run returned here is alive), publishes into the slots or clears them.
+        let words = unsafe { self.shared.slots.current(slot) }?;
+        Run::parse(words)
     }
 
     fn run_mut(&mut self, slot: u32) -> &mut RunBuf {
@@ -217,9 +217,7 @@ impl ShardWriter {
                 Some(run) => RunBuf::from_run(run),
                 None => RunBuf {
                     parent: ROOT,
-                    parent_off: 0,
-                    hashes: Hashes::Owned(Vec::new()),
-                    holders: Vec::new(),
+                    ..RunBuf::default()
                 },
             };
             dirty = self.dirty.len() as u32;
@@ -244,7 +242,7 @@ impl ShardWriter {
             return self.dirty[meta.dirty as usize].1.has_rank(rank);
         }
         self.published(slot)
-            .is_some_and(|r| r.holders.iter().any(|h| h.rank == rank))
+            .is_some_and(|r| holders_of(r.holders).any(|h| h.rank == rank))
     }
 
     /// Whether (rank, tier) holds `pos` in the writer's current view (any tier when `None`).
@@ -260,7 +258,7 @@ impl ShardWriter {
             return self.dirty[meta.dirty as usize].1.holders.iter().any(test);
         }
         self.published(pos.slot)
-            .is_some_and(|r| r.holders.iter().any(test))
+            .is_some_and(|r| holders_of(r.holders).any(|h| test(&h)))
     }
 
     // ---- building chains ----
@@ -276,7 +274,7 @@ impl ShardWriter {
             self.metas.push(SlotMeta::default());
             s
         });
-        self.shared.slots.ensure(slot);
+        self.shared.slots.reserve(slot);
         let meta = &mut self.metas[slot as usize];
         meta.live = true;
         meta.renamed = false;
@@ -348,13 +346,13 @@ impl ShardWriter {
     /// room, else starts a new child run.
     fn stretch(&mut self, cur: Option<Pos>, blocks: &[StoredBlock]) -> (u32, usize, usize, bool) {
         // How many of `bs` continue `hashes` from offset `from`.
-        let same = |hashes: &[LocalHash], from: usize, bs: &[StoredBlock]| {
+        let same = |hashes: &[u64], from: usize, bs: &[StoredBlock]| {
             hashes
                 .get(from..)
                 .unwrap_or_default()
                 .iter()
                 .zip(bs)
-                .take_while(|(h, b)| **h == b.local_hash)
+                .take_while(|(h, b)| **h == b.local_hash.0)
                 .count()
         };
         let key = match cur {
@@ -395,8 +393,8 @@ impl ShardWriter {
             if p.off as usize + 1 == len && len < RUN_CAP {
                 let n = (RUN_CAP - len).min(blocks.len());
                 self.positions += n;
-                let hashes = self.run_mut(p.slot).hashes.to_mut();
-                hashes.extend(blocks[..n].iter().map(|b| b.local_hash));
+                let hashes = &mut self.run_mut(p.slot).hashes;
+                hashes.extend(blocks[..n].iter().map(|b| b.local_hash.0));
                 return (p.slot, len, n, true);
             }
             self.meta_mut(p.slot, |m| m.add_child(p.off));
@@ -408,8 +406,7 @@ impl ShardWriter {
         buf.parent = key.parent;
         buf.parent_off = key.off;
         buf.hashes
-            .to_mut()
-            .extend(blocks[..n].iter().map(|b| b.local_hash));
+            .extend(blocks[..n].iter().map(|b| b.local_hash.0));
         self.new_links.push((key, slot));
         (slot, 0, n, true)
     }
@@ -481,8 +478,8 @@ impl ShardWriter {
             let meta_children = |s: &Self, off: u8| s.metas[slot as usize].children_at(off);
             let buf = self.run_mut(slot);
             let held = buf.held_mask();
-            let mut len = buf.hashes.as_slice().len();
-            let first = buf.hashes.as_slice().first().copied();
+            let mut len = buf.hashes.len();
+            let first = buf.hashes.first().copied();
             let (parent, parent_off) = (buf.parent, buf.parent_off);
             while len > 0
                 && held & (1u64 << (len - 1)) == 0
@@ -492,10 +489,10 @@ impl ShardWriter {
                 self.positions -= 1;
             }
             let buf = self.run_mut(slot);
-            if len == buf.hashes.as_slice().len() {
+            if len == buf.hashes.len() {
                 return;
             }
-            buf.hashes.to_mut().truncate(len);
+            buf.hashes.truncate(len);
             self.meta_mut(slot, |m| m.ehs.truncate(len));
             if len > 0 {
                 return;
@@ -505,7 +502,7 @@ impl ShardWriter {
                 self.dead_links.push(ChildKey {
                     parent,
                     off: parent_off,
-                    hash: first.0,
+                    hash: first,
                 });
             }
             self.metas[slot as usize].live = false;
@@ -546,11 +543,12 @@ impl ShardWriter {
                 continue; // freed below
             }
             if let Some(old) = self.published(slot) {
-                self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
+                self.run_bytes -= run_bytes(old.words());
             }
-            let run = buf.into_run();
-            self.run_bytes += run_bytes(run.hashes.len(), run.holders.len());
-            shared.slots.publish(slot, Some(run), &guard);
+            self.run_bytes += run_bytes(buf.words());
+            shared
+                .slots
+                .publish(slot, buf.words(), |out| buf.write(out), &guard);
         }
         self.dirty = dirty;
         for (key, slot) in std::mem::take(&mut self.new_links) {
@@ -563,8 +561,8 @@ impl ShardWriter {
         }
         for slot in std::mem::take(&mut self.dead_slots) {
             if let Some(old) = self.published(slot) {
-                self.run_bytes -= run_bytes(old.hashes.len(), old.holders.len());
-                shared.slots.publish(slot, None, &guard);
+                self.run_bytes -= run_bytes(old.words());
+                shared.slots.clear(slot, &guard);
             }
             self.free.push(slot);
         }

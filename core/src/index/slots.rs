@@ -4,14 +4,17 @@
 //! (1 Ki, 2 Ki, 4 Ki, ... slots) and are allocated once, on first use, behind a `OnceLock`, so
 //! that a reference to a slot stays valid for the array's whole life without any locking.
 //!
-//! Each slot is an epoch-protected pointer (`crossbeam_epoch::Atomic`). The writer publishes a
-//! new value with one `Release` swap and retires the old one to the epoch collector; a reader
-//! pins the epoch once per walk and then reads any number of slots with plain `Acquire` loads,
-//! so a walk pays one fence in all instead of reference-count traffic on every run it visits.
+//! Each slot is an epoch-protected pointer (`crossbeam_epoch::Atomic`) to an array of words (a
+//! run's published form, see `run.rs`), allocated with its length in one block. The writer
+//! publishes a new array with one `Release` swap and retires the old one to the epoch
+//! collector; a reader pins the epoch once per walk and then reads any number of slots with
+//! plain `Acquire` loads, so a walk pays one fence in all instead of reference-count traffic
+//! on every run it visits.
 //!
-//! All of the module's `unsafe` rests on one rule: only the single writer calls
-//! [`Slots::publish`], and a value leaves a slot only through it.
+//! All of the module's `unsafe` rests on two rules: only the single writer calls
+//! [`Slots::publish`] and [`Slots::clear`], and a published array has every word written.
 
+use std::mem::MaybeUninit;
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
@@ -20,10 +23,11 @@ use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
 const FIRST_BITS: u32 = 10;
 const SEGMENTS: usize = 22;
 
-type Segment<T> = OnceLock<Box<[Atomic<T>]>>;
+type Words = [MaybeUninit<u64>];
+type Segment = OnceLock<Box<[Atomic<Words>]>>;
 
-pub(crate) struct Slots<T> {
-    segs: Box<[Segment<T>]>,
+pub(crate) struct Slots {
+    segs: Box<[Segment]>,
 }
 
 /// Segment and offset of slot `i`: segment k covers `[1024 * (2^k - 1), 1024 * (2^(k+1) - 1))`.
@@ -35,7 +39,21 @@ fn locate(i: u32) -> (usize, usize) {
     (k, (i as u64 - start) as usize)
 }
 
-impl<T> Slots<T> {
+/// The words of a published array.
+///
+/// # Safety
+/// `p` is null or points to an array that `publish` filled, and stays allocated for `'a`.
+#[inline]
+#[allow(unsafe_code)]
+unsafe fn words<'a>(p: Shared<'a, Words>) -> Option<&'a [u64]> {
+    // SAFETY: the caller vouches that the array is alive for 'a.
+    let w: &'a Words = unsafe { p.as_ref() }?;
+    // SAFETY: `MaybeUninit<u64>` has the layout of `u64`, and `publish` wrote every word
+    // before the array became reachable.
+    Some(unsafe { &*(w as *const Words as *const [u64]) })
+}
+
+impl Slots {
     /// Number of slots the array can hold.
     #[cfg(test)]
     pub(crate) const CAPACITY: u64 = ((1u64 << SEGMENTS) - 1) << FIRST_BITS;
@@ -47,58 +65,74 @@ impl<T> Slots<T> {
     }
 
     #[inline]
-    fn cell(&self, i: u32) -> Option<&Atomic<T>> {
+    fn cell(&self, i: u32) -> Option<&Atomic<Words>> {
         let (k, off) = locate(i);
         self.segs.get(k)?.get()?.get(off)
     }
 
-    /// The value in slot `i`, for as long as `guard` stays pinned. Any thread.
+    /// The words in slot `i`, for as long as `guard` stays pinned. Any thread.
     #[inline]
     #[allow(unsafe_code)]
-    pub(crate) fn load<'g>(&self, i: u32, guard: &'g Guard) -> Option<&'g T> {
-        // Acquire: pairs with the Release swap in `publish`, so the value's contents are
-        // visible.
+    pub(crate) fn load<'g>(&self, i: u32, guard: &'g Guard) -> Option<&'g [u64]> {
+        // Acquire: pairs with the Release swap in `publish`, so the words are visible.
         let p = self.cell(i)?.load(Ordering::Acquire, guard);
-        // SAFETY:
-        // - `p` is null or was made from an `Owned` in `publish`, so it is aligned and points
-        //   to an initialised `T`.
-        // - A value is freed only after `publish` unlinks it and retires it with
-        //   `defer_destroy`, which waits until every guard pinned before the unlink is gone;
-        //   `guard` is one of them for as long as the returned reference lives ('g).
-        unsafe { p.as_ref() }
+        // SAFETY: an array is freed only after `publish` or `clear` unlinks it and retires it
+        // with `defer_destroy`, which waits until every guard pinned before the unlink is
+        // gone; `guard` is one of them for as long as the returned slice lives ('g).
+        unsafe { words(p) }
     }
 
-    /// The value in slot `i`, as the writer sees it.
+    /// The words in slot `i`, as the writer sees them.
     ///
     /// # Safety
-    /// The caller is the single writer, and does not call [`Slots::publish`] for slot `i`
-    /// while the returned reference lives.
+    /// The caller is the single writer, and does not call [`Slots::publish`] or
+    /// [`Slots::clear`] for slot `i` while the returned slice lives.
     #[inline]
     #[allow(unsafe_code)]
-    pub(crate) unsafe fn current(&self, i: u32) -> Option<&T> {
-        // SAFETY:
-        // - `unprotected` is sound here because nothing frees the value but `publish`, which
-        //   the caller promises not to call for this slot while the reference lives.
-        // - Relaxed: the writer itself stored the pointer.
-        let p = self
-            .cell(i)?
-            .load(Ordering::Relaxed, unsafe { crossbeam_epoch::unprotected() });
-        // SAFETY: as in `load`, a non-null pointer came from an `Owned`.
-        unsafe { p.as_ref() }
+    pub(crate) unsafe fn current(&self, i: u32) -> Option<&[u64]> {
+        // SAFETY: `unprotected` is sound here because nothing frees the array but `publish`
+        // and `clear`, which the caller promises not to call for this slot meanwhile.
+        // Relaxed: the writer itself stored the pointer.
+        let guard = unsafe { crossbeam_epoch::unprotected() };
+        let p = self.cell(i)?.load(Ordering::Relaxed, guard);
+        // SAFETY: as above, the array outlives the borrow of `self`.
+        unsafe { words(p) }
     }
 
-    /// Replaces the value of slot `i` (allocating its segment if needed) and retires the old
-    /// one, which is freed once every reader pinned before now has moved on. Writer only.
+    /// Publishes in slot `i` (allocating its segment if needed) an array of `len` words that
+    /// `fill` writes, every one of them, and retires the previous array, which is freed once
+    /// every reader pinned before now has moved on. Writer only.
+    pub(crate) fn publish(
+        &self,
+        i: u32,
+        len: usize,
+        fill: impl FnOnce(&mut [MaybeUninit<u64>]),
+        guard: &Guard,
+    ) {
+        let mut array = Owned::<Words>::init(len);
+        // A word `fill` missed would be read as garbage: start from zeros.
+        for w in array.iter_mut() {
+            w.write(0);
+        }
+        fill(&mut array);
+        self.swap(i, array.into_shared(guard), guard);
+    }
+
+    /// Empties slot `i` and retires its array. Writer only.
+    pub(crate) fn clear(&self, i: u32, guard: &Guard) {
+        if self.cell(i).is_some() {
+            self.swap(i, Shared::null(), guard);
+        }
+    }
+
     #[allow(unsafe_code)]
-    pub(crate) fn publish(&self, i: u32, value: Option<T>, guard: &Guard) {
-        let cell = self.ensure(i);
-        let new = value.map_or(Shared::null(), |v| Owned::new(v).into_shared(guard));
-        // Release: readers that load the new pointer see the value's contents.
-        let old = cell.swap(new, Ordering::Release, guard);
+    fn swap(&self, i: u32, new: Shared<'_, Words>, guard: &Guard) {
+        // Release: readers that load the new pointer see its words.
+        let old = self.ensure(i).swap(new, Ordering::Release, guard);
         if !old.is_null() {
             // SAFETY:
             // - `old` is no longer reachable from the slot, and no other slot holds it (each
-            //   value is published once), so no reader can load it from now on.
+            //   array is published once), so no reader can load it from now on.
             // - Readers that loaded it before the swap are pinned; the collector frees it only
             //   after they unpin.
             unsafe { guard.defer_destroy(old) };
@@ -107,7 +141,7 @@ impl<T> Slots<T> {
 
     /// The slot, allocating its segment if needed. Writer only (callers guarantee a single
     /// writer; a racing second caller would only allocate a segment that is then dropped).
-    pub(crate) fn ensure(&self, i: u32) -> &Atomic<T> {
+    fn ensure(&self, i: u32) -> &Atomic<Words> {
         let (k, off) = locate(i);
         let seg = self.segs[k].get_or_init(|| {
             (0..(1usize << (k as u32 + FIRST_BITS)))
@@ -117,29 +151,34 @@ impl<T> Slots<T> {
         &seg[off]
     }
 
+    /// Allocates the segment of slot `i`. Writer only.
+    pub(crate) fn reserve(&self, i: u32) {
+        self.ensure(i);
+    }
+
     /// Bytes of the allocated segments.
     pub(crate) fn bytes(&self) -> usize {
-        let slot = std::mem::size_of::<Atomic<T>>();
+        let slot = std::mem::size_of::<Atomic<Words>>();
         self.segs
             .iter()
             .enumerate()
             .filter(|(_, s)| s.get().is_some())
             .map(|(k, _)| (1usize << (k as u32 + FIRST_BITS)) * slot)
             .sum::<usize>()
-            + self.segs.len() * std::mem::size_of::<Segment<T>>()
+            + self.segs.len() * std::mem::size_of::<Segment>()
     }
 }
 
-impl<T> Drop for Slots<T> {
+impl Drop for Slots {
     #[allow(unsafe_code)]
     fn drop(&mut self) {
         for seg in self.segs.iter_mut().filter_map(|s| s.get_mut()) {
             for cell in seg.iter() {
                 // SAFETY:
                 // - `&mut self`: no reader can reach the array any more, so no guard is needed
-                //   and nothing else frees these values.
+                //   and nothing else frees these arrays.
                 // - A non-null pointer came from an `Owned` and was retired by nobody (a
-                //   retired value is unlinked first).
+                //   retired array is unlinked first).
                 unsafe {
                     let p = cell.load(Ordering::Relaxed, crossbeam_epoch::unprotected());
                     if !p.is_null() {
@@ -154,8 +193,6 @@ impl<T> Drop for Slots<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
-    use std::sync::Arc;
 
     #[test]
     fn locate_covers_segments_contiguously() {
@@ -164,55 +201,60 @@ mod tests {
         assert_eq!(locate(1024), (1, 0));
         assert_eq!(locate(3071), (1, 2047));
         assert_eq!(locate(3072), (2, 0));
-        let last = (Slots::<u8>::CAPACITY - 1) as u32;
+        let last = (Slots::CAPACITY - 1) as u32;
         assert_eq!(locate(last).0, SEGMENTS - 1);
+    }
+
+    fn publish(s: &Slots, i: u32, words: &[u64], guard: &Guard) {
+        s.publish(
+            i,
+            words.len(),
+            |out| {
+                for (o, w) in out.iter_mut().zip(words) {
+                    o.write(*w);
+                }
+            },
+            guard,
+        );
     }
 
     #[test]
     fn slots_keep_values_across_growth() {
-        let s = Slots::<u32>::new();
+        let s = Slots::new();
         let guard = crossbeam_epoch::pin();
         assert!(s.load(5000, &guard).is_none());
         for i in [0u32, 1, 1023, 1024, 5000, 70_000] {
-            s.publish(i, Some(i), &guard);
+            publish(&s, i, &[i as u64, 7, 9], &guard);
         }
         for i in [0u32, 1, 1023, 1024, 5000, 70_000] {
-            assert_eq!(s.load(i, &guard), Some(&i));
+            assert_eq!(s.load(i, &guard), Some(&[i as u64, 7, 9][..]));
         }
         assert!(s.load(2, &guard).is_none());
-        s.publish(5000, None, &guard);
+        s.clear(5000, &guard);
         assert!(s.load(5000, &guard).is_none());
-    }
-
-    /// Counts its drops.
-    struct Tracked(Arc<AtomicUsize>);
-
-    impl Drop for Tracked {
-        fn drop(&mut self) {
-            self.0.fetch_add(1, Ordering::Relaxed);
-        }
+        // A word the filler skips reads as zero.
+        s.publish(
+            9,
+            2,
+            |out| {
+                out[0].write(5);
+            },
+            &guard,
+        );
+        assert_eq!(s.load(9, &guard), Some(&[5, 0][..]));
     }
 
     #[test]
-    fn every_published_value_is_freed_exactly_once() {
-        let drops = Arc::new(AtomicUsize::new(0));
-        let s = Slots::<Tracked>::new();
-        for round in 0..100 {
+    fn replaced_and_cleared_arrays_are_freed() {
+        let s = Slots::new();
+        for round in 0..1000u32 {
             let guard = crossbeam_epoch::pin();
-            s.publish(round % 7, Some(Tracked(Arc::clone(&drops))), &guard);
-        }
-        {
-            let guard = crossbeam_epoch::pin();
-            s.publish(3, None, &guard);
-        }
-        drop(s);
-        // Retired values are freed by the collector; flushing from fresh pins drives it.
-        for _ in 0..10_000 {
-            if drops.load(Ordering::Relaxed) == 100 {
-                break;
+            publish(&s, round % 7, &vec![round as u64; 64], &guard);
+            if round % 5 == 0 {
+                s.clear(round % 3, &guard);
             }
-            crossbeam_epoch::pin().flush();
         }
-        assert_eq!(drops.load(Ordering::Relaxed), 100);
+        let guard = crossbeam_epoch::pin();
+        assert_eq!(s.load(999 % 7, &guard).map(|w| w[0]), Some(999));
     }
 }
