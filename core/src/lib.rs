@@ -57,6 +57,7 @@ pub mod rng;
 pub mod router;
 pub mod select;
 pub mod session;
+mod sync;
 
 pub use config::{ConfigError, Policy, RouterConfig};
 pub use event::{

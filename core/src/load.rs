@@ -41,8 +41,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
@@ -53,6 +52,7 @@ use crate::health::Health;
 use crate::registry::KvEvents;
 use crate::rng::mix64;
 use crate::session::SessionId;
+use crate::sync::{AtomicBool, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
 
 /// A request's identity, chosen by the caller (unique among its active requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -594,12 +594,17 @@ impl Ledger {
             }
             // Under the shard lock, so that a concurrent free of the same id cannot release
             // references before they are taken.
-            let new_blocks = lock(&state.refs).acquire(&keys);
             let l = &*state.load;
+            {
+                // The counter moves under the table's lock, so that its every value is the
+                // table's distinct keys plus the tails at some moment.
+                let mut refs = lock(&state.refs);
+                let new_blocks = refs.acquire(&keys);
+                l.prompt_blocks
+                    .fetch_add(new_blocks + tail_blocks, Ordering::Relaxed);
+            }
             l.prefill_tokens
                 .fetch_add(prefill_tokens, Ordering::Relaxed);
-            l.prompt_blocks
-                .fetch_add(new_blocks + tail_blocks, Ordering::Relaxed);
             l.requests.fetch_add(1, Ordering::Relaxed);
             shard.insert(
                 request,
@@ -644,11 +649,14 @@ impl Ledger {
 
     fn undo(&self, b: Booking) -> Freed {
         let l = &*b.state.load;
-        let gone = lock(&b.state.refs).release(&b.prefix_keys);
+        {
+            let mut refs = lock(&b.state.refs);
+            let gone = refs.release(&b.prefix_keys);
+            l.prompt_blocks
+                .fetch_sub(gone + b.tail_blocks, Ordering::Relaxed);
+        }
         l.prefill_tokens
             .fetch_sub(b.prefill_tokens, Ordering::Relaxed);
-        l.prompt_blocks
-            .fetch_sub(gone + b.tail_blocks, Ordering::Relaxed);
         l.output_blocks
             .fetch_sub(b.output_blocks, Ordering::Relaxed);
         l.output_decay.fetch_sub(b.output_decay, Ordering::Relaxed);
@@ -830,7 +838,7 @@ impl Ledger {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
@@ -1191,5 +1199,149 @@ mod tests {
             ),
             (40, 16, 2, Dispatch::Reached)
         );
+    }
+}
+
+/// Loom models of the lifecycle races: the real ledger and counters, on loom's atomics and
+/// mutexes (`crate::sync`). Run with
+/// `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p kvroute-core --lib loom`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc as LoomArc;
+
+    /// Loom's exhaustive search, bounded to two preemptions per execution (enough for the
+    /// races below, each of which needs one thread to stop between two steps of another),
+    /// so each model finishes in seconds.
+    fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(2);
+        builder.check(f);
+    }
+
+    fn keys(locals: &[u64]) -> Vec<u64> {
+        let l: Vec<LocalHash> = locals.iter().map(|&x| LocalHash(x)).collect();
+        let mut out = Vec::new();
+        prefix_keys_into(&l, &mut out);
+        out
+    }
+
+    fn book(
+        ledger: &Ledger,
+        state: &Arc<RankState>,
+        id: u64,
+        keys: &[u64],
+    ) -> Result<(), LoadError> {
+        ledger.book(BookingSpec {
+            request: RequestId(id),
+            state,
+            prefill_tokens: 16 * keys.len() as u64 + 3,
+            prefix_keys: keys,
+            tail_blocks: 1,
+            prompt_tokens: 16 * keys.len() as u64 + 3,
+            cached_tokens: 0,
+            block_size: 16,
+            expected_output_tokens: Some(40),
+            session: None,
+            now: Instant::now(),
+        })
+    }
+
+    /// Nothing is left on the rank: every counter and every prefix reference is back to zero.
+    fn assert_idle(state: &RankState) {
+        assert_eq!(state.load(), LoadView::default());
+        assert_eq!(state.distinct_prefix_blocks(), 0);
+    }
+
+    /// A free by id, a guard's drop (which frees by the same id) and an expiry sweep race for
+    /// one request with output blocks: exactly one of them frees it, the others are told it
+    /// is unknown, and the rank's load returns to exactly zero.
+    #[test]
+    fn loom_free_by_id_guard_drop_and_expiry_free_exactly_once() {
+        model(|| {
+            let ledger = LoomArc::new(Ledger::new());
+            let state = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+            let k = keys(&[1, 2]);
+            book(&ledger, &state, 7, &k).unwrap();
+            ledger.output_block(RequestId(7), None).unwrap();
+            let by_id = {
+                let ledger = LoomArc::clone(&ledger);
+                loom::thread::spawn(move || ledger.free(RequestId(7)).is_ok())
+            };
+            let expiry = {
+                let ledger = LoomArc::clone(&ledger);
+                loom::thread::spawn(move || ledger.expire(Instant::now(), Duration::ZERO))
+            };
+            // The guard's drop: `RequestGuard` frees its request by id through the router.
+            let guard = ledger.free(RequestId(7)).is_ok();
+            let by_id = by_id.join().unwrap();
+            let expired = expiry.join().unwrap();
+            assert_eq!(usize::from(by_id) + usize::from(guard) + expired, 1);
+            assert_idle(&state);
+            let c = ledger.counts();
+            assert_eq!(c.freed + c.expired, 1);
+            assert_eq!(c.unknown_requests, 2 - c.freed);
+            assert_eq!(ledger.active(), 0);
+        });
+    }
+
+    /// Two requests sharing a prefix are booked, advanced and freed on one rank at once: the
+    /// shared blocks are counted once while both hold them (the prompt-block counter moves
+    /// with the rank's prefix table, so no reading ever counts a freed request's blocks
+    /// beside a new booking's copy of them), and the counters end at zero.
+    #[test]
+    fn loom_concurrent_book_and_free_on_one_rank_leave_the_counters_at_zero() {
+        model(|| {
+            let ledger = LoomArc::new(Ledger::new());
+            let state = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+            let other = {
+                let ledger = LoomArc::clone(&ledger);
+                let state = Arc::clone(&state);
+                loom::thread::spawn(move || {
+                    let k = keys(&[1, 2, 4]);
+                    book(&ledger, &state, 2, &k).unwrap();
+                    ledger.prefill_done(RequestId(2), None).unwrap();
+                    ledger.free(RequestId(2)).unwrap();
+                })
+            };
+            let k = keys(&[1, 2, 3]);
+            book(&ledger, &state, 1, &k).unwrap();
+            ledger.output_block(RequestId(1), None).unwrap();
+            let held = state.load().prompt_blocks;
+            assert!(
+                (4..=6).contains(&held),
+                "own 3 blocks and tail, at most 2 more: {held}"
+            );
+            ledger.free(RequestId(1)).unwrap();
+            other.join().unwrap();
+            assert_idle(&state);
+            assert_eq!(ledger.counts().freed, 2);
+        });
+    }
+
+    /// A booking races its worker leaving (retire, then purge): whichever removes the
+    /// booking undoes it, once.
+    #[test]
+    fn loom_booking_racing_a_leaving_worker_is_undone_once() {
+        model(|| {
+            let ledger = LoomArc::new(Ledger::new());
+            let state = Arc::new(RankState::new(WorkerRank::new(3, 0)));
+            let booker = {
+                let ledger = LoomArc::clone(&ledger);
+                let state = Arc::clone(&state);
+                loom::thread::spawn(move || book(&ledger, &state, 1, &keys(&[5])).is_ok())
+            };
+            state.retire();
+            let purged = ledger.purge_worker(WorkerId(3));
+            let booked = booker.join().unwrap();
+            let c = ledger.counts();
+            assert_eq!(c.purged + c.retired_races, 1);
+            assert_eq!(purged as u64, c.purged);
+            if booked {
+                assert_eq!(purged, 1, "a booking that saw no retirement is purged");
+            }
+            assert_idle(&state);
+            assert_eq!(ledger.active(), 0);
+        });
     }
 }
