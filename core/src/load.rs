@@ -27,7 +27,12 @@
 //!   `r_k = max(0, 1 − g_k / max(E, 1))`, so it adds `k · r_k` blocks of decode load instead of
 //!   `k`. The rank keeps the difference, `k − k · r_k`, in fixed point ([`DECAY_SCALE`]) beside
 //!   the plain count ([`LoadView::output_decay`]): capacity checks read the blocks held, the
-//!   cost reads the weighted load. A request without `E` never decays.
+//!   cost reads the weighted load. A request without `E` never decays. With
+//!   [`PromptDecay::Unshared`] (the default, as the reference router), the prompt blocks only
+//!   this request holds on its rank (the keys with a refcount of 1, a suffix of its chain,
+//!   and its partial tail) weigh `r` too: at each output block their count `u` is taken
+//!   and `u − u · r` kept in [`LoadView::prompt_decay`] until the next block or the free.
+//!   Shared prompt blocks always weigh 1.
 //! * **Request timeline.** A booking remembers when it was booked, whether it reached its
 //!   worker ([`Dispatch`]) and, when the caller passes a clock reading, when its last token
 //!   arrived; lifecycle calls hand back what metrics need ([`Step`], [`Freed`]) and the ledger
@@ -46,6 +51,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
+use crate::config::PromptDecay;
 use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
 use crate::health::Health;
@@ -147,8 +153,14 @@ pub fn output_decay(
     k: u64,
 ) -> u64 {
     let g = generated_at_block(prompt_tokens, block_size, k);
-    let full = k * DECAY_SCALE;
-    let weighted = (full as f64 * remaining_fraction(g, expected_output_tokens)).round() as u64;
+    decayed(k, remaining_fraction(g, expected_output_tokens))
+}
+
+/// What weighing `blocks` by `left` (in [0, 1]) takes off them, in [`DECAY_SCALE`] units:
+/// `blocks − blocks · left`, rounded.
+pub fn decayed(blocks: u64, left: f64) -> u64 {
+    let full = blocks * DECAY_SCALE;
+    let weighted = (full as f64 * left).round() as u64;
     full - weighted.min(full)
 }
 
@@ -167,6 +179,7 @@ pub struct RankLoad {
     prompt_blocks: AtomicU64,
     output_blocks: AtomicU64,
     output_decay: AtomicU64,
+    prompt_decay: AtomicU64,
     requests: AtomicU64,
 }
 
@@ -182,6 +195,9 @@ pub struct LoadView {
     /// Output blocks taken off the decode load by decay, in [`DECAY_SCALE`] units (0 when no
     /// active request declared an expected output length).
     pub output_decay: u64,
+    /// Unshared prompt blocks taken off the decode load by decay ([`PromptDecay::Unshared`]),
+    /// in [`DECAY_SCALE`] units.
+    pub prompt_decay: u64,
     /// Active requests.
     pub requests: u64,
 }
@@ -197,6 +213,12 @@ impl LoadView {
     /// its expected output.
     pub fn weighted_output_blocks(&self) -> f64 {
         (self.output_blocks as f64 - self.output_decay as f64 / DECAY_SCALE as f64).max(0.0)
+    }
+
+    /// Prompt blocks as decode load: the unshared prompt blocks of requests with an expected
+    /// output length weighted by what is left of it, the rest whole.
+    pub fn weighted_prompt_blocks(&self) -> f64 {
+        (self.prompt_blocks as f64 - self.prompt_decay as f64 / DECAY_SCALE as f64).max(0.0)
     }
 
     /// Load in blocks, for the load-only policies: decode blocks plus prefill tokens in blocks.
@@ -253,6 +275,22 @@ impl PrefixRefs {
             }
         }
         lo
+    }
+
+    /// How many trailing `keys` (a booked request's own) no other request holds: the
+    /// refcounts never increase along a chain, so those with a count of 1 are a suffix of
+    /// it, found by binary search.
+    pub fn unshared_suffix(&self, keys: &[u64]) -> usize {
+        let (mut lo, mut hi) = (0, keys.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.counts.get(&keys[mid]).is_some_and(|&c| c > 1) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        keys.len() - lo
     }
 
     /// Drops a reference on each key; returns how many keys were released for good.
@@ -318,6 +356,7 @@ impl RankState {
             prompt_blocks: l.prompt_blocks.load(Ordering::Relaxed),
             output_blocks: l.output_blocks.load(Ordering::Relaxed),
             output_decay: l.output_decay.load(Ordering::Relaxed),
+            prompt_decay: l.prompt_decay.load(Ordering::Relaxed),
             requests: l.requests.load(Ordering::Relaxed),
         }
     }
@@ -425,6 +464,8 @@ struct Booking {
     output_blocks: u64,
     /// What decay took off `output_blocks`, as added to the rank ([`DECAY_SCALE`] units).
     output_decay: u64,
+    /// What decay took off the request's unshared prompt blocks, as added to the rank.
+    prompt_decay: u64,
     prompt_tokens: u64,
     cached_tokens: u64,
     block_size: u32,
@@ -511,6 +552,7 @@ pub struct Ledger {
     shards: [CachePadded<Mutex<HashMap<RequestId, Booking, PassThrough>>>; SHARDS],
     /// Spare key vectors, so that booking allocates nothing in steady state.
     spare: Mutex<Vec<Vec<u64>>>,
+    prompt_decay: PromptDecay,
     booked: AtomicU64,
     freed: AtomicU64,
     expired: AtomicU64,
@@ -525,6 +567,7 @@ impl Default for Ledger {
         Ledger {
             shards: std::array::from_fn(|_| CachePadded::new(Mutex::new(HashMap::default()))),
             spare: Mutex::new(Vec::new()),
+            prompt_decay: PromptDecay::default(),
             booked: AtomicU64::new(0),
             freed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
@@ -543,6 +586,14 @@ fn bump(c: &AtomicU64) {
 impl Ledger {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A ledger whose requests' unshared prompt blocks decay as `mode` says.
+    pub fn with_prompt_decay(mode: PromptDecay) -> Self {
+        Ledger {
+            prompt_decay: mode,
+            ..Self::default()
+        }
     }
 
     fn shard(&self, id: RequestId) -> &Mutex<HashMap<RequestId, Booking, PassThrough>> {
@@ -615,6 +666,7 @@ impl Ledger {
                     tail_blocks,
                     output_blocks: 0,
                     output_decay: 0,
+                    prompt_decay: 0,
                     prompt_tokens,
                     cached_tokens,
                     block_size,
@@ -660,6 +712,7 @@ impl Ledger {
         l.output_blocks
             .fetch_sub(b.output_blocks, Ordering::Relaxed);
         l.output_decay.fetch_sub(b.output_decay, Ordering::Relaxed);
+        l.prompt_decay.fetch_sub(b.prompt_decay, Ordering::Relaxed);
         l.requests.fetch_sub(1, Ordering::Relaxed);
         let freed = Freed {
             rank: b.state.rank,
@@ -739,14 +792,8 @@ impl Ledger {
         };
         b.output_blocks += 1;
         let k = b.output_blocks;
-        let l = &*b.state.load;
-        l.output_blocks.fetch_add(1, Ordering::Relaxed);
-        if let Some(expected) = b.expected_output_tokens {
-            let decay = output_decay(b.prompt_tokens, b.block_size, expected, k);
-            l.output_decay
-                .fetch_add(decay.saturating_sub(b.output_decay), Ordering::Relaxed);
-            b.output_decay = decay.max(b.output_decay);
-        }
+        b.state.load.output_blocks.fetch_add(1, Ordering::Relaxed);
+        self.decay(b, generated_at_block(b.prompt_tokens, b.block_size, k));
         let (g, g_before) = (
             generated_at_block(b.prompt_tokens, b.block_size, k),
             generated_at_block(b.prompt_tokens, b.block_size, k - 1).max(1),
@@ -762,6 +809,37 @@ impl Ledger {
             elapsed,
             tokens: g.saturating_sub(g_before),
         })
+    }
+
+    /// Re-weighs a request with an expected output length after `generated` output tokens:
+    /// its output blocks, and with [`PromptDecay::Unshared`] its prompt blocks no other
+    /// request on the rank holds, weigh what is left of its expected output.
+    fn decay(&self, b: &mut Booking, generated: u64) {
+        let Some(expected) = b.expected_output_tokens else {
+            return;
+        };
+        let l = &*b.state.load;
+        let left = remaining_fraction(generated, expected);
+        let out = decayed(b.output_blocks, left);
+        l.output_decay
+            .fetch_add(out.saturating_sub(b.output_decay), Ordering::Relaxed);
+        b.output_decay = out.max(b.output_decay);
+        if self.prompt_decay == PromptDecay::Unshared {
+            // Under the table's lock: the unshared count is read, and the decay moved, at
+            // one moment of the rank's prefix table.
+            let refs = lock(&b.state.refs);
+            let unshared = refs.unshared_suffix(&b.prefix_keys) as u64 + b.tail_blocks;
+            let now = decayed(unshared, left);
+            if now >= b.prompt_decay {
+                l.prompt_decay
+                    .fetch_add(now - b.prompt_decay, Ordering::Relaxed);
+            } else {
+                l.prompt_decay
+                    .fetch_sub(b.prompt_decay - now, Ordering::Relaxed);
+            }
+            drop(refs);
+            b.prompt_decay = now;
+        }
     }
 
     /// The request ended: everything it booked is released.
@@ -1145,6 +1223,78 @@ mod tests {
             0.0,
             "past its expected output"
         );
+        ledger.free(RequestId(1)).unwrap();
+        assert!(s.load().is_idle());
+    }
+
+    /// With an expected output, a request's prompt blocks that no other request holds (and its
+    /// partial tail) weigh what is left of its output, as its output blocks do; blocks it
+    /// shares stay whole; the count follows sharing at each output block; a free undoes it.
+    #[test]
+    fn unshared_prompt_blocks_decay_and_shared_ones_do_not() {
+        let ledger = Ledger::with_prompt_decay(PromptDecay::Unshared);
+        let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+        let a = keys(&[1, 2, 3, 4]);
+        let b = keys(&[1, 2, 9]);
+        let now = Instant::now();
+        // Request 1: 4 full blocks and a tail (70 tokens), E = 100.
+        ledger
+            .book(BookingSpec {
+                tail_blocks: 1,
+                prompt_tokens: 70,
+                expected_output_tokens: Some(100),
+                ..spec(1, &s, 70, &a, now)
+            })
+            .unwrap();
+        ledger.book(spec(2, &s, 48, &b, now)).unwrap();
+        assert_eq!(s.load().prompt_blocks, 5 + 1);
+        // First output block of request 1 opens at output token 11 (80 slots): r = 0.89.
+        ledger.output_block(RequestId(1), None).unwrap();
+        let left = remaining_fraction(11, 100);
+        let l = s.load();
+        assert_eq!(
+            l.prompt_decay,
+            decayed(2 + 1, left),
+            "blocks 3, 4 and the tail"
+        );
+        assert!((l.weighted_prompt_blocks() - (6.0 - 3.0 * (1.0 - left))).abs() < 1e-4);
+        // Request 3 shares all of request 1's full blocks: at the next output block, only
+        // the tail is unshared.
+        ledger.book(spec(3, &s, 64, &a, now)).unwrap();
+        ledger.output_block(RequestId(1), None).unwrap();
+        assert_eq!(
+            s.load().prompt_decay,
+            decayed(1, remaining_fraction(27, 100))
+        );
+        // Request 3 leaves: at the next block, blocks 3 and 4 are its own again.
+        ledger.free(RequestId(3)).unwrap();
+        ledger.output_block(RequestId(1), None).unwrap();
+        assert_eq!(
+            s.load().prompt_decay,
+            decayed(3, remaining_fraction(43, 100))
+        );
+        // Request 2 (no expected output) never decays; freeing 1 takes its decay away.
+        ledger.output_block(RequestId(2), None).unwrap();
+        ledger.free(RequestId(1)).unwrap();
+        assert_eq!((s.load().prompt_decay, s.load().output_decay), (0, 0));
+        ledger.free(RequestId(2)).unwrap();
+        assert!(s.load().is_idle());
+    }
+
+    #[test]
+    fn prompt_decay_off_decays_only_output_blocks() {
+        let ledger = Ledger::with_prompt_decay(PromptDecay::Off);
+        let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+        let a = keys(&[1, 2, 3]);
+        ledger
+            .book(BookingSpec {
+                expected_output_tokens: Some(10),
+                ..spec(1, &s, 48, &a, Instant::now())
+            })
+            .unwrap();
+        ledger.output_block(RequestId(1), None).unwrap();
+        assert_eq!(s.load().prompt_decay, 0);
+        assert!(s.load().output_decay > 0);
         ledger.free(RequestId(1)).unwrap();
         assert!(s.load().is_idle());
     }

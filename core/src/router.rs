@@ -782,7 +782,7 @@ impl Router {
         let reader = index.reader();
         Ok(Router {
             registry: Registry::new(config.block_size, config.min_workers),
-            ledger: Ledger::new(),
+            ledger: Ledger::with_prompt_decay(config.prompt_decay),
             index: Mutex::new(index),
             reader,
             selector: selector_for(config.policy),
@@ -1048,6 +1048,7 @@ impl Router {
                 prompt_blocks: a.prompt_blocks + l.prompt_blocks,
                 output_blocks: a.output_blocks + l.output_blocks,
                 output_decay: a.output_decay + l.output_decay,
+                prompt_decay: a.prompt_decay + l.prompt_decay,
                 requests: a.requests + l.requests,
             }
         })
@@ -3186,9 +3187,34 @@ mod tests {
         q.hints.mode = Mode::QueryOnly;
         let d = r.route(&q).unwrap();
         assert_eq!(d.worker, WorkerRank::new(1, 0));
-        assert!((d.cost.decode_cost - (4.0 + expect + 4.0)).abs() < 1e-4);
+        // Its 4 prompt blocks, unshared, weigh what is left of its output too.
+        let prompt = 4.0 * (1.0 - 49.0 / 100.0);
+        assert!((l1.weighted_prompt_blocks() - prompt).abs() < 1e-4);
+        assert!((d.cost.decode_cost - (prompt + expect + 4.0)).abs() < 1e-4);
         r.free(RequestId(1)).unwrap();
         r.free(RequestId(2)).unwrap();
+        assert!(r.total_load().is_idle());
+    }
+
+    /// `PromptDecay::Off` keeps prompt blocks whole; only the output decays.
+    #[test]
+    fn prompt_decay_off_keeps_prompt_blocks_whole() {
+        let r = router(RouterConfig {
+            prompt_decay: crate::config::PromptDecay::Off,
+            ..RouterConfig::default()
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let a: Vec<u32> = (0..64).map(|i| i + 70_000).collect();
+        let mut q = req(1, &a);
+        q.hints.expected_output_tokens = Some(100);
+        r.route(&q).unwrap();
+        for _ in 0..4 {
+            r.output_block(RequestId(1)).unwrap();
+        }
+        let l = r.load(WorkerRank::new(1, 0)).unwrap();
+        assert_eq!((l.prompt_decay, l.weighted_prompt_blocks()), (0, 4.0));
+        assert!(l.output_decay > 0);
+        r.free(RequestId(1)).unwrap();
         assert!(r.total_load().is_idle());
     }
 

@@ -1,6 +1,6 @@
 //! The router's lifecycle against a naive model: random interleavings of route (with and
 //! without an expected output length), dispatch, prefill done, output block, free, guard drop,
-//! worker leave and expiry keep the load counters (output decay included) equal to what the
+//! worker leave and expiry keep the load counters (output and unshared-prompt decay included) equal to what the
 //! active requests hold, return them to exactly zero, never free anything twice, and record
 //! request metrics for exactly the dispatched requests that end by a free. Plus routes from
 //! several threads at once, with a worker leaving and rejoining underneath.
@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::config::{Metrics, RouterConfig};
-use kvroute_core::load::{output_decay, LoadError, LoadView, RequestId};
+use kvroute_core::load::{
+    decayed, generated_at_block, output_decay, remaining_fraction, LoadError, LoadView, RequestId,
+};
 use kvroute_core::registry::WorkerConfig;
 use kvroute_core::router::{RequestGuard, RouteError, RouteHints, RouteRequest, Router};
 use kvroute_core::{IndexConfig, PrefixIndex, WorkerId, WorkerRank};
@@ -80,6 +82,27 @@ struct Active {
     output: u64,
     expected: Option<u32>,
     dispatched: bool,
+    /// Prompt decay as of its last output block: its prompt blocks no other request on the
+    /// rank held then (and its tail), weighted by what was left of its expected output.
+    prompt_decay: u64,
+}
+
+/// The decay of request `id`'s unshared prompt blocks after its latest output block.
+fn prompt_decay(model: &HashMap<u64, Active>, id: u64) -> u64 {
+    let a = &model[&id];
+    let Some(e) = a.expected else { return 0 };
+    let full = a.tokens.len() / BS;
+    let shared = (1..=full)
+        .filter(|&j| {
+            let p = &a.tokens[..j * BS];
+            model
+                .iter()
+                .any(|(o, b)| *o != id && b.rank == a.rank && b.tokens.starts_with(p))
+        })
+        .count();
+    let unshared = (full - shared) as u64 + u64::from(a.tokens.len() % BS != 0);
+    let g = generated_at_block(a.tokens.len() as u64, BS as u32, a.output);
+    decayed(unshared, remaining_fraction(g, e))
 }
 
 /// What every rank should show: summed from the active requests, prompt blocks deduplicated
@@ -98,6 +121,7 @@ fn expected(model: &HashMap<u64, Active>, rank: WorkerRank) -> LoadView {
         if let Some(e) = a.expected {
             v.output_decay += output_decay(a.tokens.len() as u64, BS as u32, e, a.output);
         }
+        v.prompt_decay += a.prompt_decay;
         v.requests += 1;
     }
     v.prompt_blocks += prefixes.len() as u64;
@@ -131,7 +155,7 @@ proptest! {
                         Ok(d) => {
                             prop_assert!(!model.contains_key(&id));
                             let prefill = tokens.len() as u64 - d.overlap.cached_tokens;
-                            let a = Active { rank: d.worker, tokens, prefill, output: 0, expected, dispatched: false };
+                            let a = Active { rank: d.worker, tokens, prefill, output: 0, expected, dispatched: false, prompt_decay: 0 };
                             model.insert(id, a);
                         }
                         Err(RouteError::NoTokens { .. }) => prop_assert!(tokens.is_empty()),
@@ -152,6 +176,10 @@ proptest! {
                 Op::OutputBlock(id) => {
                     prop_assert_eq!(r.output_block(RequestId(id)).is_ok(), model.contains_key(&id));
                     if let Some(a) = model.get_mut(&id) { a.output += 1; }
+                    if model.contains_key(&id) {
+                        let d = prompt_decay(&model, id);
+                        model.get_mut(&id).unwrap().prompt_decay = d;
+                    }
                 }
                 Op::Free(id) => {
                     let a = model.remove(&id);
