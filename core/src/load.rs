@@ -462,6 +462,9 @@ struct Booking {
     prefix_keys: Vec<u64>,
     tail_blocks: u64,
     output_blocks: u64,
+    /// Output tokens generated: counted by [`Ledger::tokens_generated`], or at least the
+    /// token that opened the latest output block.
+    generated: u64,
     /// What decay took off `output_blocks`, as added to the rank ([`DECAY_SCALE`] units).
     output_decay: u64,
     /// What decay took off the request's unshared prompt blocks, as added to the rank.
@@ -514,6 +517,23 @@ pub struct Step {
     pub elapsed: Option<Duration>,
     /// Tokens generated over `elapsed` (output blocks; 0 for the first token).
     pub tokens: u64,
+}
+
+/// What a [`Ledger::tokens_generated`] call observed, for request metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Generated {
+    pub rank: WorkerRank,
+    pub dispatch: Dispatch,
+    /// These were the request's first tokens: its prefill tokens were released.
+    pub prefill_released: bool,
+    /// Time from booking to the first tokens (with a clock reading, on the first call only).
+    pub ttft: Option<Duration>,
+    /// Time since the previous token event, over `itl_tokens` tokens (`None` on the first
+    /// call, without a clock reading, or without a previous timed event).
+    pub itl: Option<Duration>,
+    pub itl_tokens: u64,
+    /// Output blocks the tokens opened.
+    pub new_blocks: u64,
 }
 
 /// What a freed request had booked, as it was when freed.
@@ -665,6 +685,7 @@ impl Ledger {
                     prefix_keys: keys,
                     tail_blocks,
                     output_blocks: 0,
+                    generated: 0,
                     output_decay: 0,
                     prompt_decay: 0,
                     prompt_tokens,
@@ -793,7 +814,9 @@ impl Ledger {
         b.output_blocks += 1;
         let k = b.output_blocks;
         b.state.load.output_blocks.fetch_add(1, Ordering::Relaxed);
-        self.decay(b, generated_at_block(b.prompt_tokens, b.block_size, k));
+        let g_k = generated_at_block(b.prompt_tokens, b.block_size, k);
+        b.generated = b.generated.max(g_k);
+        self.decay(b, g_k);
         let (g, g_before) = (
             generated_at_block(b.prompt_tokens, b.block_size, k),
             generated_at_block(b.prompt_tokens, b.block_size, k - 1).max(1),
@@ -809,6 +832,70 @@ impl Ledger {
             elapsed,
             tokens: g.saturating_sub(g_before),
         })
+    }
+
+    /// `tokens` more output tokens arrived (at `now`, when the caller times it). Every output
+    /// token counts, the first included: the first call with tokens also completes the
+    /// prefill as [`Ledger::prefill_done`] does (and reports the TTFT); later calls report the
+    /// time since the previous token event over their tokens (the ITL). Output blocks follow
+    /// the count: the request holds `ceil((prompt + generated) / block size)` blocks, so a
+    /// call may open several or none, and decay is taken at the count when one opens.
+    /// Mixes with [`Ledger::output_block`], which counts at least the token opening its block.
+    pub fn tokens_generated(
+        &self,
+        request: RequestId,
+        tokens: u64,
+        now: Option<Instant>,
+    ) -> Result<Generated, LoadError> {
+        let mut shard = lock(self.shard(request));
+        let Some(b) = shard.get_mut(&request) else {
+            drop(shard);
+            return Err(self.unknown(request));
+        };
+        let mut out = Generated {
+            rank: b.state.rank,
+            dispatch: b.dispatch,
+            prefill_released: false,
+            ttft: None,
+            itl: None,
+            itl_tokens: 0,
+            new_blocks: 0,
+        };
+        if tokens == 0 {
+            return Ok(out);
+        }
+        if !std::mem::replace(&mut b.first_token_seen, true) {
+            let pending = std::mem::take(&mut b.prefill_tokens);
+            b.state
+                .load
+                .prefill_tokens
+                .fetch_sub(pending, Ordering::Relaxed);
+            out.prefill_released = true;
+            if let Some(now) = now {
+                b.last_token_at = Some(now);
+                out.ttft = Some(now.saturating_duration_since(b.booked_at));
+            }
+        } else if let Some(now) = now {
+            if let Some(prev) = b.last_token_at.replace(now) {
+                out.itl = Some(now.saturating_duration_since(prev));
+                out.itl_tokens = tokens;
+            }
+        }
+        b.generated = b.generated.saturating_add(tokens);
+        let bs = u64::from(b.block_size.max(1));
+        let held = (b.prompt_tokens.saturating_add(b.generated)).div_ceil(bs)
+            - b.prompt_tokens.div_ceil(bs);
+        if held > b.output_blocks {
+            out.new_blocks = held - b.output_blocks;
+            b.output_blocks = held;
+            b.state
+                .load
+                .output_blocks
+                .fetch_add(out.new_blocks, Ordering::Relaxed);
+            let g = b.generated;
+            self.decay(b, g);
+        }
+        Ok(out)
     }
 
     /// Re-weighs a request with an expected output length after `generated` output tokens:
@@ -1279,6 +1366,77 @@ mod tests {
         assert_eq!((s.load().prompt_decay, s.load().output_decay), (0, 0));
         ledger.free(RequestId(2)).unwrap();
         assert!(s.load().is_idle());
+    }
+
+    /// Tokens open blocks where the count crosses a boundary, however they are chunked, and
+    /// mix with `output_block`; the first tokens release the prefill and give the TTFT.
+    #[test]
+    fn tokens_generated_open_blocks_at_boundaries() {
+        let ledger = Ledger::new();
+        let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+        let k = keys(&[1, 2]);
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        // 40 prompt tokens in 3 blocks (48 slots): output token 9 opens the first block.
+        ledger.book(spec(1, &s, 40, &k, t0)).unwrap();
+        let first = ledger
+            .tokens_generated(RequestId(1), 8, Some(at(20)))
+            .unwrap();
+        assert!(first.prefill_released);
+        assert_eq!(
+            (first.ttft, first.itl, first.new_blocks),
+            (Some(Duration::from_millis(20)), None, 0)
+        );
+        assert_eq!(s.load().prefill_tokens, 0);
+        let next = ledger
+            .tokens_generated(RequestId(1), 1, Some(at(30)))
+            .unwrap();
+        assert_eq!(
+            (next.ttft, next.itl, next.itl_tokens, next.new_blocks),
+            (None, Some(Duration::from_millis(10)), 1, 1)
+        );
+        // 9 + 40 = 49 tokens: blocks open at 9, 25 and 41.
+        assert_eq!(
+            ledger
+                .tokens_generated(RequestId(1), 40, None)
+                .unwrap()
+                .new_blocks,
+            2
+        );
+        assert_eq!(s.load().output_blocks, 3);
+        // An output block call counts on from there; tokens then continue past it.
+        ledger.output_block(RequestId(1), None).unwrap();
+        assert_eq!(s.load().output_blocks, 4);
+        assert_eq!(
+            ledger
+                .tokens_generated(RequestId(1), 8, None)
+                .unwrap()
+                .new_blocks,
+            0,
+            "57 + 8 = 65 < 73"
+        );
+        assert_eq!(
+            ledger
+                .tokens_generated(RequestId(1), 8, None)
+                .unwrap()
+                .new_blocks,
+            1
+        );
+        assert_eq!(
+            ledger
+                .tokens_generated(RequestId(1), 0, None)
+                .unwrap()
+                .new_blocks,
+            0
+        );
+        assert_eq!(ledger.free(RequestId(1)).unwrap().output_blocks, 5);
+        assert!(s.load().is_idle());
+        assert_eq!(
+            ledger.tokens_generated(RequestId(1), 1, None),
+            Err(LoadError::UnknownRequest {
+                request: RequestId(1)
+            })
+        );
     }
 
     #[test]
