@@ -5,7 +5,7 @@
 //!        │ Relaxed loads                     │
 //!        ▼                                   ▼
 //!   RankState ── CachePadded<RankLoad> ◀── Ledger: request id -> Booking   (16 mutex shards)
-//!             └─ Mutex<PrefixRefs>     ◀──        prompt prefix keys, refcounted per rank
+//!             └─ Mutex<PrefixRefs>     ◀──        active prompts per rank, in key order
 //! ```
 //!
 //! * **Counters** ([`RankLoad`]): active prefill tokens, distinct active prompt blocks, output
@@ -14,12 +14,12 @@
 //!   choice (the counters are advice, the ledger is the truth).
 //! * **Shared prefixes count once.** Two concurrent requests with the same system prompt hold its
 //!   KV blocks once on the worker. The ledger names each full prompt block by a *prefix key*, a
-//!   cheap 64-bit chain over the block's local hashes (so equal keys mean equal prefixes, and a
-//!   key is present in a rank's table only if its parent is), and keeps a refcount per key per
-//!   rank ([`PrefixRefs`]). Booking adds one prompt block to the counter for every key whose
-//!   count goes 0 → 1; freeing removes one for every key whose count returns to 0. The
-//!   refcounts live behind the rank's own mutex, taken only when a request is booked or freed
-//!   on that rank. Selection reads them only through [`RankState::try_shared_prefix_blocks`],
+//!   cheap 64-bit chain over the block's local hashes (so equal keys mean equal prefixes), and
+//!   keeps each rank's active prompts in lexicographic order of their keys ([`PrefixRefs`]):
+//!   a booking adds its length less the longest prefix it shares with its two neighbours,
+//!   a free removes as much, so the counter holds the distinct blocks without a refcount per
+//!   block. The table lives behind the rank's own mutex, taken only when a request is booked,
+//!   advanced past a block with decay, or freed on that rank. Selection reads them only through [`RankState::try_shared_prefix_blocks`],
 //!   for a few candidates and with `try_lock` (a busy table is skipped, never waited for).
 //! * **Output decay.** When a request's expected output length `E` is known, its output blocks
 //!   weigh what is left of it, as in the reference: at its `k`-th output block, generated
@@ -29,7 +29,7 @@
 //!   the plain count ([`LoadView::output_decay`]): capacity checks read the blocks held, the
 //!   cost reads the weighted load. A request without `E` never decays. With
 //!   [`PromptDecay::Unshared`] (the default, as the reference router), the prompt blocks only
-//!   this request holds on its rank (the keys with a refcount of 1, a suffix of its chain,
+//!   this request holds on its rank (the end of its chain past its longest shared prefix,
 //!   and its partial tail) weigh `r` too: at each output block their count `u` is taken
 //!   and `u − u · r` kept in [`LoadView::prompt_decay`] until the next block or the free.
 //!   Shared prompt blocks always weigh 1.
@@ -232,80 +232,152 @@ impl LoadView {
     }
 }
 
-/// Refcounts of the prompt prefix keys active on one rank.
+/// The prompts active on one rank, kept in lexicographic order of their prefix keys, so that
+/// the blocks they hold together (shared prefixes once) are counted without a refcount per
+/// block.
+///
+/// In sorted order every group of prompts sharing a prefix is contiguous, so the union of
+/// their prefixes, the size of their trie, is `Σ len − Σ lcp(neighbours)`, and a prompt's
+/// longest prefix held by another is the longer of its common prefixes with its two
+/// neighbours. Booking inserts one prompt and removes nothing: the blocks it adds are its
+/// length less that longest shared prefix. Freeing is the mirror image. Both cost a binary
+/// search over the rank's prompts, each comparison a binary search for the first differing
+/// key (prefix keys chain, so two prompts agree at a position only if they agree on
+/// everything before it), and a shift of the order: `O(log r · log n + r)` for `r` active
+/// prompts of `n` blocks, instead of `n` refcount updates.
 #[derive(Debug, Default)]
 pub struct PrefixRefs {
-    counts: HashMap<u64, u32, PassThrough>,
+    /// One prompt's keys per slot; a free slot holds an empty vector.
+    slots: Vec<Vec<u64>>,
+    free: Vec<u32>,
+    /// Occupied slots in lexicographic order of their keys, equal prompts by slot.
+    order: Vec<u32>,
+    /// Distinct keys held (the trie's size).
+    distinct: u64,
+}
+
+/// How many leading keys `a` and `b` share, by binary search for the first difference.
+fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+    let n = a.len().min(b.len());
+    if n == 0 || a[n - 1] == b[n - 1] {
+        return n;
+    }
+    // a[..lo] agree; a[hi] differs.
+    let (mut lo, mut hi) = (0, n - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if a[mid] == b[mid] {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// Lexicographic order of two key chains.
+fn compare_keys(a: &[u64], b: &[u64]) -> std::cmp::Ordering {
+    let m = common_prefix(a, b);
+    match (a.get(m), b.get(m)) {
+        (Some(x), Some(y)) => x.cmp(y),
+        _ => a.len().cmp(&b.len()),
+    }
 }
 
 impl PrefixRefs {
     /// Distinct keys held.
     pub fn len(&self) -> usize {
-        self.counts.len()
+        self.distinct as usize
     }
 
     /// True when no key is held.
     pub fn is_empty(&self) -> bool {
-        self.counts.is_empty()
+        self.distinct == 0
     }
 
-    /// Takes a reference on each key; returns how many keys were new.
-    fn acquire(&mut self, keys: &[u64]) -> u64 {
-        let mut new = 0;
-        for &k in keys {
-            let c = self.counts.entry(k).or_insert(0);
-            if *c == 0 {
-                new += 1;
+    fn keys(&self, slot: u32) -> &[u64] {
+        &self.slots[slot as usize]
+    }
+
+    /// Where `slot` sits in `order`: by binary search, or (should two different prefixes
+    /// ever collide on a 64-bit key and leave the order inconsistent) by a scan, so that a
+    /// held prompt is always found and released.
+    fn position(&self, slot: u32) -> Option<usize> {
+        let keys = self.keys(slot);
+        self.order
+            .binary_search_by(|&o| compare_keys(self.keys(o), keys).then(o.cmp(&slot)))
+            .ok()
+            .or_else(|| self.order.iter().position(|&o| o == slot))
+    }
+
+    /// The longest prefix the prompt at `pos` in `order` shares with another active prompt.
+    fn shared_at(&self, pos: usize) -> usize {
+        let keys = self.keys(self.order[pos]);
+        let before = pos
+            .checked_sub(1)
+            .map_or(0, |p| common_prefix(self.keys(self.order[p]), keys));
+        let after = self
+            .order
+            .get(pos + 1)
+            .map_or(0, |&o| common_prefix(self.keys(o), keys));
+        before.max(after)
+    }
+
+    /// Holds the prompt `keys` (the vector is kept, and handed back by [`Self::release`]);
+    /// returns its slot and how many of its keys were new on the rank.
+    fn acquire(&mut self, keys: Vec<u64>) -> (u32, u64) {
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = keys;
+                slot
             }
-            *c += 1;
-        }
-        new
+            None => {
+                self.slots.push(keys);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let keys = self.keys(slot);
+        let pos = self.order.partition_point(|&o| {
+            compare_keys(self.keys(o), keys).then(o.cmp(&slot)) == std::cmp::Ordering::Less
+        });
+        self.order.insert(pos, slot);
+        let new = (self.keys(slot).len() - self.shared_at(pos)) as u64;
+        self.distinct += new;
+        (slot, new)
     }
 
-    /// How many leading `keys` are held: since a request holds every key of its prompt's
-    /// chain, the held keys among `keys` are always a prefix of it, found by binary search.
+    /// Drops the prompt in `slot`; returns its keys and how many keys the rank no longer holds.
+    fn release(&mut self, slot: u32) -> (Vec<u64>, u64) {
+        let Some(pos) = self.position(slot) else {
+            return (Vec::new(), 0);
+        };
+        let gone = (self.keys(slot).len() - self.shared_at(pos)) as u64;
+        self.order.remove(pos);
+        self.free.push(slot);
+        self.distinct = self.distinct.saturating_sub(gone);
+        (std::mem::take(&mut self.slots[slot as usize]), gone)
+    }
+
+    /// How many trailing keys of the prompt in `slot` no other active prompt holds.
+    fn unshared(&self, slot: u32) -> usize {
+        self.position(slot)
+            .map_or(0, |pos| self.keys(slot).len() - self.shared_at(pos))
+    }
+
+    /// How many leading `keys` are held by some active prompt: the longer of the common
+    /// prefixes with the two prompts `keys` would sit between.
     pub fn shared_prefix(&self, keys: &[u64]) -> usize {
-        let (mut lo, mut hi) = (0, keys.len());
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if self.counts.contains_key(&keys[mid]) {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        lo
-    }
-
-    /// How many trailing `keys` (a booked request's own) no other request holds: the
-    /// refcounts never increase along a chain, so those with a count of 1 are a suffix of
-    /// it, found by binary search.
-    pub fn unshared_suffix(&self, keys: &[u64]) -> usize {
-        let (mut lo, mut hi) = (0, keys.len());
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if self.counts.get(&keys[mid]).is_some_and(|&c| c > 1) {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        keys.len() - lo
-    }
-
-    /// Drops a reference on each key; returns how many keys were released for good.
-    fn release(&mut self, keys: &[u64]) -> u64 {
-        let mut gone = 0;
-        for k in keys {
-            if let Some(c) = self.counts.get_mut(k) {
-                *c -= 1;
-                if *c == 0 {
-                    self.counts.remove(k);
-                    gone += 1;
-                }
-            }
-        }
-        gone
+        let pos = self
+            .order
+            .partition_point(|&o| compare_keys(self.keys(o), keys) == std::cmp::Ordering::Less);
+        let before = pos
+            .checked_sub(1)
+            .map_or(0, |p| common_prefix(self.keys(self.order[p]), keys));
+        let after = self
+            .order
+            .get(pos)
+            .map_or(0, |&o| common_prefix(self.keys(o), keys));
+        before.max(after)
     }
 }
 
@@ -459,7 +531,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Booking {
     state: Arc<RankState>,
     prefill_tokens: u64,
-    prefix_keys: Vec<u64>,
+    /// The request's prompt in its rank's [`PrefixRefs`].
+    slot: u32,
     tail_blocks: u64,
     output_blocks: u64,
     /// Output tokens generated: counted by [`Ledger::tokens_generated`], or at least the
@@ -666,14 +739,15 @@ impl Ledger {
             // Under the shard lock, so that a concurrent free of the same id cannot release
             // references before they are taken.
             let l = &*state.load;
-            {
+            let slot = {
                 // The counter moves under the table's lock, so that its every value is the
                 // table's distinct keys plus the tails at some moment.
                 let mut refs = lock(&state.refs);
-                let new_blocks = refs.acquire(&keys);
+                let (slot, new_blocks) = refs.acquire(keys);
                 l.prompt_blocks
                     .fetch_add(new_blocks + tail_blocks, Ordering::Relaxed);
-            }
+                slot
+            };
             l.prefill_tokens
                 .fetch_add(prefill_tokens, Ordering::Relaxed);
             l.requests.fetch_add(1, Ordering::Relaxed);
@@ -682,7 +756,7 @@ impl Ledger {
                 Booking {
                     state: Arc::clone(state),
                     prefill_tokens,
-                    prefix_keys: keys,
+                    slot,
                     tail_blocks,
                     output_blocks: 0,
                     generated: 0,
@@ -722,12 +796,13 @@ impl Ledger {
 
     fn undo(&self, b: Booking) -> Freed {
         let l = &*b.state.load;
-        {
+        let keys = {
             let mut refs = lock(&b.state.refs);
-            let gone = refs.release(&b.prefix_keys);
+            let (keys, gone) = refs.release(b.slot);
             l.prompt_blocks
                 .fetch_sub(gone + b.tail_blocks, Ordering::Relaxed);
-        }
+            keys
+        };
         l.prefill_tokens
             .fetch_sub(b.prefill_tokens, Ordering::Relaxed);
         l.output_blocks
@@ -745,7 +820,7 @@ impl Ledger {
             age: b.booked_at.elapsed(),
             session: b.session,
         };
-        self.give_spare(b.prefix_keys);
+        self.give_spare(keys);
         freed
     }
 
@@ -915,7 +990,7 @@ impl Ledger {
             // Under the table's lock: the unshared count is read, and the decay moved, at
             // one moment of the rank's prefix table.
             let refs = lock(&b.state.refs);
-            let unshared = refs.unshared_suffix(&b.prefix_keys) as u64 + b.tail_blocks;
+            let unshared = refs.unshared(b.slot) as u64 + b.tail_blocks;
             let now = decayed(unshared, left);
             if now >= b.prompt_decay {
                 l.prompt_decay
@@ -1230,6 +1305,58 @@ mod tests {
         let held = lock(&s.refs);
         assert_eq!(s.try_shared_prefix_blocks(&keys(&[1])), None);
         drop(held);
+    }
+
+    /// The sorted-prompt table against per-key refcounts: random prompts over a small
+    /// alphabet (so that they share prefixes of every length, and some are equal) acquired
+    /// and released in random order give the same distinct count, shared prefix of any query
+    /// and unshared suffix of every held prompt as counting each key's holders.
+    #[test]
+    fn prefix_table_equals_per_key_refcounts() {
+        let mut x = 0x5eed_u64;
+        let mut next = |n: u64| {
+            x = mix64(x.wrapping_add(0x9e37_79b9_7f4a_7c15));
+            x % n
+        };
+        for _ in 0..200 {
+            let mut refs = PrefixRefs::default();
+            let mut held: Vec<(u32, Vec<u64>)> = Vec::new();
+            for _ in 0..40 {
+                if held.is_empty() || next(3) > 0 {
+                    let len = next(9) as usize;
+                    let locals: Vec<u64> = (0..len).map(|_| next(3)).collect();
+                    let k = keys(&locals);
+                    let (slot, new) = refs.acquire(k.clone());
+                    let before: std::collections::HashSet<u64> =
+                        held.iter().flat_map(|(_, k)| k.iter().copied()).collect();
+                    assert_eq!(new, k.iter().filter(|k| !before.contains(k)).count() as u64);
+                    held.push((slot, k));
+                } else {
+                    let i = next(held.len() as u64) as usize;
+                    let (slot, k) = held.swap_remove(i);
+                    let after: std::collections::HashSet<u64> =
+                        held.iter().flat_map(|(_, k)| k.iter().copied()).collect();
+                    let (back, gone) = refs.release(slot);
+                    assert_eq!(back, k);
+                    assert_eq!(gone, k.iter().filter(|k| !after.contains(k)).count() as u64);
+                }
+                let mut counts: HashMap<u64, usize> = HashMap::new();
+                for (_, k) in &held {
+                    for key in k {
+                        *counts.entry(*key).or_default() += 1;
+                    }
+                }
+                assert_eq!(refs.len(), counts.len());
+                for (slot, k) in &held {
+                    let unshared = k.iter().filter(|key| counts[key] == 1).count();
+                    assert_eq!(refs.unshared(*slot), unshared);
+                }
+                let q: Vec<u64> = (0..next(10)).map(|_| next(3)).collect();
+                let q = keys(&q);
+                let linear = q.iter().take_while(|k| counts.contains_key(k)).count();
+                assert_eq!(refs.shared_prefix(&q), linear);
+            }
+        }
     }
 
     #[test]
