@@ -225,7 +225,7 @@ impl WorkerConfigLike for PeerWorker {
 }
 
 /// The prompt blocks already active on each worker (by worker id), read from the router's
-/// per-rank refcounts: what Dynamo's scheduler subtracts to get a worker's new blocks.
+/// per-rank prompt tables: what Dynamo's scheduler subtracts to get a worker's new blocks.
 fn shared_blocks(router: &Router, locals: &[LocalHash]) -> Vec<usize> {
     let mut keys = Vec::new();
     prefix_keys_into(locals, &mut keys);

@@ -205,6 +205,24 @@ pub enum WarmUp {
     },
 }
 
+/// What decays with a request's expected output length, as generation proceeds.
+///
+/// With an expected output length `E`, at each output block a request's weight is what is left
+/// of its output, `r = max(0, 1 − generated / max(E, 1))`; its output blocks always weigh `r`.
+/// This chooses whether its unshared prompt blocks weigh `r` too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PromptDecay {
+    /// The reference router's behaviour: at each output block, the request's prompt blocks
+    /// that no other active request on its rank holds (the end of its prompt past what it
+    /// shares, and its partial last block) weigh `r` in the decode load, as its output
+    /// blocks do. Shared prompt blocks always weigh 1. The unshared count is taken at each
+    /// output block and kept until the next one (or the free).
+    #[default]
+    Unshared,
+    /// Only output blocks decay; prompt blocks weigh 1 until the request is freed.
+    Off,
+}
+
 /// The router's configuration. Build it with struct update syntax over `Default`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouterConfig {
@@ -244,6 +262,9 @@ pub struct RouterConfig {
     pub warm_up: WarmUp,
     /// Credit per shared-pool block beyond a worker's own overlap.
     pub pool_credit: f64,
+    /// Whether a request's unshared prompt blocks decay with its expected output length, as
+    /// its output blocks do.
+    pub prompt_decay: PromptDecay,
 }
 
 impl Default for RouterConfig {
@@ -267,6 +288,7 @@ impl Default for RouterConfig {
             approximate: Approximate::default(),
             warm_up: WarmUp::Off,
             pool_credit: 0.25,
+            prompt_decay: PromptDecay::Unshared,
         }
     }
 }

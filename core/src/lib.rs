@@ -57,8 +57,9 @@ pub mod rng;
 pub mod router;
 pub mod select;
 pub mod session;
+mod sync;
 
-pub use config::{ConfigError, Policy, RouterConfig};
+pub use config::{ConfigError, Policy, PromptDecay, RouterConfig};
 pub use event::{
     BlockHash, DpRank, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock,
     WorkerId, WorkerRank,

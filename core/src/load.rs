@@ -5,7 +5,7 @@
 //!        │ Relaxed loads                     │
 //!        ▼                                   ▼
 //!   RankState ── CachePadded<RankLoad> ◀── Ledger: request id -> Booking   (16 mutex shards)
-//!             └─ Mutex<PrefixRefs>     ◀──        prompt prefix keys, refcounted per rank
+//!             └─ Mutex<PrefixRefs>     ◀──        active prompts per rank, in key order
 //! ```
 //!
 //! * **Counters** ([`RankLoad`]): active prefill tokens, distinct active prompt blocks, output
@@ -14,12 +14,12 @@
 //!   choice (the counters are advice, the ledger is the truth).
 //! * **Shared prefixes count once.** Two concurrent requests with the same system prompt hold its
 //!   KV blocks once on the worker. The ledger names each full prompt block by a *prefix key*, a
-//!   cheap 64-bit chain over the block's local hashes (so equal keys mean equal prefixes, and a
-//!   key is present in a rank's table only if its parent is), and keeps a refcount per key per
-//!   rank ([`PrefixRefs`]). Booking adds one prompt block to the counter for every key whose
-//!   count goes 0 → 1; freeing removes one for every key whose count returns to 0. The
-//!   refcounts live behind the rank's own mutex, taken only when a request is booked or freed
-//!   on that rank. Selection reads them only through [`RankState::try_shared_prefix_blocks`],
+//!   cheap 64-bit chain over the block's local hashes (so equal keys mean equal prefixes), and
+//!   keeps each rank's active prompts in lexicographic order of their keys ([`PrefixRefs`]):
+//!   a booking adds its length less the longest prefix it shares with its two neighbours,
+//!   a free removes as much, so the counter holds the distinct blocks without a refcount per
+//!   block. The table lives behind the rank's own mutex, taken only when a request is booked,
+//!   advanced past a block with decay, or freed on that rank. Selection reads them only through [`RankState::try_shared_prefix_blocks`],
 //!   for a few candidates and with `try_lock` (a busy table is skipped, never waited for).
 //! * **Output decay.** When a request's expected output length `E` is known, its output blocks
 //!   weigh what is left of it, as in the reference: at its `k`-th output block, generated
@@ -27,7 +27,12 @@
 //!   `r_k = max(0, 1 − g_k / max(E, 1))`, so it adds `k · r_k` blocks of decode load instead of
 //!   `k`. The rank keeps the difference, `k − k · r_k`, in fixed point ([`DECAY_SCALE`]) beside
 //!   the plain count ([`LoadView::output_decay`]): capacity checks read the blocks held, the
-//!   cost reads the weighted load. A request without `E` never decays.
+//!   cost reads the weighted load. A request without `E` never decays. With
+//!   [`PromptDecay::Unshared`] (the default, as the reference router), the prompt blocks only
+//!   this request holds on its rank (the end of its chain past its longest shared prefix,
+//!   and its partial tail) weigh `r` too: at each output block their count `u` is taken
+//!   and `u − u · r` kept in [`LoadView::prompt_decay`] until the next block or the free.
+//!   Shared prompt blocks always weigh 1.
 //! * **Request timeline.** A booking remembers when it was booked, whether it reached its
 //!   worker ([`Dispatch`]) and, when the caller passes a clock reading, when its last token
 //!   arrived; lifecycle calls hand back what metrics need ([`Step`], [`Freed`]) and the ledger
@@ -41,18 +46,19 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_utils::CachePadded;
 
+use crate::config::PromptDecay;
 use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
 use crate::health::Health;
 use crate::registry::KvEvents;
 use crate::rng::mix64;
 use crate::session::SessionId;
+use crate::sync::{AtomicBool, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
 
 /// A request's identity, chosen by the caller (unique among its active requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -147,8 +153,14 @@ pub fn output_decay(
     k: u64,
 ) -> u64 {
     let g = generated_at_block(prompt_tokens, block_size, k);
-    let full = k * DECAY_SCALE;
-    let weighted = (full as f64 * remaining_fraction(g, expected_output_tokens)).round() as u64;
+    decayed(k, remaining_fraction(g, expected_output_tokens))
+}
+
+/// What weighing `blocks` by `left` (in [0, 1]) takes off them, in [`DECAY_SCALE`] units:
+/// `blocks − blocks · left`, rounded.
+pub fn decayed(blocks: u64, left: f64) -> u64 {
+    let full = blocks * DECAY_SCALE;
+    let weighted = (full as f64 * left).round() as u64;
     full - weighted.min(full)
 }
 
@@ -167,6 +179,7 @@ pub struct RankLoad {
     prompt_blocks: AtomicU64,
     output_blocks: AtomicU64,
     output_decay: AtomicU64,
+    prompt_decay: AtomicU64,
     requests: AtomicU64,
 }
 
@@ -182,6 +195,9 @@ pub struct LoadView {
     /// Output blocks taken off the decode load by decay, in [`DECAY_SCALE`] units (0 when no
     /// active request declared an expected output length).
     pub output_decay: u64,
+    /// Unshared prompt blocks taken off the decode load by decay ([`PromptDecay::Unshared`]),
+    /// in [`DECAY_SCALE`] units.
+    pub prompt_decay: u64,
     /// Active requests.
     pub requests: u64,
 }
@@ -199,6 +215,12 @@ impl LoadView {
         (self.output_blocks as f64 - self.output_decay as f64 / DECAY_SCALE as f64).max(0.0)
     }
 
+    /// Prompt blocks as decode load: the unshared prompt blocks of requests with an expected
+    /// output length weighted by what is left of it, the rest whole.
+    pub fn weighted_prompt_blocks(&self) -> f64 {
+        (self.prompt_blocks as f64 - self.prompt_decay as f64 / DECAY_SCALE as f64).max(0.0)
+    }
+
     /// Load in blocks, for the load-only policies: decode blocks plus prefill tokens in blocks.
     pub fn load_blocks(&self, block_size: u32) -> u64 {
         self.decode_blocks() + self.prefill_tokens / u64::from(block_size.max(1))
@@ -210,64 +232,152 @@ impl LoadView {
     }
 }
 
-/// Refcounts of the prompt prefix keys active on one rank.
+/// The prompts active on one rank, kept in lexicographic order of their prefix keys, so that
+/// the blocks they hold together (shared prefixes once) are counted without a refcount per
+/// block.
+///
+/// In sorted order every group of prompts sharing a prefix is contiguous, so the union of
+/// their prefixes, the size of their trie, is `Σ len − Σ lcp(neighbours)`, and a prompt's
+/// longest prefix held by another is the longer of its common prefixes with its two
+/// neighbours. Booking inserts one prompt and removes nothing: the blocks it adds are its
+/// length less that longest shared prefix. Freeing is the mirror image. Both cost a binary
+/// search over the rank's prompts, each comparison a binary search for the first differing
+/// key (prefix keys chain, so two prompts agree at a position only if they agree on
+/// everything before it), and a shift of the order: `O(log r · log n + r)` for `r` active
+/// prompts of `n` blocks, instead of `n` refcount updates.
 #[derive(Debug, Default)]
 pub struct PrefixRefs {
-    counts: HashMap<u64, u32, PassThrough>,
+    /// One prompt's keys per slot; a free slot holds an empty vector.
+    slots: Vec<Vec<u64>>,
+    free: Vec<u32>,
+    /// Occupied slots in lexicographic order of their keys, equal prompts by slot.
+    order: Vec<u32>,
+    /// Distinct keys held (the trie's size).
+    distinct: u64,
+}
+
+/// How many leading keys `a` and `b` share, by binary search for the first difference.
+fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+    let n = a.len().min(b.len());
+    if n == 0 || a[n - 1] == b[n - 1] {
+        return n;
+    }
+    // a[..lo] agree; a[hi] differs.
+    let (mut lo, mut hi) = (0, n - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if a[mid] == b[mid] {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// Lexicographic order of two key chains.
+fn compare_keys(a: &[u64], b: &[u64]) -> std::cmp::Ordering {
+    let m = common_prefix(a, b);
+    match (a.get(m), b.get(m)) {
+        (Some(x), Some(y)) => x.cmp(y),
+        _ => a.len().cmp(&b.len()),
+    }
 }
 
 impl PrefixRefs {
     /// Distinct keys held.
     pub fn len(&self) -> usize {
-        self.counts.len()
+        self.distinct as usize
     }
 
     /// True when no key is held.
     pub fn is_empty(&self) -> bool {
-        self.counts.is_empty()
+        self.distinct == 0
     }
 
-    /// Takes a reference on each key; returns how many keys were new.
-    fn acquire(&mut self, keys: &[u64]) -> u64 {
-        let mut new = 0;
-        for &k in keys {
-            let c = self.counts.entry(k).or_insert(0);
-            if *c == 0 {
-                new += 1;
+    fn keys(&self, slot: u32) -> &[u64] {
+        &self.slots[slot as usize]
+    }
+
+    /// Where `slot` sits in `order`: by binary search, or (should two different prefixes
+    /// ever collide on a 64-bit key and leave the order inconsistent) by a scan, so that a
+    /// held prompt is always found and released.
+    fn position(&self, slot: u32) -> Option<usize> {
+        let keys = self.keys(slot);
+        self.order
+            .binary_search_by(|&o| compare_keys(self.keys(o), keys).then(o.cmp(&slot)))
+            .ok()
+            .or_else(|| self.order.iter().position(|&o| o == slot))
+    }
+
+    /// The longest prefix the prompt at `pos` in `order` shares with another active prompt.
+    fn shared_at(&self, pos: usize) -> usize {
+        let keys = self.keys(self.order[pos]);
+        let before = pos
+            .checked_sub(1)
+            .map_or(0, |p| common_prefix(self.keys(self.order[p]), keys));
+        let after = self
+            .order
+            .get(pos + 1)
+            .map_or(0, |&o| common_prefix(self.keys(o), keys));
+        before.max(after)
+    }
+
+    /// Holds the prompt `keys` (the vector is kept, and handed back by [`Self::release`]);
+    /// returns its slot and how many of its keys were new on the rank.
+    fn acquire(&mut self, keys: Vec<u64>) -> (u32, u64) {
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = keys;
+                slot
             }
-            *c += 1;
-        }
-        new
+            None => {
+                self.slots.push(keys);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let keys = self.keys(slot);
+        let pos = self.order.partition_point(|&o| {
+            compare_keys(self.keys(o), keys).then(o.cmp(&slot)) == std::cmp::Ordering::Less
+        });
+        self.order.insert(pos, slot);
+        let new = (self.keys(slot).len() - self.shared_at(pos)) as u64;
+        self.distinct += new;
+        (slot, new)
     }
 
-    /// How many leading `keys` are held: since a request holds every key of its prompt's
-    /// chain, the held keys among `keys` are always a prefix of it, found by binary search.
+    /// Drops the prompt in `slot`; returns its keys and how many keys the rank no longer holds.
+    fn release(&mut self, slot: u32) -> (Vec<u64>, u64) {
+        let Some(pos) = self.position(slot) else {
+            return (Vec::new(), 0);
+        };
+        let gone = (self.keys(slot).len() - self.shared_at(pos)) as u64;
+        self.order.remove(pos);
+        self.free.push(slot);
+        self.distinct = self.distinct.saturating_sub(gone);
+        (std::mem::take(&mut self.slots[slot as usize]), gone)
+    }
+
+    /// How many trailing keys of the prompt in `slot` no other active prompt holds.
+    fn unshared(&self, slot: u32) -> usize {
+        self.position(slot)
+            .map_or(0, |pos| self.keys(slot).len() - self.shared_at(pos))
+    }
+
+    /// How many leading `keys` are held by some active prompt: the longer of the common
+    /// prefixes with the two prompts `keys` would sit between.
     pub fn shared_prefix(&self, keys: &[u64]) -> usize {
-        let (mut lo, mut hi) = (0, keys.len());
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if self.counts.contains_key(&keys[mid]) {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        lo
-    }
-
-    /// Drops a reference on each key; returns how many keys were released for good.
-    fn release(&mut self, keys: &[u64]) -> u64 {
-        let mut gone = 0;
-        for k in keys {
-            if let Some(c) = self.counts.get_mut(k) {
-                *c -= 1;
-                if *c == 0 {
-                    self.counts.remove(k);
-                    gone += 1;
-                }
-            }
-        }
-        gone
+        let pos = self
+            .order
+            .partition_point(|&o| compare_keys(self.keys(o), keys) == std::cmp::Ordering::Less);
+        let before = pos
+            .checked_sub(1)
+            .map_or(0, |p| common_prefix(self.keys(self.order[p]), keys));
+        let after = self
+            .order
+            .get(pos)
+            .map_or(0, |&o| common_prefix(self.keys(o), keys));
+        before.max(after)
     }
 }
 
@@ -318,6 +428,7 @@ impl RankState {
             prompt_blocks: l.prompt_blocks.load(Ordering::Relaxed),
             output_blocks: l.output_blocks.load(Ordering::Relaxed),
             output_decay: l.output_decay.load(Ordering::Relaxed),
+            prompt_decay: l.prompt_decay.load(Ordering::Relaxed),
             requests: l.requests.load(Ordering::Relaxed),
         }
     }
@@ -420,11 +531,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Booking {
     state: Arc<RankState>,
     prefill_tokens: u64,
-    prefix_keys: Vec<u64>,
+    /// The request's prompt in its rank's [`PrefixRefs`].
+    slot: u32,
     tail_blocks: u64,
     output_blocks: u64,
+    /// Output tokens generated: counted by [`Ledger::tokens_generated`], or at least the
+    /// token that opened the latest output block.
+    generated: u64,
     /// What decay took off `output_blocks`, as added to the rank ([`DECAY_SCALE`] units).
     output_decay: u64,
+    /// What decay took off the request's unshared prompt blocks, as added to the rank.
+    prompt_decay: u64,
     prompt_tokens: u64,
     cached_tokens: u64,
     block_size: u32,
@@ -475,6 +592,23 @@ pub struct Step {
     pub tokens: u64,
 }
 
+/// What a [`Ledger::tokens_generated`] call observed, for request metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Generated {
+    pub rank: WorkerRank,
+    pub dispatch: Dispatch,
+    /// These were the request's first tokens: its prefill tokens were released.
+    pub prefill_released: bool,
+    /// Time from booking to the first tokens (with a clock reading, on the first call only).
+    pub ttft: Option<Duration>,
+    /// Time since the previous token event, over `itl_tokens` tokens (`None` on the first
+    /// call, without a clock reading, or without a previous timed event).
+    pub itl: Option<Duration>,
+    pub itl_tokens: u64,
+    /// Output blocks the tokens opened.
+    pub new_blocks: u64,
+}
+
 /// What a freed request had booked, as it was when freed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Freed {
@@ -511,6 +645,7 @@ pub struct Ledger {
     shards: [CachePadded<Mutex<HashMap<RequestId, Booking, PassThrough>>>; SHARDS],
     /// Spare key vectors, so that booking allocates nothing in steady state.
     spare: Mutex<Vec<Vec<u64>>>,
+    prompt_decay: PromptDecay,
     booked: AtomicU64,
     freed: AtomicU64,
     expired: AtomicU64,
@@ -525,6 +660,7 @@ impl Default for Ledger {
         Ledger {
             shards: std::array::from_fn(|_| CachePadded::new(Mutex::new(HashMap::default()))),
             spare: Mutex::new(Vec::new()),
+            prompt_decay: PromptDecay::default(),
             booked: AtomicU64::new(0),
             freed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
@@ -543,6 +679,14 @@ fn bump(c: &AtomicU64) {
 impl Ledger {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A ledger whose requests' unshared prompt blocks decay as `mode` says.
+    pub fn with_prompt_decay(mode: PromptDecay) -> Self {
+        Ledger {
+            prompt_decay: mode,
+            ..Self::default()
+        }
     }
 
     fn shard(&self, id: RequestId) -> &Mutex<HashMap<RequestId, Booking, PassThrough>> {
@@ -594,22 +738,30 @@ impl Ledger {
             }
             // Under the shard lock, so that a concurrent free of the same id cannot release
             // references before they are taken.
-            let new_blocks = lock(&state.refs).acquire(&keys);
             let l = &*state.load;
+            let slot = {
+                // The counter moves under the table's lock, so that its every value is the
+                // table's distinct keys plus the tails at some moment.
+                let mut refs = lock(&state.refs);
+                let (slot, new_blocks) = refs.acquire(keys);
+                l.prompt_blocks
+                    .fetch_add(new_blocks + tail_blocks, Ordering::Relaxed);
+                slot
+            };
             l.prefill_tokens
                 .fetch_add(prefill_tokens, Ordering::Relaxed);
-            l.prompt_blocks
-                .fetch_add(new_blocks + tail_blocks, Ordering::Relaxed);
             l.requests.fetch_add(1, Ordering::Relaxed);
             shard.insert(
                 request,
                 Booking {
                     state: Arc::clone(state),
                     prefill_tokens,
-                    prefix_keys: keys,
+                    slot,
                     tail_blocks,
                     output_blocks: 0,
+                    generated: 0,
                     output_decay: 0,
+                    prompt_decay: 0,
                     prompt_tokens,
                     cached_tokens,
                     block_size,
@@ -644,14 +796,19 @@ impl Ledger {
 
     fn undo(&self, b: Booking) -> Freed {
         let l = &*b.state.load;
-        let gone = lock(&b.state.refs).release(&b.prefix_keys);
+        let keys = {
+            let mut refs = lock(&b.state.refs);
+            let (keys, gone) = refs.release(b.slot);
+            l.prompt_blocks
+                .fetch_sub(gone + b.tail_blocks, Ordering::Relaxed);
+            keys
+        };
         l.prefill_tokens
             .fetch_sub(b.prefill_tokens, Ordering::Relaxed);
-        l.prompt_blocks
-            .fetch_sub(gone + b.tail_blocks, Ordering::Relaxed);
         l.output_blocks
             .fetch_sub(b.output_blocks, Ordering::Relaxed);
         l.output_decay.fetch_sub(b.output_decay, Ordering::Relaxed);
+        l.prompt_decay.fetch_sub(b.prompt_decay, Ordering::Relaxed);
         l.requests.fetch_sub(1, Ordering::Relaxed);
         let freed = Freed {
             rank: b.state.rank,
@@ -663,7 +820,7 @@ impl Ledger {
             age: b.booked_at.elapsed(),
             session: b.session,
         };
-        self.give_spare(b.prefix_keys);
+        self.give_spare(keys);
         freed
     }
 
@@ -731,14 +888,10 @@ impl Ledger {
         };
         b.output_blocks += 1;
         let k = b.output_blocks;
-        let l = &*b.state.load;
-        l.output_blocks.fetch_add(1, Ordering::Relaxed);
-        if let Some(expected) = b.expected_output_tokens {
-            let decay = output_decay(b.prompt_tokens, b.block_size, expected, k);
-            l.output_decay
-                .fetch_add(decay.saturating_sub(b.output_decay), Ordering::Relaxed);
-            b.output_decay = decay.max(b.output_decay);
-        }
+        b.state.load.output_blocks.fetch_add(1, Ordering::Relaxed);
+        let g_k = generated_at_block(b.prompt_tokens, b.block_size, k);
+        b.generated = b.generated.max(g_k);
+        self.decay(b, g_k);
         let (g, g_before) = (
             generated_at_block(b.prompt_tokens, b.block_size, k),
             generated_at_block(b.prompt_tokens, b.block_size, k - 1).max(1),
@@ -754,6 +907,101 @@ impl Ledger {
             elapsed,
             tokens: g.saturating_sub(g_before),
         })
+    }
+
+    /// `tokens` more output tokens arrived (at `now`, when the caller times it). Every output
+    /// token counts, the first included: the first call with tokens also completes the
+    /// prefill as [`Ledger::prefill_done`] does (and reports the TTFT); later calls report the
+    /// time since the previous token event over their tokens (the ITL). Output blocks follow
+    /// the count: the request holds `ceil((prompt + generated) / block size)` blocks, so a
+    /// call may open several or none, and decay is taken at the count when one opens.
+    /// Mixes with [`Ledger::output_block`], which counts at least the token opening its block.
+    pub fn tokens_generated(
+        &self,
+        request: RequestId,
+        tokens: u64,
+        now: Option<Instant>,
+    ) -> Result<Generated, LoadError> {
+        let mut shard = lock(self.shard(request));
+        let Some(b) = shard.get_mut(&request) else {
+            drop(shard);
+            return Err(self.unknown(request));
+        };
+        let mut out = Generated {
+            rank: b.state.rank,
+            dispatch: b.dispatch,
+            prefill_released: false,
+            ttft: None,
+            itl: None,
+            itl_tokens: 0,
+            new_blocks: 0,
+        };
+        if tokens == 0 {
+            return Ok(out);
+        }
+        if !std::mem::replace(&mut b.first_token_seen, true) {
+            let pending = std::mem::take(&mut b.prefill_tokens);
+            b.state
+                .load
+                .prefill_tokens
+                .fetch_sub(pending, Ordering::Relaxed);
+            out.prefill_released = true;
+            if let Some(now) = now {
+                b.last_token_at = Some(now);
+                out.ttft = Some(now.saturating_duration_since(b.booked_at));
+            }
+        } else if let Some(now) = now {
+            if let Some(prev) = b.last_token_at.replace(now) {
+                out.itl = Some(now.saturating_duration_since(prev));
+                out.itl_tokens = tokens;
+            }
+        }
+        b.generated = b.generated.saturating_add(tokens);
+        let bs = u64::from(b.block_size.max(1));
+        let held = (b.prompt_tokens.saturating_add(b.generated)).div_ceil(bs)
+            - b.prompt_tokens.div_ceil(bs);
+        if held > b.output_blocks {
+            out.new_blocks = held - b.output_blocks;
+            b.output_blocks = held;
+            b.state
+                .load
+                .output_blocks
+                .fetch_add(out.new_blocks, Ordering::Relaxed);
+            let g = b.generated;
+            self.decay(b, g);
+        }
+        Ok(out)
+    }
+
+    /// Re-weighs a request with an expected output length after `generated` output tokens:
+    /// its output blocks, and with [`PromptDecay::Unshared`] its prompt blocks no other
+    /// request on the rank holds, weigh what is left of its expected output.
+    fn decay(&self, b: &mut Booking, generated: u64) {
+        let Some(expected) = b.expected_output_tokens else {
+            return;
+        };
+        let l = &*b.state.load;
+        let left = remaining_fraction(generated, expected);
+        let out = decayed(b.output_blocks, left);
+        l.output_decay
+            .fetch_add(out.saturating_sub(b.output_decay), Ordering::Relaxed);
+        b.output_decay = out.max(b.output_decay);
+        if self.prompt_decay == PromptDecay::Unshared {
+            // Under the table's lock: the unshared count is read, and the decay moved, at
+            // one moment of the rank's prefix table.
+            let refs = lock(&b.state.refs);
+            let unshared = refs.unshared(b.slot) as u64 + b.tail_blocks;
+            let now = decayed(unshared, left);
+            if now >= b.prompt_decay {
+                l.prompt_decay
+                    .fetch_add(now - b.prompt_decay, Ordering::Relaxed);
+            } else {
+                l.prompt_decay
+                    .fetch_sub(b.prompt_decay - now, Ordering::Relaxed);
+            }
+            drop(refs);
+            b.prompt_decay = now;
+        }
     }
 
     /// The request ended: everything it booked is released.
@@ -830,7 +1078,7 @@ impl Ledger {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
@@ -1059,6 +1307,58 @@ mod tests {
         drop(held);
     }
 
+    /// The sorted-prompt table against per-key refcounts: random prompts over a small
+    /// alphabet (so that they share prefixes of every length, and some are equal) acquired
+    /// and released in random order give the same distinct count, shared prefix of any query
+    /// and unshared suffix of every held prompt as counting each key's holders.
+    #[test]
+    fn prefix_table_equals_per_key_refcounts() {
+        let mut x = 0x5eed_u64;
+        let mut next = |n: u64| {
+            x = mix64(x.wrapping_add(0x9e37_79b9_7f4a_7c15));
+            x % n
+        };
+        for _ in 0..200 {
+            let mut refs = PrefixRefs::default();
+            let mut held: Vec<(u32, Vec<u64>)> = Vec::new();
+            for _ in 0..40 {
+                if held.is_empty() || next(3) > 0 {
+                    let len = next(9) as usize;
+                    let locals: Vec<u64> = (0..len).map(|_| next(3)).collect();
+                    let k = keys(&locals);
+                    let (slot, new) = refs.acquire(k.clone());
+                    let before: std::collections::HashSet<u64> =
+                        held.iter().flat_map(|(_, k)| k.iter().copied()).collect();
+                    assert_eq!(new, k.iter().filter(|k| !before.contains(k)).count() as u64);
+                    held.push((slot, k));
+                } else {
+                    let i = next(held.len() as u64) as usize;
+                    let (slot, k) = held.swap_remove(i);
+                    let after: std::collections::HashSet<u64> =
+                        held.iter().flat_map(|(_, k)| k.iter().copied()).collect();
+                    let (back, gone) = refs.release(slot);
+                    assert_eq!(back, k);
+                    assert_eq!(gone, k.iter().filter(|k| !after.contains(k)).count() as u64);
+                }
+                let mut counts: HashMap<u64, usize> = HashMap::new();
+                for (_, k) in &held {
+                    for key in k {
+                        *counts.entry(*key).or_default() += 1;
+                    }
+                }
+                assert_eq!(refs.len(), counts.len());
+                for (slot, k) in &held {
+                    let unshared = k.iter().filter(|key| counts[key] == 1).count();
+                    assert_eq!(refs.unshared(*slot), unshared);
+                }
+                let q: Vec<u64> = (0..next(10)).map(|_| next(3)).collect();
+                let q = keys(&q);
+                let linear = q.iter().take_while(|k| counts.contains_key(k)).count();
+                assert_eq!(refs.shared_prefix(&q), linear);
+            }
+        }
+    }
+
     #[test]
     fn generated_tokens_at_each_block_boundary() {
         // A 40-token prompt fills 3 blocks of 16 (48 slots): output token 9 opens block 4.
@@ -1141,6 +1441,149 @@ mod tests {
         assert!(s.load().is_idle());
     }
 
+    /// With an expected output, a request's prompt blocks that no other request holds (and its
+    /// partial tail) weigh what is left of its output, as its output blocks do; blocks it
+    /// shares stay whole; the count follows sharing at each output block; a free undoes it.
+    #[test]
+    fn unshared_prompt_blocks_decay_and_shared_ones_do_not() {
+        let ledger = Ledger::with_prompt_decay(PromptDecay::Unshared);
+        let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+        let a = keys(&[1, 2, 3, 4]);
+        let b = keys(&[1, 2, 9]);
+        let now = Instant::now();
+        // Request 1: 4 full blocks and a tail (70 tokens), E = 100.
+        ledger
+            .book(BookingSpec {
+                tail_blocks: 1,
+                prompt_tokens: 70,
+                expected_output_tokens: Some(100),
+                ..spec(1, &s, 70, &a, now)
+            })
+            .unwrap();
+        ledger.book(spec(2, &s, 48, &b, now)).unwrap();
+        assert_eq!(s.load().prompt_blocks, 5 + 1);
+        // First output block of request 1 opens at output token 11 (80 slots): r = 0.89.
+        ledger.output_block(RequestId(1), None).unwrap();
+        let left = remaining_fraction(11, 100);
+        let l = s.load();
+        assert_eq!(
+            l.prompt_decay,
+            decayed(2 + 1, left),
+            "blocks 3, 4 and the tail"
+        );
+        assert!((l.weighted_prompt_blocks() - (6.0 - 3.0 * (1.0 - left))).abs() < 1e-4);
+        // Request 3 shares all of request 1's full blocks: at the next output block, only
+        // the tail is unshared.
+        ledger.book(spec(3, &s, 64, &a, now)).unwrap();
+        ledger.output_block(RequestId(1), None).unwrap();
+        assert_eq!(
+            s.load().prompt_decay,
+            decayed(1, remaining_fraction(27, 100))
+        );
+        // Request 3 leaves: at the next block, blocks 3 and 4 are its own again.
+        ledger.free(RequestId(3)).unwrap();
+        ledger.output_block(RequestId(1), None).unwrap();
+        assert_eq!(
+            s.load().prompt_decay,
+            decayed(3, remaining_fraction(43, 100))
+        );
+        // Request 2 (no expected output) never decays; freeing 1 takes its decay away.
+        ledger.output_block(RequestId(2), None).unwrap();
+        ledger.free(RequestId(1)).unwrap();
+        assert_eq!((s.load().prompt_decay, s.load().output_decay), (0, 0));
+        ledger.free(RequestId(2)).unwrap();
+        assert!(s.load().is_idle());
+    }
+
+    /// Tokens open blocks where the count crosses a boundary, however they are chunked, and
+    /// mix with `output_block`; the first tokens release the prefill and give the TTFT.
+    #[test]
+    fn tokens_generated_open_blocks_at_boundaries() {
+        let ledger = Ledger::new();
+        let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+        let k = keys(&[1, 2]);
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        // 40 prompt tokens in 3 blocks (48 slots): output token 9 opens the first block.
+        ledger.book(spec(1, &s, 40, &k, t0)).unwrap();
+        let first = ledger
+            .tokens_generated(RequestId(1), 8, Some(at(20)))
+            .unwrap();
+        assert!(first.prefill_released);
+        assert_eq!(
+            (first.ttft, first.itl, first.new_blocks),
+            (Some(Duration::from_millis(20)), None, 0)
+        );
+        assert_eq!(s.load().prefill_tokens, 0);
+        let next = ledger
+            .tokens_generated(RequestId(1), 1, Some(at(30)))
+            .unwrap();
+        assert_eq!(
+            (next.ttft, next.itl, next.itl_tokens, next.new_blocks),
+            (None, Some(Duration::from_millis(10)), 1, 1)
+        );
+        // 9 + 40 = 49 tokens: blocks open at 9, 25 and 41.
+        assert_eq!(
+            ledger
+                .tokens_generated(RequestId(1), 40, None)
+                .unwrap()
+                .new_blocks,
+            2
+        );
+        assert_eq!(s.load().output_blocks, 3);
+        // An output block call counts on from there; tokens then continue past it.
+        ledger.output_block(RequestId(1), None).unwrap();
+        assert_eq!(s.load().output_blocks, 4);
+        assert_eq!(
+            ledger
+                .tokens_generated(RequestId(1), 8, None)
+                .unwrap()
+                .new_blocks,
+            0,
+            "57 + 8 = 65 < 73"
+        );
+        assert_eq!(
+            ledger
+                .tokens_generated(RequestId(1), 8, None)
+                .unwrap()
+                .new_blocks,
+            1
+        );
+        assert_eq!(
+            ledger
+                .tokens_generated(RequestId(1), 0, None)
+                .unwrap()
+                .new_blocks,
+            0
+        );
+        assert_eq!(ledger.free(RequestId(1)).unwrap().output_blocks, 5);
+        assert!(s.load().is_idle());
+        assert_eq!(
+            ledger.tokens_generated(RequestId(1), 1, None),
+            Err(LoadError::UnknownRequest {
+                request: RequestId(1)
+            })
+        );
+    }
+
+    #[test]
+    fn prompt_decay_off_decays_only_output_blocks() {
+        let ledger = Ledger::with_prompt_decay(PromptDecay::Off);
+        let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+        let a = keys(&[1, 2, 3]);
+        ledger
+            .book(BookingSpec {
+                expected_output_tokens: Some(10),
+                ..spec(1, &s, 48, &a, Instant::now())
+            })
+            .unwrap();
+        ledger.output_block(RequestId(1), None).unwrap();
+        assert_eq!(s.load().prompt_decay, 0);
+        assert!(s.load().output_decay > 0);
+        ledger.free(RequestId(1)).unwrap();
+        assert!(s.load().is_idle());
+    }
+
     #[test]
     fn the_timeline_reports_ttft_block_intervals_and_dispatch() {
         let ledger = Ledger::new();
@@ -1191,5 +1634,149 @@ mod tests {
             ),
             (40, 16, 2, Dispatch::Reached)
         );
+    }
+}
+
+/// Loom models of the lifecycle races: the real ledger and counters, on loom's atomics and
+/// mutexes (`crate::sync`). Run with
+/// `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p kvroute-core --lib loom`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc as LoomArc;
+
+    /// Loom's exhaustive search, bounded to two preemptions per execution (enough for the
+    /// races below, each of which needs one thread to stop between two steps of another),
+    /// so each model finishes in seconds.
+    fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(2);
+        builder.check(f);
+    }
+
+    fn keys(locals: &[u64]) -> Vec<u64> {
+        let l: Vec<LocalHash> = locals.iter().map(|&x| LocalHash(x)).collect();
+        let mut out = Vec::new();
+        prefix_keys_into(&l, &mut out);
+        out
+    }
+
+    fn book(
+        ledger: &Ledger,
+        state: &Arc<RankState>,
+        id: u64,
+        keys: &[u64],
+    ) -> Result<(), LoadError> {
+        ledger.book(BookingSpec {
+            request: RequestId(id),
+            state,
+            prefill_tokens: 16 * keys.len() as u64 + 3,
+            prefix_keys: keys,
+            tail_blocks: 1,
+            prompt_tokens: 16 * keys.len() as u64 + 3,
+            cached_tokens: 0,
+            block_size: 16,
+            expected_output_tokens: Some(40),
+            session: None,
+            now: Instant::now(),
+        })
+    }
+
+    /// Nothing is left on the rank: every counter and every prefix reference is back to zero.
+    fn assert_idle(state: &RankState) {
+        assert_eq!(state.load(), LoadView::default());
+        assert_eq!(state.distinct_prefix_blocks(), 0);
+    }
+
+    /// A free by id, a guard's drop (which frees by the same id) and an expiry sweep race for
+    /// one request with output blocks: exactly one of them frees it, the others are told it
+    /// is unknown, and the rank's load returns to exactly zero.
+    #[test]
+    fn loom_free_by_id_guard_drop_and_expiry_free_exactly_once() {
+        model(|| {
+            let ledger = LoomArc::new(Ledger::new());
+            let state = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+            let k = keys(&[1, 2]);
+            book(&ledger, &state, 7, &k).unwrap();
+            ledger.output_block(RequestId(7), None).unwrap();
+            let by_id = {
+                let ledger = LoomArc::clone(&ledger);
+                loom::thread::spawn(move || ledger.free(RequestId(7)).is_ok())
+            };
+            let expiry = {
+                let ledger = LoomArc::clone(&ledger);
+                loom::thread::spawn(move || ledger.expire(Instant::now(), Duration::ZERO))
+            };
+            // The guard's drop: `RequestGuard` frees its request by id through the router.
+            let guard = ledger.free(RequestId(7)).is_ok();
+            let by_id = by_id.join().unwrap();
+            let expired = expiry.join().unwrap();
+            assert_eq!(usize::from(by_id) + usize::from(guard) + expired, 1);
+            assert_idle(&state);
+            let c = ledger.counts();
+            assert_eq!(c.freed + c.expired, 1);
+            assert_eq!(c.unknown_requests, 2 - c.freed);
+            assert_eq!(ledger.active(), 0);
+        });
+    }
+
+    /// Two requests sharing a prefix are booked, advanced and freed on one rank at once: the
+    /// shared blocks are counted once while both hold them (the prompt-block counter moves
+    /// with the rank's prefix table, so no reading ever counts a freed request's blocks
+    /// beside a new booking's copy of them), and the counters end at zero.
+    #[test]
+    fn loom_concurrent_book_and_free_on_one_rank_leave_the_counters_at_zero() {
+        model(|| {
+            let ledger = LoomArc::new(Ledger::new());
+            let state = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+            let other = {
+                let ledger = LoomArc::clone(&ledger);
+                let state = Arc::clone(&state);
+                loom::thread::spawn(move || {
+                    let k = keys(&[1, 2, 4]);
+                    book(&ledger, &state, 2, &k).unwrap();
+                    ledger.prefill_done(RequestId(2), None).unwrap();
+                    ledger.free(RequestId(2)).unwrap();
+                })
+            };
+            let k = keys(&[1, 2, 3]);
+            book(&ledger, &state, 1, &k).unwrap();
+            ledger.output_block(RequestId(1), None).unwrap();
+            let held = state.load().prompt_blocks;
+            assert!(
+                (4..=6).contains(&held),
+                "own 3 blocks and tail, at most 2 more: {held}"
+            );
+            ledger.free(RequestId(1)).unwrap();
+            other.join().unwrap();
+            assert_idle(&state);
+            assert_eq!(ledger.counts().freed, 2);
+        });
+    }
+
+    /// A booking races its worker leaving (retire, then purge): whichever removes the
+    /// booking undoes it, once.
+    #[test]
+    fn loom_booking_racing_a_leaving_worker_is_undone_once() {
+        model(|| {
+            let ledger = LoomArc::new(Ledger::new());
+            let state = Arc::new(RankState::new(WorkerRank::new(3, 0)));
+            let booker = {
+                let ledger = LoomArc::clone(&ledger);
+                let state = Arc::clone(&state);
+                loom::thread::spawn(move || book(&ledger, &state, 1, &keys(&[5])).is_ok())
+            };
+            state.retire();
+            let purged = ledger.purge_worker(WorkerId(3));
+            let booked = booker.join().unwrap();
+            let c = ledger.counts();
+            assert_eq!(c.purged + c.retired_races, 1);
+            assert_eq!(purged as u64, c.purged);
+            if booked {
+                assert_eq!(purged, 1, "a booking that saw no retirement is purged");
+            }
+            assert_idle(&state);
+            assert_eq!(ledger.active(), 0);
+        });
     }
 }

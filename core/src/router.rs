@@ -70,8 +70,8 @@ use crate::health::Health;
 use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex, RankScore};
 pub use crate::load::Dispatch;
 use crate::load::{
-    prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Ledger, LedgerCounts, LoadError,
-    LoadView, RankState, RequestId, Step,
+    prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Generated, Ledger, LedgerCounts,
+    LoadError, LoadView, RankState, RequestId, Step,
 };
 use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
 use crate::registry::{
@@ -450,6 +450,19 @@ fn record(h: &mut Histogram<u64>, v: u64) {
     }
 }
 
+/// Records `v` `n` times, growing the histogram as [`record`] does.
+fn record_n(h: &mut Histogram<u64>, v: u64, n: u64) {
+    if h.record_n(v, n).is_err() {
+        h.saturating_record_n(v, n);
+    }
+}
+
+/// `elapsed` over `per` units, in µs, rounded.
+fn us_per(elapsed: std::time::Duration, per: u64) -> u64 {
+    let per_ns = u128::from(per.max(1)) * 1000;
+    u64::try_from((elapsed.as_nanos() + per_ns / 2) / per_ns).unwrap_or(u64::MAX)
+}
+
 /// A histogram of 3 significant digits sized for values up to `high` (recording within it
 /// never allocates) that still grows past it.
 fn histogram_upto(high: u64) -> Histogram<u64> {
@@ -782,7 +795,7 @@ impl Router {
         let reader = index.reader();
         Ok(Router {
             registry: Registry::new(config.block_size, config.min_workers),
-            ledger: Ledger::new(),
+            ledger: Ledger::with_prompt_decay(config.prompt_decay),
             index: Mutex::new(index),
             reader,
             selector: selector_for(config.policy),
@@ -1048,6 +1061,7 @@ impl Router {
                 prompt_blocks: a.prompt_blocks + l.prompt_blocks,
                 output_blocks: a.output_blocks + l.output_blocks,
                 output_decay: a.output_decay + l.output_decay,
+                prompt_decay: a.prompt_decay + l.prompt_decay,
                 requests: a.requests + l.requests,
             }
         })
@@ -1133,6 +1147,35 @@ impl Router {
         Ok(step.rank)
     }
 
+    /// `tokens` more output tokens of the request arrived (the first included): output blocks
+    /// advance from the count, the first call completes the prefill and records the TTFT,
+    /// later calls record the ITL once per token (the time since the previous call over its
+    /// tokens; the other tokens of the first call have no interval of their own). Use either
+    /// this or [`Router::output_block`] per request; they mix, but the latter samples the ITL
+    /// only at block boundaries.
+    pub fn tokens_generated(
+        &self,
+        request: RequestId,
+        tokens: u64,
+    ) -> Result<WorkerRank, LoadError> {
+        let g: Generated = self
+            .ledger
+            .tokens_generated(request, tokens, self.metrics_now())?;
+        if let (Some(m), Dispatch::Reached) = (&self.metrics, g.dispatch) {
+            let mut m = m.shard(request);
+            if let Some(t) = g.ttft {
+                record(&mut m.ttft_us, us_per(t, 1));
+            }
+            if let Some(t) = g.itl {
+                record_n(&mut m.itl_us, us_per(t, g.itl_tokens), g.itl_tokens);
+            }
+        }
+        if g.prefill_released {
+            self.load_freed();
+        }
+        Ok(g.rank)
+    }
+
     /// Records a step's elapsed time over `per` units, in µs (rounded), when metrics are on
     /// and the request reached its worker.
     fn record_step(
@@ -1145,12 +1188,7 @@ impl Router {
         if let (Some(m), Some(elapsed), Dispatch::Reached) =
             (&self.metrics, step.elapsed, step.dispatch)
         {
-            let per_ns = u128::from(per.max(1)) * 1000;
-            let us = (elapsed.as_nanos() + per_ns / 2) / per_ns;
-            record(
-                histogram(&mut m.shard(request)),
-                u64::try_from(us).unwrap_or(u64::MAX),
-            );
+            record(histogram(&mut m.shard(request)), us_per(elapsed, per));
         }
     }
 
@@ -2562,6 +2600,11 @@ impl<R: Deref<Target = Router>> RequestGuard<R> {
         self.router.output_block(self.request)
     }
 
+    /// `tokens` more output tokens arrived ([`Router::tokens_generated`]).
+    pub fn tokens_generated(&self, tokens: u64) -> Result<WorkerRank, LoadError> {
+        self.router.tokens_generated(self.request, tokens)
+    }
+
     /// Frees now and reports what was freed.
     pub fn finish(mut self) -> Result<Freed, LoadError> {
         self.release()
@@ -3186,9 +3229,115 @@ mod tests {
         q.hints.mode = Mode::QueryOnly;
         let d = r.route(&q).unwrap();
         assert_eq!(d.worker, WorkerRank::new(1, 0));
-        assert!((d.cost.decode_cost - (4.0 + expect + 4.0)).abs() < 1e-4);
+        // Its 4 prompt blocks, unshared, weigh what is left of its output too.
+        let prompt = 4.0 * (1.0 - 49.0 / 100.0);
+        assert!((l1.weighted_prompt_blocks() - prompt).abs() < 1e-4);
+        assert!((d.cost.decode_cost - (prompt + expect + 4.0)).abs() < 1e-4);
         r.free(RequestId(1)).unwrap();
         r.free(RequestId(2)).unwrap();
+        assert!(r.total_load().is_idle());
+    }
+
+    /// Output blocks follow token counts: one token at a time they open where
+    /// `output_block` would, with the same load and decay; the first call completes the
+    /// prefill and records the TTFT, later ones the ITL per token; by guard and by id.
+    #[test]
+    fn tokens_generated_advances_blocks_and_records_itl_per_token() {
+        let config = RouterConfig {
+            metrics: Metrics::On,
+            ..RouterConfig::default()
+        };
+        let by_tokens = router(config.clone());
+        let by_blocks = router(config);
+        for r in [&by_tokens, &by_blocks] {
+            r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        }
+        let t: Vec<u32> = (0..64).map(|i| i + 70_000).collect();
+        let mut q = req(1, &t);
+        q.hints.expected_output_tokens = Some(100);
+        by_tokens.route(&q).unwrap();
+        by_blocks.route(&q).unwrap();
+        let rank = WorkerRank::new(1, 0);
+        let mut g = RequestGuard::new(&by_tokens, RequestId(1));
+        g.mark_dispatched().unwrap();
+        assert_eq!(g.tokens_generated(0), Ok(rank), "no tokens, no change");
+        assert_eq!(by_tokens.load(rank).unwrap().prefill_tokens, 64);
+        by_blocks.prefill_done(RequestId(1)).unwrap();
+        for generated in 1..=40u64 {
+            g.tokens_generated(1).unwrap();
+            if generated == 1 {
+                assert_eq!(by_tokens.load(rank).unwrap().prefill_tokens, 0);
+            }
+            // A 64-token prompt fills 4 blocks: tokens 1, 17 and 33 open blocks.
+            if generated % 16 == 1 {
+                by_blocks.output_block(RequestId(1)).unwrap();
+            }
+            assert_eq!(by_tokens.load(rank), by_blocks.load(rank), "{generated}");
+        }
+        let l = by_tokens.load(rank).unwrap();
+        assert_eq!(l.output_blocks, 3);
+        assert_eq!(l.output_decay, crate::load::output_decay(64, BS, 100, 3));
+        let m = by_tokens.request_metrics().unwrap();
+        assert_eq!((m.ttft_us.len(), m.itl_us.len()), (1, 39));
+        g.finish().unwrap();
+
+        // By id, in chunks: 40 tokens at once open 3 blocks, weighed at 40 generated.
+        let mut q = req(2, &t);
+        q.hints.expected_output_tokens = Some(100);
+        by_tokens.route(&q).unwrap();
+        by_tokens.mark_dispatched(RequestId(2)).unwrap();
+        by_tokens.tokens_generated(RequestId(2), 40).unwrap();
+        let l = by_tokens.load(rank).unwrap();
+        assert_eq!(l.output_blocks, 3);
+        assert_eq!(
+            l.output_decay,
+            crate::load::decayed(3, crate::load::remaining_fraction(40, 100))
+        );
+        by_tokens.tokens_generated(RequestId(2), 8).unwrap();
+        assert_eq!(
+            by_tokens.load(rank).unwrap().output_blocks,
+            3,
+            "48: still 3"
+        );
+        by_tokens.tokens_generated(RequestId(2), 1).unwrap();
+        assert_eq!(
+            by_tokens.load(rank).unwrap().output_blocks,
+            4,
+            "49 opens a 4th"
+        );
+        let m = by_tokens.request_metrics().unwrap();
+        assert_eq!((m.ttft_us.len(), m.itl_us.len()), (2, 39 + 9));
+        by_tokens.free(RequestId(2)).unwrap();
+        assert_eq!(
+            by_tokens.tokens_generated(RequestId(2), 1),
+            Err(LoadError::UnknownRequest {
+                request: RequestId(2)
+            })
+        );
+        by_blocks.free(RequestId(1)).unwrap();
+        assert!(by_tokens.total_load().is_idle());
+        assert_eq!(by_tokens.request_metrics().unwrap().osl_blocks.max(), 4);
+    }
+
+    /// `PromptDecay::Off` keeps prompt blocks whole; only the output decays.
+    #[test]
+    fn prompt_decay_off_keeps_prompt_blocks_whole() {
+        let r = router(RouterConfig {
+            prompt_decay: crate::config::PromptDecay::Off,
+            ..RouterConfig::default()
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let a: Vec<u32> = (0..64).map(|i| i + 70_000).collect();
+        let mut q = req(1, &a);
+        q.hints.expected_output_tokens = Some(100);
+        r.route(&q).unwrap();
+        for _ in 0..4 {
+            r.output_block(RequestId(1)).unwrap();
+        }
+        let l = r.load(WorkerRank::new(1, 0)).unwrap();
+        assert_eq!((l.prompt_decay, l.weighted_prompt_blocks()), (0, 4.0));
+        assert!(l.output_decay > 0);
+        r.free(RequestId(1)).unwrap();
         assert!(r.total_load().is_idle());
     }
 

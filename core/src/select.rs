@@ -276,7 +276,14 @@ impl CostTerms {
         } else {
             load.weighted_output_blocks()
         };
-        count_f64(load.prompt_blocks + own) + output
+        let prompt = count_f64(load.prompt_blocks + own);
+        let prompt = if load.prompt_decay == 0 {
+            prompt
+        } else {
+            (prompt - load.prompt_decay as f64 / crate::load::DECAY_SCALE as f64)
+                .max(count_f64(own))
+        };
+        prompt + output
     }
 }
 
@@ -883,6 +890,7 @@ mod tests {
                     } else {
                         rng.below(output_blocks * crate::load::DECAY_SCALE + 1)
                     },
+                    prompt_decay: 0,
                     requests: rng.below(40),
                 };
                 let per_tier = std::array::from_fn(|_| rng.below(400) as u32);

@@ -1,6 +1,7 @@
 //! The router's lifecycle against a naive model: random interleavings of route (with and
-//! without an expected output length), dispatch, prefill done, output block, free, guard drop,
-//! worker leave and expiry keep the load counters (output decay included) equal to what the
+//! without an expected output length), dispatch, prefill done, output block, tokens
+//! generated, free, guard drop,
+//! worker leave and expiry keep the load counters (output and unshared-prompt decay included) equal to what the
 //! active requests hold, return them to exactly zero, never free anything twice, and record
 //! request metrics for exactly the dispatched requests that end by a free. Plus routes from
 //! several threads at once, with a worker leaving and rejoining underneath.
@@ -10,7 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::config::{Metrics, RouterConfig};
-use kvroute_core::load::{output_decay, LoadError, LoadView, RequestId};
+use kvroute_core::load::{
+    decayed, generated_at_block, output_decay, remaining_fraction, LoadError, LoadView, RequestId,
+};
 use kvroute_core::registry::WorkerConfig;
 use kvroute_core::router::{RequestGuard, RouteError, RouteHints, RouteRequest, Router};
 use kvroute_core::{IndexConfig, PrefixIndex, WorkerId, WorkerRank};
@@ -52,6 +55,7 @@ enum Op {
     Dispatch(u64),
     PrefillDone(u64),
     OutputBlock(u64),
+    Tokens(u64, u64),
     Free(u64),
     GuardDrop(u64),
     Leave(u64),
@@ -65,6 +69,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..12u64).prop_map(Op::Dispatch),
         2 => (0..12u64).prop_map(Op::PrefillDone),
         2 => (0..12u64).prop_map(Op::OutputBlock),
+        2 => (0..12u64, 0..40u64).prop_map(|(id, n)| Op::Tokens(id, n)),
         2 => (0..12u64).prop_map(Op::Free),
         2 => (0..12u64).prop_map(Op::GuardDrop),
         1 => (0..WORKERS).prop_map(Op::Leave),
@@ -80,6 +85,30 @@ struct Active {
     output: u64,
     expected: Option<u32>,
     dispatched: bool,
+    /// Output tokens counted (at least the one opening the latest output block).
+    generated: u64,
+    /// Output decay as of its latest output block.
+    output_decay: u64,
+    /// Prompt decay as of its last output block: its prompt blocks no other request on the
+    /// rank held then (and its tail), weighted by what was left of its expected output.
+    prompt_decay: u64,
+}
+
+/// The decay of request `id`'s unshared prompt blocks after its latest output block.
+fn prompt_decay(model: &HashMap<u64, Active>, id: u64) -> u64 {
+    let a = &model[&id];
+    let Some(e) = a.expected else { return 0 };
+    let full = a.tokens.len() / BS;
+    let shared = (1..=full)
+        .filter(|&j| {
+            let p = &a.tokens[..j * BS];
+            model
+                .iter()
+                .any(|(o, b)| *o != id && b.rank == a.rank && b.tokens.starts_with(p))
+        })
+        .count();
+    let unshared = (full - shared) as u64 + u64::from(a.tokens.len() % BS != 0);
+    decayed(unshared, remaining_fraction(a.generated, e))
 }
 
 /// What every rank should show: summed from the active requests, prompt blocks deduplicated
@@ -95,9 +124,8 @@ fn expected(model: &HashMap<u64, Active>, rank: WorkerRank) -> LoadView {
         v.prompt_blocks += u64::from(a.tokens.len() % BS != 0);
         v.prefill_tokens += a.prefill;
         v.output_blocks += a.output;
-        if let Some(e) = a.expected {
-            v.output_decay += output_decay(a.tokens.len() as u64, BS as u32, e, a.output);
-        }
+        v.output_decay += a.output_decay;
+        v.prompt_decay += a.prompt_decay;
         v.requests += 1;
     }
     v.prompt_blocks += prefixes.len() as u64;
@@ -131,7 +159,7 @@ proptest! {
                         Ok(d) => {
                             prop_assert!(!model.contains_key(&id));
                             let prefill = tokens.len() as u64 - d.overlap.cached_tokens;
-                            let a = Active { rank: d.worker, tokens, prefill, output: 0, expected, dispatched: false };
+                            let a = Active { rank: d.worker, tokens, prefill, output: 0, expected, dispatched: false, generated: 0, output_decay: 0, prompt_decay: 0 };
                             model.insert(id, a);
                         }
                         Err(RouteError::NoTokens { .. }) => prop_assert!(tokens.is_empty()),
@@ -151,7 +179,40 @@ proptest! {
                 }
                 Op::OutputBlock(id) => {
                     prop_assert_eq!(r.output_block(RequestId(id)).is_ok(), model.contains_key(&id));
-                    if let Some(a) = model.get_mut(&id) { a.output += 1; }
+                    if let Some(a) = model.get_mut(&id) {
+                        a.output += 1;
+                        let g_k = generated_at_block(a.tokens.len() as u64, BS as u32, a.output);
+                        a.generated = a.generated.max(g_k);
+                        if let Some(e) = a.expected {
+                            a.output_decay = a.output_decay.max(output_decay(a.tokens.len() as u64, BS as u32, e, a.output));
+                        }
+                        // The ledger weighs the prompt at the block's opening token.
+                        let g = a.generated;
+                        a.generated = g_k;
+                        let d = prompt_decay(&model, id);
+                        let a = model.get_mut(&id).unwrap();
+                        a.generated = g;
+                        a.prompt_decay = d;
+                    }
+                }
+                Op::Tokens(id, n) => {
+                    prop_assert_eq!(r.tokens_generated(RequestId(id), n).is_ok(), model.contains_key(&id));
+                    if let Some(a) = model.get_mut(&id) {
+                        if n > 0 {
+                            a.prefill = 0;
+                            a.generated += n;
+                            let len = a.tokens.len() as u64;
+                            let held = (len + a.generated).div_ceil(BS as u64) - len.div_ceil(BS as u64);
+                            if held > a.output {
+                                a.output = held;
+                                if let Some(e) = a.expected {
+                                    a.output_decay = a.output_decay.max(decayed(held, remaining_fraction(a.generated, e)));
+                                }
+                                let d = prompt_decay(&model, id);
+                                model.get_mut(&id).unwrap().prompt_decay = d;
+                            }
+                        }
+                    }
                 }
                 Op::Free(id) => {
                     let a = model.remove(&id);
