@@ -41,9 +41,9 @@ use kvroute_core::{IndexReader, PrefixIndex};
 use tokio::sync::{mpsc, watch};
 
 use crate::apply::{BatchApplier, BatchOutcome};
-use crate::backend::{self, Backend, BackendChoice, BackendError};
+use crate::backend::{Backend, BackendChoice, BackendError};
 use crate::frame::{DecodeStats, Frame, FrameDecoder, FrameError, MAX_PAYLOAD};
-use crate::net::{self, ConnEvent, Listener, Stream};
+use crate::net::{self, ConnEvent, Stream};
 use crate::wire::{MessageKind, MessageRef};
 
 /// Settings of an [`IngestServer`].
@@ -420,50 +420,38 @@ fn run_thread(cfg: ThreadConfig) {
         listener,
         queue,
         shared,
-        mut stop,
+        stop,
         ready,
         max_payload,
         read_chunk,
         grace,
     } = cfg;
-    let ready_on_error = ready.clone();
-    let ran = backend::block_on(backend, async move {
-        let listener = match Listener::from_std(backend, listener) {
-            Ok(l) => l,
-            Err(source) => {
-                let _ = ready.send(Err(BackendError::Runtime { backend, source }));
-                return;
-            }
-        };
-        // The receiver is gone only if `start` gave up on another thread.
-        let _ = ready.send(Ok(()));
-        let ctx = Rc::new(ConnContext {
-            queue,
-            shared: Arc::clone(&shared),
-            pool: RefCell::new(Vec::new()),
-            max_payload,
-            read_chunk,
-        });
-        let counts = Arc::clone(&shared);
-        net::serve_until_stopped(
-            listener,
-            &mut stop,
-            grace,
-            "ingest",
-            |event| {
-                counts.with_conns(|s| match event {
-                    ConnEvent::Accepted => s.connections.accepted += 1,
-                    ConnEvent::AcceptFailed => s.connections.accept_errors += 1,
-                    ConnEvent::CutAtShutdown(n) => s.connections.cut_at_shutdown += n,
-                })
-            },
-            move |stream, peer| serve(stream, peer, Rc::clone(&ctx)),
-        )
-        .await;
+    let ctx = Rc::new(ConnContext {
+        queue,
+        shared: Arc::clone(&shared),
+        pool: RefCell::new(Vec::new()),
+        max_payload,
+        read_chunk,
     });
-    if let Err(e) = ran {
-        let _ = ready_on_error.send(Err(e));
-    }
+    let thread = net::ServerThread {
+        backend,
+        listener,
+        ready,
+        stop,
+        grace,
+        server: "ingest",
+    };
+    net::run_server_thread(
+        thread,
+        |event| {
+            shared.with_conns(|s| match event {
+                ConnEvent::Accepted => s.connections.accepted += 1,
+                ConnEvent::AcceptFailed => s.connections.accept_errors += 1,
+                ConnEvent::CutAtShutdown(n) => s.connections.cut_at_shutdown += n,
+            })
+        },
+        move |stream, peer| serve(stream, peer, Rc::clone(&ctx)),
+    );
 }
 
 /// How a connection ended.

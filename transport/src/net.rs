@@ -13,6 +13,7 @@ use std::io;
 use std::net::SocketAddr;
 #[cfg(target_os = "linux")]
 use std::rc::Rc;
+use std::sync::mpsc as std_mpsc;
 
 use bytes::BytesMut;
 use socket2::{Domain, Protocol, Socket, Type};
@@ -23,7 +24,7 @@ use tokio::sync::watch;
 #[cfg(target_os = "linux")]
 use tokio_uring::buf::BoundedBuf;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendError};
 
 /// Backlog of every listener.
 const BACKLOG: i32 = 1024;
@@ -35,6 +36,54 @@ pub(crate) enum ConnEvent {
     AcceptFailed,
     /// Connections still open when the shutdown grace ran out, and cut.
     CutAtShutdown(u64),
+}
+
+/// What one server thread needs besides its connection handler.
+pub(crate) struct ServerThread {
+    pub backend: Backend,
+    pub listener: std::net::TcpListener,
+    /// Told once the runtime and the listener are up, or why they are not.
+    pub ready: std_mpsc::Sender<Result<(), BackendError>>,
+    pub stop: watch::Receiver<bool>,
+    pub grace: Duration,
+    /// Names the server in logs.
+    pub server: &'static str,
+}
+
+/// Runs one server thread to its end: builds the backend's runtime on this thread, turns the
+/// listener into the backend's, reports readiness, then [`serve_until_stopped`].
+pub(crate) fn run_server_thread<F, Fut>(
+    thread: ServerThread,
+    count: impl FnMut(ConnEvent),
+    serve: F,
+) where
+    F: FnMut(Stream, SocketAddr) -> Fut,
+    Fut: Future<Output = ()> + 'static,
+{
+    let ServerThread {
+        backend,
+        listener,
+        ready,
+        mut stop,
+        grace,
+        server,
+    } = thread;
+    let ready_on_error = ready.clone();
+    let ran = crate::backend::block_on(backend, async move {
+        let listener = match Listener::from_std(backend, listener) {
+            Ok(l) => l,
+            Err(source) => {
+                let _ = ready.send(Err(BackendError::Runtime { backend, source }));
+                return;
+            }
+        };
+        // The receiver is gone only if `start` gave up on another thread.
+        let _ = ready.send(Ok(()));
+        serve_until_stopped(listener, &mut stop, grace, server, count, serve).await;
+    });
+    if let Err(e) = ran {
+        let _ = ready_on_error.send(Err(e));
+    }
 }
 
 /// Accepts connections and serves each on a task of its own on this thread until `stop`

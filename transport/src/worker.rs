@@ -41,10 +41,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
-use crate::backend::{self, Backend, BackendChoice, BackendError};
+use crate::backend::{Backend, BackendChoice, BackendError};
 use crate::conn::{FlushError, FrameReader, FrameWriter, ReadEnd};
 use crate::frame::{DecodeStats, FrameError, MAX_PAYLOAD};
-use crate::net::{self, ConnEvent, Listener, Stream};
+use crate::net::{self, ConnEvent, Stream};
 use crate::wire::{
     Dispatch, FinishReason, Heartbeat, Hello, Message, MessageRef, RankLoad, ResponseItem,
 };
@@ -499,47 +499,35 @@ fn run_thread<E: Engine>(start: ThreadStart<E>) {
         engine,
         settings,
         shared,
-        mut stop,
+        stop,
         ready,
     } = start;
-    let ready_on_error = ready.clone();
-    let ran = backend::block_on(backend, async move {
-        let listener = match Listener::from_std(backend, listener) {
-            Ok(l) => l,
-            Err(source) => {
-                let _ = ready.send(Err(BackendError::Runtime { backend, source }));
-                return;
-            }
-        };
-        // The receiver is gone only if `start` gave up on another thread.
-        let _ = ready.send(Ok(()));
-        let grace = settings.grace;
-        let ctx = Rc::new(ThreadCtx {
-            engine,
-            settings,
-            shared: Arc::clone(&shared),
-            stop: stop.clone(),
-        });
-        let counts = Arc::clone(&shared);
-        net::serve_until_stopped(
-            listener,
-            &mut stop,
-            grace,
-            "worker",
-            |event| {
-                counts.with(|s| match event {
-                    ConnEvent::Accepted => s.connections.accepted += 1,
-                    ConnEvent::AcceptFailed => s.connections.accept_errors += 1,
-                    ConnEvent::CutAtShutdown(n) => s.connections.cut_at_shutdown += n,
-                })
-            },
-            move |stream, peer| serve(stream, peer, Rc::clone(&ctx)),
-        )
-        .await;
+    let grace = settings.grace;
+    let ctx = Rc::new(ThreadCtx {
+        engine,
+        settings,
+        shared: Arc::clone(&shared),
+        stop: stop.clone(),
     });
-    if let Err(e) = ran {
-        let _ = ready_on_error.send(Err(e));
-    }
+    let thread = net::ServerThread {
+        backend,
+        listener,
+        ready,
+        stop,
+        grace,
+        server: "worker",
+    };
+    net::run_server_thread(
+        thread,
+        |event| {
+            shared.with(|s| match event {
+                ConnEvent::Accepted => s.connections.accepted += 1,
+                ConnEvent::AcceptFailed => s.connections.accept_errors += 1,
+                ConnEvent::CutAtShutdown(n) => s.connections.cut_at_shutdown += n,
+            })
+        },
+        move |stream, peer| serve(stream, peer, Rc::clone(&ctx)),
+    );
 }
 
 /// A request being served.
