@@ -738,6 +738,33 @@ struct Scratch {
     preferred: Vec<(u64, f64)>,
     /// The pool's hits, clipped, sorted and merged into disjoint `[start, end)` ranges.
     pool: Vec<(u32, u32)>,
+    /// By the index's rank id: the rank's fleet index as last seen (`u32::MAX`: not yet).
+    by_index_id: Vec<u32>,
+}
+
+/// The fleet index of `rank`, whose index id is `id`, through the thread's cache of id to
+/// fleet index. A cached entry is used only when the fleet's rank there is `rank`: ids are
+/// reused after a rank leaves, fleet indices shift on every join and leave, and the cache
+/// serves every router on the thread.
+#[inline]
+fn fleet_index_of(
+    fleet: &Fleet,
+    by_index_id: &mut Vec<u32>,
+    id: u32,
+    rank: WorkerRank,
+) -> Option<usize> {
+    let id = id as usize;
+    if let Some(&i) = by_index_id.get(id) {
+        if fleet.ranks.get(i as usize).is_some_and(|r| r.rank == rank) {
+            return Some(i as usize);
+        }
+    }
+    let i = fleet.rank_index(rank)?;
+    if id >= by_index_id.len() {
+        by_index_id.resize(id + 1, u32::MAX);
+    }
+    by_index_id[id] = i as u32;
+    Some(i)
 }
 
 thread_local! {
@@ -1310,8 +1337,8 @@ impl Router {
         s.slot.resize(fleet.ranks.len(), 0);
         s.matched.clear();
         s.matched.push((0.0, 0));
-        for score in &s.scores.scores {
-            if let Some(i) = fleet.rank_index(score.rank) {
+        for (score, &id) in s.scores.scores.iter().zip(s.scores.rank_ids()) {
+            if let Some(i) = fleet_index_of(&fleet, &mut s.by_index_id, id, score.rank) {
                 s.slot[i] = s.matched.len() as u32;
             }
             // Pushed even for a rank unknown to the fleet, so that slot - 1 indexes the scores.
@@ -2701,6 +2728,69 @@ mod tests {
         assert_eq!(of(w2).cached_tokens, 12);
         assert_eq!(d.worker, w1, "the better cached worker wins at equal load");
         assert_eq!(d.decided_by, DecidedBy::Cost);
+    }
+
+    /// The thread's cache of index id to fleet index never credits one rank's overlap to
+    /// another: not after a leave shifts fleet indices and a join reuses the leaver's index id,
+    /// and not between two routers on one thread whose ids name different ranks.
+    #[test]
+    fn overlaps_follow_their_ranks_across_leaves_joins_and_routers() {
+        let t = tokens(160);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        let overlaps = |r: &Router| -> Vec<(u64, u32)> {
+            let mut q = req(1, &t);
+            q.hints.mode = Mode::QueryOnly;
+            q.hints.evidence = EvidenceLevel::Full;
+            let mut v: Vec<(u64, u32)> = r
+                .route(&q)
+                .unwrap()
+                .evidence
+                .unwrap()
+                .iter()
+                .map(|c| (c.rank.worker.0, c.overlap.blocks))
+                .collect();
+            v.sort();
+            v
+        };
+        let a = router(RouterConfig::default());
+        for (w, n) in [(1u64, 2usize), (2, 4), (3, 6)] {
+            a.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+            store(
+                &a,
+                WorkerRank::new(w, 0),
+                StorageTier::Device,
+                &locals[..n],
+                0,
+            );
+        }
+        assert_eq!(overlaps(&a), [(1, 2), (2, 4), (3, 6)]);
+        // Worker 1 leaves (worker 2 and 3 move down one fleet index); worker 0 joins first in
+        // fleet order and takes worker 1's index id.
+        a.leave_worker(WorkerId(1)).unwrap();
+        assert_eq!(overlaps(&a), [(2, 4), (3, 6)]);
+        a.join_worker(WorkerConfig::simple(0, 1000, BS)).unwrap();
+        store(
+            &a,
+            WorkerRank::new(0, 0),
+            StorageTier::Device,
+            &locals[..9],
+            0,
+        );
+        assert_eq!(overlaps(&a), [(0, 9), (2, 4), (3, 6)]);
+        // A second router on the same thread, its ids in another order.
+        let b = router(RouterConfig::default());
+        for (w, n) in [(3u64, 1usize), (2, 3), (0, 5)] {
+            b.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+            store(
+                &b,
+                WorkerRank::new(w, 0),
+                StorageTier::Device,
+                &locals[..n],
+                0,
+            );
+        }
+        assert_eq!(overlaps(&b), [(0, 5), (2, 3), (3, 1)]);
+        assert_eq!(overlaps(&a), [(0, 9), (2, 4), (3, 6)]);
     }
 
     #[test]

@@ -96,6 +96,9 @@ pub struct RankScore {
 #[derive(Clone, Debug, Default)]
 pub struct OverlapScores {
     pub scores: Vec<RankScore>,
+    /// The index's dense id of each score's rank, as the walk left them (`ids[i]` belongs to
+    /// `scores[i]`): stable while the rank is registered, reused after it leaves.
+    ids: Vec<u32>,
     /// Ranks still holding every block so far: (rank id, index in `scores`).
     active: Vec<(u32, u32)>,
 }
@@ -107,6 +110,13 @@ impl OverlapScores {
             .iter()
             .find(|s| s.rank == rank)
             .map_or(0, |s| s.blocks)
+    }
+
+    /// The index's dense rank ids of the scores the match produced, in the same order: a
+    /// cheap key for a caller's own per-rank tables (check the rank too: an id is reused once
+    /// its rank leaves the index).
+    pub fn rank_ids(&self) -> &[u32] {
+        &self.ids
     }
 
     /// The best score.
@@ -254,6 +264,7 @@ impl IndexReader {
         out: &mut OverlapScores,
     ) {
         out.scores.clear();
+        out.ids.clear();
         out.active.clear();
         let Some(first) = query.first() else {
             return;

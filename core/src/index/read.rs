@@ -41,6 +41,162 @@ fn add_tiers(score: &mut RankScore, holders: &[u64], lead: usize) {
     score.blocks += lead as u32;
 }
 
+/// Leading hashes of `run` equal to `query`'s: eight at a time while all eight agree, then
+/// one at a time.
+#[inline]
+fn common_len(run: &[u64], query: &[LocalHash]) -> usize {
+    let n = run.len().min(query.len());
+    let (run, query) = (&run[..n], &query[..n]);
+    let mut i = 0;
+    while i + 8 <= n {
+        let diff = run[i..i + 8]
+            .iter()
+            .zip(&query[i..i + 8])
+            .fold(0, |d, (a, b)| d | (a ^ b.0));
+        if diff != 0 {
+            break;
+        }
+        i += 8;
+    }
+    while i < n && run[i] == query[i].0 {
+        i += 1;
+    }
+    i
+}
+
+/// The holders of rank `id` starting at holder `from`: the end of its group and the union of
+/// its masks (a rank's holders, one per tier, are adjacent).
+#[inline(always)]
+fn group_of(holders: &[u64], from: usize, n: usize) -> (usize, u64) {
+    let id = rank_at(holders, from);
+    let mut union = holders[2 * from + 1];
+    let mut end = from + 1;
+    while end < n && rank_at(holders, end) == id {
+        union |= holders[2 * end + 1];
+        end += 1;
+    }
+    (end, union)
+}
+
+/// Adds `lead` blocks of one rank's holder group to `score`: a single holder gives them all to
+/// its tier without a second look at the masks.
+#[inline(always)]
+fn add_group(score: &mut RankScore, group: &[u64], lead: usize) {
+    if group.len() == 2 {
+        if let Some(t) = score.per_tier.get_mut(group[0] as u8 as usize) {
+            *t += lead as u32;
+        }
+        score.blocks += lead as u32;
+    } else {
+        add_tiers(score, group, lead);
+    }
+}
+
+/// Scores the ranks holding the first `m` matched blocks of the walk's first run.
+fn score_first(holders: &[u64], m: usize, ranks: &[Option<WorkerRank>], out: &mut OverlapScores) {
+    let n = holders.len() / 2;
+    let mut next = 0;
+    while next < n {
+        let (first, id) = (next, rank_at(holders, next));
+        let (end, union) = group_of(holders, next, n);
+        next = end;
+        let lead = leading(union, m);
+        if lead == 0 {
+            continue;
+        }
+        let Some(Some(rank)) = ranks.get(id as usize) else {
+            continue;
+        };
+        let group = &holders[2 * first..2 * end];
+        let score = if group.len() == 2 {
+            // One holder: its tier takes every block. Built lane by lane rather than by
+            // indexing, so that the score is written once, whole (a narrow store into it
+            // followed by a wide copy would stall the store buffer).
+            let tier = group[0] as u8 as usize;
+            RankScore {
+                rank: *rank,
+                blocks: lead as u32,
+                per_tier: std::array::from_fn(|t| if t == tier { lead as u32 } else { 0 }),
+            }
+        } else {
+            let mut score = RankScore {
+                rank: *rank,
+                blocks: 0,
+                per_tier: [0; StorageTier::COUNT],
+            };
+            add_tiers(&mut score, group, lead);
+            score
+        };
+        if lead == m {
+            out.active.push((id, out.scores.len() as u32));
+        }
+        out.ids.push(id);
+        out.scores.push(score);
+    }
+}
+
+/// Keeps the active ranks that hold all `m` matched blocks of a later run, crediting each the
+/// leading blocks it holds: one merge of the two lists, both sorted by rank id.
+fn narrow_by_merge(holders: &[u64], m: usize, out: &mut OverlapScores) {
+    let n = holders.len() / 2;
+    let mut h = 0usize;
+    let scores = &mut out.scores;
+    out.active.retain(|&(rank, idx)| {
+        while h < n && rank_at(holders, h) < rank {
+            h += 1;
+        }
+        if h == n || rank_at(holders, h) != rank {
+            return false;
+        }
+        let (start, (end, union)) = (h, group_of(holders, h, n));
+        h = end;
+        let lead = leading(union, m);
+        if lead > 0 {
+            add_group(
+                &mut scores[idx as usize],
+                &holders[2 * start..2 * end],
+                lead,
+            );
+        }
+        lead == m
+    });
+}
+
+/// [`narrow_by_merge`] for a run with far fewer holders than active ranks (a branch that few
+/// ranks took): each holder is searched for among the active ranks instead.
+fn narrow_by_search(holders: &[u64], m: usize, out: &mut OverlapScores) {
+    let n = holders.len() / 2;
+    let active = &mut out.active;
+    let (mut h, mut lo, mut kept) = (0usize, 0usize, 0usize);
+    while h < n && lo < active.len() {
+        let id = rank_at(holders, h);
+        let (start, (end, union)) = (h, group_of(holders, h, n));
+        h = end;
+        match active[lo..].binary_search_by_key(&id, |a| a.0) {
+            Ok(p) => {
+                let at = lo + p;
+                let (_, idx) = active[at];
+                let lead = leading(union, m);
+                if lead > 0 {
+                    add_group(
+                        &mut out.scores[idx as usize],
+                        &holders[2 * start..2 * end],
+                        lead,
+                    );
+                }
+                if lead == m {
+                    // kept <= at: survivors move down in order.
+                    active[kept] = active[at];
+                    kept += 1;
+                }
+                lo = at + 1;
+            }
+            Err(p) => lo += p,
+        }
+    }
+    active.truncate(kept);
+}
+
 pub(crate) fn walk(
     shard: &ShardShared,
     ranks: &Arc<Vec<Option<WorkerRank>>>,
@@ -86,63 +242,14 @@ pub(crate) fn walk(
         {
             break; // the slot was reused since the link was read
         }
-        let m = run
-            .hashes
-            .iter()
-            .zip(rest)
-            .take_while(|(a, b)| **a == b.0)
-            .count();
+        let m = common_len(run.hashes, rest);
         if !started {
             started = true;
-            let holders = run.holders;
-            let n = holders.len() / 2;
-            let mut next = 0;
-            while next < n {
-                // The rank's holders (one per tier) are adjacent.
-                let (first, id) = (next, rank_at(holders, next));
-                while next < n && rank_at(holders, next) == id {
-                    next += 1;
-                }
-                let group = &holders[2 * first..2 * next];
-                let union = holders_of(group).fold(0, |u, h| u | h.mask);
-                let lead = leading(union, m);
-                let Some(Some(rank)) = ranks.get(id as usize) else {
-                    continue;
-                };
-                if lead == 0 {
-                    continue;
-                }
-                let mut score = RankScore {
-                    rank: *rank,
-                    blocks: 0,
-                    per_tier: [0; StorageTier::COUNT],
-                };
-                add_tiers(&mut score, group, lead);
-                if lead == m {
-                    out.active.push((id, out.scores.len() as u32));
-                }
-                out.scores.push(score);
-            }
+            score_first(run.holders, m, ranks, out);
+        } else if run.holders.len() / 2 * 4 < out.active.len() {
+            narrow_by_search(run.holders, m, out);
         } else {
-            let holders = run.holders;
-            let n = holders.len() / 2;
-            let mut h = 0usize;
-            out.active.retain(|&(rank, idx)| {
-                while h < n && rank_at(holders, h) < rank {
-                    h += 1;
-                }
-                let start = h;
-                while h < n && rank_at(holders, h) == rank {
-                    h += 1;
-                }
-                let group = &holders[2 * start..2 * h];
-                let union = holders_of(group).fold(0, |u, x| u | x.mask);
-                let lead = leading(union, m);
-                if lead > 0 {
-                    add_tiers(&mut out.scores[idx as usize], group, lead);
-                }
-                lead == m
-            });
+            narrow_by_merge(run.holders, m, out);
         }
         pos += m;
         if out.active.is_empty() || pos >= query.len() || (early_exit && out.active.len() == 1) {

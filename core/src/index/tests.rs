@@ -594,3 +594,83 @@ fn a_removal_spanning_runs_with_repeats_counts_each_block_once_in_event_order() 
         .unwrap();
     assert_eq!(ix.stats().stored_pairs, 94);
 }
+
+/// A wide fleet: 48 ranks share a long prefix and few take each branch, so the walk narrows
+/// many active ranks by a run with few holders (searched) and by runs with many (merged), with
+/// holes and several tiers; every query agrees with the reference model, and each score comes
+/// with its rank's id.
+#[test]
+fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
+    use crate::index::reference::ReferenceIndex;
+    let mut ix = idx();
+    let mut model = ReferenceIndex::new();
+    let mut rng = crate::rng::Rng::new(7);
+    // Prompt p: blocks 0..70 shared, then its own tail.
+    let prompt = |p: u64| -> Vec<LocalHash> {
+        (0..200u64)
+            .map(|i| LocalHash(if i < 70 { i + 1 } else { (p + 1) << 32 | i }))
+            .collect()
+    };
+    let name = |r: WorkerRank, p: u64, i: u64| {
+        BlockHash(
+            r.worker.0 << 40
+                | u64::from(r.dp_rank.0) << 36
+                | (if i < 70 { 0 } else { p + 1 }) << 16
+                | i,
+        )
+    };
+    let mut id = 0;
+    for w in 0..24u64 {
+        for dp in 0..2u32 {
+            let r = WorkerRank::new(w, dp);
+            let p = rng.below(8);
+            let len = 5 + rng.below(190);
+            let tier = StorageTier::ALL[rng.below(3) as usize];
+            let q = prompt(p);
+            let blocks: Vec<StoredBlock> = (0..len)
+                .map(|i| StoredBlock {
+                    block_hash: name(r, p, i),
+                    local_hash: q[i as usize],
+                })
+                .collect();
+            id += 1;
+            let h = hdr(w, dp, id, tier);
+            assert_eq!(
+                ix.apply_stored(h, None, &blocks),
+                model.apply_stored(h, None, &blocks)
+            );
+            // A second tier for some, and a hole for others.
+            if rng.below(3) == 0 {
+                id += 1;
+                let h = hdr(w, dp, id, StorageTier::HostPinned);
+                let part = &blocks[..(len as usize / 2)];
+                assert_eq!(
+                    ix.apply_stored(h, None, part),
+                    model.apply_stored(h, None, part)
+                );
+            }
+            if rng.below(4) == 0 {
+                id += 1;
+                let h = hdr(w, dp, id, tier);
+                let hole = [blocks[rng.below(len) as usize].block_hash];
+                assert_eq!(ix.apply_removed(h, &hole), model.apply_removed(h, &hole));
+            }
+        }
+    }
+    let reader = ix.reader();
+    let mut out = OverlapScores::default();
+    for p in 0..9u64 {
+        for len in [1usize, 40, 64, 65, 70, 71, 100, 128, 129, 200] {
+            let q = &prompt(p)[..len];
+            reader.find_matches_into(q, MatchOptions::default(), &mut out);
+            assert_eq!(out.rank_ids().len(), out.scores.len());
+            let mut ids = out.rank_ids().to_vec();
+            ids.sort();
+            ids.dedup();
+            assert_eq!(ids.len(), out.scores.len(), "one id per scored rank");
+            let mut got = out.scores.clone();
+            got.sort();
+            assert_eq!(got, model.find_matches(q), "prompt {p}, {len} blocks");
+        }
+    }
+}
