@@ -95,8 +95,19 @@ pub struct Waiting<T> {
     /// Prompt tokens it counts against the cap.
     pub tokens: u64,
     pub enqueued_at: Instant,
+    /// The lane it waits in (below [`LANES`]; a higher one counts in the last), counted apart so that a scan can tell when
+    /// nothing of a lane is left to try ([`AdmissionQueue::lane_len`]).
+    pub lane: usize,
     pub item: T,
 }
+
+/// Lanes a queue counts apart.
+pub const LANES: usize = 3;
+
+/// Where a waiting request stands in the release order: a cursor for a scan that takes
+/// requests out as it goes ([`AdmissionQueue::next_after`], [`AdmissionQueue::take`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Place(QueueKey);
 
 /// The queue is over its cap of prompt tokens: the request was not queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +135,7 @@ pub struct AdmissionQueue<T> {
     seq: u64,
     entries: BTreeMap<QueueKey, Waiting<T>>,
     by_id: HashMap<RequestId, QueueKey>,
+    lanes: [usize; LANES],
 }
 
 impl<T> AdmissionQueue<T> {
@@ -136,6 +148,7 @@ impl<T> AdmissionQueue<T> {
             seq: 0,
             entries: BTreeMap::new(),
             by_id: HashMap::new(),
+            lanes: [0; LANES],
         }
     }
 
@@ -159,6 +172,11 @@ impl<T> AdmissionQueue<T> {
         self.cap_tokens
     }
 
+    /// Requests waiting in `lane`.
+    pub fn lane_len(&self, lane: usize) -> usize {
+        self.lanes.get(lane).copied().unwrap_or(0)
+    }
+
     /// True when `request` waits.
     pub fn contains(&self, request: RequestId) -> bool {
         self.by_id.contains_key(&request)
@@ -166,10 +184,11 @@ impl<T> AdmissionQueue<T> {
 
     /// Queues `w` in its place, unless its tokens would take the queue past its cap (a request
     /// alone larger than the cap is never queued) or its id already waits.
-    pub fn push(&mut self, w: Waiting<T>, order: OrderInput) -> Result<(), Refused<T>> {
+    pub fn push(&mut self, mut w: Waiting<T>, order: OrderInput) -> Result<(), Refused<T>> {
         if self.by_id.contains_key(&w.request) {
             return Err(Refused::Duplicate(w));
         }
+        w.lane = w.lane.min(LANES - 1);
         if self.queued_tokens.saturating_add(w.tokens) > self.cap_tokens {
             let over = OverCap {
                 queued_tokens: self.queued_tokens,
@@ -180,6 +199,7 @@ impl<T> AdmissionQueue<T> {
         let key = order.key(self.order, self.seq);
         self.seq += 1;
         self.queued_tokens += w.tokens;
+        self.lanes[w.lane] += 1;
         self.by_id.insert(w.request, key);
         self.entries.insert(key, w);
         Ok(())
@@ -194,15 +214,38 @@ impl<T> AdmissionQueue<T> {
     pub fn pop(&mut self) -> Option<Waiting<T>> {
         let (_, w) = self.entries.pop_first()?;
         self.by_id.remove(&w.request);
-        self.queued_tokens -= w.tokens;
+        self.left(&w);
         Some(w)
+    }
+
+    /// The first request after `after` in release order (from the head when `None`).
+    pub fn next_after(&self, after: Option<Place>) -> Option<(Place, &Waiting<T>)> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let from = after.map_or(Unbounded, |p| Excluded(p.0));
+        self.entries
+            .range((from, Unbounded))
+            .next()
+            .map(|(k, w)| (Place(*k), w))
+    }
+
+    /// Takes the request at `place`, if it still waits there.
+    pub fn take(&mut self, place: Place) -> Option<Waiting<T>> {
+        let w = self.entries.remove(&place.0)?;
+        self.by_id.remove(&w.request);
+        self.left(&w);
+        Some(w)
+    }
+
+    fn left(&mut self, w: &Waiting<T>) {
+        self.queued_tokens -= w.tokens;
+        self.lanes[w.lane] -= 1;
     }
 
     /// Takes `request` out of the queue wherever it is (a cancel).
     pub fn remove(&mut self, request: RequestId) -> Option<Waiting<T>> {
         let key = self.by_id.remove(&request)?;
         let w = self.entries.remove(&key)?;
-        self.queued_tokens -= w.tokens;
+        self.left(&w);
         Some(w)
     }
 
@@ -221,6 +264,7 @@ mod tests {
             request: RequestId(id),
             tokens,
             enqueued_at: t0,
+            lane: (id % LANES as u64) as usize,
             item: (),
         }
     }

@@ -73,7 +73,7 @@ use crate::load::{
     prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Generated, Ledger, LedgerCounts,
     LoadError, LoadView, RankState, RequestId, Step,
 };
-use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
+use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting, LANES};
 use crate::registry::{
     Fleet, KvEvents, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole,
 };
@@ -1913,6 +1913,67 @@ struct OwnedRequest {
     pool: Option<Vec<std::ops::Range<u32>>>,
     /// The hints with every borrowed field empty; [`OwnedRequest::request`] fills them in.
     hints: RouteHints<'static>,
+    eligibility: Eligibility,
+}
+
+/// Which ranks may serve a queued request, in a canonical form: its phase, required labels
+/// and allowed workers.
+///
+/// Whether a rank is busy (or marked unhealthy) does not depend on the request asking, so a
+/// request waits exactly when every rank its eligibility admits is busy. Two requests of equal
+/// eligibility therefore wait or go together, and a request that admits every rank of its
+/// phase waits only when the whole phase is busy, and then so does every request of that
+/// phase. A release pass uses this to try only requests that could go, so a waiting head
+/// does not hold back requests that other ranks could serve.
+#[derive(Clone, Debug, PartialEq)]
+struct Eligibility {
+    phase: Phase,
+    /// Sorted, without repeats.
+    required: Vec<(String, String)>,
+    /// Sorted, without repeats.
+    allowed: Option<Vec<WorkerId>>,
+    /// A session or a pin can send the request to one rank without the busy gate: such a
+    /// request is always tried.
+    always_try: bool,
+}
+
+impl Eligibility {
+    fn of(req: &RouteRequest<'_>) -> Self {
+        let h = &req.hints;
+        let mut required: Vec<(String, String)> = h
+            .required
+            .iter()
+            .map(|l| (l.key.to_owned(), l.value.to_owned()))
+            .collect();
+        required.sort();
+        required.dedup();
+        let allowed = h.allowed.map(|a| {
+            let mut a = a.to_vec();
+            a.sort();
+            a.dedup();
+            a
+        });
+        Eligibility {
+            phase: h.phase,
+            required,
+            allowed,
+            always_try: h.session.is_some() || h.pinned.for_phase(h.phase).is_some(),
+        }
+    }
+
+    /// The queue lane of its phase.
+    fn lane(&self) -> usize {
+        match self.phase {
+            Phase::Aggregated => 0,
+            Phase::Prefill => 1,
+            Phase::Decode => 2,
+        }
+    }
+
+    /// True when it admits every rank of its phase.
+    fn whole_phase(&self) -> bool {
+        self.required.is_empty() && self.allowed.is_none()
+    }
 }
 
 /// Label slices rebuilt from an owned request's strings, for one route.
@@ -1962,6 +2023,7 @@ impl OwnedRequest {
                 overrides: h.overrides,
                 evidence: h.evidence,
             },
+            eligibility: Eligibility::of(req),
         }
     }
 
@@ -2126,11 +2188,13 @@ impl Router {
             }
         };
         let tokens = req.tokens.len() as u64;
+        let item = OwnedRequest::new(req);
         let waiting = Waiting {
             request: req.id,
             tokens,
             enqueued_at: now,
-            item: OwnedRequest::new(req),
+            lane: item.eligibility.lane(),
+            item,
         };
         let order = OrderInput {
             class: req.hints.priority_class,
@@ -2163,8 +2227,10 @@ impl Router {
         Ok(Admission::Queued(Ticket { request: req.id }))
     }
 
-    /// Releases queued requests, in order, while the head can be booked on a free eligible
-    /// rank (or fails outright); returns how many left the queue. Frees, prefill completions,
+    /// Releases queued requests in order: each that can be booked on a free eligible rank (or
+    /// fails outright) leaves the queue; one that must still wait keeps its place, and the
+    /// requests behind it that no free rank could serve either (the same eligibility, or its
+    /// whole phase busy) are passed over untried. Returns how many left the queue. Frees, prefill completions,
     /// joins, leaves and health changes call this themselves; call it to drive the queue from
     /// a timer as well.
     pub fn release_queued(&self, now: Instant) -> usize {
@@ -2179,15 +2245,39 @@ impl Router {
 
     fn release_locked(&self, q: &Queue, st: &mut QueueState, now: Instant) -> usize {
         let mut n = 0;
-        while let Some(head) = st.queue.peek() {
+        let mut cursor = None;
+        // What this pass found waiting: whole phases, and narrower eligibilities.
+        let mut phase_busy = [false; LANES];
+        let mut blocked: Vec<Eligibility> = Vec::new();
+        loop {
+            if (0..LANES).all(|l| phase_busy[l] || st.queue.lane_len(l) == 0) {
+                break;
+            }
+            let Some((place, w)) = st.queue.next_after(cursor) else {
+                break;
+            };
+            cursor = Some(place);
+            let e = &w.item.eligibility;
+            if !e.always_try && (phase_busy[e.lane()] || blocked.contains(e)) {
+                continue;
+            }
             let mut bufs = LabelBufs::default();
-            let req = head.item.request(head.request, &mut bufs);
+            let req = w.item.request(w.request, &mut bufs);
             let outcome = match self.route_gated(&req, &Now::at(now), Gate::IfFree) {
-                Ok(Routed::Wait { .. }) => break,
+                Ok(Routed::Wait { .. }) => {
+                    if e.whole_phase() {
+                        phase_busy[e.lane()] = true;
+                    } else if !e.always_try {
+                        blocked.push(e.clone());
+                    }
+                    continue;
+                }
                 Ok(Routed::Decided(d)) => Ok(d),
                 Err(e) => Err(e),
             };
-            let Some(w) = st.queue.pop() else { break };
+            let Some(w) = st.queue.take(place) else {
+                continue;
+            };
             let waited = now.saturating_duration_since(w.enqueued_at);
             record(
                 &mut st.wait_us,
@@ -2482,8 +2572,16 @@ impl Scorer<'_> {
         out: &mut Vec<Scored>,
         targets: &mut ProbeTargets,
     ) -> usize {
+        // The request's numbers as locals: the loop's stores into `out` cannot reach them, so
+        // what derives from them (the block size's reciprocal, say) is computed once.
+        let (weights, shape) = (*self.weights, *self.shape);
+        let this = Scorer {
+            weights: &weights,
+            shape: &shape,
+            ..*self
+        };
         let mut unlabelled = 0;
-        for (i, r) in self.fleet.ranks.iter().enumerate() {
+        for (i, r) in this.fleet.ranks.iter().enumerate() {
             if r.role != role {
                 continue;
             }
@@ -2496,7 +2594,7 @@ impl Scorer<'_> {
                     continue;
                 }
             }
-            let c = self.score_as::<EXTRAS>(i);
+            let c = this.score_as::<EXTRAS>(i);
             targets.offer(out.len(), &c);
             out.push(c);
         }
@@ -4067,6 +4165,80 @@ mod constraint_tests {
             })
         ));
         assert_eq!(r.counts().invalid_hints, 1);
+    }
+
+    /// A waiting head holds back only what no free rank could serve: with zone a busy, a
+    /// zone-a request waits, a request for any worker behind it goes to zone b at once, and a
+    /// second zone-a request keeps its place behind the first.
+    #[test]
+    fn a_waiting_head_does_not_block_requests_other_ranks_can_serve() {
+        let r = router(
+            RouterConfig {
+                busy: BusyThresholds {
+                    decode_blocks_fraction: Some(0.5),
+                    prefill_tokens_fraction: None,
+                },
+                queue: Queueing::On {
+                    max_queued_tokens: 10_000,
+                    order: QueueOrder::Fcfs,
+                },
+                ..RouterConfig::default()
+            },
+            10,
+        );
+        let t: Vec<u32> = (0..96).collect();
+        let q = |id: u64, zone_a: bool| {
+            let mut q = RouteRequest {
+                id: RequestId(id),
+                tokens: &t,
+                hints: RouteHints::default(),
+            };
+            if zone_a {
+                q.hints.required = &[ZONE_A];
+            }
+            q
+        };
+        for w in [1, 3] {
+            let mut p = q(w, false);
+            p.hints.pinned.backend_instance = Some(WorkerId(w));
+            r.route(&p).unwrap();
+        }
+        let t0 = Instant::now();
+        assert!(matches!(
+            r.submit_at(&q(9, true), t0),
+            Ok(Admission::Queued(_))
+        ));
+        // Queued behind the waiting head, then released by the same call: zone b is free.
+        assert!(matches!(
+            r.submit_at(&q(10, false), t0),
+            Ok(Admission::Queued(_))
+        ));
+        let d = r.take_released(RequestId(10)).unwrap().unwrap();
+        assert_eq!(d.worker, WorkerRank::new(2, 0));
+        assert!(matches!(
+            r.submit_at(&q(11, true), t0),
+            Ok(Admission::Queued(_))
+        ));
+        assert_eq!(r.release_queued(t0), 0, "zone a is still busy");
+        assert_eq!(r.ticket_state(RequestId(9)), TicketState::Waiting);
+        assert_eq!(r.ticket_state(RequestId(11)), TicketState::Waiting);
+        // Zone a frees one worker: the first zone-a request takes it, the second still waits.
+        r.free(RequestId(3)).unwrap();
+        assert_eq!(
+            r.take_released(RequestId(9)).unwrap().unwrap().worker,
+            WorkerRank::new(3, 0)
+        );
+        assert_eq!(r.ticket_state(RequestId(11)), TicketState::Waiting);
+        r.free(RequestId(1)).unwrap();
+        assert_eq!(
+            r.take_released(RequestId(11)).unwrap().unwrap().worker,
+            WorkerRank::new(1, 0)
+        );
+        for id in [9, 10, 11] {
+            r.free(RequestId(id)).unwrap();
+        }
+        assert!(r.total_load().is_idle());
+        assert_eq!(r.queue_stats().unwrap().depth, 0);
     }
 
     /// A queued request keeps its constraints: with the zone-a workers busy and zone b free,
