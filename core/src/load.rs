@@ -212,13 +212,26 @@ impl LoadView {
     /// Output blocks as decode load: each request's output blocks weighted by what is left of
     /// its expected output.
     pub fn weighted_output_blocks(&self) -> f64 {
-        (self.output_blocks as f64 - self.output_decay as f64 / DECAY_SCALE as f64).max(0.0)
+        // Never NaN: the comparison below stands in for `f64::max`.
+        let x = crate::select::count_f64(self.output_blocks)
+            - crate::select::count_f64(self.output_decay) / DECAY_SCALE as f64;
+        if x > 0.0 {
+            x
+        } else {
+            0.0
+        }
     }
 
     /// Prompt blocks as decode load: the unshared prompt blocks of requests with an expected
     /// output length weighted by what is left of it, the rest whole.
     pub fn weighted_prompt_blocks(&self) -> f64 {
-        (self.prompt_blocks as f64 - self.prompt_decay as f64 / DECAY_SCALE as f64).max(0.0)
+        let x = crate::select::count_f64(self.prompt_blocks)
+            - crate::select::count_f64(self.prompt_decay) / DECAY_SCALE as f64;
+        if x > 0.0 {
+            x
+        } else {
+            0.0
+        }
     }
 
     /// Load in blocks, for the load-only policies: decode blocks plus prefill tokens in blocks.

@@ -263,7 +263,7 @@ impl CostTerms {
 
     #[inline(always)]
     fn prefill_cost(w: &Weights, prefill_blocks: f64, credit_blocks: f64) -> f64 {
-        w.prefill_load_scale * (prefill_blocks - credit_blocks).max(0.0)
+        w.prefill_load_scale * positive_part(prefill_blocks - credit_blocks)
     }
 
     /// Whole blocks first, then the weighted output: without decay the output is a whole
@@ -280,22 +280,31 @@ impl CostTerms {
         let prompt = if load.prompt_decay == 0 {
             prompt
         } else {
-            (prompt - load.prompt_decay as f64 / crate::load::DECAY_SCALE as f64)
+            (prompt - count_f64(load.prompt_decay) / crate::load::DECAY_SCALE as f64)
                 .max(count_f64(own))
         };
         prompt + output
     }
 }
 
-/// `x as f64`, through the one-instruction signed conversion whenever `x` fits in an `i64`
-/// (every count the router keeps): the same value, without the unsigned conversion's
-/// multi-instruction sequence on x86-64.
+/// `max(x, 0)` for a cost term that is never NaN: one instruction, where `f64::max` adds NaN
+/// handling to every rank's cost.
 #[inline(always)]
-fn count_f64(x: u64) -> f64 {
-    match i64::try_from(x) {
-        Ok(i) => i as f64,
-        Err(_) => x as f64,
+fn positive_part(x: f64) -> f64 {
+    if x > 0.0 {
+        x
+    } else {
+        0.0
     }
+}
+
+/// `x as f64` for a count, through the one-instruction signed conversion: the same value for
+/// every count below 2⁶³ (every count the router keeps), 2⁶³ above. A plain `as f64` (or a
+/// checked conversion, which the compiler folds back into it) is a five-instruction sequence
+/// on x86-64, paid several times per rank in selection.
+#[inline(always)]
+pub(crate) fn count_f64(x: u64) -> f64 {
+    x.min(i64::MAX as u64) as i64 as f64
 }
 
 /// Whether a rank is over a busy threshold.
@@ -486,7 +495,9 @@ impl ProbeTargets {
         if c.busy == Busy::Busy {
             return;
         }
-        self.cheapest = self.cheapest.min(c.cost);
+        if c.cost < self.cheapest {
+            self.cheapest = c.cost;
+        }
         let room = c.load.prompt_blocks.min(self.full_blocks);
         if room == 0 {
             return;
@@ -841,21 +852,18 @@ mod tests {
     }
 
     #[test]
-    fn count_conversion_is_the_plain_cast() {
+    fn count_conversion_is_the_plain_cast_below_two_to_the_63() {
         let mut rng = Rng::new(5);
-        let edge = [
-            0,
-            1,
-            (1 << 53) + 1,
-            i64::MAX as u64,
-            i64::MAX as u64 + 1,
-            u64::MAX,
-        ];
+        let edge = [0, 1, (1 << 53) + 1, i64::MAX as u64 - 1, i64::MAX as u64];
         for x in edge
             .into_iter()
-            .chain((0..10_000).map(|_| rng.next_u64() >> rng.below(64)))
+            .chain((0..10_000).map(|_| (rng.next_u64() >> 1) >> rng.below(63)))
         {
             assert_eq!(count_f64(x).to_bits(), (x as f64).to_bits(), "{x}");
+        }
+        // Past every count the router can reach, it saturates at 2⁶³.
+        for x in [i64::MAX as u64 + 1, u64::MAX] {
+            assert_eq!(count_f64(x), 2f64.powi(63), "{x}");
         }
     }
 
