@@ -23,8 +23,10 @@
 //! mean equal prefixes. A route records the whole chain with one expiry, and a key already
 //! present keeps the later of its two expiries, so along any recorded chain expiries never
 //! increase: the live records of a rank are closed under prefixes, and a query's depth on a
-//! rank is found by a galloping search from the first block, which computes the query's
-//! prefix keys only as far as it looks. To keep a long prompt's record cheap, only *checkpoint*
+//! rank is found by a galloping search from the first block (from the first checkpoint past the
+//! rank's floor, the index's overlap, when the caller gives one: a record no deeper than what
+//! the index already says costs one probe), which computes the query's prefix keys only as far
+//! as it looks. To keep a long prompt's record cheap, only *checkpoint*
 //! blocks are written: the first [`DENSE_BLOCKS`], then every [`STRIDE`]-th, and the last; a
 //! depth is therefore exact up to [`DENSE_BLOCKS`] and otherwise found to within
 //! [`STRIDE`] − 1 blocks below the truth (never above). The table is capped; records past the
@@ -108,6 +110,15 @@ pub struct ApproxCounts {
     pub dropped: u64,
     /// Records removed by sweeps (expired or retired).
     pub swept: u64,
+}
+
+/// What a lookup reports to ([`ApproxCache::lookup_over`]).
+pub trait Overlaps {
+    /// Leading blocks of the prompt already known cached on `rank` (by the index): only a
+    /// record deeper than this is reported.
+    fn floor(&self, rank: WorkerRank) -> u32;
+    /// `rank` holds live records of the prompt's first `depth` blocks, more than its floor.
+    fn raise(&mut self, rank: WorkerRank, depth: u32);
 }
 
 /// The record table (see the module comment).
@@ -202,7 +213,30 @@ impl ApproxCache {
         locals: &[LocalHash],
         keys: &mut Vec<u64>,
         now: Instant,
-        mut f: impl FnMut(WorkerRank, u32),
+        f: impl FnMut(WorkerRank, u32),
+    ) {
+        struct Every<F>(F);
+        impl<F: FnMut(WorkerRank, u32)> Overlaps for Every<F> {
+            fn floor(&self, _: WorkerRank) -> u32 {
+                0
+            }
+            fn raise(&mut self, rank: WorkerRank, depth: u32) {
+                (self.0)(rank, depth)
+            }
+        }
+        self.lookup_over(locals, keys, now, &mut Every(f));
+    }
+
+    /// [`ApproxCache::lookup`] for ranks whose overlap is partly known already (the index's):
+    /// a rank's search starts at the first checkpoint past its floor, so a record no deeper
+    /// than the floor costs one probe (none when the floor is past the prompt), and only
+    /// depths above the floor are reported.
+    pub fn lookup_over(
+        &self,
+        locals: &[LocalHash],
+        keys: &mut Vec<u64>,
+        now: Instant,
+        out: &mut impl Overlaps,
     ) {
         let n = locals.len();
         if n == 0 || self.is_empty() {
@@ -216,25 +250,45 @@ impl ApproxCache {
             return;
         };
         let (records, ranks) = (&inner.records, &inner.ranks);
-        let live_at = |key: u64, rank: WorkerRank| {
-            ranks.get(&rank).is_some_and(|&(epoch, _)| {
+        let count = checkpoint_count(n);
+        // One pass over the ranks whose records start like the query. A rank whose first
+        // record expired or was retired leaves the list when it is looked at there (no
+        // allocation; a new record puts it back, and sweeps clear the rest).
+        heads.retain(|&rank| {
+            let Some(&(epoch, _)) = ranks.get(&rank) else {
+                return false;
+            };
+            let live_at = |key: u64| {
                 records
                     .get(&(key, rank))
                     .is_some_and(|r| r.epoch == epoch && r.expires > now)
-            })
-        };
-        // Ranks whose first record expired or was retired leave the list now (no allocation),
-        // so that later lookups do not visit them again; a new record puts them back.
-        heads.retain(|&rank| live_at(key0, rank));
-        let count = checkpoint_count(n);
-        for &rank in heads.iter() {
+            };
+            // The first checkpoint at or past the floor: a record ending before it adds nothing.
+            let floor = out.floor(rank) as usize;
+            let (mut start, mut end) = (0usize, count);
+            while start < end {
+                let mid = start + (end - start) / 2;
+                if checkpoint_at(mid, n) < floor {
+                    start = mid + 1;
+                } else {
+                    end = mid;
+                }
+            }
+            if start == count {
+                return true;
+            }
             let mut live = |j: usize| {
                 let i = checkpoint_at(j, n);
                 prefix_keys_extend(locals, keys, i + 1);
-                live_at(keys[i], rank)
+                live_at(keys[i])
             };
+            if !live(start) {
+                // Dead at its first record: gone for good. Dead later: kept (records are
+                // closed under prefixes, so nothing deeper is live either).
+                return start > 0;
+            }
             // Gallop to a dead checkpoint (or the end), then bisect: `lo` is live, `hi` dead.
-            let (mut lo, mut step) = (0usize, 1usize);
+            let (mut lo, mut step) = (start, 1usize);
             let mut hi = loop {
                 let probe = lo + step;
                 if probe >= count {
@@ -254,8 +308,9 @@ impl ApproxCache {
                     hi = mid;
                 }
             }
-            f(rank, (checkpoint_at(lo, n) + 1) as u32);
-        }
+            out.raise(rank, (checkpoint_at(lo, n) + 1) as u32);
+            true
+        });
     }
 
     /// `rank`'s records stop counting (its worker evicted or cleared blocks).
@@ -448,6 +503,60 @@ mod tests {
         assert_eq!(depth, 3);
         assert!(keys.len() <= 5, "{}", keys.len());
         assert_eq!(keys, keys_of(&a[..keys.len()]));
+    }
+
+    /// With floors, a lookup reports what a plain lookup reports above each floor and
+    /// nothing else, and a record no deeper than its floor costs one key past it.
+    #[test]
+    fn floors_report_only_deeper_records_and_search_from_the_floor() {
+        struct Floors {
+            floors: HashMap<WorkerRank, u32>,
+            got: Vec<(WorkerRank, u32)>,
+        }
+        impl Overlaps for Floors {
+            fn floor(&self, rank: WorkerRank) -> u32 {
+                self.floors.get(&rank).copied().unwrap_or(0)
+            }
+            fn raise(&mut self, rank: WorkerRank, depth: u32) {
+                assert!(depth > self.floor(rank));
+                self.got.push((rank, depth));
+            }
+        }
+        let c = ApproxCache::new(1 << 20);
+        let t0 = Instant::now();
+        let a = locals(1, 300);
+        let ka = keys_of(&a);
+        let until = t0 + Duration::from_secs(5);
+        for (w, depth) in (0..40u64).zip((5..300).step_by(7)) {
+            c.record(&ka[..depth], WorkerRank::new(w, 0), until);
+        }
+        let plain = look(&c, &a, t0);
+        assert_eq!(plain.len(), 40);
+        for floor in [0u32, 1, 16, 17, 40, 64, 100, 250, 299, 300, 1000] {
+            let mut f = Floors {
+                floors: (0..40).map(|w| (WorkerRank::new(w, 0), floor)).collect(),
+                got: Vec::new(),
+            };
+            let mut keys = Vec::new();
+            c.lookup_over(&a, &mut keys, t0, &mut f);
+            f.got.sort();
+            let want: Vec<(WorkerRank, u32)> =
+                plain.iter().copied().filter(|&(_, d)| d > floor).collect();
+            assert_eq!(f.got, want, "floor {floor}");
+        }
+        // Every record below a floor of 250: the search looks at one key past the floor.
+        let mut f = Floors {
+            floors: (0..40).map(|w| (WorkerRank::new(w, 0), 250)).collect(),
+            got: Vec::new(),
+        };
+        let c2 = ApproxCache::new(1 << 20);
+        for w in 0..40u64 {
+            c2.record(&ka[..100], WorkerRank::new(w, 0), until);
+        }
+        let mut keys = Vec::new();
+        c2.lookup_over(&a, &mut keys, t0, &mut f);
+        assert!(f.got.is_empty());
+        assert!(keys.len() <= 256, "{}", keys.len());
     }
 
     /// A record never outlives its TTL, and a longer-lived refresh of a prefix keeps the

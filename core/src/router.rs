@@ -742,6 +742,56 @@ struct Scratch {
     by_index_id: Vec<u32>,
 }
 
+/// The router's records (approximate mode, speculation) raise a rank's overlap to their
+/// depth, as device blocks; the index's overlap stands where it is deeper, and is the floor
+/// below which the records are not searched.
+struct RaiseToRecords<'a> {
+    fleet: &'a Fleet,
+    weights: &'a Weights,
+    scores: &'a mut Vec<RankScore>,
+    /// By fleet index: 0, or 1 + the index of the rank's score.
+    slot: &'a mut [u32],
+    /// By slot: the credit and the blocks of the rank's match.
+    matched: &'a mut Vec<(f64, u32)>,
+    raised: bool,
+}
+
+impl crate::approx::Overlaps for RaiseToRecords<'_> {
+    fn floor(&self, rank: WorkerRank) -> u32 {
+        match self.fleet.rank_index(rank) {
+            Some(i) => self.matched[self.slot[i] as usize].1,
+            // Not in this snapshot: nothing to raise, so nothing worth searching.
+            None => u32::MAX,
+        }
+    }
+
+    fn raise(&mut self, rank: WorkerRank, depth: u32) {
+        let Some(i) = self.fleet.rank_index(rank) else {
+            return;
+        };
+        let m = match self.slot[i] {
+            0 => {
+                self.scores.push(RankScore {
+                    rank,
+                    blocks: 0,
+                    per_tier: [0; StorageTier::COUNT],
+                });
+                self.matched.push((0.0, 0));
+                self.slot[i] = self.matched.len() as u32 - 1;
+                self.slot[i] as usize
+            }
+            m => m as usize,
+        };
+        let score = &mut self.scores[m - 1];
+        if depth > score.blocks {
+            score.per_tier[StorageTier::Device.index()] += depth - score.blocks;
+            score.blocks = depth;
+            self.matched[m] = (CostTerms::credit_of(self.weights, &score.per_tier), depth);
+            self.raised = true;
+        }
+    }
+}
+
 /// The fleet index of `rank`, whose index id is `id`, through the thread's cache of id to
 /// fleet index. A cached entry is used only when the fleet's rank there is `rank`: ids are
 /// reused after a rank leaves, fleet indices shift on every join and leave, and the cache
@@ -1349,35 +1399,17 @@ impl Router {
         // The router's own records (approximate mode, speculation) raise a rank's overlap to
         // their depth, as device blocks; the index's overlap stands where it is deeper.
         if !self.approx.is_empty() && !s.locals.is_empty() {
-            let mut raised = false;
-            let (scores, slot, matched) = (&mut s.scores.scores, &mut s.slot, &mut s.matched);
+            let mut raise = RaiseToRecords {
+                fleet: &fleet,
+                weights: &weights,
+                scores: &mut s.scores.scores,
+                slot: &mut s.slot,
+                matched: &mut s.matched,
+                raised: false,
+            };
             self.approx
-                .lookup(&s.locals, &mut s.keys, now.get_or(None), |rank, depth| {
-                    let Some(i) = fleet.rank_index(rank) else {
-                        return;
-                    };
-                    let m = match slot[i] {
-                        0 => {
-                            scores.push(RankScore {
-                                rank,
-                                blocks: 0,
-                                per_tier: [0; StorageTier::COUNT],
-                            });
-                            matched.push((0.0, 0));
-                            slot[i] = matched.len() as u32 - 1;
-                            slot[i] as usize
-                        }
-                        m => m as usize,
-                    };
-                    let score = &mut scores[m - 1];
-                    if depth > score.blocks {
-                        score.per_tier[StorageTier::Device.index()] += depth - score.blocks;
-                        score.blocks = depth;
-                        matched[m] = (CostTerms::credit_of(&weights, &score.per_tier), depth);
-                        raised = true;
-                    }
-                });
-            if raised {
+                .lookup_over(&s.locals, &mut s.keys, now.get_or(None), &mut raise);
+            if raise.raised {
                 bump(&self.counters.approx_raised);
             }
         }
