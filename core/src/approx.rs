@@ -251,6 +251,7 @@ impl ApproxCache {
         };
         let (records, ranks) = (&inner.records, &inner.ranks);
         let count = checkpoint_count(n);
+        let mut last_depth: Option<usize> = None;
         // One pass over the ranks whose records start like the query. A rank whose first
         // record expired or was retired leaves the list when it is looked at there (no
         // allocation; a new record puts it back, and sweeps clear the rest).
@@ -287,18 +288,39 @@ impl ApproxCache {
                 // closed under prefixes, so nothing deeper is live either).
                 return start > 0;
             }
-            // Gallop to a dead checkpoint (or the end), then bisect: `lo` is live, `hi` dead.
-            let (mut lo, mut step) = (start, 1usize);
-            let mut hi = loop {
-                let probe = lo + step;
-                if probe >= count {
-                    break count;
+            // `lo` is live, `hi` dead (or the end). Ranks recorded with one prompt end at one
+            // depth, so the previous rank's depth is tried first: two probes when it holds.
+            let mut lo = start;
+            let mut hi = None;
+            if let Some(h) = last_depth.filter(|&h| h > lo) {
+                if !live(h) {
+                    hi = Some(h);
+                } else {
+                    lo = h;
+                    if h + 1 >= count || !live(h + 1) {
+                        hi = Some(h + 1);
+                    } else {
+                        lo = h + 1;
+                    }
                 }
-                if !live(probe) {
-                    break probe;
+            }
+            // Else gallop to a dead checkpoint (or the end); then bisect.
+            let mut hi = match hi {
+                Some(hi) => hi,
+                None => {
+                    let mut step = 1usize;
+                    loop {
+                        let probe = lo + step;
+                        if probe >= count {
+                            break count;
+                        }
+                        if !live(probe) {
+                            break probe;
+                        }
+                        lo = probe;
+                        step *= 2;
+                    }
                 }
-                lo = probe;
-                step *= 2;
             };
             while hi - lo > 1 {
                 let mid = lo + (hi - lo) / 2;
@@ -308,6 +330,7 @@ impl ApproxCache {
                     hi = mid;
                 }
             }
+            last_depth = Some(lo);
             out.raise(rank, (checkpoint_at(lo, n) + 1) as u32);
             true
         });
@@ -557,6 +580,30 @@ mod tests {
         c2.lookup_over(&a, &mut keys, t0, &mut f);
         assert!(f.got.is_empty());
         assert!(keys.len() <= 256, "{}", keys.len());
+    }
+
+    /// Ranks searched one after another, most at one depth and some deeper or shallower (the
+    /// search tries the previous rank's depth first), each get the depth they get alone.
+    #[test]
+    fn depths_of_ranks_in_a_row_match_each_rank_alone() {
+        let t0 = Instant::now();
+        let until = t0 + Duration::from_secs(5);
+        let a = locals(3, 300);
+        let ka = keys_of(&a);
+        let depths = [
+            30usize, 30, 30, 100, 30, 7, 30, 300, 31, 16, 17, 1, 299, 30, 64, 63, 65,
+        ];
+        let all = ApproxCache::new(1 << 20);
+        let mut want = Vec::new();
+        for (w, &d) in depths.iter().enumerate() {
+            let r = WorkerRank::new(w as u64, 0);
+            all.record(&ka[..d], r, until);
+            let alone = ApproxCache::new(1 << 20);
+            alone.record(&ka[..d], r, until);
+            want.extend(look(&alone, &a, t0));
+        }
+        want.sort();
+        assert_eq!(look(&all, &a, t0), want);
     }
 
     /// A record never outlives its TTL, and a longer-lived refresh of a prefix keeps the
