@@ -18,7 +18,9 @@
 //! from the worker retires its records at once (a per-rank epoch), so speculation never claims
 //! blocks the worker said it dropped.
 //!
-//! **Structure.** One table of `(prefix key, rank) → (expiry, epoch)`. Prefix keys are the
+//! **Structure.** Per rank, a table of `prefix key → (expiry, epoch)` (a search, which probes
+//! one rank's records, stays in one small table), and an index of the ranks by the key of
+//! each recorded prompt's first block. Prefix keys are the
 //! router's chained keys of the prompt's blocks ([`crate::load::prefix_keys_into`]): equal keys
 //! mean equal prefixes. A route records the whole chain with one expiry, and a key already
 //! present keeps the later of its two expiries, so along any recorded chain expiries never
@@ -89,11 +91,22 @@ impl std::hash::Hasher for Mixed {
 
 type Table<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<Mixed>>;
 
+/// One rank's records. Kept apart from other ranks' so that the probes of one search, all
+/// for one rank, land in one small table.
+#[derive(Debug, Default)]
+struct RankRecords {
+    /// Bumped when the rank's worker evicts or clears blocks: older records stop counting.
+    epoch: u32,
+    /// Prefix key → record.
+    records: Table<u64, Record>,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
-    records: Table<(u64, WorkerRank), Record>,
-    /// Ranks holding records, with their current epoch and record count.
-    ranks: Table<WorkerRank, (u32, usize)>,
+    /// Ranks holding records, with their records.
+    ranks: Table<WorkerRank, RankRecords>,
+    /// Records held, over all ranks (the cap counts these).
+    records: usize,
     /// The key of a recorded prompt's first block → the ranks it was recorded on: a lookup
     /// visits only the ranks whose records start like the query.
     heads: Table<u64, Vec<WorkerRank>>,
@@ -164,41 +177,41 @@ impl ApproxCache {
         }
         let mut g = lock(&self.inner);
         let inner = &mut *g;
-        let (epoch, count) = inner.ranks.entry(rank).or_insert((0, 0));
+        let rr = inner.ranks.entry(rank).or_default();
         let heads = inner.heads.entry(keys[0]).or_default();
         if !heads.contains(&rank) {
             heads.push(rank);
         }
         let (mut written, mut dropped) = (0u64, 0u64);
         for i in checkpoints(keys.len()) {
-            let full = inner.records.len() >= self.max_records;
-            match inner.records.get_mut(&(keys[i], rank)) {
-                Some(r) if r.epoch == *epoch => {
+            let full = inner.records >= self.max_records;
+            match rr.records.get_mut(&keys[i]) {
+                Some(r) if r.epoch == rr.epoch => {
                     r.expires = r.expires.max(expires);
                     written += 1;
                 }
                 Some(r) => {
                     *r = Record {
                         expires,
-                        epoch: *epoch,
+                        epoch: rr.epoch,
                     };
                     written += 1;
                 }
                 None if full => dropped += 1,
                 None => {
-                    inner.records.insert(
-                        (keys[i], rank),
+                    rr.records.insert(
+                        keys[i],
                         Record {
                             expires,
-                            epoch: *epoch,
+                            epoch: rr.epoch,
                         },
                     );
-                    *count += 1;
+                    inner.records += 1;
                     written += 1;
                 }
             }
         }
-        self.len.store(inner.records.len(), Ordering::Relaxed);
+        self.len.store(inner.records, Ordering::Relaxed);
         self.written.fetch_add(written, Ordering::Relaxed);
         self.dropped.fetch_add(dropped, Ordering::Relaxed);
     }
@@ -249,20 +262,20 @@ impl ApproxCache {
         let Some(heads) = inner.heads.get_mut(&key0) else {
             return;
         };
-        let (records, ranks) = (&inner.records, &inner.ranks);
+        let ranks = &inner.ranks;
         let count = checkpoint_count(n);
         let mut last_depth: Option<usize> = None;
         // One pass over the ranks whose records start like the query. A rank whose first
         // record expired or was retired leaves the list when it is looked at there (no
         // allocation; a new record puts it back, and sweeps clear the rest).
         heads.retain(|&rank| {
-            let Some(&(epoch, _)) = ranks.get(&rank) else {
+            let Some(rr) = ranks.get(&rank) else {
                 return false;
             };
             let live_at = |key: u64| {
-                records
-                    .get(&(key, rank))
-                    .is_some_and(|r| r.epoch == epoch && r.expires > now)
+                rr.records
+                    .get(&key)
+                    .is_some_and(|r| r.epoch == rr.epoch && r.expires > now)
             };
             // The first checkpoint at or past the floor: a record ending before it adds nothing.
             let floor = out.floor(rank) as usize;
@@ -341,8 +354,8 @@ impl ApproxCache {
         if self.is_empty() {
             return;
         }
-        if let Some((epoch, _)) = lock(&self.inner).ranks.get_mut(&rank) {
-            *epoch = epoch.wrapping_add(1);
+        if let Some(rr) = lock(&self.inner).ranks.get_mut(&rank) {
+            rr.epoch = rr.epoch.wrapping_add(1);
         }
     }
 
@@ -352,16 +365,22 @@ impl ApproxCache {
             return;
         }
         let mut g = lock(&self.inner);
-        let before = g.records.len();
-        g.records.retain(|(_, r), _| r.worker != worker);
-        g.ranks.retain(|r, _| r.worker != worker);
-        g.heads.retain(|_, ranks| {
+        let inner = &mut *g;
+        let mut gone = 0;
+        inner.ranks.retain(|r, rr| {
+            let leaves = r.worker == worker;
+            if leaves {
+                gone += rr.records.len();
+            }
+            !leaves
+        });
+        inner.records -= gone;
+        inner.heads.retain(|_, ranks| {
             ranks.retain(|r| r.worker != worker);
             !ranks.is_empty()
         });
-        self.swept
-            .fetch_add((before - g.records.len()) as u64, Ordering::Relaxed);
-        self.len.store(g.records.len(), Ordering::Relaxed);
+        self.swept.fetch_add(gone as u64, Ordering::Relaxed);
+        self.len.store(inner.records, Ordering::Relaxed);
     }
 
     /// Removes expired and retired records; returns how many.
@@ -371,31 +390,22 @@ impl ApproxCache {
         }
         let mut g = lock(&self.inner);
         let inner = &mut *g;
-        let before = inner.records.len();
-        let ranks = &mut inner.ranks;
-        for (_, count) in ranks.values_mut() {
-            *count = 0;
-        }
-        inner.records.retain(|(_, rank), r| {
-            let keep = ranks
-                .get(rank)
-                .is_some_and(|(epoch, _)| *epoch == r.epoch && r.expires > now);
-            if keep {
-                if let Some((_, c)) = ranks.get_mut(rank) {
-                    *c += 1;
-                }
-            }
-            keep
+        let mut gone = 0;
+        inner.ranks.retain(|_, rr| {
+            let (epoch, before) = (rr.epoch, rr.records.len());
+            rr.records
+                .retain(|_, r| r.epoch == epoch && r.expires > now);
+            gone += before - rr.records.len();
+            !rr.records.is_empty()
         });
-        ranks.retain(|_, (_, c)| *c > 0);
-        let records = &inner.records;
-        inner.heads.retain(|key, ranks| {
-            ranks.retain(|r| records.contains_key(&(*key, *r)));
-            !ranks.is_empty()
+        inner.records -= gone;
+        let ranks = &inner.ranks;
+        inner.heads.retain(|key, list| {
+            list.retain(|r| ranks.get(r).is_some_and(|rr| rr.records.contains_key(key)));
+            !list.is_empty()
         });
-        let gone = before - inner.records.len();
         self.swept.fetch_add(gone as u64, Ordering::Relaxed);
-        self.len.store(inner.records.len(), Ordering::Relaxed);
+        self.len.store(inner.records, Ordering::Relaxed);
         gone
     }
 
