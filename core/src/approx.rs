@@ -18,21 +18,21 @@
 //! from the worker retires its records at once (a per-rank epoch), so speculation never claims
 //! blocks the worker said it dropped.
 //!
-//! **Structure.** Per rank, a table of `prefix key → (expiry, epoch)` (a search, which probes
-//! one rank's records, stays in one small table), and an index of the ranks by the key of
-//! each recorded prompt's first block. Prefix keys are the
-//! router's chained keys of the prompt's blocks ([`crate::load::prefix_keys_into`]): equal keys
-//! mean equal prefixes. A route records the whole chain with one expiry, and a key already
-//! present keeps the later of its two expiries, so along any recorded chain expiries never
-//! increase: the live records of a rank are closed under prefixes, and a query's depth on a
-//! rank is found by a galloping search from the first block (from the first checkpoint past the
-//! rank's floor, the index's overlap, when the caller gives one: a record no deeper than what
-//! the index already says costs one probe), which computes the query's prefix keys only as far
-//! as it looks. To keep a long prompt's record cheap, only *checkpoint*
-//! blocks are written: the first [`DENSE_BLOCKS`], then every [`STRIDE`]-th, and the last; a
-//! depth is therefore exact up to [`DENSE_BLOCKS`] and otherwise found to within
-//! [`STRIDE`] − 1 blocks below the truth (never above). The table is capped; records past the
-//! cap are dropped and counted.
+//! **Structure.** Per rank, a table of `prefix key → (expiry, epoch)` (a search probes one
+//! rank's records, so it stays in one small table), and an index of the ranks by the key of
+//! each recorded prompt's first block. Prefix keys are the router's chained keys of the
+//! prompt's blocks ([`crate::load::prefix_keys_into`]): equal keys mean equal prefixes. A route
+//! records the whole chain with one expiry, and a key already present keeps the later of its
+//! two expiries, so along any recorded chain expiries never increase: the live records of a
+//! rank are closed under prefixes, and a query's depth on a rank is found by a galloping
+//! search, which computes the query's prefix keys only as far as it looks. The search starts at
+//! the first block, or past the rank's floor when the caller gives one (the index's overlap: a
+//! record no deeper than what the index already says costs one probe), and tries the previous
+//! rank's depth first (ranks recorded with one prompt end at one depth). To keep a long
+//! prompt's record cheap, only *checkpoint* blocks are written: the first [`DENSE_BLOCKS`],
+//! then every [`STRIDE`]-th, and the last; a depth is therefore exact up to [`DENSE_BLOCKS`]
+//! and otherwise found to within [`STRIDE`] − 1 blocks below the truth (never above). The table
+//! is capped; records past the cap are dropped and counted.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
