@@ -4199,12 +4199,9 @@ mod constraint_tests {
         assert_eq!(r.counts().invalid_hints, 1);
     }
 
-    /// A waiting head holds back only what no free rank could serve: with zone a busy, a
-    /// zone-a request waits, a request for any worker behind it goes to zone b at once, and a
-    /// second zone-a request keeps its place behind the first.
-    #[test]
-    fn a_waiting_head_does_not_block_requests_other_ranks_can_serve() {
-        let r = router(
+    /// The labelled fleet with 10-block workers, busy over 5 active blocks, and an FCFS queue.
+    fn queued_labelled_router() -> Router {
+        router(
             RouterConfig {
                 busy: BusyThresholds {
                     decode_blocks_fraction: Some(0.5),
@@ -4217,7 +4214,15 @@ mod constraint_tests {
                 ..RouterConfig::default()
             },
             10,
-        );
+        )
+    }
+
+    /// A waiting head holds back only what no free rank could serve: with zone a busy, a
+    /// zone-a request waits, a request for any worker behind it goes to zone b at once, and a
+    /// second zone-a request keeps its place behind the first.
+    #[test]
+    fn a_waiting_head_does_not_block_requests_other_ranks_can_serve() {
+        let r = queued_labelled_router();
         let t: Vec<u32> = (0..96).collect();
         let q = |id: u64, zone_a: bool| {
             let mut q = RouteRequest {
@@ -4277,20 +4282,7 @@ mod constraint_tests {
     /// it waits, and goes to zone a when load frees there.
     #[test]
     fn queued_requests_keep_their_labels() {
-        let r = router(
-            RouterConfig {
-                busy: BusyThresholds {
-                    decode_blocks_fraction: Some(0.5),
-                    prefill_tokens_fraction: None,
-                },
-                queue: Queueing::On {
-                    max_queued_tokens: 10_000,
-                    order: QueueOrder::Fcfs,
-                },
-                ..RouterConfig::default()
-            },
-            10,
-        );
+        let r = queued_labelled_router();
         let t: Vec<u32> = (0..96).collect();
         for (id, w) in [(1, 1), (3, 3)] {
             let mut q = RouteRequest {
