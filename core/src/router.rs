@@ -1580,7 +1580,18 @@ impl Router {
             }
             s.candidates.clear();
             s.candidates.reserve(fleet.ranks.len());
-            let mut targets = ProbeTargets::new(if probe { shape.full_blocks } else { 0 });
+            // Candidates that cannot win are not kept where only the winner matters: the
+            // cheapest is taken (ties at random), and nothing else reads the list (no evidence,
+            // no busy or health filter, no warm-up pick, no wait to estimate).
+            let prune = probe
+                && temperature == 0.0
+                && hints.evidence != EvidenceLevel::Full
+                && !scorer.busy_on
+                && !scorer.health_on
+                && matches!(self.config.warm_up, WarmUp::Off)
+                && gate != Gate::Behind;
+            let mut targets =
+                ProbeTargets::new(if probe { shape.full_blocks } else { 0 }).pruning(prune);
             let unlabelled = scorer.gather(
                 role,
                 hints.allowed,
@@ -2627,8 +2638,9 @@ impl Scorer<'_> {
                 }
             }
             let c = this.score_as::<EXTRAS>(i);
-            targets.offer(out.len(), &c);
-            out.push(c);
+            if targets.offer(out.len(), &c) {
+                out.push(c);
+            }
         }
         unlabelled
     }
@@ -2921,6 +2933,66 @@ mod tests {
         }
         assert_eq!(overlaps(&b), [(0, 5), (2, 3), (3, 1)]);
         assert_eq!(overlaps(&a), [(0, 9), (2, 4), (3, 6)]);
+    }
+
+    /// Without evidence, selection keeps only candidates that can still win; it picks from
+    /// exactly the cheapest ranks the full evidence shows, each of them over repeated routes,
+    /// on fleets with ties, deep and shallow overlaps and prompt blocks already active.
+    #[test]
+    fn pruned_selection_picks_among_the_cheapest_of_the_full_evidence() {
+        let mut rng = crate::rng::Rng::new(11);
+        for round in 0..12u64 {
+            let r = router(RouterConfig::default());
+            let t = tokens(320);
+            let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+            for w in 0..16u64 {
+                r.join_worker(WorkerConfig::simple(w, 10_000, BS)).unwrap();
+                let depth = [0, 0, 2, 5, 5, 20][rng.below(6) as usize];
+                if depth > 0 {
+                    store(
+                        &r,
+                        WorkerRank::new(w, 0),
+                        StorageTier::Device,
+                        &locals[..depth],
+                        0,
+                    );
+                }
+                // Load: the query's own first blocks active on some, other prompts on others.
+                for k in 0..rng.below(3) {
+                    let own = rng.below(2) == 0;
+                    let body: Vec<u32> = if own {
+                        t[..16 * (1 + rng.below(10) as usize)].to_vec()
+                    } else {
+                        (0..64).map(|i| 900_000 + i + 1000 * (w as u32)).collect()
+                    };
+                    let mut q = req(1000 * (round + 1) + 10 * w + k, &body);
+                    q.hints.pinned.backend_instance = Some(WorkerId(w));
+                    r.route(&q).unwrap();
+                }
+            }
+            let mut q = req(1, &t);
+            q.hints.mode = Mode::QueryOnly;
+            q.hints.evidence = EvidenceLevel::Full;
+            let ev = r.route(&q).unwrap().evidence.unwrap();
+            let min = ev
+                .iter()
+                .map(|c| c.cost.total)
+                .fold(f64::INFINITY, f64::min);
+            let cheapest: std::collections::BTreeSet<WorkerRank> = ev
+                .iter()
+                .filter(|c| c.cost.total == min)
+                .map(|c| c.rank)
+                .collect();
+            q.hints.evidence = EvidenceLevel::Off;
+            let mut picked = std::collections::BTreeSet::new();
+            for _ in 0..300 {
+                let d = r.route(&q).unwrap();
+                assert!(cheapest.contains(&d.worker), "round {round}: {d:?}");
+                assert_eq!(d.cost.total, min);
+                picked.insert(d.worker);
+            }
+            assert_eq!(picked, cheapest, "round {round}");
+        }
     }
 
     #[test]

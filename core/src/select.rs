@@ -471,6 +471,8 @@ pub fn shared_probe_targets(
 #[derive(Clone, Copy, Debug)]
 pub struct ProbeTargets {
     full_blocks: u64,
+    /// Refuse candidates that can no longer win ([`ProbeTargets::pruning`]).
+    prune: bool,
     cheapest: f64,
     n: usize,
     bounds: [f64; SHARED_PROBES],
@@ -482,6 +484,7 @@ impl ProbeTargets {
     pub fn new(full_blocks: u32) -> Self {
         ProbeTargets {
             full_blocks: u64::from(full_blocks),
+            prune: false,
             cheapest: f64::INFINITY,
             n: 0,
             bounds: [f64::INFINITY; SHARED_PROBES],
@@ -489,22 +492,33 @@ impl ProbeTargets {
         }
     }
 
-    /// Considers candidate `index`.
+    /// These targets, refusing (with `prune`) every candidate that can no longer win: one
+    /// whose cost, less the most a probe could take off it (its room), is above the cheapest
+    /// cost seen so far. The cheapest only falls and a probe lowers a cost by at most its
+    /// room, so a refused candidate ends strictly above the final minimum: for a policy that
+    /// takes the cheapest (ties broken at random) and a request nothing else looks at, it
+    /// need not be kept at all.
+    pub fn pruning(mut self, prune: bool) -> Self {
+        self.prune = prune;
+        self
+    }
+
+    /// Considers candidate `index`; false when it is refused ([`ProbeTargets::pruning`]).
     #[inline(always)]
-    pub fn offer(&mut self, index: usize, c: &Scored) {
+    pub fn offer(&mut self, index: usize, c: &Scored) -> bool {
         if c.busy == Busy::Busy {
-            return;
+            return true;
         }
         if c.cost < self.cheapest {
             self.cheapest = c.cost;
         }
         let room = c.load.prompt_blocks.min(self.full_blocks);
-        if room == 0 {
-            return;
-        }
         let bound = c.cost - count_f64(room);
-        if bound >= self.bounds[SHARED_PROBES - 1] {
-            return;
+        if self.prune && bound > self.cheapest {
+            return false;
+        }
+        if room == 0 || bound >= self.bounds[SHARED_PROBES - 1] {
+            return true;
         }
         // Insert in order; when full, the highest bound drops out.
         let mut at = self.n.min(SHARED_PROBES - 1);
@@ -516,6 +530,7 @@ impl ProbeTargets {
         self.bounds[at] = bound;
         self.indices[at] = index as u32;
         self.n = (self.n + 1).min(SHARED_PROBES);
+        true
     }
 
     /// The candidates to probe, lowest bound first.
