@@ -1581,15 +1581,13 @@ impl Router {
             s.candidates.clear();
             s.candidates.reserve(fleet.ranks.len());
             // Candidates that cannot win are not kept where only the winner matters: the
-            // cheapest is taken (ties at random), and nothing else reads the list (no evidence,
-            // no busy or health filter, no warm-up pick, no wait to estimate).
+            // cheapest is taken (ties at random), and nothing else reads the whole list (no
+            // evidence, no rank warming up, no wait to estimate).
             let prune = probe
                 && temperature == 0.0
                 && hints.evidence != EvidenceLevel::Full
-                && !scorer.busy_on
-                && !scorer.health_on
-                && matches!(self.config.warm_up, WarmUp::Off)
-                && gate != Gate::Behind;
+                && gate != Gate::Behind
+                && !self.warming(now);
             let mut targets =
                 ProbeTargets::new(if probe { shape.full_blocks } else { 0 }).pruning(prune);
             let unlabelled = scorer.gather(
@@ -1824,6 +1822,13 @@ impl Router {
             state.warm_until(until);
             self.warm_horizon_ns.fetch_max(until, Ordering::Relaxed);
         }
+    }
+
+    /// True while some rank may still be warming up at `now` (warm-up's pick may then look
+    /// at every candidate).
+    fn warming(&self, now: &Now) -> bool {
+        matches!(self.config.warm_up, WarmUp::On { .. })
+            && self.ns_since_epoch(now.get_or(None)) < self.warm_horizon_ns.load(Ordering::Relaxed)
     }
 
     /// For a cache miss (no candidate holds a block), with probability `share`, the least
@@ -2936,17 +2941,31 @@ mod tests {
     }
 
     /// Without evidence, selection keeps only candidates that can still win; it picks from
-    /// exactly the cheapest ranks the full evidence shows, each of them over repeated routes,
-    /// on fleets with ties, deep and shallow overlaps and prompt blocks already active.
+    /// exactly the ranks the full evidence says it should, each of them over repeated routes:
+    /// the cheapest healthy, free ones, or the least loaded where the busy or health filter
+    /// falls back. Fleets with ties, deep and shallow overlaps, prompt blocks already active,
+    /// busy workers, and the cheapest worker marked wedged.
     #[test]
-    fn pruned_selection_picks_among_the_cheapest_of_the_full_evidence() {
+    fn pruned_selection_picks_what_the_full_evidence_says() {
         let mut rng = crate::rng::Rng::new(11);
-        for round in 0..12u64 {
-            let r = router(RouterConfig::default());
+        let (mut by_cost, mut by_load) = (0, 0);
+        for round in 0..32u64 {
+            let busy = round % 2 == 1;
+            // Every worker loaded and tiny: all busy, so the least loaded serves.
+            let all_busy = round % 4 == 3;
+            let r = router(RouterConfig {
+                busy: crate::config::BusyThresholds {
+                    decode_blocks_fraction: busy.then_some(0.5),
+                    prefill_tokens_fraction: None,
+                },
+                ..RouterConfig::default()
+            });
             let t = tokens(320);
             let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+            let mut deepest = (0, WorkerId(0));
             for w in 0..16u64 {
-                r.join_worker(WorkerConfig::simple(w, 10_000, BS)).unwrap();
+                let kv = if all_busy { 4 } else { 20 };
+                r.join_worker(WorkerConfig::simple(w, kv, BS)).unwrap();
                 let depth = [0, 0, 2, 5, 5, 20][rng.below(6) as usize];
                 if depth > 0 {
                     store(
@@ -2957,9 +2976,18 @@ mod tests {
                         0,
                     );
                 }
+                if depth > deepest.0 {
+                    deepest = (depth, WorkerId(w));
+                }
                 // Load: the query's own first blocks active on some, other prompts on others.
-                for k in 0..rng.below(3) {
-                    let own = rng.below(2) == 0;
+                let requests = if all_busy {
+                    1 + rng.below(2)
+                } else {
+                    rng.below(3)
+                };
+                for k in 0..requests {
+                    // Another prompt's 4 blocks make a 4-block worker busy.
+                    let own = !all_busy && rng.below(2) == 0;
                     let body: Vec<u32> = if own {
                         t[..16 * (1 + rng.below(10) as usize)].to_vec()
                     } else {
@@ -2970,29 +2998,55 @@ mod tests {
                     r.route(&q).unwrap();
                 }
             }
+            if round % 3 == 2 {
+                r.set_health(deepest.1, Health::Wedged).unwrap();
+            }
             let mut q = req(1, &t);
             q.hints.mode = Mode::QueryOnly;
             q.hints.evidence = EvidenceLevel::Full;
             let ev = r.route(&q).unwrap().evidence.unwrap();
-            let min = ev
+            let healthy: Vec<&Candidate> = ev.iter().filter(|c| c.health.is_healthy()).collect();
+            let pool = if healthy.is_empty() {
+                ev.iter().collect()
+            } else {
+                healthy
+            };
+            let free: Vec<&Candidate> = pool
                 .iter()
-                .map(|c| c.cost.total)
-                .fold(f64::INFINITY, f64::min);
-            let cheapest: std::collections::BTreeSet<WorkerRank> = ev
-                .iter()
-                .filter(|c| c.cost.total == min)
-                .map(|c| c.rank)
+                .copied()
+                .filter(|c| c.busy == crate::select::Busy::Free)
                 .collect();
+            let want: std::collections::BTreeSet<WorkerRank> = if free.is_empty() {
+                by_load += 1;
+                let least = pool.iter().map(|c| c.load.load_blocks(BS)).min().unwrap();
+                pool.iter()
+                    .filter(|c| c.load.load_blocks(BS) == least)
+                    .map(|c| c.rank)
+                    .collect()
+            } else {
+                by_cost += 1;
+                let min = free
+                    .iter()
+                    .map(|c| c.cost.total)
+                    .fold(f64::INFINITY, f64::min);
+                free.iter()
+                    .filter(|c| c.cost.total == min)
+                    .map(|c| c.rank)
+                    .collect()
+            };
             q.hints.evidence = EvidenceLevel::Off;
             let mut picked = std::collections::BTreeSet::new();
             for _ in 0..300 {
                 let d = r.route(&q).unwrap();
-                assert!(cheapest.contains(&d.worker), "round {round}: {d:?}");
-                assert_eq!(d.cost.total, min);
+                assert!(want.contains(&d.worker), "round {round}: {d:?}");
                 picked.insert(d.worker);
             }
-            assert_eq!(picked, cheapest, "round {round}");
+            assert_eq!(picked, want, "round {round}");
         }
+        assert!(
+            by_cost >= 16 && by_load >= 4,
+            "{by_cost} by cost, {by_load} by load"
+        );
     }
 
     #[test]

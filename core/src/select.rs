@@ -494,10 +494,11 @@ impl ProbeTargets {
 
     /// These targets, refusing (with `prune`) every candidate that can no longer win: one
     /// whose cost, less the most a probe could take off it (its room), is above the cheapest
-    /// cost seen so far. The cheapest only falls and a probe lowers a cost by at most its
-    /// room, so a refused candidate ends strictly above the final minimum: for a policy that
-    /// takes the cheapest (ties broken at random) and a request nothing else looks at, it
-    /// need not be kept at all.
+    /// cost seen so far among the free, healthy ones. The cheapest only falls and a probe
+    /// lowers a cost by at most its room, so a refused candidate ends strictly above the final
+    /// minimum: for a policy that takes the cheapest (ties broken at random) and a request
+    /// nothing else looks at, it need not be kept at all. Busy and marked candidates are
+    /// always kept, so the busy and health filters see every one they may fall back to.
     pub fn pruning(mut self, prune: bool) -> Self {
         self.prune = prune;
         self
@@ -506,7 +507,10 @@ impl ProbeTargets {
     /// Considers candidate `index`; false when it is refused ([`ProbeTargets::pruning`]).
     #[inline(always)]
     pub fn offer(&mut self, index: usize, c: &Scored) -> bool {
-        if c.busy == Busy::Busy {
+        // A busy or marked rank is chosen only when every rank is (the busy and health
+        // filters then fall back to the least loaded of all): it is kept, not probed, and its
+        // cost does not cut the others.
+        if c.busy == Busy::Busy || !c.health.is_healthy() {
             return true;
         }
         if c.cost < self.cheapest {
