@@ -2899,42 +2899,27 @@ mod tests {
             v.sort();
             v
         };
+        // A worker joins, holding the first `n` blocks.
+        let join = |r: &Router, w: u64, n: usize| {
+            r.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+            let rank = WorkerRank::new(w, 0);
+            store(r, rank, StorageTier::Device, &locals[..n], 0);
+        };
         let a = router(RouterConfig::default());
         for (w, n) in [(1u64, 2usize), (2, 4), (3, 6)] {
-            a.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
-            store(
-                &a,
-                WorkerRank::new(w, 0),
-                StorageTier::Device,
-                &locals[..n],
-                0,
-            );
+            join(&a, w, n);
         }
         assert_eq!(overlaps(&a), [(1, 2), (2, 4), (3, 6)]);
         // Worker 1 leaves (worker 2 and 3 move down one fleet index); worker 0 joins first in
         // fleet order and takes worker 1's index id.
         a.leave_worker(WorkerId(1)).unwrap();
         assert_eq!(overlaps(&a), [(2, 4), (3, 6)]);
-        a.join_worker(WorkerConfig::simple(0, 1000, BS)).unwrap();
-        store(
-            &a,
-            WorkerRank::new(0, 0),
-            StorageTier::Device,
-            &locals[..9],
-            0,
-        );
+        join(&a, 0, 9);
         assert_eq!(overlaps(&a), [(0, 9), (2, 4), (3, 6)]);
         // A second router on the same thread, its ids in another order.
         let b = router(RouterConfig::default());
         for (w, n) in [(3u64, 1usize), (2, 3), (0, 5)] {
-            b.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
-            store(
-                &b,
-                WorkerRank::new(w, 0),
-                StorageTier::Device,
-                &locals[..n],
-                0,
-            );
+            join(&b, w, n);
         }
         assert_eq!(overlaps(&b), [(0, 5), (2, 3), (3, 1)]);
         assert_eq!(overlaps(&a), [(0, 9), (2, 4), (3, 6)]);
