@@ -95,14 +95,12 @@ pub struct Waiting<T> {
     /// Prompt tokens it counts against the cap.
     pub tokens: u64,
     pub enqueued_at: Instant,
-    /// The lane it waits in (below [`LANES`]; a higher one counts in the last), counted apart so that a scan can tell when
-    /// nothing of a lane is left to try ([`AdmissionQueue::lane_len`]).
+    /// The lane it waits in: requests a scan treats alike share one (the router's lane is
+    /// the request's eligibility). Lanes are counted apart ([`AdmissionQueue::lane_len`]) so
+    /// that a scan can tell when nothing is left to try.
     pub lane: usize,
     pub item: T,
 }
-
-/// Lanes a queue counts apart.
-pub const LANES: usize = 3;
 
 /// Where a waiting request stands in the release order: a cursor for a scan that takes
 /// requests out as it goes ([`AdmissionQueue::next_after`], [`AdmissionQueue::take`]).
@@ -135,7 +133,10 @@ pub struct AdmissionQueue<T> {
     seq: u64,
     entries: BTreeMap<QueueKey, Waiting<T>>,
     by_id: HashMap<RequestId, QueueKey>,
-    lanes: [usize; LANES],
+    /// Requests waiting, by lane.
+    lanes: Vec<usize>,
+    /// Lanes with a request waiting.
+    nonempty_lanes: usize,
 }
 
 impl<T> AdmissionQueue<T> {
@@ -148,7 +149,8 @@ impl<T> AdmissionQueue<T> {
             seq: 0,
             entries: BTreeMap::new(),
             by_id: HashMap::new(),
-            lanes: [0; LANES],
+            lanes: Vec::new(),
+            nonempty_lanes: 0,
         }
     }
 
@@ -177,6 +179,11 @@ impl<T> AdmissionQueue<T> {
         self.lanes.get(lane).copied().unwrap_or(0)
     }
 
+    /// Lanes with at least one request waiting.
+    pub fn nonempty_lanes(&self) -> usize {
+        self.nonempty_lanes
+    }
+
     /// True when `request` waits.
     pub fn contains(&self, request: RequestId) -> bool {
         self.by_id.contains_key(&request)
@@ -184,11 +191,10 @@ impl<T> AdmissionQueue<T> {
 
     /// Queues `w` in its place, unless its tokens would take the queue past its cap (a request
     /// alone larger than the cap is never queued) or its id already waits.
-    pub fn push(&mut self, mut w: Waiting<T>, order: OrderInput) -> Result<(), Refused<T>> {
+    pub fn push(&mut self, w: Waiting<T>, order: OrderInput) -> Result<(), Refused<T>> {
         if self.by_id.contains_key(&w.request) {
             return Err(Refused::Duplicate(w));
         }
-        w.lane = w.lane.min(LANES - 1);
         if self.queued_tokens.saturating_add(w.tokens) > self.cap_tokens {
             let over = OverCap {
                 queued_tokens: self.queued_tokens,
@@ -199,6 +205,12 @@ impl<T> AdmissionQueue<T> {
         let key = order.key(self.order, self.seq);
         self.seq += 1;
         self.queued_tokens += w.tokens;
+        if w.lane >= self.lanes.len() {
+            self.lanes.resize(w.lane + 1, 0);
+        }
+        if self.lanes[w.lane] == 0 {
+            self.nonempty_lanes += 1;
+        }
         self.lanes[w.lane] += 1;
         self.by_id.insert(w.request, key);
         self.entries.insert(key, w);
@@ -239,6 +251,9 @@ impl<T> AdmissionQueue<T> {
     fn left(&mut self, w: &Waiting<T>) {
         self.queued_tokens -= w.tokens;
         self.lanes[w.lane] -= 1;
+        if self.lanes[w.lane] == 0 {
+            self.nonempty_lanes -= 1;
+        }
     }
 
     /// Takes `request` out of the queue wherever it is (a cancel).
@@ -264,7 +279,7 @@ mod tests {
             request: RequestId(id),
             tokens,
             enqueued_at: t0,
-            lane: (id % LANES as u64) as usize,
+            lane: (id % 3) as usize,
             item: (),
         }
     }
@@ -301,6 +316,42 @@ mod tests {
         assert!(q.remove(RequestId(3)).is_none(), "removed once");
         assert_eq!(ids(&q), vec![1, 2, 5]);
         assert_eq!(q.queued_tokens(), 30);
+    }
+
+    /// Lanes count their requests through every way in and out, and a cursor walks the
+    /// release order, taking requests as it goes.
+    #[test]
+    fn lanes_count_and_a_cursor_takes_in_order() {
+        let t0 = Instant::now();
+        let mut q = AdmissionQueue::new(QueueOrder::Fcfs, 1_000);
+        for id in 1..=7u64 {
+            // Lanes 1, 2, 0, 1, 2, 0, 1 (id % 3).
+            q.push(w(id, 10, t0), order(0, 0.0, id as f64, 10)).unwrap();
+        }
+        assert_eq!((q.lane_len(0), q.lane_len(1), q.lane_len(2)), (2, 3, 2));
+        assert_eq!((q.nonempty_lanes(), q.lane_len(9)), (3, 0));
+        // Take lane 0's requests (3 and 6) by cursor, leaving the rest in place.
+        let mut cursor = None;
+        let mut seen = Vec::new();
+        while let Some((place, w)) = q.next_after(cursor) {
+            cursor = Some(place);
+            seen.push(w.request.0);
+            if w.lane == 0 {
+                assert!(q.take(place).is_some());
+                assert!(q.take(place).is_none(), "taken once");
+            }
+        }
+        assert_eq!(seen, vec![1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(ids(&q), vec![1, 2, 4, 5, 7]);
+        assert_eq!((q.lane_len(0), q.nonempty_lanes()), (0, 2));
+        assert_eq!(q.pop().unwrap().request, RequestId(1));
+        assert!(q.remove(RequestId(4)).is_some());
+        assert!(q.remove(RequestId(7)).is_some());
+        assert_eq!(
+            (q.lane_len(1), q.lane_len(2), q.nonempty_lanes()),
+            (0, 2, 1)
+        );
+        assert_eq!(q.queued_tokens(), 20);
     }
 
     #[test]

@@ -73,7 +73,7 @@ use crate::load::{
     prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Generated, Ledger, LedgerCounts,
     LoadError, LoadView, RankState, RequestId, Step,
 };
-use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting, LANES};
+use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
 use crate::registry::{
     Fleet, KvEvents, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole,
 };
@@ -1971,18 +1971,24 @@ struct OwnedRequest {
 /// request waits exactly when every rank its eligibility admits is busy. Two requests of equal
 /// eligibility therefore wait or go together, and a request that admits every rank of its
 /// phase waits only when the whole phase is busy, and then so does every request of that
-/// phase. A release pass uses this to try only requests that could go, so a waiting head
-/// does not hold back requests that other ranks could serve.
-#[derive(Clone, Debug, PartialEq)]
+/// phase. The queue gives each eligibility a lane of its own, and a release pass tries a lane
+/// only until one of its requests waits: a waiting head does not hold back requests that
+/// other ranks could serve, and a pass ends once every lane with a request has waited.
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Eligibility {
+    /// A hash of the rest, compared first.
+    key: u64,
     phase: Phase,
     /// Sorted, without repeats.
     required: Vec<(String, String)>,
     /// Sorted, without repeats.
     allowed: Option<Vec<WorkerId>>,
-    /// A session or a pin can send the request to one rank without the busy gate: such a
-    /// request is always tried.
-    always_try: bool,
+}
+
+impl std::hash::Hash for Eligibility {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key.hash(state);
+    }
 }
 
 impl Eligibility {
@@ -2001,20 +2007,17 @@ impl Eligibility {
             a.dedup();
             a
         });
+        let key = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            (h.phase as u8, &required, &allowed).hash(&mut hasher);
+            hasher.finish()
+        };
         Eligibility {
+            key,
             phase: h.phase,
             required,
             allowed,
-            always_try: h.session.is_some() || h.pinned.for_phase(h.phase).is_some(),
-        }
-    }
-
-    /// The queue lane of its phase.
-    fn lane(&self) -> usize {
-        match self.phase {
-            Phase::Aggregated => 0,
-            Phase::Prefill => 1,
-            Phase::Decode => 2,
         }
     }
 
@@ -2137,6 +2140,15 @@ struct QueueState {
     rejected: u64,
     cancelled_waiting: u64,
     cancelled_released: u64,
+    /// The queue's lanes: one per eligibility with a request waiting.
+    lanes: HashMap<Eligibility, usize>,
+    /// By lane: its eligibility's phase (`None`: a free lane).
+    lane_phase: Vec<Option<Phase>>,
+    /// By lane: its eligibility, to forget it when the lane empties.
+    lane_keys: Vec<Option<Eligibility>>,
+    free_lanes: Vec<usize>,
+    /// By lane, for one release pass: found waiting.
+    blocked: Vec<bool>,
 }
 
 impl QueueState {
@@ -2152,6 +2164,39 @@ impl QueueState {
             rejected: 0,
             cancelled_waiting: 0,
             cancelled_released: 0,
+            lanes: HashMap::new(),
+            lane_phase: Vec::new(),
+            lane_keys: Vec::new(),
+            free_lanes: Vec::new(),
+            blocked: Vec::new(),
+        }
+    }
+
+    /// The lane of requests of eligibility `e`.
+    fn lane_for(&mut self, e: &Eligibility) -> usize {
+        if let Some(&lane) = self.lanes.get(e) {
+            return lane;
+        }
+        let lane = self.free_lanes.pop().unwrap_or(self.lane_phase.len());
+        if lane == self.lane_phase.len() {
+            self.lane_phase.push(None);
+            self.lane_keys.push(None);
+        }
+        self.lane_phase[lane] = Some(e.phase);
+        self.lane_keys[lane] = Some(e.clone());
+        self.lanes.insert(e.clone(), lane);
+        lane
+    }
+
+    /// Forgets `lane` once nothing waits in it.
+    fn lane_left(&mut self, lane: usize) {
+        if self.queue.lane_len(lane) > 0 {
+            return;
+        }
+        if let Some(e) = self.lane_keys.get_mut(lane).and_then(Option::take) {
+            self.lanes.remove(&e);
+            self.lane_phase[lane] = None;
+            self.free_lanes.push(lane);
         }
     }
 
@@ -2237,11 +2282,12 @@ impl Router {
         };
         let tokens = req.tokens.len() as u64;
         let item = OwnedRequest::new(req);
+        let lane = st.lane_for(&item.eligibility);
         let waiting = Waiting {
             request: req.id,
             tokens,
             enqueued_at: now,
-            lane: item.eligibility.lane(),
+            lane,
             item,
         };
         let order = OrderInput {
@@ -2250,7 +2296,11 @@ impl Router {
             arrival_secs: now.saturating_duration_since(q.epoch).as_secs_f64(),
             new_prefill_tokens,
         };
-        match st.queue.push(waiting, order) {
+        let pushed = st.queue.push(waiting, order);
+        if pushed.is_err() {
+            st.lane_left(lane);
+        }
+        match pushed {
             Ok(()) => {
                 st.enqueued += 1;
                 q.depth.store(st.queue.len(), Ordering::Relaxed);
@@ -2294,29 +2344,38 @@ impl Router {
     fn release_locked(&self, q: &Queue, st: &mut QueueState, now: Instant) -> usize {
         let mut n = 0;
         let mut cursor = None;
-        // What this pass found waiting: whole phases, and narrower eligibilities.
-        let mut phase_busy = [false; LANES];
-        let mut blocked: Vec<Eligibility> = Vec::new();
-        loop {
-            if (0..LANES).all(|l| phase_busy[l] || st.queue.lane_len(l) == 0) {
-                break;
-            }
+        // The lanes this pass found waiting; it ends once every lane with a request is one.
+        st.blocked.clear();
+        st.blocked.resize(st.lane_phase.len(), false);
+        let mut blocked = 0;
+        while blocked < st.queue.nonempty_lanes() {
             let Some((place, w)) = st.queue.next_after(cursor) else {
                 break;
             };
             cursor = Some(place);
-            let e = &w.item.eligibility;
-            if !e.always_try && (phase_busy[e.lane()] || blocked.contains(e)) {
+            let lane = w.lane;
+            if st.blocked[lane] {
                 continue;
             }
+            let (phase, whole_phase) = (w.item.eligibility.phase, w.item.eligibility.whole_phase());
             let mut bufs = LabelBufs::default();
             let req = w.item.request(w.request, &mut bufs);
             let outcome = match self.route_gated(&req, &Now::at(now), Gate::IfFree) {
                 Ok(Routed::Wait { .. }) => {
-                    if e.whole_phase() {
-                        phase_busy[e.lane()] = true;
-                    } else if !e.always_try {
-                        blocked.push(e.clone());
+                    // Every request of a lane whose ranks are all busy waits too; so does
+                    // every request of the phase when one that admits all of it waits.
+                    st.blocked[lane] = true;
+                    blocked += 1;
+                    if whole_phase {
+                        for l in 0..st.lane_phase.len() {
+                            if !st.blocked[l]
+                                && st.lane_phase[l] == Some(phase)
+                                && st.queue.lane_len(l) > 0
+                            {
+                                st.blocked[l] = true;
+                                blocked += 1;
+                            }
+                        }
                     }
                     continue;
                 }
@@ -2326,6 +2385,7 @@ impl Router {
             let Some(w) = st.queue.take(place) else {
                 continue;
             };
+            st.lane_left(w.lane);
             let waited = now.saturating_duration_since(w.enqueued_at);
             record(
                 &mut st.wait_us,
@@ -2420,7 +2480,8 @@ impl Router {
         };
         let mut st = lock(&q.state);
         st.wakers.remove(&request);
-        if st.queue.remove(request).is_some() {
+        if let Some(w) = st.queue.remove(request) {
+            st.lane_left(w.lane);
             st.cancelled_waiting += 1;
             q.depth.store(st.queue.len(), Ordering::Relaxed);
             return Ok(Cancelled::Waiting);

@@ -11,6 +11,11 @@
 //! queued one released, the load back to zero) and prints the counts, the queue wait's
 //! quantiles and the wall-clock cost of the admission calls, for both queue orders.
 //!
+//! A third run splits the fleet in two zones (workers labelled `zone=a` and `zone=b`, FCFS):
+//! every request requires one zone, and zone a carries twice the background load, so its
+//! requests wait longer. A waiting zone-a request does not hold back the zone-b requests
+//! queued behind it: the run prints the queue wait per zone.
+//!
 //! `cargo run --release -p kvroute-benches --bin burst`
 
 use std::cmp::Reverse;
@@ -22,7 +27,7 @@ use kvroute_core::config::{BusyThresholds, QueueOrder, Queueing, RouterConfig};
 use kvroute_core::load::RequestId;
 use kvroute_core::registry::WorkerConfig;
 use kvroute_core::rng::Rng;
-use kvroute_core::router::{Admission, RouteError, RouteHints, RouteRequest, Router};
+use kvroute_core::router::{Admission, Label, RouteError, RouteHints, RouteRequest, Router};
 use kvroute_core::{IndexConfig, PrefixIndex, WorkerId};
 
 const BS: u32 = 16;
@@ -97,7 +102,19 @@ fn quantile_ms(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1000.0
 }
 
-fn run(order: QueueOrder) {
+/// The zone label a request of the zoned run requires.
+const ZONES: [[Label<'static>; 1]; 2] = [
+    [Label {
+        key: "zone",
+        value: "a",
+    }],
+    [Label {
+        key: "zone",
+        value: "b",
+    }],
+];
+
+fn run(order: QueueOrder, zoned: bool) {
     let config = RouterConfig {
         busy: BusyThresholds {
             decode_blocks_fraction: Some(0.5),
@@ -110,10 +127,14 @@ fn run(order: QueueOrder) {
         ..RouterConfig::default()
     };
     let router = Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap();
+    // Zone a: the first half of the workers.
+    let zone_of = |w: u64| usize::from(w >= WORKERS / 2);
     for w in 0..WORKERS {
-        router
-            .join_worker(WorkerConfig::simple(w, KV_BLOCKS, BS))
-            .unwrap();
+        let mut c = WorkerConfig::simple(w, KV_BLOCKS, BS);
+        if zoned {
+            c.labels = vec![("zone".into(), ["a", "b"][zone_of(w)].into())];
+        }
+        router.join_worker(c).unwrap();
     }
     let mut sim = Sim {
         router,
@@ -123,9 +144,14 @@ fn run(order: QueueOrder) {
     };
     let mut rng = Rng::new(0x0062_7572_7374);
 
-    // Saturate every worker with long background requests.
+    // Saturate every worker with long background requests (zone a twice over).
     for w in 0..WORKERS {
-        for b in 0..BACKGROUND {
+        let background = if zoned && zone_of(w) == 0 {
+            2 * BACKGROUND
+        } else {
+            BACKGROUND
+        };
+        for b in 0..background {
             let id = 1 << 40 | w << 8 | b;
             let tokens = prompt(id, 8192);
             let mut q = RouteRequest {
@@ -155,6 +181,9 @@ fn run(order: QueueOrder) {
             hints: RouteHints::default(),
         };
         q.hints.priority_jump = if id % 10 == 0 { 5.0 } else { 0.0 };
+        if zoned {
+            q.hints.required = &ZONES[(id % 2) as usize];
+        }
         sim.shapes.insert(id, (len, out));
         let t = Instant::now();
         let outcome = sim.router.submit_at(&q, Instant::now());
@@ -177,6 +206,7 @@ fn run(order: QueueOrder) {
 
     // Play the fleet until every event ran.
     let mut wait_us = histogram();
+    let mut zone_wait_us = [histogram(), histogram()];
     let (mut released, mut released_failed, mut max_depth) = (0u64, 0u64, depth_after_burst);
     let mut lifecycle_ns = 0u128;
     let mut lifecycle_calls = 0u64;
@@ -209,6 +239,7 @@ fn run(order: QueueOrder) {
             released += 1;
             let waited = now - arrival.remove(&id).expect("released once, after queueing");
             wait_us.saturating_record(waited.max(1));
+            zone_wait_us[(id % 2) as usize].saturating_record(waited.max(1));
             let (len, _) = sim.shapes[&id];
             sim.start(id, len as u64 - cached, now);
         }
@@ -233,7 +264,11 @@ fn run(order: QueueOrder) {
     assert!(sim.router.total_load().is_idle(), "load back to zero");
     assert_eq!(sim.router.active_requests(), 0);
 
-    println!("order {order:?}: {REQUESTS} requests, {WORKERS} workers saturated by {BACKGROUND} background requests each");
+    if zoned {
+        println!("order {order:?}, two zones: {REQUESTS} requests, each requiring zone a or b (alternately); {WORKERS} workers, zone a saturated by {} background requests each, zone b by {BACKGROUND}", 2 * BACKGROUND);
+    } else {
+        println!("order {order:?}: {REQUESTS} requests, {WORKERS} workers saturated by {BACKGROUND} background requests each");
+    }
     println!(
         "  routed at once {routed}, queued {queued}, rejected (ResourceExhausted) {rejected}, lost {lost}; released {released}, failed at release {released_failed}"
     );
@@ -249,6 +284,17 @@ fn run(order: QueueOrder) {
         wait_us.max() as f64 / 1000.0,
         wait_us.mean() / 1000.0
     );
+    if zoned {
+        for (zone, h) in ["a", "b"].iter().zip(&zone_wait_us) {
+            println!(
+                "  zone {zone}: {} released, queue wait ms p50 {:.0}, p99 {:.0}, max {:.0}",
+                h.len(),
+                quantile_ms(h, 0.5),
+                quantile_ms(h, 0.99),
+                h.max() as f64 / 1000.0
+            );
+        }
+    }
     println!(
         "  wall: burst of submits {:.1} ms (submit p50 {} ns, p99 {} ns, max {} ns); playing {} lifecycle calls {:.1} ms ({:.0} ns per call, releases included)",
         burst.as_secs_f64() * 1e3,
@@ -262,6 +308,7 @@ fn run(order: QueueOrder) {
 }
 
 fn main() {
-    run(QueueOrder::Fcfs);
-    run(QueueOrder::Wspt);
+    run(QueueOrder::Fcfs, false);
+    run(QueueOrder::Wspt, false);
+    run(QueueOrder::Fcfs, true);
 }
