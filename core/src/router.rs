@@ -2882,7 +2882,14 @@ mod tests {
         (0..n as u32).map(|i| i * 7 + 1).collect()
     }
 
-    fn store(r: &Router, rank: WorkerRank, tier: StorageTier, locals: &[LocalHash], id: u64) {
+    /// Stores `locals` as one chain on `rank` (block names by position and tier).
+    pub(super) fn store(
+        r: &Router,
+        rank: WorkerRank,
+        tier: StorageTier,
+        locals: &[LocalHash],
+        id: u64,
+    ) {
         let blocks: Vec<StoredBlock> = locals
             .iter()
             .enumerate()
@@ -4115,7 +4122,6 @@ mod queue_tests {
 #[cfg(test)]
 mod health_tests {
     use super::*;
-    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
     use crate::index::IndexConfig;
 
     const BS: u32 = 16;
@@ -4146,20 +4152,7 @@ mod health_tests {
         let r = router();
         let t: Vec<u32> = (0..64).collect();
         let locals = BlockHasher::new(BS as usize).local_hashes(&t);
-        let blocks: Vec<StoredBlock> = locals
-            .iter()
-            .enumerate()
-            .map(|(i, h)| StoredBlock {
-                block_hash: BlockHash(i as u64),
-                local_hash: *h,
-            })
-            .collect();
-        let header = EventHeader {
-            source: WorkerRank::new(1, 0),
-            event_id: EventId(0),
-            tier: StorageTier::Device,
-        };
-        lock(&r.index).apply_stored(header, None, &blocks).unwrap();
+        super::tests::store(&r, WorkerRank::new(1, 0), StorageTier::Device, &locals, 0);
         let mut q = req(1, &t);
         q.hints.mode = Mode::QueryOnly;
         assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
@@ -4972,7 +4965,6 @@ mod warm_up_tests {
 #[allow(clippy::single_range_in_vec_init)]
 mod pool_tests {
     use super::*;
-    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
     use crate::index::IndexConfig;
 
     const BS: u32 = 16;
@@ -4998,20 +4990,8 @@ mod pool_tests {
         r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
         let t: Vec<u32> = (0..160).map(|i| i * 3 + 1).collect(); // 10 blocks
         let locals = BlockHasher::new(BS as usize).local_hashes(&t);
-        let blocks: Vec<StoredBlock> = locals[..4]
-            .iter()
-            .enumerate()
-            .map(|(i, h)| StoredBlock {
-                block_hash: BlockHash(i as u64),
-                local_hash: *h,
-            })
-            .collect();
-        let header = EventHeader {
-            source: WorkerRank::new(1, 0),
-            event_id: EventId(0),
-            tier: StorageTier::Device,
-        };
-        lock(&r.index).apply_stored(header, None, &blocks).unwrap();
+        let first = WorkerRank::new(1, 0);
+        super::tests::store(&r, first, StorageTier::Device, &locals[..4], 0);
         (r, t)
     }
 
