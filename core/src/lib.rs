@@ -66,8 +66,8 @@ pub use event::{
 };
 pub use hash::{LocalHash, SeqHash};
 pub use index::{
-    IndexConfig, IndexError, IndexReader, IndexStats, MatchOptions, OverlapScores, PrefixIndex,
-    RankScore,
+    Depth, IndexConfig, IndexError, IndexReader, IndexStats, MatchOptions, OverlapScores,
+    PrefixIndex, RankDepths, RankScore,
 };
 pub use load::{LoadView, RequestId};
 pub use registry::{WorkerConfig, WorkerRole};

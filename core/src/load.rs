@@ -58,7 +58,7 @@ use crate::health::Health;
 use crate::registry::KvEvents;
 use crate::rng::mix64;
 use crate::session::SessionId;
-use crate::sync::{AtomicBool, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
 
 /// A request's identity, chosen by the caller (unique among its active requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -410,6 +410,9 @@ pub struct RankState {
     warm_until_ns: AtomicU64,
     /// Device blocks the worker reported through its events (stored less removed).
     reported_blocks: AtomicU64,
+    /// The rank's id in the prefix index ([`crate::index::PrefixIndex::rank_id`]);
+    /// `u32::MAX` until it is registered.
+    index_id: AtomicU32,
 }
 
 impl RankState {
@@ -424,6 +427,7 @@ impl RankState {
             no_events: AtomicBool::new(false),
             warm_until_ns: AtomicU64::new(0),
             reported_blocks: AtomicU64::new(0),
+            index_id: AtomicU32::new(u32::MAX),
         }
     }
 
@@ -526,6 +530,22 @@ impl RankState {
     }
 
     /// Marks the rank as gone (its worker left).
+    /// Records the rank's id in the prefix index, once it is registered there.
+    pub fn set_index_id(&self, id: u32) {
+        self.index_id.store(id, Ordering::Relaxed);
+    }
+
+    /// The rank's id in the prefix index (`None` before it is registered). The id is the
+    /// rank's for as long as the rank is not retired: the router retires a leaving rank before
+    /// the index frees its id.
+    #[inline(always)]
+    pub fn index_id(&self) -> Option<u32> {
+        match self.index_id.load(Ordering::Relaxed) {
+            u32::MAX => None,
+            id => Some(id),
+        }
+    }
+
     pub fn retire(&self) {
         // SeqCst: see `is_retired`.
         self.retired.store(true, Ordering::SeqCst);

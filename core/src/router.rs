@@ -67,7 +67,7 @@ use crate::config::{
 use crate::event::{DpRank, KvEvent, KvEventData, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
 use crate::health::Health;
-use crate::index::{IndexError, IndexReader, MatchOptions, OverlapScores, PrefixIndex, RankScore};
+use crate::index::{IndexError, IndexReader, MatchOptions, PrefixIndex, RankDepths};
 pub use crate::load::Dispatch;
 use crate::load::{
     prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Generated, Ledger, LedgerCounts,
@@ -730,16 +730,13 @@ fn bump(c: &AtomicU64) {
 struct Scratch {
     locals: Vec<LocalHash>,
     keys: Vec<u64>,
-    scores: OverlapScores,
-    slot: Vec<u32>,
-    matched: Vec<(f64, u32)>,
+    /// The match, by the index's rank ids.
+    depths: RankDepths,
     candidates: Vec<Scored>,
     /// The request's preferred labels as (label bit, weight).
     preferred: Vec<(u64, f64)>,
     /// The pool's hits, clipped, sorted and merged into disjoint `[start, end)` ranges.
     pool: Vec<(u32, u32)>,
-    /// By the index's rank id: the rank's fleet index as last seen (`u32::MAX`: not yet).
-    by_index_id: Vec<u32>,
 }
 
 /// The router's records (approximate mode, speculation) raise a rank's overlap to their
@@ -747,74 +744,56 @@ struct Scratch {
 /// below which the records are not searched.
 struct RaiseToRecords<'a> {
     fleet: &'a Fleet,
-    weights: &'a Weights,
-    scores: &'a mut Vec<RankScore>,
-    /// By fleet index: 0, or 1 + the index of the rank's score.
-    slot: &'a mut [u32],
-    /// By slot: the credit and the blocks of the rank's match.
-    matched: &'a mut Vec<(f64, u32)>,
+    depths: &'a mut RankDepths,
     raised: bool,
+}
+
+impl RaiseToRecords<'_> {
+    /// The index id of a rank of the fleet that can take overlap.
+    fn id_of(&self, rank: WorkerRank) -> Option<u32> {
+        live_index_id(&self.fleet.ranks[self.fleet.rank_index(rank)?].state)
+    }
 }
 
 impl crate::approx::Overlaps for RaiseToRecords<'_> {
     fn floor(&self, rank: WorkerRank) -> u32 {
-        match self.fleet.rank_index(rank) {
-            Some(i) => self.matched[self.slot[i] as usize].1,
-            // Not in this snapshot: nothing to raise, so nothing worth searching.
+        match self.id_of(rank) {
+            Some(id) => self.depths.get(id).map_or(0, |d| d.blocks),
+            // Not in this snapshot (or not in the index): nothing to raise, so nothing
+            // worth searching.
             None => u32::MAX,
         }
     }
 
     fn raise(&mut self, rank: WorkerRank, depth: u32) {
-        let Some(i) = self.fleet.rank_index(rank) else {
-            return;
-        };
-        let m = match self.slot[i] {
-            0 => {
-                self.scores.push(RankScore {
-                    rank,
-                    blocks: 0,
-                    per_tier: [0; StorageTier::COUNT],
-                });
-                self.matched.push((0.0, 0));
-                self.slot[i] = self.matched.len() as u32 - 1;
-                self.slot[i] as usize
-            }
-            m => m as usize,
-        };
-        let score = &mut self.scores[m - 1];
-        if depth > score.blocks {
-            score.per_tier[StorageTier::Device.index()] += depth - score.blocks;
-            score.blocks = depth;
-            self.matched[m] = (CostTerms::credit_of(self.weights, &score.per_tier), depth);
-            self.raised = true;
+        if let Some(id) = self.id_of(rank) {
+            self.raised |= self.depths.raise(id, depth);
         }
     }
 }
 
-/// The fleet index of `rank`, whose index id is `id`, through the thread's cache of id to
-/// fleet index. A cached entry is used only when the fleet's rank there is `rank`: ids are
-/// reused after a rank leaves, fleet indices shift on every join and leave, and the cache
-/// serves every router on the thread.
-#[inline]
-fn fleet_index_of(
-    fleet: &Fleet,
-    by_index_id: &mut Vec<u32>,
-    id: u32,
-    rank: WorkerRank,
-) -> Option<usize> {
-    let id = id as usize;
-    if let Some(&i) = by_index_id.get(id) {
-        if fleet.ranks.get(i as usize).is_some_and(|r| r.rank == rank) {
-            return Some(i as usize);
-        }
-    }
-    let i = fleet.rank_index(rank)?;
-    if id >= by_index_id.len() {
-        by_index_id.resize(id + 1, u32::MAX);
-    }
-    by_index_id[id] = i as u32;
-    Some(i)
+/// The id by which a match knows `state`'s rank: `None` for a rank not registered in the index,
+/// or retired (the index may since have given its id to another rank).
+#[inline(always)]
+fn live_index_id(state: &RankState) -> Option<u32> {
+    let id = state.index_id()?;
+    (!state.is_retired()).then_some(id)
+}
+
+/// The overlap `depths` gives `state`'s rank, with its index id: `None` when it holds no
+/// block, is not in the index, or is retired.
+///
+/// Exact as long as the fleet holding `state` was read before the match: a leaving rank is
+/// retired before the index frees its id, and a rank that takes the id registers (and stores
+/// blocks) after that; so a match that sees the new owner's blocks under the id starts after
+/// the retirement, and this reads the rank as retired. (A fleet read after the match could
+/// hold the new owner, with the old owner's blocks under its id.)
+#[inline(always)]
+fn rank_depth(state: &RankState, depths: &RankDepths) -> Option<(u32, crate::index::Depth)> {
+    let id = state.index_id()?;
+    let d = depths.get(id)?;
+    // Checked only for a rank that matched.
+    (!state.is_retired()).then_some((id, d))
 }
 
 thread_local! {
@@ -1000,6 +979,9 @@ impl Router {
                 r.state.set_kv_events(events);
                 self.warm(&r.state, now);
                 index.register_rank(r.rank)?;
+                if let Some(id) = index.rank_id(r.rank) {
+                    r.state.set_index_id(id);
+                }
             }
         }
         self.load_freed();
@@ -1361,9 +1343,12 @@ impl Router {
         prefix_keys_into(&s.locals[..keyed], &mut s.keys);
         let t1 = timing.then(Instant::now);
 
-        // 2. Match.
+        // 2. Match. The fleet is read first: a rank of it whose index id was freed (and maybe
+        // given to a rank that joined since) was retired before, so the match that might see
+        // the id's next owner also sees the retirement (see `rank_depth`).
+        let fleet = self.registry.load();
         self.reader
-            .find_matches_into(&s.locals, MatchOptions::default(), &mut s.scores);
+            .find_depths_into(&s.locals, MatchOptions::default(), &mut s.depths);
         let t2 = timing.then(Instant::now);
 
         // 3. Select.
@@ -1380,31 +1365,12 @@ impl Router {
             prefix_key: self.prefix_key(&s.keys),
         };
         let temperature = overrides.temperature.unwrap_or(self.config.temperature);
-        // Each rank's match: `slot[fleet index]` is 0 (no blocks cached) or 1 + the index of
-        // its score; `matched[slot]` holds that score's credit and blocks (entry 0: none).
-        let fleet = self.registry.load();
-        s.slot.clear();
-        s.slot.resize(fleet.ranks.len(), 0);
-        s.matched.clear();
-        s.matched.push((0.0, 0));
-        for (score, &id) in s.scores.scores.iter().zip(s.scores.rank_ids()) {
-            if let Some(i) = fleet_index_of(&fleet, &mut s.by_index_id, id, score.rank) {
-                s.slot[i] = s.matched.len() as u32;
-            }
-            // Pushed even for a rank unknown to the fleet, so that slot - 1 indexes the scores.
-            let blocks = score.per_tier.iter().sum();
-            s.matched
-                .push((CostTerms::credit_of(&weights, &score.per_tier), blocks));
-        }
         // The router's own records (approximate mode, speculation) raise a rank's overlap to
         // their depth, as device blocks; the index's overlap stands where it is deeper.
         if !self.approx.is_empty() && !s.locals.is_empty() {
             let mut raise = RaiseToRecords {
                 fleet: &fleet,
-                weights: &weights,
-                scores: &mut s.scores.scores,
-                slot: &mut s.slot,
-                matched: &mut s.matched,
+                depths: &mut s.depths,
                 raised: false,
             };
             self.approx
@@ -1454,8 +1420,7 @@ impl Router {
             pool_credit: self.config.pool_credit,
             preferred: &s.preferred,
             fleet: &fleet,
-            slot: &s.slot,
-            matched: &s.matched,
+            depths: &s.depths,
             weights: &weights,
             shape: &shape,
             busy,
@@ -1465,10 +1430,7 @@ impl Router {
         };
         let full = |c: &Scored| {
             let i = c.fleet_index as usize;
-            let per_tier = match s.slot[i] {
-                0 => [0; StorageTier::COUNT],
-                m => s.scores.scores[m as usize - 1].per_tier,
-            };
+            let per_tier = scorer.per_tier(i);
             let mut c = Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape);
             let (pool_credit, pool_blocks) = scorer.pool_extension(c.overlap.blocks);
             if pool_blocks > 0 {
@@ -2624,10 +2586,8 @@ struct Scorer<'a> {
     /// The request's preferred labels, as (label bit, weight in blocks).
     preferred: &'a [(u64, f64)],
     fleet: &'a Fleet,
-    /// By fleet index: 0, or 1 + the index of the rank's score.
-    slot: &'a [u32],
-    /// By slot: the credit and the blocks of the rank's match (slot 0: nothing cached).
-    matched: &'a [(f64, u32)],
+    /// The match, by the index's rank ids.
+    depths: &'a RankDepths,
     weights: &'a Weights,
     shape: &'a RequestShape,
     busy: &'a crate::config::BusyThresholds,
@@ -2643,6 +2603,28 @@ impl Scorer<'_> {
     /// than the cost and the busy check.
     fn extras(&self) -> bool {
         self.health_on || !self.pool.is_empty() || !self.preferred.is_empty()
+    }
+
+    /// The overlap credit and the blocks of rank `i` of the fleet.
+    #[inline(always)]
+    fn overlap(&self, i: usize) -> (f64, u32) {
+        let Some((id, d)) = rank_depth(&self.fleet.ranks[i].state, self.depths) else {
+            return (0.0, 0);
+        };
+        let credit = match d.tier {
+            // The sum over tiers with the others at 0: the same to the bit.
+            Some(t) => f64::from(d.blocks) * self.weights.credits[t.index()],
+            None => CostTerms::credit_of(self.weights, &self.depths.per_tier(id)),
+        };
+        (credit, d.blocks)
+    }
+
+    /// The blocks of rank `i` of the fleet by the fastest tier each is held in.
+    fn per_tier(&self, i: usize) -> [u32; StorageTier::COUNT] {
+        match live_index_id(&self.fleet.ranks[i].state) {
+            Some(id) => self.depths.per_tier(id),
+            None => [0; StorageTier::COUNT],
+        }
     }
 
     /// Rank `i` of the fleet as selection sees it.
@@ -2717,7 +2699,7 @@ impl Scorer<'_> {
     fn score_as<const EXTRAS: bool>(&self, i: usize) -> Scored {
         let r = &self.fleet.ranks[i];
         let load = r.state.load();
-        let (own_credit, blocks) = self.matched[self.slot[i] as usize];
+        let (own_credit, blocks) = self.overlap(i);
         let credit = if EXTRAS && !self.pool.is_empty() {
             own_credit + self.pool_extension(blocks).0
         } else {
@@ -2781,7 +2763,7 @@ impl Scorer<'_> {
     /// `c` with `shared` of the prompt's blocks active on its rank: the same load, the cost
     /// recomputed.
     fn with_shared(&self, c: &Scored, shared: u32) -> Scored {
-        let (own_credit, blocks) = self.matched[self.slot[c.fleet_index as usize] as usize];
+        let (own_credit, blocks) = self.overlap(c.fleet_index as usize);
         let credit = if self.pool.is_empty() {
             own_credit
         } else {
@@ -2945,9 +2927,9 @@ mod tests {
         assert_eq!(d.decided_by, DecidedBy::Cost);
     }
 
-    /// The thread's cache of index id to fleet index never credits one rank's overlap to
-    /// another: not after a leave shifts fleet indices and a join reuses the leaver's index id,
-    /// and not between two routers on one thread whose ids name different ranks.
+    /// Overlaps, read by index id, never go to another rank: not after a leave shifts fleet
+    /// indices and a join reuses the leaver's index id, and not between two routers on one
+    /// thread whose ids name different ranks.
     #[test]
     fn overlaps_follow_their_ranks_across_leaves_joins_and_routers() {
         let t = tokens(160);
@@ -2991,6 +2973,44 @@ mod tests {
         }
         assert_eq!(overlaps(&b), [(0, 5), (2, 3), (3, 1)]);
         assert_eq!(overlaps(&a), [(0, 9), (2, 4), (3, 6)]);
+    }
+
+    /// A fleet read before a leave, and a join that takes the leaver's index id, credits the
+    /// leaver nothing from a match that sees the newcomer's blocks under that id; the fleet
+    /// read after credits the newcomer.
+    #[test]
+    fn a_stale_fleet_never_credits_a_reused_index_id_to_its_old_rank() {
+        let t = tokens(160);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        let r = router(RouterConfig::default());
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        store(
+            &r,
+            WorkerRank::new(1, 0),
+            StorageTier::Device,
+            &locals[..2],
+            0,
+        );
+        let stale = r.fleet();
+        r.leave_worker(WorkerId(1)).unwrap();
+        r.join_worker(WorkerConfig::simple(0, 1000, BS)).unwrap();
+        store(
+            &r,
+            WorkerRank::new(0, 0),
+            StorageTier::Device,
+            &locals[..9],
+            0,
+        );
+        let fresh = r.fleet();
+        let (old, new) = (&stale.ranks[0].state, &fresh.ranks[0].state);
+        assert_eq!(old.rank(), WorkerRank::new(1, 0));
+        assert_eq!(new.rank(), WorkerRank::new(0, 0));
+        assert_eq!(old.index_id(), new.index_id(), "the id was reused");
+        let mut depths = RankDepths::default();
+        r.reader
+            .find_depths_into(&locals, MatchOptions::default(), &mut depths);
+        assert_eq!(rank_depth(old, &depths), None);
+        assert_eq!(rank_depth(new, &depths).map(|(_, d)| d.blocks), Some(9));
     }
 
     /// Without evidence, selection keeps only candidates that can still win; it picks from

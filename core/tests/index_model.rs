@@ -118,6 +118,8 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
         ..IndexConfig::default()
     });
     let reader = index.reader();
+    // One table reused across every query, as a router thread keeps it.
+    let mut depths = kvroute_core::RankDepths::default();
     let mut model = ReferenceIndex::new();
     let mut next_id = std::collections::HashMap::new();
     let mut header = |rank: (u64, u32), t: u8| {
@@ -211,6 +213,15 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                 got.sort();
                 let want = model.find_matches(q);
                 assert_eq!(got, want, "step {step}: query of {} blocks", q.len());
+                reader.find_depths_into(q, MatchOptions::default(), &mut depths);
+                let mut dense = depths.to_scores(&reader);
+                dense.sort();
+                assert_eq!(
+                    dense,
+                    want,
+                    "step {step}: by id, query of {} blocks",
+                    q.len()
+                );
             }
         }
         assert_eq!(
@@ -227,6 +238,10 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                 .scores;
             got.sort();
             assert_eq!(got, model.find_matches(&p[..len]), "final query");
+            reader.find_depths_into(&p[..len], MatchOptions::default(), &mut depths);
+            let mut dense = depths.to_scores(&reader);
+            dense.sort();
+            assert_eq!(dense, got, "final query by id");
         }
     }
 }

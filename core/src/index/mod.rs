@@ -23,6 +23,7 @@
 //!
 //! See `docs/ARCHITECTURE.md` for the measurements behind these choices.
 
+mod depths;
 mod mix;
 mod names;
 mod primitive;
@@ -38,6 +39,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
+pub use self::depths::{Depth, RankDepths};
 use self::mix::{set_bytes, MixState};
 use self::names::NameMap;
 use self::shard::{DroppedHold, Pos, ShardShared, ShardWriter};
@@ -274,6 +276,26 @@ impl IndexReader {
         let ranks = self.shared.ranks.load();
         read::walk(shard, &ranks, query, opts.early_exit, out);
     }
+
+    /// [`IndexReader::find_matches_into`] by rank id: the same overlaps, left in a table keyed
+    /// by the index's dense rank ids, for a caller that visits its own ranks by id
+    /// ([`PrefixIndex::rank_id`]). Lock-free; allocates nothing once `out` has grown to the
+    /// number of ranks.
+    pub fn find_depths_into(&self, query: &[LocalHash], opts: MatchOptions, out: &mut RankDepths) {
+        let ranks = self.shared.ranks.load();
+        out.begin(ranks.len());
+        let Some(first) = query.first() else {
+            return;
+        };
+        let shards = &self.shared.shards;
+        let shard = &shards[shard_of(*first, shards.len())];
+        read::walk(shard, &ranks, query, opts.early_exit, out);
+    }
+
+    /// The rank that rank id `id` names now (`None`: a free id).
+    pub fn rank_of(&self, id: u32) -> Option<WorkerRank> {
+        self.shared.ranks.load().get(id as usize).copied().flatten()
+    }
 }
 
 /// The prefix index, as its single writer sees it. Reads go through [`PrefixIndex::reader`]
@@ -445,6 +467,12 @@ impl PrefixIndex {
         self.rank_id_or_register(rank)?;
         self.enforce_budget();
         Ok(())
+    }
+
+    /// The dense id of a registered rank (see [`RankDepths`]): stable until the rank is
+    /// removed, then free for the next rank to register.
+    pub fn rank_id(&self, rank: WorkerRank) -> Option<u32> {
+        self.rank_ids.get(&rank).copied()
     }
 
     fn rank_id_or_register(&mut self, rank: WorkerRank) -> Result<u32, IndexError> {

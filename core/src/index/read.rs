@@ -16,7 +16,7 @@ use super::mix::prefetch_read;
 use super::run::{holders_of, rank_at, Run};
 use super::shard::ShardShared;
 use super::table::{ChildKey, ROOT};
-use super::{OverlapScores, RankScore};
+use super::{OverlapScores, RankDepths, RankScore};
 use crate::event::{StorageTier, WorkerRank};
 use crate::hash::LocalHash;
 
@@ -26,19 +26,104 @@ fn leading(mask: u64, limit: usize) -> usize {
     (mask.trailing_ones() as usize).min(limit)
 }
 
-/// Adds the first `lead` blocks of one rank's holders to its score, each under its fastest tier.
+/// Adds the first `lead` blocks of one rank's holders to `per_tier`, each under its fastest
+/// tier.
 #[inline]
-fn add_tiers(score: &mut RankScore, holders: &[u64], lead: usize) {
+pub(super) fn add_tiers(per_tier: &mut [u32; StorageTier::COUNT], holders: &[u64], lead: usize) {
     let lead_mask = if lead >= 64 { !0 } else { (1u64 << lead) - 1 };
     let mut assigned = 0u64;
     for h in holders_of(holders) {
         let bits = h.mask & lead_mask & !assigned;
-        if let Some(t) = score.per_tier.get_mut(h.tier as usize) {
+        if let Some(t) = per_tier.get_mut(h.tier as usize) {
             *t += bits.count_ones();
         }
         assigned |= bits;
     }
-    score.blocks += lead as u32;
+}
+
+/// Where a walk leaves its scores: per rank, the leading blocks and their tiers.
+pub(super) trait Sink {
+    /// Ranks still holding every block so far: (rank id, the key `add` takes), sorted by id.
+    fn active(&mut self) -> &mut Vec<(u32, u32)>;
+    /// Scores rank `id` (`rank`) of the first run with the first `lead` (≥ 1) blocks of its
+    /// holder words `group`; returns the key later runs add to it by.
+    fn first(&mut self, id: u32, rank: WorkerRank, group: &[u64], lead: usize) -> u32;
+    /// Adds the first `lead` (≥ 1) blocks of `group` to the score under `key`.
+    fn add(&mut self, key: u32, group: &[u64], lead: usize);
+    /// `active` and `add` at once, for a pass that adds while it narrows the active list.
+    fn narrow(&mut self, mut keep: impl FnMut(&mut Self, u32, u32) -> bool)
+    where
+        Self: Sized,
+    {
+        let mut active = std::mem::take(self.active());
+        active.retain(|&(id, key)| keep(self, id, key));
+        *self.active() = active;
+    }
+}
+
+impl Sink for OverlapScores {
+    #[inline(always)]
+    fn active(&mut self) -> &mut Vec<(u32, u32)> {
+        &mut self.active
+    }
+
+    #[inline(always)]
+    fn first(&mut self, id: u32, rank: WorkerRank, group: &[u64], lead: usize) -> u32 {
+        let score = if group.len() == 2 {
+            // One holder: its tier takes every block. Built lane by lane rather than by
+            // indexing, so that the score is written once, whole (a narrow store into it
+            // followed by a wide copy would stall the store buffer).
+            let tier = group[0] as u8 as usize;
+            RankScore {
+                rank,
+                blocks: lead as u32,
+                per_tier: std::array::from_fn(|t| if t == tier { lead as u32 } else { 0 }),
+            }
+        } else {
+            let mut per_tier = [0; StorageTier::COUNT];
+            add_tiers(&mut per_tier, group, lead);
+            RankScore {
+                rank,
+                blocks: lead as u32,
+                per_tier,
+            }
+        };
+        let key = self.scores.len() as u32;
+        self.ids.push(id);
+        self.scores.push(score);
+        key
+    }
+
+    #[inline(always)]
+    fn add(&mut self, key: u32, group: &[u64], lead: usize) {
+        let score = &mut self.scores[key as usize];
+        if group.len() == 2 {
+            if let Some(t) = score.per_tier.get_mut(group[0] as u8 as usize) {
+                *t += lead as u32;
+            }
+        } else {
+            add_tiers(&mut score.per_tier, group, lead);
+        }
+        score.blocks += lead as u32;
+    }
+}
+
+impl Sink for RankDepths {
+    #[inline(always)]
+    fn active(&mut self) -> &mut Vec<(u32, u32)> {
+        &mut self.active
+    }
+
+    #[inline(always)]
+    fn first(&mut self, id: u32, _rank: WorkerRank, group: &[u64], lead: usize) -> u32 {
+        RankDepths::first(self, id, group, lead);
+        id
+    }
+
+    #[inline(always)]
+    fn add(&mut self, key: u32, group: &[u64], lead: usize) {
+        RankDepths::add(self, key, group, lead);
+    }
 }
 
 /// Leading hashes of `run` equal to `query`'s: eight at a time while all eight agree, then
@@ -78,22 +163,8 @@ fn group_of(holders: &[u64], from: usize, n: usize) -> (usize, u64) {
     (end, union)
 }
 
-/// Adds `lead` blocks of one rank's holder group to `score`: a single holder gives them all to
-/// its tier without a second look at the masks.
-#[inline(always)]
-fn add_group(score: &mut RankScore, group: &[u64], lead: usize) {
-    if group.len() == 2 {
-        if let Some(t) = score.per_tier.get_mut(group[0] as u8 as usize) {
-            *t += lead as u32;
-        }
-        score.blocks += lead as u32;
-    } else {
-        add_tiers(score, group, lead);
-    }
-}
-
 /// Scores the ranks holding the first `m` matched blocks of the walk's first run.
-fn score_first(holders: &[u64], m: usize, ranks: &[Option<WorkerRank>], out: &mut OverlapScores) {
+fn score_first(holders: &[u64], m: usize, ranks: &[Option<WorkerRank>], out: &mut impl Sink) {
     let n = holders.len() / 2;
     let mut next = 0;
     while next < n {
@@ -107,41 +178,19 @@ fn score_first(holders: &[u64], m: usize, ranks: &[Option<WorkerRank>], out: &mu
         let Some(Some(rank)) = ranks.get(id as usize) else {
             continue;
         };
-        let group = &holders[2 * first..2 * end];
-        let score = if group.len() == 2 {
-            // One holder: its tier takes every block. Built lane by lane rather than by
-            // indexing, so that the score is written once, whole (a narrow store into it
-            // followed by a wide copy would stall the store buffer).
-            let tier = group[0] as u8 as usize;
-            RankScore {
-                rank: *rank,
-                blocks: lead as u32,
-                per_tier: std::array::from_fn(|t| if t == tier { lead as u32 } else { 0 }),
-            }
-        } else {
-            let mut score = RankScore {
-                rank: *rank,
-                blocks: 0,
-                per_tier: [0; StorageTier::COUNT],
-            };
-            add_tiers(&mut score, group, lead);
-            score
-        };
+        let key = out.first(id, *rank, &holders[2 * first..2 * end], lead);
         if lead == m {
-            out.active.push((id, out.scores.len() as u32));
+            out.active().push((id, key));
         }
-        out.ids.push(id);
-        out.scores.push(score);
     }
 }
 
 /// Keeps the active ranks that hold all `m` matched blocks of a later run, crediting each the
 /// leading blocks it holds: one merge of the two lists, both sorted by rank id.
-fn narrow_by_merge(holders: &[u64], m: usize, out: &mut OverlapScores) {
+fn narrow_by_merge<S: Sink>(holders: &[u64], m: usize, out: &mut S) {
     let n = holders.len() / 2;
     let mut h = 0usize;
-    let scores = &mut out.scores;
-    out.active.retain(|&(rank, idx)| {
+    out.narrow(|out, rank, key| {
         while h < n && rank_at(holders, h) < rank {
             h += 1;
         }
@@ -152,11 +201,7 @@ fn narrow_by_merge(holders: &[u64], m: usize, out: &mut OverlapScores) {
         h = end;
         let lead = leading(union, m);
         if lead > 0 {
-            add_group(
-                &mut scores[idx as usize],
-                &holders[2 * start..2 * end],
-                lead,
-            );
+            out.add(key, &holders[2 * start..2 * end], lead);
         }
         lead == m
     });
@@ -164,9 +209,9 @@ fn narrow_by_merge(holders: &[u64], m: usize, out: &mut OverlapScores) {
 
 /// [`narrow_by_merge`] for a run with far fewer holders than active ranks (a branch that few
 /// ranks took): each holder is searched for among the active ranks instead.
-fn narrow_by_search(holders: &[u64], m: usize, out: &mut OverlapScores) {
+fn narrow_by_search(holders: &[u64], m: usize, out: &mut impl Sink) {
     let n = holders.len() / 2;
-    let active = &mut out.active;
+    let mut active = std::mem::take(out.active());
     let (mut h, mut lo, mut kept) = (0usize, 0usize, 0usize);
     while h < n && lo < active.len() {
         let id = rank_at(holders, h);
@@ -175,14 +220,10 @@ fn narrow_by_search(holders: &[u64], m: usize, out: &mut OverlapScores) {
         match active[lo..].binary_search_by_key(&id, |a| a.0) {
             Ok(p) => {
                 let at = lo + p;
-                let (_, idx) = active[at];
+                let (_, key) = active[at];
                 let lead = leading(union, m);
                 if lead > 0 {
-                    add_group(
-                        &mut out.scores[idx as usize],
-                        &holders[2 * start..2 * end],
-                        lead,
-                    );
+                    out.add(key, &holders[2 * start..2 * end], lead);
                 }
                 if lead == m {
                     // kept <= at: survivors move down in order.
@@ -195,6 +236,7 @@ fn narrow_by_search(holders: &[u64], m: usize, out: &mut OverlapScores) {
         }
     }
     active.truncate(kept);
+    *out.active() = active;
 }
 
 pub(crate) fn walk(
@@ -202,7 +244,7 @@ pub(crate) fn walk(
     ranks: &Arc<Vec<Option<WorkerRank>>>,
     query: &[LocalHash],
     early_exit: bool,
-    out: &mut OverlapScores,
+    out: &mut impl Sink,
 ) {
     let Some(first) = query.first() else {
         return;
@@ -246,13 +288,14 @@ pub(crate) fn walk(
         if !started {
             started = true;
             score_first(run.holders, m, ranks, out);
-        } else if run.holders.len() / 2 * 4 < out.active.len() {
+        } else if run.holders.len() / 2 * 4 < out.active().len() {
             narrow_by_search(run.holders, m, out);
         } else {
             narrow_by_merge(run.holders, m, out);
         }
         pos += m;
-        if out.active.is_empty() || pos >= query.len() || (early_exit && out.active.len() == 1) {
+        let active = out.active().len();
+        if active == 0 || pos >= query.len() || (early_exit && active == 1) {
             break;
         }
         key = ChildKey {
@@ -261,5 +304,5 @@ pub(crate) fn walk(
             hash: query[pos].0,
         };
     }
-    out.active.clear();
+    out.active().clear();
 }

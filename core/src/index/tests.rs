@@ -659,6 +659,7 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
     }
     let reader = ix.reader();
     let mut out = OverlapScores::default();
+    let mut depths = crate::index::RankDepths::default();
     for p in 0..9u64 {
         for len in [1usize, 40, 64, 65, 70, 71, 100, 128, 129, 200] {
             let q = &prompt(p)[..len];
@@ -671,6 +672,11 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
             let mut got = out.scores.clone();
             got.sort();
             assert_eq!(got, model.find_matches(q), "prompt {p}, {len} blocks");
+            reader.find_depths_into(q, MatchOptions::default(), &mut depths);
+            assert_eq!(depths.ids(), out.rank_ids(), "the same ranks, by id");
+            let mut dense = depths.to_scores(&reader);
+            dense.sort();
+            assert_eq!(dense, got, "prompt {p}, {len} blocks, by id");
         }
     }
 }

@@ -1,0 +1,281 @@
+//! A match's result by the index's dense rank ids: one word per rank id, so that a caller that
+//! knows its ranks' ids (a router visiting every rank of its fleet) reads each rank's overlap
+//! with one load, and the walk writes one word per holder instead of building a score.
+
+use crate::event::StorageTier;
+
+/// The tier byte of a rank whose blocks sit in more than one tier (its split is in the side
+/// table).
+const MIXED: u8 = 0xFF;
+/// Bits of an entry below the stamp: the tier byte and the block count.
+const STAMP_SHIFT: u32 = 40;
+/// Stamps wrap after this many matches (the table is then cleared once).
+const STAMP_LIMIT: u32 = 1 << 24;
+
+/// Leading blocks per rank id, from [`super::IndexReader::find_depths_into`]. Reuse one value
+/// across calls: a match then neither allocates nor clears the table, as entries carry the
+/// stamp of the match that wrote them.
+///
+/// Ids are the index's dense rank ids ([`super::PrefixIndex::rank_id`]): stable while a rank
+/// is registered, and reused after it is removed. A caller that may hold an id across a
+/// removal must confirm the rank (the router does: a rank it holds an id of is retired before
+/// the index frees the id, and the walk that could see the id's next owner starts after that).
+#[derive(Clone, Debug, Default)]
+pub struct RankDepths {
+    /// By rank id: `stamp << 40 | tier << 32 | blocks` (tier [`MIXED`]: see `split`).
+    entries: Vec<u64>,
+    /// By rank id: blocks per tier, for ranks whose entry says [`MIXED`].
+    split: Vec<[u32; StorageTier::COUNT]>,
+    /// The current match's stamp (never 0, so an untouched entry never matches).
+    stamp: u32,
+    /// Ids with an entry in this match, in the order the walk found them.
+    ids: Vec<u32>,
+    /// Ranks still holding every block so far: (rank id, rank id), as the walk narrows them.
+    pub(super) active: Vec<(u32, u32)>,
+}
+
+/// One rank's overlap as [`RankDepths::get`] reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Depth {
+    /// Leading blocks held, in any tier.
+    pub blocks: u32,
+    /// The tier holding all of them, or `None` when they are spread over several (see
+    /// [`RankDepths::per_tier`]).
+    pub tier: Option<StorageTier>,
+}
+
+impl RankDepths {
+    /// Starts a match over rank ids below `ranks`.
+    pub(super) fn begin(&mut self, ranks: usize) {
+        self.ids.clear();
+        self.active.clear();
+        self.stamp += 1;
+        if self.stamp >= STAMP_LIMIT {
+            self.entries.iter_mut().for_each(|e| *e = 0);
+            self.stamp = 1;
+        }
+        if self.entries.len() < ranks {
+            self.entries.resize(ranks, 0);
+            self.split.resize(ranks, [0; StorageTier::COUNT]);
+        }
+    }
+
+    #[inline(always)]
+    fn live(&self, e: u64) -> bool {
+        (e >> STAMP_SHIFT) as u32 == self.stamp
+    }
+
+    #[inline(always)]
+    fn entry(&self, tier: u8, blocks: u32) -> u64 {
+        u64::from(self.stamp) << STAMP_SHIFT | u64::from(tier) << 32 | u64::from(blocks)
+    }
+
+    /// The overlap of rank id `id` (`None`: it holds not even the first block).
+    #[inline(always)]
+    pub fn get(&self, id: u32) -> Option<Depth> {
+        let e = *self.entries.get(id as usize)?;
+        if !self.live(e) {
+            return None;
+        }
+        let t = (e >> 32) as u8;
+        Some(Depth {
+            blocks: e as u32,
+            tier: StorageTier::ALL.get(t as usize).copied(),
+        })
+    }
+
+    /// The blocks of rank id `id` split by the fastest tier each is held in.
+    pub fn per_tier(&self, id: u32) -> [u32; StorageTier::COUNT] {
+        match self.get(id) {
+            None => [0; StorageTier::COUNT],
+            Some(Depth {
+                tier: Some(t),
+                blocks,
+            }) => one_tier(t as u8, blocks),
+            Some(Depth { tier: None, .. }) => self.split[id as usize],
+        }
+    }
+
+    /// The ids this match scored, in the order the walk found them.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Sets the overlap of rank id `id` (below the `ranks` of [`RankDepths::begin`]) as the
+    /// first `lead` blocks of `group` (its holder words).
+    #[inline(always)]
+    pub(super) fn first(&mut self, id: u32, group: &[u64], lead: usize) {
+        let i = id as usize;
+        self.entries[i] = if group.len() == 2 {
+            self.entry(group[0] as u8, lead as u32)
+        } else {
+            let mut split = [0; StorageTier::COUNT];
+            super::read::add_tiers(&mut split, group, lead);
+            self.single_or_split(i, split, lead as u32)
+        };
+        self.ids.push(id);
+    }
+
+    /// Adds the first `lead` blocks of `group` to the overlap of rank id `id` (which has one).
+    #[inline(always)]
+    pub(super) fn add(&mut self, id: u32, group: &[u64], lead: usize) {
+        let i = id as usize;
+        let e = self.entries[i];
+        let (tier, blocks) = ((e >> 32) as u8, e as u32);
+        if group.len() == 2 && group[0] as u8 == tier {
+            self.entries[i] = e + lead as u64;
+            return;
+        }
+        let mut split = if tier == MIXED {
+            self.split[i]
+        } else {
+            one_tier(tier, blocks)
+        };
+        super::read::add_tiers(&mut split, group, lead);
+        self.entries[i] = self.single_or_split(i, split, blocks + lead as u32);
+    }
+
+    /// Raises rank id `id` to `depth` blocks when it holds fewer, the blocks added counted as
+    /// device blocks (a caller's own evidence of cached blocks); true when it rose.
+    pub fn raise(&mut self, id: u32, depth: u32) -> bool {
+        let i = id as usize;
+        if i >= self.entries.len() {
+            self.entries.resize(i + 1, 0);
+            self.split.resize(i + 1, [0; StorageTier::COUNT]);
+        }
+        let e = self.entries[i];
+        let (had, tier, blocks) = if self.live(e) {
+            (true, (e >> 32) as u8, e as u32)
+        } else {
+            (false, StorageTier::Device as u8, 0)
+        };
+        if depth <= blocks {
+            return false;
+        }
+        if !had {
+            self.ids.push(id);
+        }
+        let device = StorageTier::Device as u8;
+        self.entries[i] = if tier == device {
+            self.entry(device, depth)
+        } else {
+            let mut split = if tier == MIXED {
+                self.split[i]
+            } else {
+                one_tier(tier, blocks)
+            };
+            split[device as usize] += depth - blocks;
+            self.single_or_split(i, split, depth)
+        };
+        true
+    }
+
+    /// The entry for `split` (summing to `blocks`): one tier when only one holds blocks,
+    /// otherwise [`MIXED`] with the split stored.
+    fn single_or_split(&mut self, i: usize, split: [u32; StorageTier::COUNT], blocks: u32) -> u64 {
+        let mut tiers = split.iter().enumerate().filter(|(_, &b)| b > 0);
+        match (tiers.next(), tiers.next()) {
+            (Some((t, _)), None) => self.entry(t as u8, blocks),
+            _ => {
+                self.split[i] = split;
+                self.entry(MIXED, blocks)
+            }
+        }
+    }
+
+    /// The overlaps as scores, ranks named through `reader` (as it names them now: call it
+    /// while no rank is removed, or expect ids reused since the match under their new rank).
+    pub fn to_scores(&self, reader: &super::IndexReader) -> Vec<super::RankScore> {
+        self.ids
+            .iter()
+            .filter_map(|&id| {
+                let rank = reader.rank_of(id)?;
+                let per_tier = self.per_tier(id);
+                Some(super::RankScore {
+                    rank,
+                    blocks: per_tier.iter().sum(),
+                    per_tier,
+                })
+            })
+            .collect()
+    }
+
+    /// Entries' bytes, for accounting by callers that keep one per thread.
+    pub fn capacity_bytes(&self) -> usize {
+        self.entries.capacity() * 8
+            + self.split.capacity() * std::mem::size_of::<[u32; StorageTier::COUNT]>()
+            + (self.ids.capacity() + 2 * self.active.capacity()) * 4
+    }
+}
+
+/// `blocks` all in tier `t`.
+#[inline(always)]
+fn one_tier(t: u8, blocks: u32) -> [u32; StorageTier::COUNT] {
+    std::array::from_fn(|i| if i == t as usize { blocks } else { 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Holder words of rank `id`: one `(tier, mask)` pair per tier.
+    fn group(id: u32, holders: &[(u8, u64)]) -> Vec<u64> {
+        holders
+            .iter()
+            .flat_map(|&(t, mask)| [u64::from(id) << 8 | u64::from(t), mask])
+            .collect()
+    }
+
+    #[test]
+    fn entries_split_tiers_only_when_blocks_sit_in_several() {
+        let mut d = RankDepths::default();
+        d.begin(4);
+        // Device holds blocks 0..2, host 0..5: blocks 2..5 are host's.
+        d.first(1, &group(1, &[(0, 0b11), (1, 0b11111)]), 5);
+        // Two tiers, but the device one covers every leading block.
+        d.first(2, &group(2, &[(0, 0b111), (1, 0b1)]), 3);
+        assert_eq!(d.per_tier(1), [2, 3, 0, 0]);
+        assert_eq!(d.get(1).unwrap().tier, None);
+        assert_eq!(d.get(2).unwrap().tier, Some(StorageTier::Device));
+        assert_eq!(d.per_tier(2), [3, 0, 0, 0]);
+        // A later run in disk for rank 2 makes it mixed; in device for rank 1 adds to device.
+        d.add(2, &group(2, &[(2, 0b1)]), 1);
+        d.add(1, &group(1, &[(0, 0b111)]), 3);
+        assert_eq!(d.per_tier(2), [3, 0, 1, 0]);
+        assert_eq!(d.per_tier(1), [5, 3, 0, 0]);
+        assert_eq!(d.get(1).unwrap().blocks, 8);
+        assert_eq!(d.ids(), [1, 2]);
+        assert_eq!(d.get(0), None);
+        assert_eq!(d.get(9), None);
+    }
+
+    #[test]
+    fn raises_add_device_blocks_and_only_ever_raise() {
+        let mut d = RankDepths::default();
+        d.begin(2);
+        d.first(0, &group(0, &[(1, 0b111)]), 3);
+        assert!(!d.raise(0, 3));
+        assert!(d.raise(0, 5));
+        assert_eq!(d.per_tier(0), [2, 3, 0, 0]);
+        // A rank the walk did not score, beyond the table: it grows.
+        assert!(d.raise(7, 4));
+        assert_eq!(d.per_tier(7), [4, 0, 0, 0]);
+        assert_eq!(d.ids(), [0, 7]);
+    }
+
+    #[test]
+    fn a_new_match_forgets_the_last_even_when_stamps_wrap() {
+        let mut d = RankDepths::default();
+        d.begin(2);
+        d.first(1, &group(1, &[(0, 1)]), 1);
+        d.first(0, &group(0, &[(0, 1)]), 1);
+        d.begin(2);
+        assert_eq!(d.get(1), None);
+        // Rank 1's entry carries stamp 1, the stamp the wrap starts over at.
+        d.stamp = STAMP_LIMIT - 1;
+        d.begin(2);
+        assert_eq!(d.stamp, 1);
+        assert_eq!((d.get(0), d.get(1)), (None, None));
+        assert!(d.ids().is_empty());
+    }
+}
