@@ -172,8 +172,9 @@ pub enum Dispatch {
     Reached,
 }
 
-/// The load counters of one rank, read lock-free by selection.
-#[derive(Debug, Default)]
+/// What selection reads of one rank, in one cache line: the load counters, read lock-free,
+/// and the flags that say whose overlap the rank takes.
+#[derive(Debug)]
 pub struct RankLoad {
     prefill_tokens: AtomicU64,
     prompt_blocks: AtomicU64,
@@ -181,6 +182,11 @@ pub struct RankLoad {
     output_decay: AtomicU64,
     prompt_decay: AtomicU64,
     requests: AtomicU64,
+    /// The rank's id in the prefix index ([`crate::index::PrefixIndex::rank_id`]);
+    /// `u32::MAX` until it is registered.
+    index_id: AtomicU32,
+    /// Set once the rank's worker has left.
+    retired: AtomicBool,
 }
 
 /// One consistent-enough reading of a rank's counters.
@@ -401,7 +407,6 @@ pub struct RankState {
     rank: WorkerRank,
     load: CachePadded<RankLoad>,
     refs: Mutex<PrefixRefs>,
-    retired: AtomicBool,
     /// [`Health`] as a byte, set by the embedder.
     health: AtomicU8,
     /// True when the worker publishes no KV events ([`KvEvents::Absent`]).
@@ -410,9 +415,6 @@ pub struct RankState {
     warm_until_ns: AtomicU64,
     /// Device blocks the worker reported through its events (stored less removed).
     reported_blocks: AtomicU64,
-    /// The rank's id in the prefix index ([`crate::index::PrefixIndex::rank_id`]);
-    /// `u32::MAX` until it is registered.
-    index_id: AtomicU32,
 }
 
 impl RankState {
@@ -420,14 +422,21 @@ impl RankState {
     pub fn new(rank: WorkerRank) -> Self {
         RankState {
             rank,
-            load: CachePadded::new(RankLoad::default()),
+            load: CachePadded::new(RankLoad {
+                prefill_tokens: AtomicU64::new(0),
+                prompt_blocks: AtomicU64::new(0),
+                output_blocks: AtomicU64::new(0),
+                output_decay: AtomicU64::new(0),
+                prompt_decay: AtomicU64::new(0),
+                requests: AtomicU64::new(0),
+                index_id: AtomicU32::new(u32::MAX),
+                retired: AtomicBool::new(false),
+            }),
             refs: Mutex::new(PrefixRefs::default()),
-            retired: AtomicBool::new(false),
             health: AtomicU8::new(Health::Healthy.to_u8()),
             no_events: AtomicBool::new(false),
             warm_until_ns: AtomicU64::new(0),
             reported_blocks: AtomicU64::new(0),
-            index_id: AtomicU32::new(u32::MAX),
         }
     }
 
@@ -469,7 +478,7 @@ impl RankState {
     pub fn is_retired(&self) -> bool {
         // The ledger shard mutex already orders a booking's insert against the purge that
         // follows `retire`; SeqCst keeps the flag correct for callers outside that protocol.
-        self.retired.load(Ordering::SeqCst)
+        self.load.retired.load(Ordering::SeqCst)
     }
 
     /// The rank's health mark (a relaxed load: advice, like the load counters).
@@ -530,9 +539,11 @@ impl RankState {
     }
 
     /// Marks the rank as gone (its worker left).
-    /// Records the rank's id in the prefix index, once it is registered there.
+    /// Records the rank's id in the prefix index, once it is registered there. Release, and
+    /// [`RankState::index_id`] acquires: whoever reads the id also sees what the index did
+    /// before it registered the rank (the removal of the id's previous owner's blocks).
     pub fn set_index_id(&self, id: u32) {
-        self.index_id.store(id, Ordering::Relaxed);
+        self.load.index_id.store(id, Ordering::Release);
     }
 
     /// The rank's id in the prefix index (`None` before it is registered). The id is the
@@ -540,7 +551,7 @@ impl RankState {
     /// the index frees its id.
     #[inline(always)]
     pub fn index_id(&self) -> Option<u32> {
-        match self.index_id.load(Ordering::Relaxed) {
+        match self.load.index_id.load(Ordering::Acquire) {
             u32::MAX => None,
             id => Some(id),
         }
@@ -548,7 +559,7 @@ impl RankState {
 
     pub fn retire(&self) {
         // SeqCst: see `is_retired`.
-        self.retired.store(true, Ordering::SeqCst);
+        self.load.retired.store(true, Ordering::SeqCst);
     }
 }
 
