@@ -67,7 +67,7 @@ pub use event::{
 pub use hash::{LocalHash, SeqHash};
 pub use index::{
     Depth, IndexConfig, IndexError, IndexReader, IndexStats, MatchOptions, OverlapScores,
-    PrefixIndex, RankDepths, RankScore,
+    PrefixIndex, RankDepths, RankKey, RankScore,
 };
 pub use load::{LoadView, RequestId};
 pub use registry::{WorkerConfig, WorkerRole};

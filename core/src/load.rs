@@ -55,10 +55,11 @@ use crate::config::PromptDecay;
 use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
 use crate::health::Health;
+use crate::index::RankKey;
 use crate::registry::KvEvents;
 use crate::rng::mix64;
 use crate::session::SessionId;
-use crate::sync::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicBool, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
 
 /// A request's identity, chosen by the caller (unique among its active requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -182,9 +183,9 @@ pub struct RankLoad {
     output_decay: AtomicU64,
     prompt_decay: AtomicU64,
     requests: AtomicU64,
-    /// The rank's id in the prefix index ([`crate::index::PrefixIndex::rank_id`]);
-    /// `u32::MAX` until it is registered.
-    index_id: AtomicU32,
+    /// The rank's key in the prefix index ([`crate::index::PrefixIndex::rank_key`]) as
+    /// `epoch << 32 | id`; `u64::MAX` until it is registered.
+    index_key: AtomicU64,
     /// Set once the rank's worker has left.
     retired: AtomicBool,
 }
@@ -429,7 +430,7 @@ impl RankState {
                 output_decay: AtomicU64::new(0),
                 prompt_decay: AtomicU64::new(0),
                 requests: AtomicU64::new(0),
-                index_id: AtomicU32::new(u32::MAX),
+                index_key: AtomicU64::new(u64::MAX),
                 retired: AtomicBool::new(false),
             }),
             refs: Mutex::new(PrefixRefs::default()),
@@ -539,21 +540,23 @@ impl RankState {
     }
 
     /// Marks the rank as gone (its worker left).
-    /// Records the rank's id in the prefix index, once it is registered there. Release, and
-    /// [`RankState::index_id`] acquires: whoever reads the id also sees what the index did
-    /// before it registered the rank (the removal of the id's previous owner's blocks).
-    pub fn set_index_id(&self, id: u32) {
-        self.load.index_id.store(id, Ordering::Release);
+    /// Records the rank's key in the prefix index, once it is registered there.
+    pub fn set_index_key(&self, key: RankKey) {
+        let packed = u64::from(key.epoch) << 32 | u64::from(key.id);
+        self.load.index_key.store(packed, Ordering::Relaxed);
     }
 
-    /// The rank's id in the prefix index (`None` before it is registered). The id is the
+    /// The rank's key in the prefix index (`None` before it is registered). Its id is the
     /// rank's for as long as the rank is not retired: the router retires a leaving rank before
     /// the index frees its id.
     #[inline(always)]
-    pub fn index_id(&self) -> Option<u32> {
-        match self.load.index_id.load(Ordering::Acquire) {
-            u32::MAX => None,
-            id => Some(id),
+    pub fn index_key(&self) -> Option<RankKey> {
+        match self.load.index_key.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            k => Some(RankKey {
+                id: k as u32,
+                epoch: (k >> 32) as u32,
+            }),
         }
     }
 

@@ -67,7 +67,7 @@ use crate::config::{
 use crate::event::{DpRank, KvEvent, KvEventData, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
 use crate::health::Health;
-use crate::index::{IndexError, IndexReader, MatchOptions, PrefixIndex, RankDepths};
+use crate::index::{IndexError, IndexReader, MatchOptions, PrefixIndex, RankDepths, RankKey};
 pub use crate::load::Dispatch;
 use crate::load::{
     prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Generated, Ledger, LedgerCounts,
@@ -749,51 +749,54 @@ struct RaiseToRecords<'a> {
 }
 
 impl RaiseToRecords<'_> {
-    /// The index id of a rank of the fleet that can take overlap.
-    fn id_of(&self, rank: WorkerRank) -> Option<u32> {
-        live_index_id(&self.fleet.ranks[self.fleet.rank_index(rank)?].state)
+    /// The index key of a rank of the fleet that can take overlap in this match.
+    fn key_of(&self, rank: WorkerRank) -> Option<RankKey> {
+        live_key(
+            &self.fleet.ranks[self.fleet.rank_index(rank)?].state,
+            self.depths,
+        )
     }
 }
 
 impl crate::approx::Overlaps for RaiseToRecords<'_> {
     fn floor(&self, rank: WorkerRank) -> u32 {
-        match self.id_of(rank) {
-            Some(id) => self.depths.get(id).map_or(0, |d| d.blocks),
-            // Not in this snapshot (or not in the index): nothing to raise, so nothing
-            // worth searching.
+        match self.key_of(rank) {
+            Some(key) => self.depths.get_for(key).map_or(0, |d| d.blocks),
+            // Not in this snapshot (or not in the index, or newer than the match): nothing
+            // to raise, so nothing worth searching.
             None => u32::MAX,
         }
     }
 
     fn raise(&mut self, rank: WorkerRank, depth: u32) {
-        if let Some(id) = self.id_of(rank) {
-            self.raised |= self.depths.raise(id, depth);
+        if let Some(key) = self.key_of(rank) {
+            self.raised |= self.depths.raise(key, depth);
         }
     }
 }
 
-/// The id by which a match knows `state`'s rank: `None` for a rank not registered in the index,
-/// or retired (the index may since have given its id to another rank).
+/// The key by which `depths` knows `state`'s rank: `None` for a rank not registered in the
+/// index, registered after the match began, or retired (the index may since have given its id
+/// to another rank).
 #[inline(always)]
-fn live_index_id(state: &RankState) -> Option<u32> {
-    let id = state.index_id()?;
-    (!state.is_retired()).then_some(id)
+fn live_key(state: &RankState, depths: &RankDepths) -> Option<RankKey> {
+    let key = state.index_key()?;
+    (depths.covers(key) && !state.is_retired()).then_some(key)
 }
 
-/// The overlap `depths` gives `state`'s rank, with its index id: `None` when it holds no
-/// block, is not in the index, or is retired.
+/// The overlap `depths` gives `state`'s rank, with its index key: `None` when it holds no
+/// block, is not in the index, or the entry under its id is not its own.
 ///
-/// Exact as long as the fleet holding `state` was read before the match: a leaving rank is
-/// retired before the index frees its id, and a rank that takes the id registers (and stores
-/// blocks) after that; so a match that sees the new owner's blocks under the id starts after
-/// the retirement, and this reads the rank as retired. (A fleet read after the match could
-/// hold the new owner, with the old owner's blocks under its id.)
+/// An id changes hands only through a removal. The key's epoch keeps a rank that took its id
+/// after the match began from the previous owner's entry ([`RankDepths::get_for`]); and as
+/// the router retires a leaving rank before the index frees its id, a rank removed during the
+/// match, whose entry may hold its id's next owner's blocks, reads as retired.
 #[inline(always)]
-fn rank_depth(state: &RankState, depths: &RankDepths) -> Option<(u32, crate::index::Depth)> {
-    let id = state.index_id()?;
-    let d = depths.get(id)?;
+fn rank_depth(state: &RankState, depths: &RankDepths) -> Option<(RankKey, crate::index::Depth)> {
+    let key = state.index_key()?;
+    let d = depths.get_for(key)?;
     // Checked only for a rank that matched.
-    (!state.is_retired()).then_some((id, d))
+    (!state.is_retired()).then_some((key, d))
 }
 
 thread_local! {
@@ -979,8 +982,8 @@ impl Router {
                 r.state.set_kv_events(events);
                 self.warm(&r.state, now);
                 index.register_rank(r.rank)?;
-                if let Some(id) = index.rank_id(r.rank) {
-                    r.state.set_index_id(id);
+                if let Some(key) = index.rank_key(r.rank) {
+                    r.state.set_index_key(key);
                 }
             }
         }
@@ -1343,9 +1346,7 @@ impl Router {
         prefix_keys_into(&s.locals[..keyed], &mut s.keys);
         let t1 = timing.then(Instant::now);
 
-        // 2. Match. The fleet is read first: a rank of it whose index id was freed (and maybe
-        // given to a rank that joined since) was retired before, so the match that might see
-        // the id's next owner also sees the retirement (see `rank_depth`).
+        // 2. Match, by the index's rank ids; each fleet rank reads its own (`rank_depth`).
         let fleet = self.registry.load();
         self.reader
             .find_depths_into(&s.locals, MatchOptions::default(), &mut s.depths);
@@ -2608,21 +2609,21 @@ impl Scorer<'_> {
     /// The overlap credit and the blocks of rank `i` of the fleet.
     #[inline(always)]
     fn overlap(&self, i: usize) -> (f64, u32) {
-        let Some((id, d)) = rank_depth(&self.fleet.ranks[i].state, self.depths) else {
+        let Some((key, d)) = rank_depth(&self.fleet.ranks[i].state, self.depths) else {
             return (0.0, 0);
         };
         let credit = match d.tier {
             // The sum over tiers with the others at 0: the same to the bit.
             Some(t) => f64::from(d.blocks) * self.weights.credits[t.index()],
-            None => CostTerms::credit_of(self.weights, &self.depths.per_tier(id)),
+            None => CostTerms::credit_of(self.weights, &self.depths.per_tier(key.id)),
         };
         (credit, d.blocks)
     }
 
     /// The blocks of rank `i` of the fleet by the fastest tier each is held in.
     fn per_tier(&self, i: usize) -> [u32; StorageTier::COUNT] {
-        match live_index_id(&self.fleet.ranks[i].state) {
-            Some(id) => self.depths.per_tier(id),
+        match rank_depth(&self.fleet.ranks[i].state, self.depths) {
+            Some((key, _)) => self.depths.per_tier(key.id),
             None => [0; StorageTier::COUNT],
         }
     }
@@ -2975,14 +2976,16 @@ mod tests {
         assert_eq!(overlaps(&a), [(0, 9), (2, 4), (3, 6)]);
     }
 
-    /// A fleet read before a leave, and a join that takes the leaver's index id, credits the
-    /// leaver nothing from a match that sees the newcomer's blocks under that id; the fleet
-    /// read after credits the newcomer.
+    /// An index id changes hands through a leave and a join, and no match credits one owner's
+    /// blocks to the other: whichever of the two fleets (before, after) reads whichever of the
+    /// two matches, and a rank that left takes nothing even from a match of its own blocks.
     #[test]
-    fn a_stale_fleet_never_credits_a_reused_index_id_to_its_old_rank() {
+    fn a_reused_index_id_never_credits_one_owner_with_the_others_blocks() {
         let t = tokens(160);
         let locals = BlockHasher::new(BS as usize).local_hashes(&t);
         let r = router(RouterConfig::default());
+        let mut before = RankDepths::default();
+        let mut after = RankDepths::default();
         r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
         store(
             &r,
@@ -2992,6 +2995,13 @@ mod tests {
             0,
         );
         let stale = r.fleet();
+        let old = &stale.ranks[0];
+        r.reader
+            .find_depths_into(&locals, MatchOptions::default(), &mut before);
+        assert_eq!(
+            rank_depth(&old.state, &before).map(|(_, d)| d.blocks),
+            Some(2)
+        );
         r.leave_worker(WorkerId(1)).unwrap();
         r.join_worker(WorkerConfig::simple(0, 1000, BS)).unwrap();
         store(
@@ -3002,15 +3012,26 @@ mod tests {
             0,
         );
         let fresh = r.fleet();
-        let (old, new) = (&stale.ranks[0].state, &fresh.ranks[0].state);
-        assert_eq!(old.rank(), WorkerRank::new(1, 0));
-        assert_eq!(new.rank(), WorkerRank::new(0, 0));
-        assert_eq!(old.index_id(), new.index_id(), "the id was reused");
-        let mut depths = RankDepths::default();
+        let new = &fresh.ranks[0];
+        assert_eq!(
+            (old.rank, new.rank),
+            (WorkerRank::new(1, 0), WorkerRank::new(0, 0))
+        );
+        let id = |r: &crate::registry::RankEntry| r.state.index_key().map(|k| k.id);
+        assert_eq!(id(old), id(new), "the id was reused");
         r.reader
-            .find_depths_into(&locals, MatchOptions::default(), &mut depths);
-        assert_eq!(rank_depth(old, &depths), None);
-        assert_eq!(rank_depth(new, &depths).map(|(_, d)| d.blocks), Some(9));
+            .find_depths_into(&locals, MatchOptions::default(), &mut after);
+        assert_eq!(
+            rank_depth(&new.state, &after).map(|(_, d)| d.blocks),
+            Some(9)
+        );
+        assert_eq!(rank_depth(&new.state, &before), None, "the leaver's blocks");
+        assert_eq!(
+            rank_depth(&old.state, &after),
+            None,
+            "the newcomer's blocks"
+        );
+        assert_eq!(rank_depth(&old.state, &before), None, "it left");
     }
 
     /// Without evidence, selection keeps only candidates that can still win; it picks from

@@ -2,6 +2,7 @@
 //! knows its ranks' ids (a router visiting every rank of its fleet) reads each rank's overlap
 //! with one load, and the walk writes one word per holder instead of building a score.
 
+use super::RankKey;
 use crate::event::StorageTier;
 
 /// The tier byte of a rank whose blocks sit in more than one tier (its split is in the side
@@ -16,16 +17,22 @@ const STAMP_LIMIT: u32 = 1 << 24;
 /// across calls: a match then neither allocates nor clears the table, as entries carry the
 /// stamp of the match that wrote them.
 ///
-/// Ids are the index's dense rank ids ([`super::PrefixIndex::rank_id`]): stable while a rank
-/// is registered, and reused after it is removed. A caller that may hold an id across a
-/// removal must confirm the rank (the router does: a rank it holds an id of is retired before
-/// the index frees the id, and the walk that could see the id's next owner starts after that).
+/// Ids are the index's dense rank ids: stable while a rank is registered, and reused after it
+/// is removed. A caller that keeps a rank's id reads by its [`RankKey`]
+/// ([`super::PrefixIndex::rank_key`]), which carries how many ids the index had freed when it
+/// gave the id out: [`RankDepths::get_for`] answers only for a key given out before the
+/// match began, so an entry under a reused id never goes to a rank that took the id during the
+/// match. (The other way round, a rank removed during the match may find its id's next owner's
+/// blocks under its own: the router retires a rank before the index frees its id, and credits
+/// retired ranks nothing.)
 #[derive(Clone, Debug, Default)]
 pub struct RankDepths {
     /// By rank id: `stamp << 40 | tier << 32 | blocks` (tier [`MIXED`]: see `split`).
     entries: Vec<u64>,
     /// By rank id: blocks per tier, for ranks whose entry says [`MIXED`].
     split: Vec<[u32; StorageTier::COUNT]>,
+    /// Ids the index had freed when the match began ([`RankKey::epoch`]).
+    epoch: u32,
     /// The current match's stamp (never 0, so an untouched entry never matches).
     stamp: u32,
     /// Ids with an entry in this match, in the order the walk found them.
@@ -45,8 +52,9 @@ pub struct Depth {
 }
 
 impl RankDepths {
-    /// Starts a match over rank ids below `ranks`.
-    pub(super) fn begin(&mut self, ranks: usize) {
+    /// Starts a match over rank ids below `ranks`, `epoch` ids freed so far.
+    pub(super) fn begin(&mut self, ranks: usize, epoch: u32) {
+        self.epoch = epoch;
         self.ids.clear();
         self.active.clear();
         self.stamp += 1;
@@ -55,9 +63,13 @@ impl RankDepths {
             self.stamp = 1;
         }
         if self.entries.len() < ranks {
-            self.entries.resize(ranks, 0);
-            self.split.resize(ranks, [0; StorageTier::COUNT]);
+            self.grow(ranks);
         }
+    }
+
+    fn grow(&mut self, ranks: usize) {
+        self.entries.resize(ranks, 0);
+        self.split.resize(ranks, [0; StorageTier::COUNT]);
     }
 
     #[inline(always)]
@@ -84,6 +96,24 @@ impl RankDepths {
         })
     }
 
+    /// True when `key` was given out before the match began: the entry under its id is then
+    /// its rank's (or its rank was removed during the match).
+    #[inline(always)]
+    pub fn covers(&self, key: RankKey) -> bool {
+        key.epoch <= self.epoch
+    }
+
+    /// The overlap of the rank `key` was given to (`None`: it holds not even the first block,
+    /// or took its id after the match began).
+    #[inline(always)]
+    pub fn get_for(&self, key: RankKey) -> Option<Depth> {
+        if self.covers(key) {
+            self.get(key.id)
+        } else {
+            None
+        }
+    }
+
     /// The blocks of rank id `id` split by the fastest tier each is held in.
     pub fn per_tier(&self, id: u32) -> [u32; StorageTier::COUNT] {
         match self.get(id) {
@@ -91,6 +121,7 @@ impl RankDepths {
             Some(Depth {
                 tier: Some(t),
                 blocks,
+                ..
             }) => one_tier(t as u8, blocks),
             Some(Depth { tier: None, .. }) => self.split[id as usize],
         }
@@ -135,13 +166,16 @@ impl RankDepths {
         self.entries[i] = self.single_or_split(i, split, blocks + lead as u32);
     }
 
-    /// Raises rank id `id` to `depth` blocks when it holds fewer, the blocks added counted as
-    /// device blocks (a caller's own evidence of cached blocks); true when it rose.
-    pub fn raise(&mut self, id: u32, depth: u32) -> bool {
-        let i = id as usize;
+    /// Raises the rank of `key` to `depth` blocks when it holds fewer, the blocks added counted
+    /// as device blocks (a caller's own evidence of cached blocks); true when it rose. A key
+    /// the match does not cover ([`RankDepths::covers`]) is not raised.
+    pub fn raise(&mut self, key: RankKey, depth: u32) -> bool {
+        if !self.covers(key) {
+            return false;
+        }
+        let i = key.id as usize;
         if i >= self.entries.len() {
-            self.entries.resize(i + 1, 0);
-            self.split.resize(i + 1, [0; StorageTier::COUNT]);
+            self.grow(i + 1);
         }
         let e = self.entries[i];
         let (had, tier, blocks) = if self.live(e) {
@@ -153,7 +187,7 @@ impl RankDepths {
             return false;
         }
         if !had {
-            self.ids.push(id);
+            self.ids.push(key.id);
         }
         let device = StorageTier::Device as u8;
         self.entries[i] = if tier == device {
@@ -226,10 +260,14 @@ mod tests {
             .collect()
     }
 
+    fn key(id: u32, epoch: u32) -> RankKey {
+        RankKey { id, epoch }
+    }
+
     #[test]
     fn entries_split_tiers_only_when_blocks_sit_in_several() {
         let mut d = RankDepths::default();
-        d.begin(4);
+        d.begin(4, 0);
         // Device holds blocks 0..2, host 0..5: blocks 2..5 are host's.
         d.first(1, &group(1, &[(0, 0b11), (1, 0b11111)]), 5);
         // Two tiers, but the device one covers every leading block.
@@ -252,28 +290,35 @@ mod tests {
     #[test]
     fn raises_add_device_blocks_and_only_ever_raise() {
         let mut d = RankDepths::default();
-        d.begin(2);
+        d.begin(2, 0);
         d.first(0, &group(0, &[(1, 0b111)]), 3);
-        assert!(!d.raise(0, 3));
-        assert!(d.raise(0, 5));
+        assert!(!d.raise(key(0, 0), 3));
+        assert!(d.raise(key(0, 0), 5));
         assert_eq!(d.per_tier(0), [2, 3, 0, 0]);
         // A rank the walk did not score, beyond the table: it grows.
-        assert!(d.raise(7, 4));
+        assert!(d.raise(key(7, 0), 4));
         assert_eq!(d.per_tier(7), [4, 0, 0, 0]);
         assert_eq!(d.ids(), [0, 7]);
+        // A key given out after the match began: neither read nor raised.
+        d.begin(8, 3);
+        d.first(2, &group(2, &[(0, 1)]), 1);
+        assert_eq!(d.get_for(key(2, 3)).map(|x| x.blocks), Some(1));
+        assert_eq!(d.get_for(key(2, 4)), None);
+        assert!(!d.raise(key(2, 4), 9));
+        assert!(d.raise(key(2, 2), 9));
     }
 
     #[test]
     fn a_new_match_forgets_the_last_even_when_stamps_wrap() {
         let mut d = RankDepths::default();
-        d.begin(2);
+        d.begin(2, 0);
         d.first(1, &group(1, &[(0, 1)]), 1);
         d.first(0, &group(0, &[(0, 1)]), 1);
-        d.begin(2);
+        d.begin(2, 0);
         assert_eq!(d.get(1), None);
         // Rank 1's entry carries stamp 1, the stamp the wrap starts over at.
         d.stamp = STAMP_LIMIT - 1;
-        d.begin(2);
+        d.begin(2, 0);
         assert_eq!(d.stamp, 1);
         assert_eq!((d.get(0), d.get(1)), (None, None));
         assert!(d.ids().is_empty());

@@ -216,6 +216,8 @@ pub struct IndexStats {
 #[derive(Debug)]
 struct RankState {
     rank: WorkerRank,
+    /// Ids freed before this rank was given its id ([`RankKey::epoch`]).
+    epoch: u32,
     /// The rank's block names -> packed position.
     names: NameMap,
     last_event: Option<u64>,
@@ -227,6 +229,17 @@ struct Shared {
     shards: Vec<Arc<ShardShared>>,
     /// Rank id -> rank, for turning holders into scores.
     ranks: ArcSwap<Vec<Option<WorkerRank>>>,
+    /// Rank ids freed so far (saturating), raised after the table without them is published.
+    frees: primitive::AtomicU32,
+}
+
+/// A registered rank's id, with the number of ids the index had freed when it gave the id out:
+/// the key a caller that keeps rank ids reads a [`RankDepths`] by. Two keys of one id differ
+/// in `epoch`, as the id was freed in between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankKey {
+    pub id: u32,
+    pub epoch: u32,
 }
 
 /// A cheap, cloneable, thread-safe handle that matches queries lock-free.
@@ -282,8 +295,10 @@ impl IndexReader {
     /// ([`PrefixIndex::rank_id`]). Lock-free; allocates nothing once `out` has grown to the
     /// number of ranks.
     pub fn find_depths_into(&self, query: &[LocalHash], opts: MatchOptions, out: &mut RankDepths) {
+        // The count first: the table loaded after it has freed at least that many ids.
+        let epoch = self.shared.frees.load(primitive::Ordering::Acquire);
         let ranks = self.shared.ranks.load();
-        out.begin(ranks.len());
+        out.begin(ranks.len(), epoch);
         let Some(first) = query.first() else {
             return;
         };
@@ -418,6 +433,7 @@ impl PrefixIndex {
         let shared = Arc::new(Shared {
             shards: shards.iter().map(|s| Arc::clone(&s.shared)).collect(),
             ranks: ArcSwap::from_pointee(Vec::new()),
+            frees: primitive::AtomicU32::new(0),
         });
         PrefixIndex {
             config,
@@ -469,10 +485,12 @@ impl PrefixIndex {
         Ok(())
     }
 
-    /// The dense id of a registered rank (see [`RankDepths`]): stable until the rank is
+    /// The key of a registered rank (see [`RankDepths`]): its id is stable until the rank is
     /// removed, then free for the next rank to register.
-    pub fn rank_id(&self, rank: WorkerRank) -> Option<u32> {
-        self.rank_ids.get(&rank).copied()
+    pub fn rank_key(&self, rank: WorkerRank) -> Option<RankKey> {
+        let id = *self.rank_ids.get(&rank)?;
+        let epoch = self.ranks[id as usize].as_ref()?.epoch;
+        Some(RankKey { id, epoch })
     }
 
     fn rank_id_or_register(&mut self, rank: WorkerRank) -> Result<u32, IndexError> {
@@ -492,6 +510,7 @@ impl PrefixIndex {
         }
         self.ranks[id as usize] = Some(RankState {
             rank,
+            epoch: self.reader.shared.frees.load(primitive::Ordering::Relaxed),
             names: NameMap::default(),
             last_event: None,
             needs_resync: false,
@@ -821,6 +840,7 @@ impl PrefixIndex {
             self.errors.unknown_worker += 1;
             return Err(IndexError::UnknownWorker { worker });
         }
+        let freed = ranks.len() as u32;
         for (rank, id) in ranks {
             self.clear_rank(id);
             self.rank_ids.remove(&rank);
@@ -828,6 +848,9 @@ impl PrefixIndex {
             self.free_rank_ids.push(id);
         }
         self.publish_ranks();
+        let frees = &self.reader.shared.frees;
+        let n = frees.load(primitive::Ordering::Relaxed);
+        frees.store(n.saturating_add(freed), primitive::Ordering::Release);
         Ok(())
     }
 
