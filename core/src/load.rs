@@ -460,6 +460,12 @@ impl RankState {
         }
     }
 
+    /// True when some of the rank's prompt load is decayed ([`LoadView::prompt_decay`]).
+    #[inline(always)]
+    pub fn prompt_decay_pending(&self) -> bool {
+        self.load.prompt_decay.load(Ordering::Relaxed) != 0
+    }
+
     /// How many leading `keys` (a prompt's prefix keys) are active on the rank, or `None` when
     /// another thread holds the rank's table right now: never waits.
     pub fn try_shared_prefix_blocks(&self, keys: &[u64]) -> Option<usize> {

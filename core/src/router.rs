@@ -1422,6 +1422,7 @@ impl Router {
             preferred: &s.preferred,
             fleet: &fleet,
             depths: &s.depths,
+            seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
             weights: &weights,
             shape: &shape,
             busy,
@@ -2589,6 +2590,8 @@ struct Scorer<'a> {
     fleet: &'a Fleet,
     /// The match, by the index's rank ids.
     depths: &'a RankDepths,
+    /// The fleet index of the match's deepest rank, scored first where that helps.
+    seed: Option<usize>,
     weights: &'a Weights,
     shape: &'a RequestShape,
     busy: &'a crate::config::BusyThresholds,
@@ -2672,9 +2675,19 @@ impl Scorer<'_> {
             shape: &shape,
             ..*self
         };
+        // Where pruning needs no more than the cost (no preference or pool credit lowers
+        // it), a rank whose bound's floor cannot win is not scored at all; the deepest match
+        // goes first, as it sets a low cheapest cost early.
+        let floors = !EXTRAS && targets.prunes();
+        let seed = this
+            .seed
+            .filter(|&i| floors && this.fleet.ranks[i].role == role);
+        if let Some(i) = seed {
+            this.offer_rank::<EXTRAS>(i, floors, targets, out);
+        }
         let mut unlabelled = 0;
         for (i, r) in this.fleet.ranks.iter().enumerate() {
-            if r.role != role {
+            if r.role != role || Some(i) == seed {
                 continue;
             }
             if EXTRAS {
@@ -2686,21 +2699,47 @@ impl Scorer<'_> {
                     continue;
                 }
             }
-            let c = this.score_as::<EXTRAS>(i);
-            if targets.offer(out.len(), &c) {
-                out.push(c);
-            }
+            this.offer_rank::<EXTRAS>(i, floors, targets, out);
         }
         unlabelled
+    }
+
+    /// Scores rank `i` into `out` unless `targets` refuse it; with `floors`, first checks that
+    /// it can win at all ([`ProbeTargets::cannot_win`]).
+    #[inline(always)]
+    fn offer_rank<const EXTRAS: bool>(
+        &self,
+        i: usize,
+        floors: bool,
+        targets: &mut ProbeTargets,
+        out: &mut Vec<Scored>,
+    ) {
+        let overlap = self.overlap(i);
+        if floors {
+            let decay = self.fleet.ranks[i].state.prompt_decay_pending();
+            let floor = CostTerms::bound_floor(self.weights, self.shape, overlap.0, decay);
+            if targets.cannot_win(floor) {
+                return;
+            }
+        }
+        let c = self.score_with::<EXTRAS>(i, overlap);
+        if targets.offer(out.len(), &c) {
+            out.push(c);
+        }
     }
 
     /// Rank `i` scored; without `EXTRAS`, pool hits, preferences and health marks are known
     /// not to apply.
     #[inline(always)]
     fn score_as<const EXTRAS: bool>(&self, i: usize) -> Scored {
+        self.score_with::<EXTRAS>(i, self.overlap(i))
+    }
+
+    /// [`Scorer::score_as`] with the rank's overlap (credit, blocks) already read.
+    #[inline(always)]
+    fn score_with<const EXTRAS: bool>(&self, i: usize, (own_credit, blocks): (f64, u32)) -> Scored {
         let r = &self.fleet.ranks[i];
         let load = r.state.load();
-        let (own_credit, blocks) = self.overlap(i);
         let credit = if EXTRAS && !self.pool.is_empty() {
             own_credit + self.pool_extension(blocks).0
         } else {

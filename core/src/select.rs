@@ -233,6 +233,33 @@ impl CostTerms {
             + Self::decode_cost(shape, load, shared_blocks)
     }
 
+    /// A floor under the probe bound of a rank ([`ProbeTargets::offer`]: its cost less the
+    /// most a probe could take off it) from the request and the rank's overlap credit alone,
+    /// without its load; `prompt_decay` says whether the rank's prompt load may be decayed.
+    ///
+    /// The bound's terms each stay at or above the floor's: the prefill term with no tokens
+    /// already booked (the same operations on a smaller count, all monotone); the prompt
+    /// blocks less the room, at least the request's own blocks (all whole numbers below
+    /// 2⁵³, so exact), or, with decay, those less the prompt's full blocks; the output, at
+    /// least 0. The two sums round on their own, so [`ProbeTargets::cannot_win`] compares
+    /// with a margin far above that.
+    #[inline(always)]
+    pub fn bound_floor(
+        w: &Weights,
+        shape: &RequestShape,
+        credit_blocks: f64,
+        prompt_decay: bool,
+    ) -> f64 {
+        let idle = LoadView::default();
+        let prefill = Self::prefill_cost(w, Self::prefill_blocks(w, shape, &idle), credit_blocks);
+        let own = if prompt_decay {
+            shape.blocks.saturating_sub(u64::from(shape.full_blocks))
+        } else {
+            shape.blocks
+        };
+        prefill + count_f64(own)
+    }
+
     /// The overlap credit of `per_tier` cached blocks, in blocks.
     #[inline]
     pub fn credit_of(w: &Weights, per_tier: &[u32; StorageTier::COUNT]) -> f64 {
@@ -504,6 +531,11 @@ impl ProbeTargets {
         self
     }
 
+    /// True when these targets prune ([`ProbeTargets::pruning`]).
+    pub fn prunes(&self) -> bool {
+        self.prune
+    }
+
     /// Considers candidate `index`; false when it is refused ([`ProbeTargets::pruning`]).
     #[inline(always)]
     pub fn offer(&mut self, index: usize, c: &Scored) -> bool {
@@ -535,6 +567,16 @@ impl ProbeTargets {
         self.indices[at] = index as u32;
         self.n = (self.n + 1).min(SHARED_PROBES);
         true
+    }
+
+    /// True when pruning and a rank whose probe bound is at least `floor`
+    /// ([`CostTerms::bound_floor`]) would be refused whatever its load: it need not be scored.
+    /// Busy and marked ranks too: once a free, healthy rank set the cheapest cost, neither
+    /// filter falls back to them.
+    #[inline(always)]
+    pub fn cannot_win(&self, floor: f64) -> bool {
+        // The margin covers the bound's own rounding (a few units in the last place).
+        self.prune && floor * (1.0 - 1e-9) > self.cheapest
     }
 
     /// The candidates to probe, lowest bound first.
@@ -1332,6 +1374,61 @@ mod tests {
         assert!(picked.windows(2).all(|w| w[0] <= w[1]), "{picked:?}");
         picked.dedup();
         assert_eq!(picked, vec![100.0, 101.0, 102.0, 103.0]);
+    }
+
+    /// The floor under a rank's probe bound, from its credit alone, is at most the bound that
+    /// offering the rank computes, for every load (decays, booked prefill, active prompts and
+    /// output), weight and shape, up to rounding that the margin `cannot_win` leaves covers
+    /// a thousand times over.
+    #[test]
+    fn the_bound_floor_never_exceeds_the_bound() {
+        let mut rng = Rng::new(5);
+        let pick = |rng: &mut Rng, v: &[f64]| v[rng.below(v.len() as u64) as usize];
+        for _ in 0..50_000 {
+            let bs = [1u32, 3, 16, 64][rng.below(4) as usize];
+            let mut w = weights();
+            w.block_size = bs;
+            w.prefill_load_scale = pick(&mut rng, &[0.0, 0.3, 1.0, 2.7]);
+            w.credits = std::array::from_fn(|_| pick(&mut rng, &[0.0, 0.25, 0.75, 1.0, 1.3]));
+            let tokens = 1 + rng.below(20_000);
+            let s = RequestShape {
+                tokens,
+                blocks: tokens.div_ceil(u64::from(bs)),
+                full_blocks: (tokens / u64::from(bs)) as u32,
+                prefix_key: None,
+            };
+            let per_tier: [u32; 4] =
+                std::array::from_fn(|_| rng.below(u64::from(s.full_blocks) / 2 + 1) as u32);
+            let credit = CostTerms::credit_of(&w, &per_tier);
+            let big = |rng: &mut Rng| {
+                if rng.below(3) == 0 {
+                    0
+                } else {
+                    rng.below(50_000)
+                }
+            };
+            let load = LoadView {
+                prefill_tokens: big(&mut rng),
+                prompt_blocks: big(&mut rng),
+                output_blocks: big(&mut rng),
+                output_decay: big(&mut rng) * 64,
+                prompt_decay: big(&mut rng) * 64,
+                requests: 1,
+            };
+            let cost = CostTerms::total_of(&w, &s, &load, credit, 0);
+            let room = load.prompt_blocks.min(u64::from(s.full_blocks));
+            let bound = cost - count_f64(room);
+            let floor = CostTerms::bound_floor(&w, &s, credit, load.prompt_decay != 0);
+            // Above the bound by rounding alone: far inside the margin.
+            let slack = 1e-12 * bound.abs().max(1.0);
+            assert!(
+                floor <= bound + slack,
+                "{floor} > {bound}: {w:?} {s:?} {load:?} {per_tier:?}"
+            );
+            let mut t = ProbeTargets::new(s.full_blocks).pruning(true);
+            t.offer(0, &scored(0, bound, 0, Busy::Free));
+            assert!(!t.cannot_win(floor), "the bound itself is the cheapest");
+        }
     }
 
     /// The one-pass accumulator equals the literal rule: every free candidate with active

@@ -3,7 +3,7 @@
 //! with one load, and the walk writes one word per holder instead of building a score.
 
 use super::RankKey;
-use crate::event::StorageTier;
+use crate::event::{StorageTier, WorkerRank};
 
 /// The tier byte of a rank whose blocks sit in more than one tier (its split is in the side
 /// table).
@@ -39,6 +39,10 @@ pub struct RankDepths {
     ids: Vec<u32>,
     /// Ranks still holding every block so far: (rank id, rank id), as the walk narrows them.
     pub(super) active: Vec<(u32, u32)>,
+    /// The walk's deepest overlap: (blocks, rank id), the first found of the deepest.
+    deep: (u32, u32),
+    /// The rank of `deep`, named when the walk ends.
+    deepest: Option<WorkerRank>,
 }
 
 /// One rank's overlap as [`RankDepths::get`] reads it.
@@ -55,6 +59,8 @@ impl RankDepths {
     /// Starts a match over rank ids below `ranks`, `epoch` ids freed so far.
     pub(super) fn begin(&mut self, ranks: usize, epoch: u32) {
         self.epoch = epoch;
+        self.deep = (0, 0);
+        self.deepest = None;
         self.ids.clear();
         self.active.clear();
         self.stamp += 1;
@@ -127,6 +133,19 @@ impl RankDepths {
         }
     }
 
+    /// The rank the walk found deepest (the first found of equals), as the index named it when
+    /// the match began; a hint for a caller that visits ranks cheapest first.
+    pub fn deepest(&self) -> Option<WorkerRank> {
+        self.deepest
+    }
+
+    /// Names the deepest rank from the walk's table of ranks.
+    pub(super) fn end(&mut self, ranks: &[Option<WorkerRank>]) {
+        if self.deep.0 > 0 {
+            self.deepest = ranks.get(self.deep.1 as usize).copied().flatten();
+        }
+    }
+
     /// The ids this match scored, in the order the walk found them.
     pub fn ids(&self) -> &[u32] {
         &self.ids
@@ -145,6 +164,14 @@ impl RankDepths {
             self.single_or_split(i, split, lead as u32)
         };
         self.ids.push(id);
+        self.note_depth(id, lead as u32);
+    }
+
+    #[inline(always)]
+    fn note_depth(&mut self, id: u32, blocks: u32) {
+        if blocks > self.deep.0 {
+            self.deep = (blocks, id);
+        }
     }
 
     /// Adds the first `lead` blocks of `group` to the overlap of rank id `id` (which has one).
@@ -153,6 +180,7 @@ impl RankDepths {
         let i = id as usize;
         let e = self.entries[i];
         let (tier, blocks) = ((e >> 32) as u8, e as u32);
+        self.note_depth(id, blocks + lead as u32);
         if group.len() == 2 && group[0] as u8 == tier {
             self.entries[i] = e + lead as u64;
             return;

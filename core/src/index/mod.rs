@@ -305,6 +305,7 @@ impl IndexReader {
         let shards = &self.shared.shards;
         let shard = &shards[shard_of(*first, shards.len())];
         read::walk(shard, &ranks, query, opts.early_exit, out);
+        out.end(&ranks);
     }
 
     /// The rank that rank id `id` names now (`None`: a free id).
