@@ -47,7 +47,7 @@ use kvroute_core::config::{
 };
 use kvroute_core::hash::BlockHasher;
 use kvroute_core::health::Health;
-use kvroute_core::load::{prefix_keys_into, RequestId};
+use kvroute_core::load::RequestId;
 use kvroute_core::registry::KvEvents;
 use kvroute_core::registry::WorkerConfig;
 use kvroute_core::router::{Admission, Label, PoolHits, PreferredLabel};
@@ -228,15 +228,13 @@ impl WorkerConfigLike for PeerWorker {
 /// The prompt blocks already active on each worker (by worker id), read from the router's
 /// per-rank prompt tables: what Dynamo's scheduler subtracts to get a worker's new blocks.
 fn shared_blocks(router: &Router, locals: &[LocalHash]) -> Vec<usize> {
-    let mut keys = Vec::new();
-    prefix_keys_into(locals, &mut keys);
     let fleet = router.fleet();
     (0..WORKERS)
         .map(|w| {
             let i = fleet.rank_index(WorkerRank::new(w, 0)).unwrap();
             fleet.ranks[i]
                 .state
-                .try_shared_prefix_blocks(&keys)
+                .try_shared_prefix_blocks(locals)
                 .unwrap()
         })
         .collect()

@@ -102,14 +102,15 @@ impl Hasher for PassThroughHasher {
 
 type PassThrough = BuildHasherDefault<PassThroughHasher>;
 
-/// The prefix key of each block of `locals`: `k[0] = mix(L0)`, `k[i] = mix(k[i-1] ^ mix(Li))`.
+/// The prefix key of each block of `locals`: `k[i] = mix(rot(k[i-1]) ^ Li)` from a constant
+/// `k[-1]`. One multiply per block on the chain: local hashes are already well mixed.
 /// Replaces `out`'s contents; allocation-free when `out` has the capacity. Internal to the
 /// router (never compared with engine hashes), so it need only be cheap and well mixed.
 pub fn prefix_keys_into(locals: &[LocalHash], out: &mut Vec<u64>) {
     out.clear();
     let mut k = 0x243f_6a88_85a3_08d3u64;
     for l in locals {
-        k = mix64(k.rotate_left(23) ^ mix64(l.0));
+        k = mix64(k.rotate_left(23) ^ l.0);
         out.push(k);
     }
 }
@@ -120,7 +121,7 @@ pub fn prefix_keys_extend(locals: &[LocalHash], out: &mut Vec<u64>, upto: usize)
     let upto = upto.min(locals.len());
     let mut k = out.last().copied().unwrap_or(0x243f_6a88_85a3_08d3u64);
     for l in &locals[out.len().min(upto)..upto] {
-        k = mix64(k.rotate_left(23) ^ mix64(l.0));
+        k = mix64(k.rotate_left(23) ^ l.0);
         out.push(k);
     }
 }
@@ -252,51 +253,56 @@ impl LoadView {
     }
 }
 
-/// The prompts active on one rank, kept in lexicographic order of their prefix keys, so that
-/// the blocks they hold together (shared prefixes once) are counted without a refcount per
-/// block.
+/// The prompts active on one rank, kept in lexicographic order of their blocks' local hashes,
+/// so that the blocks they hold together (shared prefixes once) are counted without a
+/// refcount per block.
 ///
 /// In sorted order every group of prompts sharing a prefix is contiguous, so the union of
 /// their prefixes, the size of their trie, is `Σ len − Σ lcp(neighbours)`, and a prompt's
 /// longest prefix held by another is the longer of its common prefixes with its two
 /// neighbours. Booking inserts one prompt and removes nothing: the blocks it adds are its
 /// length less that longest shared prefix. Freeing is the mirror image. Both cost a binary
-/// search over the rank's prompts, each comparison a binary search for the first differing
-/// key (prefix keys chain, so two prompts agree at a position only if they agree on
-/// everything before it), and a shift of the order: `O(log r · log n + r)` for `r` active
-/// prompts of `n` blocks, instead of `n` refcount updates.
+/// search over the rank's prompts, each comparison a scan to the first differing block
+/// (eight hashes at a time), and a shift of the order: `O(log r · n + r)` for `r` active
+/// prompts of `n` blocks, instead of `n` refcount updates. Comparing local hashes from the
+/// first block on needs nothing derived from the prompt: chained prefix keys would have let
+/// a comparison binary-search, but computing them is a serial chain of multiplies per block,
+/// slower than the scan.
 #[derive(Debug, Default)]
 pub struct PrefixRefs {
-    /// One prompt's keys per slot; a free slot holds an empty vector.
-    slots: Vec<Vec<u64>>,
+    /// One prompt's block hashes per slot; a free slot holds an empty vector.
+    slots: Vec<Vec<LocalHash>>,
     free: Vec<u32>,
-    /// Occupied slots in lexicographic order of their keys, equal prompts by slot.
+    /// Occupied slots in lexicographic order of their hashes, equal prompts by slot.
     order: Vec<u32>,
-    /// Distinct keys held (the trie's size).
+    /// Distinct prefixes held (the trie's size).
     distinct: u64,
 }
 
-/// How many leading keys `a` and `b` share, by binary search for the first difference.
-fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+/// How many leading blocks `a` and `b` share: eight compared at a time while all eight
+/// agree, then one at a time.
+fn common_prefix(a: &[LocalHash], b: &[LocalHash]) -> usize {
     let n = a.len().min(b.len());
-    if n == 0 || a[n - 1] == b[n - 1] {
-        return n;
-    }
-    // a[..lo] agree; a[hi] differs.
-    let (mut lo, mut hi) = (0, n - 1);
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        if a[mid] == b[mid] {
-            lo = mid + 1;
-        } else {
-            hi = mid;
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut i = 0;
+    while i + 8 <= n {
+        let diff = a[i..i + 8]
+            .iter()
+            .zip(&b[i..i + 8])
+            .fold(0, |d, (x, y)| d | (x.0 ^ y.0));
+        if diff != 0 {
+            break;
         }
+        i += 8;
     }
-    lo
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
 }
 
-/// Lexicographic order of two key chains.
-fn compare_keys(a: &[u64], b: &[u64]) -> std::cmp::Ordering {
+/// Lexicographic order of two prompts' block hashes.
+fn compare_keys(a: &[LocalHash], b: &[LocalHash]) -> std::cmp::Ordering {
     let m = common_prefix(a, b);
     match (a.get(m), b.get(m)) {
         (Some(x), Some(y)) => x.cmp(y),
@@ -315,7 +321,7 @@ impl PrefixRefs {
         self.distinct == 0
     }
 
-    fn keys(&self, slot: u32) -> &[u64] {
+    fn keys(&self, slot: u32) -> &[LocalHash] {
         &self.slots[slot as usize]
     }
 
@@ -343,9 +349,9 @@ impl PrefixRefs {
         before.max(after)
     }
 
-    /// Holds the prompt `keys` (the vector is kept, and handed back by [`Self::release`]);
-    /// returns its slot and how many of its keys were new on the rank.
-    fn acquire(&mut self, keys: Vec<u64>) -> (u32, u64) {
+    /// Holds the prompt of block hashes `keys` (the vector is kept, and handed back by
+    /// [`Self::release`]); returns its slot and how many of its prefixes were new on the rank.
+    fn acquire(&mut self, keys: Vec<LocalHash>) -> (u32, u64) {
         let slot = match self.free.pop() {
             Some(slot) => {
                 self.slots[slot as usize] = keys;
@@ -366,8 +372,9 @@ impl PrefixRefs {
         (slot, new)
     }
 
-    /// Drops the prompt in `slot`; returns its keys and how many keys the rank no longer holds.
-    fn release(&mut self, slot: u32) -> (Vec<u64>, u64) {
+    /// Drops the prompt in `slot`; returns its hashes and how many prefixes the rank no longer
+    /// holds.
+    fn release(&mut self, slot: u32) -> (Vec<LocalHash>, u64) {
         let Some(pos) = self.position(slot) else {
             return (Vec::new(), 0);
         };
@@ -378,15 +385,16 @@ impl PrefixRefs {
         (std::mem::take(&mut self.slots[slot as usize]), gone)
     }
 
-    /// How many trailing keys of the prompt in `slot` no other active prompt holds.
+    /// How many trailing blocks of the prompt in `slot` no other active prompt holds.
     fn unshared(&self, slot: u32) -> usize {
         self.position(slot)
             .map_or(0, |pos| self.keys(slot).len() - self.shared_at(pos))
     }
 
-    /// How many leading `keys` are held by some active prompt: the longer of the common
-    /// prefixes with the two prompts `keys` would sit between.
-    pub fn shared_prefix(&self, keys: &[u64]) -> usize {
+    /// How many leading blocks of the prompt `keys` (its blocks' local hashes) some active
+    /// prompt shares: the longer of the common prefixes with the two prompts `keys` would
+    /// sit between.
+    pub fn shared_prefix(&self, keys: &[LocalHash]) -> usize {
         let pos = self
             .order
             .partition_point(|&o| compare_keys(self.keys(o), keys) == std::cmp::Ordering::Less);
@@ -466,9 +474,9 @@ impl RankState {
         self.load.prompt_decay.load(Ordering::Relaxed) != 0
     }
 
-    /// How many leading `keys` (a prompt's prefix keys) are active on the rank, or `None` when
-    /// another thread holds the rank's table right now: never waits.
-    pub fn try_shared_prefix_blocks(&self, keys: &[u64]) -> Option<usize> {
+    /// How many leading blocks of a prompt (its blocks' local hashes) are active on the rank,
+    /// or `None` when another thread holds the rank's table right now: never waits.
+    pub fn try_shared_prefix_blocks(&self, keys: &[LocalHash]) -> Option<usize> {
         match self.refs.try_lock() {
             Ok(refs) => Some(refs.shared_prefix(keys)),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner().shared_prefix(keys)),
@@ -615,8 +623,8 @@ pub struct BookingSpec<'a> {
     pub state: &'a Arc<RankState>,
     /// Prompt tokens the rank must compute (the prompt less what it has cached).
     pub prefill_tokens: u64,
-    /// Prefix keys of the prompt's full blocks ([`prefix_keys_into`]).
-    pub prefix_keys: &'a [u64],
+    /// Local hashes of the prompt's full blocks.
+    pub block_hashes: &'a [LocalHash],
     /// Blocks the prompt holds beyond its full ones (1 for a partial tail block, else 0).
     pub tail_blocks: u64,
     /// Prompt tokens (the ISL).
@@ -697,7 +705,7 @@ const SHARDS: usize = 16;
 pub struct Ledger {
     shards: [CachePadded<Mutex<HashMap<RequestId, Booking, PassThrough>>>; SHARDS],
     /// Spare key vectors, so that booking allocates nothing in steady state.
-    spare: Mutex<Vec<Vec<u64>>>,
+    spare: Mutex<Vec<Vec<LocalHash>>>,
     prompt_decay: PromptDecay,
     booked: AtomicU64,
     freed: AtomicU64,
@@ -746,7 +754,7 @@ impl Ledger {
         &self.shards[(mix64(id.0) >> 60) as usize % SHARDS]
     }
 
-    fn take_spare(&self, len: usize) -> Vec<u64> {
+    fn take_spare(&self, len: usize) -> Vec<LocalHash> {
         let v = lock(&self.spare).pop().unwrap_or_default();
         if v.capacity() >= len {
             v
@@ -755,7 +763,7 @@ impl Ledger {
         }
     }
 
-    fn give_spare(&self, mut v: Vec<u64>) {
+    fn give_spare(&self, mut v: Vec<LocalHash>) {
         v.clear();
         let mut spare = lock(&self.spare);
         if spare.len() < 1024 {
@@ -770,7 +778,7 @@ impl Ledger {
             request,
             state,
             prefill_tokens,
-            prefix_keys,
+            block_hashes,
             tail_blocks,
             prompt_tokens,
             cached_tokens,
@@ -779,8 +787,8 @@ impl Ledger {
             session,
             now,
         } = spec;
-        let mut keys = self.take_spare(prefix_keys.len());
-        keys.extend_from_slice(prefix_keys);
+        let mut keys = self.take_spare(block_hashes.len());
+        keys.extend_from_slice(block_hashes);
         {
             let mut shard = lock(self.shard(request));
             if shard.contains_key(&request) {
@@ -1135,10 +1143,15 @@ impl Ledger {
 mod tests {
     use super::*;
 
+    /// The block hashes of a prompt whose blocks hash to `locals`.
+    fn blocks(locals: &[u64]) -> Vec<LocalHash> {
+        locals.iter().map(|&x| LocalHash(x)).collect()
+    }
+
+    /// The prefix keys of a prompt whose blocks hash to `locals`: equal keys, equal prefixes.
     fn keys(locals: &[u64]) -> Vec<u64> {
-        let l: Vec<LocalHash> = locals.iter().map(|&x| LocalHash(x)).collect();
         let mut out = Vec::new();
-        prefix_keys_into(&l, &mut out);
+        prefix_keys_into(&blocks(locals), &mut out);
         out
     }
 
@@ -1146,14 +1159,14 @@ mod tests {
         id: u64,
         state: &'a Arc<RankState>,
         tokens: u64,
-        keys: &'a [u64],
+        block_hashes: &'a [LocalHash],
         now: Instant,
     ) -> BookingSpec<'a> {
         BookingSpec {
             request: RequestId(id),
             state,
             prefill_tokens: tokens,
-            prefix_keys: keys,
+            block_hashes,
             tail_blocks: 0,
             prompt_tokens: tokens,
             cached_tokens: 0,
@@ -1182,8 +1195,8 @@ mod tests {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
         let now = Instant::now();
-        let a = keys(&[1, 2, 3, 4]);
-        let b = keys(&[1, 2, 7, 8, 9]);
+        let a = blocks(&[1, 2, 3, 4]);
+        let b = blocks(&[1, 2, 7, 8, 9]);
         ledger.book(spec(1, &s, 64, &a, now)).unwrap();
         ledger.book(spec(2, &s, 80, &b, now)).unwrap();
         let l = s.load();
@@ -1205,7 +1218,7 @@ mod tests {
     fn prefill_done_releases_tokens_once_and_output_blocks_grow() {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-        let k = keys(&[1, 2]);
+        let k = blocks(&[1, 2]);
         ledger
             .book(BookingSpec {
                 tail_blocks: 1,
@@ -1229,7 +1242,7 @@ mod tests {
     fn bad_ids_are_typed_errors_and_counted() {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-        let k = keys(&[1]);
+        let k = blocks(&[1]);
         ledger.book(spec(1, &s, 10, &k, Instant::now())).unwrap();
         assert_eq!(
             ledger.book(spec(1, &s, 10, &k, Instant::now())),
@@ -1262,7 +1275,7 @@ mod tests {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
         let t0 = Instant::now();
-        let k = keys(&[1, 2]);
+        let k = blocks(&[1, 2]);
         ledger.book(spec(1, &s, 10, &k, t0)).unwrap();
         ledger
             .book(spec(2, &s, 10, &k, t0 + Duration::from_secs(10)))
@@ -1280,7 +1293,7 @@ mod tests {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(3, 0)));
         s.retire();
-        let k = keys(&[1, 2]);
+        let k = blocks(&[1, 2]);
         assert!(matches!(
             ledger.book(spec(1, &s, 10, &k, Instant::now())),
             Err(LoadError::RankRetired { .. })
@@ -1294,7 +1307,7 @@ mod tests {
         let ledger = Ledger::new();
         let a = Arc::new(RankState::new(WorkerRank::new(1, 0)));
         let b = Arc::new(RankState::new(WorkerRank::new(2, 0)));
-        let k = keys(&[1, 2]);
+        let k = blocks(&[1, 2]);
         ledger.book(spec(1, &a, 10, &k, Instant::now())).unwrap();
         ledger.book(spec(2, &b, 10, &k, Instant::now())).unwrap();
         a.retire();
@@ -1321,21 +1334,23 @@ mod tests {
         assert_eq!(fresh, all[..5]);
     }
 
-    /// The binary search over held keys equals a linear count of the leading held keys, for
-    /// prompts sharing prefixes of every length with the active requests.
+    /// The search over held prompts equals a linear count of the query's leading prefix keys
+    /// held, for prompts sharing prefixes of every length with the active requests, and for
+    /// blocks that recur at other positions.
     #[test]
     fn shared_prefix_equals_a_linear_scan() {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-        let active = [keys(&[1, 2, 3, 4, 5, 6]), keys(&[1, 2, 9]), keys(&[7, 8])];
+        let active = [vec![1, 2, 3, 4, 5, 6], vec![1, 2, 9], vec![7, 8]];
         for (i, k) in active.iter().enumerate() {
             ledger
-                .book(spec(i as u64, &s, 1, k, Instant::now()))
+                .book(spec(i as u64, &s, 1, &blocks(k), Instant::now()))
                 .unwrap();
         }
         let linear = |q: &[u64]| {
-            let held: std::collections::HashSet<u64> = active.iter().flatten().copied().collect();
-            q.iter().take_while(|k| held.contains(k)).count()
+            let held: std::collections::HashSet<u64> =
+                active.iter().flat_map(|a| keys(a)).collect();
+            keys(q).iter().take_while(|k| held.contains(k)).count()
         };
         let queries = [
             vec![1, 2, 3, 4, 5, 6, 7, 8],
@@ -1344,26 +1359,27 @@ mod tests {
             vec![1, 5],
             vec![7, 8, 9],
             vec![3],
+            vec![2, 3, 4],
             vec![],
         ];
         for q in queries {
-            let q = keys(&q);
-            assert_eq!(s.try_shared_prefix_blocks(&q), Some(linear(&q)), "{q:?}");
+            let got = s.try_shared_prefix_blocks(&blocks(&q));
+            assert_eq!(got, Some(linear(&q)), "{q:?}");
         }
         assert_eq!(
-            s.try_shared_prefix_blocks(&keys(&[1, 2, 3, 4, 5, 6, 7])),
+            s.try_shared_prefix_blocks(&blocks(&[1, 2, 3, 4, 5, 6, 7])),
             Some(6)
         );
         // A held table is skipped, not waited for.
         let held = lock(&s.refs);
-        assert_eq!(s.try_shared_prefix_blocks(&keys(&[1])), None);
+        assert_eq!(s.try_shared_prefix_blocks(&blocks(&[1])), None);
         drop(held);
     }
 
     /// The sorted-prompt table against per-key refcounts: random prompts over a small
     /// alphabet (so that they share prefixes of every length, and some are equal) acquired
     /// and released in random order give the same distinct count, shared prefix of any query
-    /// and unshared suffix of every held prompt as counting each key's holders.
+    /// and unshared suffix of every held prompt as counting each prefix key's holders.
     #[test]
     fn prefix_table_equals_per_key_refcounts() {
         let mut x = 0x5eed_u64;
@@ -1379,7 +1395,7 @@ mod tests {
                     let len = next(9) as usize;
                     let locals: Vec<u64> = (0..len).map(|_| next(3)).collect();
                     let k = keys(&locals);
-                    let (slot, new) = refs.acquire(k.clone());
+                    let (slot, new) = refs.acquire(blocks(&locals));
                     let before: std::collections::HashSet<u64> =
                         held.iter().flat_map(|(_, k)| k.iter().copied()).collect();
                     assert_eq!(new, k.iter().filter(|k| !before.contains(k)).count() as u64);
@@ -1390,7 +1406,7 @@ mod tests {
                     let after: std::collections::HashSet<u64> =
                         held.iter().flat_map(|(_, k)| k.iter().copied()).collect();
                     let (back, gone) = refs.release(slot);
-                    assert_eq!(back, k);
+                    assert_eq!(keys(&back.iter().map(|b| b.0).collect::<Vec<_>>()), k);
                     assert_eq!(gone, k.iter().filter(|k| !after.contains(k)).count() as u64);
                 }
                 let mut counts: HashMap<u64, usize> = HashMap::new();
@@ -1405,9 +1421,11 @@ mod tests {
                     assert_eq!(refs.unshared(*slot), unshared);
                 }
                 let q: Vec<u64> = (0..next(10)).map(|_| next(3)).collect();
-                let q = keys(&q);
-                let linear = q.iter().take_while(|k| counts.contains_key(k)).count();
-                assert_eq!(refs.shared_prefix(&q), linear);
+                let linear = keys(&q)
+                    .iter()
+                    .take_while(|k| counts.contains_key(k))
+                    .count();
+                assert_eq!(refs.shared_prefix(&blocks(&q)), linear);
             }
         }
     }
@@ -1463,7 +1481,7 @@ mod tests {
     fn expected_output_decays_the_ranks_output_load_and_free_restores_it() {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-        let k = keys(&[1, 2]);
+        let k = blocks(&[1, 2]);
         ledger
             .book(BookingSpec {
                 expected_output_tokens: Some(64),
@@ -1501,8 +1519,8 @@ mod tests {
     fn unshared_prompt_blocks_decay_and_shared_ones_do_not() {
         let ledger = Ledger::with_prompt_decay(PromptDecay::Unshared);
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-        let a = keys(&[1, 2, 3, 4]);
-        let b = keys(&[1, 2, 9]);
+        let a = blocks(&[1, 2, 3, 4]);
+        let b = blocks(&[1, 2, 9]);
         let now = Instant::now();
         // Request 1: 4 full blocks and a tail (70 tokens), E = 100.
         ledger
@@ -1554,7 +1572,7 @@ mod tests {
     fn tokens_generated_open_blocks_at_boundaries() {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-        let k = keys(&[1, 2]);
+        let k = blocks(&[1, 2]);
         let t0 = Instant::now();
         let at = |ms| t0 + Duration::from_millis(ms);
         // 40 prompt tokens in 3 blocks (48 slots): output token 9 opens the first block.
@@ -1623,7 +1641,7 @@ mod tests {
     fn prompt_decay_off_decays_only_output_blocks() {
         let ledger = Ledger::with_prompt_decay(PromptDecay::Off);
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-        let a = keys(&[1, 2, 3]);
+        let a = blocks(&[1, 2, 3]);
         ledger
             .book(BookingSpec {
                 expected_output_tokens: Some(10),
@@ -1641,7 +1659,7 @@ mod tests {
     fn the_timeline_reports_ttft_block_intervals_and_dispatch() {
         let ledger = Ledger::new();
         let s = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-        let k = keys(&[1, 2]);
+        let k = blocks(&[1, 2]);
         let t0 = Instant::now();
         let at = |ms| t0 + Duration::from_millis(ms);
         // 40 prompt tokens: the first output block opens at output token 9.
@@ -1707,24 +1725,21 @@ mod loom_tests {
         builder.check(f);
     }
 
-    fn keys(locals: &[u64]) -> Vec<u64> {
-        let l: Vec<LocalHash> = locals.iter().map(|&x| LocalHash(x)).collect();
-        let mut out = Vec::new();
-        prefix_keys_into(&l, &mut out);
-        out
+    fn blocks(locals: &[u64]) -> Vec<LocalHash> {
+        locals.iter().map(|&x| LocalHash(x)).collect()
     }
 
     fn book(
         ledger: &Ledger,
         state: &Arc<RankState>,
         id: u64,
-        keys: &[u64],
+        keys: &[LocalHash],
     ) -> Result<(), LoadError> {
         ledger.book(BookingSpec {
             request: RequestId(id),
             state,
             prefill_tokens: 16 * keys.len() as u64 + 3,
-            prefix_keys: keys,
+            block_hashes: keys,
             tail_blocks: 1,
             prompt_tokens: 16 * keys.len() as u64 + 3,
             cached_tokens: 0,
@@ -1749,7 +1764,7 @@ mod loom_tests {
         model(|| {
             let ledger = LoomArc::new(Ledger::new());
             let state = Arc::new(RankState::new(WorkerRank::new(1, 0)));
-            let k = keys(&[1, 2]);
+            let k = blocks(&[1, 2]);
             book(&ledger, &state, 7, &k).unwrap();
             ledger.output_block(RequestId(7), None).unwrap();
             let by_id = {
@@ -1786,13 +1801,13 @@ mod loom_tests {
                 let ledger = LoomArc::clone(&ledger);
                 let state = Arc::clone(&state);
                 loom::thread::spawn(move || {
-                    let k = keys(&[1, 2, 4]);
+                    let k = blocks(&[1, 2, 4]);
                     book(&ledger, &state, 2, &k).unwrap();
                     ledger.prefill_done(RequestId(2), None).unwrap();
                     ledger.free(RequestId(2)).unwrap();
                 })
             };
-            let k = keys(&[1, 2, 3]);
+            let k = blocks(&[1, 2, 3]);
             book(&ledger, &state, 1, &k).unwrap();
             ledger.output_block(RequestId(1), None).unwrap();
             let held = state.load().prompt_blocks;
@@ -1817,7 +1832,7 @@ mod loom_tests {
             let booker = {
                 let ledger = LoomArc::clone(&ledger);
                 let state = Arc::clone(&state);
-                loom::thread::spawn(move || book(&ledger, &state, 1, &keys(&[5])).is_ok())
+                loom::thread::spawn(move || book(&ledger, &state, 1, &blocks(&[5])).is_ok())
             };
             state.retire();
             let purged = ledger.purge_worker(WorkerId(3));

@@ -1333,16 +1333,12 @@ impl Router {
         let timing = self.timings.is_some();
         let t0 = timing.then(Instant::now);
 
-        // 1. Hash. Booking needs a prefix key per full block; a query needs only the one the
-        // policy keys on.
+        // 1. Hash. Prefix keys only as far as the policy keys on (records extend them).
         let bs = self.config.block_size;
         let hasher = BlockHasher::new(bs as usize)
             .with_seed(HashSeed::new(hints.lora_name, hints.cache_salt));
         hasher.local_hashes_into(req.tokens, &mut s.locals);
-        let keyed = match hints.mode {
-            Mode::Book => s.locals.len(),
-            Mode::QueryOnly => self.prefix_key_blocks().min(s.locals.len()),
-        };
+        let keyed = self.prefix_key_blocks().min(s.locals.len());
         prefix_keys_into(&s.locals[..keyed], &mut s.keys);
         let t1 = timing.then(Instant::now);
 
@@ -1522,7 +1518,6 @@ impl Router {
                     &scorer,
                     targets.targets(),
                     &s.locals,
-                    &mut s.keys,
                     &mut s.candidates,
                 );
             }
@@ -1574,7 +1569,6 @@ impl Router {
                 &scorer,
                 targets.targets(),
                 &s.locals,
-                &mut s.keys,
                 &mut s.candidates,
             );
             let ev = (hints.evidence == EvidenceLevel::Full)
@@ -1668,7 +1662,7 @@ impl Router {
                     request,
                     state: &fleet.ranks[chosen.fleet_index].state,
                     prefill_tokens,
-                    prefix_keys: &s.keys,
+                    block_hashes: &s.locals,
                     tail_blocks: u64::from(tokens % u64::from(bs) != 0),
                     prompt_tokens: tokens,
                     cached_tokens: chosen.overlap.cached_tokens,
@@ -1737,33 +1731,22 @@ impl Router {
 
     /// Probes `targets` (candidates whose cost could fall to the cheapest, [`ProbeTargets`])
     /// for the prompt blocks already active on their rank, and lowers their cost by them.
-    /// Extends the prefix keys as far as the probes need (a query computes few).
     fn probe_shared(
         &self,
         fleet: &Fleet,
         scorer: &Scorer<'_>,
         targets: &[u32],
         locals: &[LocalHash],
-        keys: &mut Vec<u64>,
         candidates: &mut [Scored],
     ) {
-        if targets.is_empty() {
-            return;
-        }
         let full = scorer.shape.full_blocks;
         let room = |c: &Scored| c.load.prompt_blocks.min(u64::from(full)) as usize;
-        let need = targets
-            .iter()
-            .map(|&t| room(&candidates[t as usize]))
-            .max()
-            .unwrap_or(0);
-        prefix_keys_extend(locals, keys, need);
         for &t in targets {
             let c = &mut candidates[t as usize];
-            let keys = &keys[..room(c)];
+            let blocks = &locals[..room(c)];
             match fleet.ranks[c.fleet_index as usize]
                 .state
-                .try_shared_prefix_blocks(keys)
+                .try_shared_prefix_blocks(blocks)
             {
                 Some(shared) => {
                     bump(&self.counters.shared_probes);
