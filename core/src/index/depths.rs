@@ -167,6 +167,23 @@ impl RankDepths {
         self.note_depth(id, lead as u32);
     }
 
+    /// True when rank id `id` has an entry slot (below the `ranks` of [`RankDepths::begin`]).
+    #[inline(always)]
+    pub(super) fn holds(&self, id: u32) -> bool {
+        (id as usize) < self.entries.len()
+    }
+
+    /// [`RankDepths::first`] for a rank with one holder, in `tier`: one store.
+    #[inline(always)]
+    pub(super) fn first_single(&mut self, id: u32, tier: u8, lead: u32) {
+        let e = self.entry(tier, lead);
+        if let Some(slot) = self.entries.get_mut(id as usize) {
+            *slot = e;
+            self.ids.push(id);
+            self.note_depth(id, lead);
+        }
+    }
+
     #[inline(always)]
     fn note_depth(&mut self, id: u32, blocks: u32) {
         if blocks > self.deep.0 {

@@ -50,6 +50,14 @@ pub(super) trait Sink {
     fn first(&mut self, id: u32, rank: WorkerRank, group: &[u64], lead: usize) -> u32;
     /// Adds the first `lead` (≥ 1) blocks of `group` to the score under `key`.
     fn add(&mut self, key: u32, group: &[u64], lead: usize);
+    /// Scores the ranks holding the first `m` matched blocks of the walk's first run.
+    fn first_run(&mut self, holders: &[u64], m: usize, ranks: &[Option<WorkerRank>])
+    where
+        Self: Sized,
+    {
+        score_first(holders, m, ranks, self);
+    }
+
     /// `active` and `add` at once, for a pass that adds while it narrows the active list.
     fn narrow(&mut self, mut keep: impl FnMut(&mut Self, u32, u32) -> bool)
     where
@@ -112,6 +120,40 @@ impl Sink for RankDepths {
     #[inline(always)]
     fn active(&mut self) -> &mut Vec<(u32, u32)> {
         &mut self.active
+    }
+
+    /// One pass over the holder words, a rank with one holder (one tier: the common case)
+    /// written in one store. Ids are not checked against the table of ranks: a reader of
+    /// this table keeps ids by [`super::RankKey`], which answers only for ids given out before
+    /// the match began, and an id beyond the table is left out.
+    fn first_run(&mut self, holders: &[u64], m: usize, _ranks: &[Option<WorkerRank>]) {
+        let n = holders.len() / 2;
+        let mut h = 0;
+        while h < n {
+            let (word, mask) = (holders[2 * h], holders[2 * h + 1]);
+            let id = (word >> 8) as u32;
+            if h + 1 < n && rank_at(holders, h + 1) == id {
+                // Several tiers: the general path.
+                let (end, union) = group_of(holders, h, n);
+                let lead = leading(union, m);
+                if lead > 0 && self.holds(id) {
+                    RankDepths::first(self, id, &holders[2 * h..2 * end], lead);
+                    if lead == m {
+                        self.active.push((id, id));
+                    }
+                }
+                h = end;
+                continue;
+            }
+            h += 1;
+            let lead = leading(mask, m);
+            if lead > 0 && self.holds(id) {
+                self.first_single(id, word as u8, lead as u32);
+                if lead == m {
+                    self.active.push((id, id));
+                }
+            }
+        }
     }
 
     #[inline(always)]
@@ -287,7 +329,7 @@ pub(crate) fn walk(
         let m = common_len(run.hashes, rest);
         if !started {
             started = true;
-            score_first(run.holders, m, ranks, out);
+            out.first_run(run.holders, m, ranks);
         } else if run.holders.len() / 2 * 4 < out.active().len() {
             narrow_by_search(run.holders, m, out);
         } else {
