@@ -707,6 +707,9 @@ pub struct Ledger {
     /// Spare key vectors, so that booking allocates nothing in steady state.
     spare: Mutex<Vec<Vec<LocalHash>>>,
     prompt_decay: PromptDecay,
+    /// Bookings whose prompt load is decayed now, on any rank: while 0, no rank's
+    /// [`LoadView::prompt_decay`] is either (selection bounds costs tighter then).
+    decaying: AtomicU64,
     booked: AtomicU64,
     freed: AtomicU64,
     expired: AtomicU64,
@@ -722,6 +725,7 @@ impl Default for Ledger {
             shards: std::array::from_fn(|_| CachePadded::new(Mutex::new(HashMap::default()))),
             spare: Mutex::new(Vec::new()),
             prompt_decay: PromptDecay::default(),
+            decaying: AtomicU64::new(0),
             booked: AtomicU64::new(0),
             freed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
@@ -870,6 +874,9 @@ impl Ledger {
             .fetch_sub(b.output_blocks, Ordering::Relaxed);
         l.output_decay.fetch_sub(b.output_decay, Ordering::Relaxed);
         l.prompt_decay.fetch_sub(b.prompt_decay, Ordering::Relaxed);
+        if b.prompt_decay > 0 {
+            self.decaying.fetch_sub(1, Ordering::Relaxed);
+        }
         l.requests.fetch_sub(1, Ordering::Relaxed);
         let freed = Freed {
             rank: b.state.rank,
@@ -1053,6 +1060,11 @@ impl Ledger {
             let refs = lock(&b.state.refs);
             let unshared = refs.unshared(b.slot) as u64 + b.tail_blocks;
             let now = decayed(unshared, left);
+            // The count of decaying bookings rises before a rank's decay does and falls
+            // after, so that it is 0 only while no rank's is.
+            if b.prompt_decay == 0 && now > 0 {
+                self.decaying.fetch_add(1, Ordering::Relaxed);
+            }
             if now >= b.prompt_decay {
                 l.prompt_decay
                     .fetch_add(now - b.prompt_decay, Ordering::Relaxed);
@@ -1061,8 +1073,17 @@ impl Ledger {
                     .fetch_sub(b.prompt_decay - now, Ordering::Relaxed);
             }
             drop(refs);
+            if b.prompt_decay > 0 && now == 0 {
+                self.decaying.fetch_sub(1, Ordering::Relaxed);
+            }
             b.prompt_decay = now;
         }
+    }
+
+    /// True when some booking's prompt load is decayed now (on some rank,
+    /// [`LoadView::prompt_decay`] is not 0). Advisory, like every counter read.
+    pub fn prompt_decay_anywhere(&self) -> bool {
+        self.decaying.load(Ordering::Relaxed) != 0
     }
 
     /// The request ended: everything it booked is released.
@@ -1533,8 +1554,10 @@ mod tests {
             .unwrap();
         ledger.book(spec(2, &s, 48, &b, now)).unwrap();
         assert_eq!(s.load().prompt_blocks, 5 + 1);
+        assert!(!ledger.prompt_decay_anywhere());
         // First output block of request 1 opens at output token 11 (80 slots): r = 0.89.
         ledger.output_block(RequestId(1), None).unwrap();
+        assert!(ledger.prompt_decay_anywhere());
         let left = remaining_fraction(11, 100);
         let l = s.load();
         assert_eq!(
@@ -1560,7 +1583,9 @@ mod tests {
         );
         // Request 2 (no expected output) never decays; freeing 1 takes its decay away.
         ledger.output_block(RequestId(2), None).unwrap();
+        assert!(ledger.prompt_decay_anywhere());
         ledger.free(RequestId(1)).unwrap();
+        assert!(!ledger.prompt_decay_anywhere());
         assert_eq!((s.load().prompt_decay, s.load().output_decay), (0, 0));
         ledger.free(RequestId(2)).unwrap();
         assert!(s.load().is_idle());

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use arc_swap::ArcSwap;
 
 use crate::event::{DpRank, WorkerId, WorkerRank};
+use crate::index::RankKey;
 use crate::load::RankState;
 use crate::rng::mix64;
 
@@ -122,6 +123,10 @@ pub struct RankEntry {
     pub role: WorkerRole,
     /// Its worker's label bits (copied likewise).
     pub label_bits: u64,
+    /// Its key in the prefix index, as registered when the snapshot was built (`None`
+    /// before: [`Registry::republish`] fills it in), so that selection reads a rank's
+    /// overlap without visiting its state.
+    pub index_key: Option<RankKey>,
     pub state: Arc<RankState>,
 }
 
@@ -319,17 +324,7 @@ impl Registry {
         if old.worker(config.id).is_some() {
             return Err(RegistryError::WorkerExists { worker: config.id });
         }
-        let mut configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)> = old
-            .workers
-            .iter()
-            .map(|w| {
-                let states = old.ranks[w.ranks.clone()]
-                    .iter()
-                    .map(|r| Arc::clone(&r.state))
-                    .collect();
-                (w.config.clone(), states)
-            })
-            .collect();
+        let mut configs = configs_of(&old, None);
         let states = (config.dp_start..config.dp_start + config.dp_size)
             .map(|dp| {
                 Arc::new(RankState::new(WorkerRank {
@@ -354,6 +349,16 @@ impl Registry {
 
     /// Removes a worker: its rank states are retired, then the snapshot without it published.
     /// Returns the retired states (the caller purges their bookings).
+    /// Publishes the current fleet again, with what its ranks' states say now (their index
+    /// keys, once registered).
+    pub fn republish(&self) {
+        let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let old = self.current.load_full();
+        let configs = configs_of(&old, None);
+        self.current
+            .store(Arc::new(build(configs, old.generation + 1)));
+    }
+
     pub fn leave(&self, id: WorkerId) -> Result<Vec<Arc<RankState>>, RegistryError> {
         let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let old = self.current.load_full();
@@ -367,18 +372,7 @@ impl Registry {
         for s in &retired {
             s.retire();
         }
-        let configs = old
-            .workers
-            .iter()
-            .filter(|w| w.config.id != id)
-            .map(|w| {
-                let states = old.ranks[w.ranks.clone()]
-                    .iter()
-                    .map(|r| Arc::clone(&r.state))
-                    .collect();
-                (w.config.clone(), states)
-            })
-            .collect();
+        let configs = configs_of(&old, Some(id));
         self.current
             .store(Arc::new(build(configs, old.generation + 1)));
         Ok(retired)
@@ -401,6 +395,25 @@ fn distinct_labels(configs: &[(WorkerConfig, Vec<Arc<RankState>>)]) -> Vec<(Stri
     labels
 }
 
+/// The workers of `fleet` (less `without`) with their rank states, to build the next one from.
+fn configs_of(
+    fleet: &Fleet,
+    without: Option<WorkerId>,
+) -> Vec<(WorkerConfig, Vec<Arc<RankState>>)> {
+    fleet
+        .workers
+        .iter()
+        .filter(|w| Some(w.config.id) != without)
+        .map(|w| {
+            let states = fleet.ranks[w.ranks.clone()]
+                .iter()
+                .map(|r| Arc::clone(&r.state))
+                .collect();
+            (w.config.clone(), states)
+        })
+        .collect()
+}
+
 fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> Fleet {
     let mut labels = distinct_labels(&configs);
     labels.truncate(MAX_LABELS);
@@ -419,6 +432,7 @@ fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> 
                 worker: i,
                 role: config.role,
                 label_bits,
+                index_key: state.index_key(),
                 state,
             });
         }

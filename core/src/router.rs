@@ -75,7 +75,7 @@ use crate::load::{
 };
 use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
 use crate::registry::{
-    Fleet, KvEvents, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole,
+    Fleet, KvEvents, RankEntry, Readiness, Registry, RegistryError, WorkerConfig, WorkerRole,
 };
 use crate::rng::{mix64, SharedRng};
 use crate::select::{
@@ -751,10 +751,7 @@ struct RaiseToRecords<'a> {
 impl RaiseToRecords<'_> {
     /// The index key of a rank of the fleet that can take overlap in this match.
     fn key_of(&self, rank: WorkerRank) -> Option<RankKey> {
-        live_key(
-            &self.fleet.ranks[self.fleet.rank_index(rank)?].state,
-            self.depths,
-        )
+        live_key(&self.fleet.ranks[self.fleet.rank_index(rank)?], self.depths)
     }
 }
 
@@ -775,28 +772,37 @@ impl crate::approx::Overlaps for RaiseToRecords<'_> {
     }
 }
 
-/// The key by which `depths` knows `state`'s rank: `None` for a rank not registered in the
-/// index, registered after the match began, or retired (the index may since have given its id
-/// to another rank).
+/// The key by which `depths` knows rank `r`: `None` for a rank not registered in the index
+/// (when its fleet was built), registered after the match began, or retired (the index may
+/// since have given its id to another rank).
 #[inline(always)]
-fn live_key(state: &RankState, depths: &RankDepths) -> Option<RankKey> {
-    let key = state.index_key()?;
-    (depths.covers(key) && !state.is_retired()).then_some(key)
+fn live_key(r: &RankEntry, depths: &RankDepths) -> Option<RankKey> {
+    let key = r.index_key?;
+    (depths.covers(key) && !r.state.is_retired()).then_some(key)
 }
 
-/// The overlap `depths` gives `state`'s rank, with its index key: `None` when it holds no
-/// block, is not in the index, or the entry under its id is not its own.
+/// The overlap `depths` gives rank `r` under its key, retired or not: at least the overlap
+/// [`rank_depth`] gives it (a floor computed from it is no higher).
+#[inline(always)]
+fn rank_depth_unchecked(
+    r: &RankEntry,
+    depths: &RankDepths,
+) -> Option<(RankKey, crate::index::Depth)> {
+    let key = r.index_key?;
+    Some((key, depths.get_for(key)?))
+}
+
+/// The overlap `depths` gives rank `r`, with its index key: `None` when it holds no block, is
+/// not in the index, or the entry under its id is not its own.
 ///
 /// An id changes hands only through a removal. The key's epoch keeps a rank that took its id
 /// after the match began from the previous owner's entry ([`RankDepths::get_for`]); and as
 /// the router retires a leaving rank before the index frees its id, a rank removed during the
 /// match, whose entry may hold its id's next owner's blocks, reads as retired.
 #[inline(always)]
-fn rank_depth(state: &RankState, depths: &RankDepths) -> Option<(RankKey, crate::index::Depth)> {
-    let key = state.index_key()?;
-    let d = depths.get_for(key)?;
-    // Checked only for a rank that matched.
-    (!state.is_retired()).then_some((key, d))
+fn rank_depth(r: &RankEntry, depths: &RankDepths) -> Option<(RankKey, crate::index::Depth)> {
+    // Retirement is checked only for a rank that matched.
+    rank_depth_unchecked(r, depths).filter(|_| !r.state.is_retired())
 }
 
 thread_local! {
@@ -986,6 +992,8 @@ impl Router {
                     r.state.set_index_key(key);
                 }
             }
+            // The ranks' entries take their keys.
+            self.registry.republish();
         }
         self.load_freed();
         Ok(())
@@ -1419,6 +1427,7 @@ impl Router {
             fleet: &fleet,
             depths: &s.depths,
             seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
+            decay_anywhere: self.ledger.prompt_decay_anywhere(),
             weights: &weights,
             shape: &shape,
             busy,
@@ -2575,6 +2584,8 @@ struct Scorer<'a> {
     depths: &'a RankDepths,
     /// The fleet index of the match's deepest rank, scored first where that helps.
     seed: Option<usize>,
+    /// False while no booking's prompt load is decayed ([`Ledger::prompt_decay_anywhere`]).
+    decay_anywhere: bool,
     weights: &'a Weights,
     shape: &'a RequestShape,
     busy: &'a crate::config::BusyThresholds,
@@ -2595,7 +2606,13 @@ impl Scorer<'_> {
     /// The overlap credit and the blocks of rank `i` of the fleet.
     #[inline(always)]
     fn overlap(&self, i: usize) -> (f64, u32) {
-        let Some((key, d)) = rank_depth(&self.fleet.ranks[i].state, self.depths) else {
+        self.credit_of(rank_depth(&self.fleet.ranks[i], self.depths))
+    }
+
+    /// The overlap credit and the blocks of a rank's depth ([`rank_depth`]).
+    #[inline(always)]
+    fn credit_of(&self, depth: Option<(RankKey, crate::index::Depth)>) -> (f64, u32) {
+        let Some((key, d)) = depth else {
             return (0.0, 0);
         };
         let credit = match d.tier {
@@ -2608,7 +2625,7 @@ impl Scorer<'_> {
 
     /// The blocks of rank `i` of the fleet by the fastest tier each is held in.
     fn per_tier(&self, i: usize) -> [u32; StorageTier::COUNT] {
-        match rank_depth(&self.fleet.ranks[i].state, self.depths) {
+        match rank_depth(&self.fleet.ranks[i], self.depths) {
             Some((key, _)) => self.depths.per_tier(key.id),
             None => [0; StorageTier::COUNT],
         }
@@ -2697,15 +2714,18 @@ impl Scorer<'_> {
         targets: &mut ProbeTargets,
         out: &mut Vec<Scored>,
     ) {
-        let overlap = self.overlap(i);
+        let r = &self.fleet.ranks[i];
         if floors {
-            let decay = self.fleet.ranks[i].state.prompt_decay_pending();
-            let floor = CostTerms::bound_floor(self.weights, self.shape, overlap.0, decay);
+            // Neither the rank's retirement nor (while no booking decays its prompt) its
+            // decay is read: a rank pruned here never has its state visited.
+            let credit = self.credit_of(rank_depth_unchecked(r, self.depths)).0;
+            let decay = self.decay_anywhere && r.state.prompt_decay_pending();
+            let floor = CostTerms::bound_floor(self.weights, self.shape, credit, decay);
             if targets.cannot_win(floor) {
                 return;
             }
         }
-        let c = self.score_with::<EXTRAS>(i, overlap);
+        let c = self.score_with::<EXTRAS>(i, self.overlap(i));
         if targets.offer(out.len(), &c) {
             out.push(c);
         }
@@ -3020,10 +3040,7 @@ mod tests {
         let old = &stale.ranks[0];
         r.reader
             .find_depths_into(&locals, MatchOptions::default(), &mut before);
-        assert_eq!(
-            rank_depth(&old.state, &before).map(|(_, d)| d.blocks),
-            Some(2)
-        );
+        assert_eq!(rank_depth(old, &before).map(|(_, d)| d.blocks), Some(2));
         r.leave_worker(WorkerId(1)).unwrap();
         r.join_worker(WorkerConfig::simple(0, 1000, BS)).unwrap();
         store(
@@ -3043,24 +3060,51 @@ mod tests {
         assert_eq!(id(old), id(new), "the id was reused");
         r.reader
             .find_depths_into(&locals, MatchOptions::default(), &mut after);
-        assert_eq!(
-            rank_depth(&new.state, &after).map(|(_, d)| d.blocks),
-            Some(9)
+        assert_eq!(rank_depth(new, &after).map(|(_, d)| d.blocks), Some(9));
+        assert_eq!(rank_depth(new, &before), None, "the leaver's blocks");
+        assert_eq!(rank_depth(old, &after), None, "the newcomer's blocks");
+        assert_eq!(rank_depth(old, &before), None, "it left");
+    }
+
+    /// A rank whose prompt load is decayed can win on a cost below the floor that ignores
+    /// decay; pruned selection bounds it with the decay and still picks it. Worker 0 holds
+    /// the query's first 2 blocks and sets the cheapest cost first; worker 1 holds nothing,
+    /// but has the query's first 10 blocks active in a request past its expected output.
+    #[test]
+    fn a_decayed_rank_is_not_pruned_on_a_floor_that_ignores_decay() {
+        let r = router(RouterConfig::default());
+        let t = tokens(20 * BS as usize);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        for w in 0..2 {
+            r.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+        }
+        store(
+            &r,
+            WorkerRank::new(0, 0),
+            StorageTier::Device,
+            &locals[..2],
+            0,
         );
-        assert_eq!(rank_depth(&new.state, &before), None, "the leaver's blocks");
-        assert_eq!(
-            rank_depth(&old.state, &after),
-            None,
-            "the newcomer's blocks"
-        );
-        assert_eq!(rank_depth(&old.state, &before), None, "it left");
+        let mut active = req(7, &t[..10 * BS as usize]);
+        active.hints.pinned.backend_instance = Some(WorkerId(1));
+        active.hints.expected_output_tokens = Some(1);
+        r.route(&active).unwrap();
+        r.prefill_done(RequestId(7)).unwrap();
+        r.output_block(RequestId(7)).unwrap();
+        assert!(r.load(WorkerRank::new(1, 0)).unwrap().prompt_decay > 0);
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
+        q.hints.evidence = EvidenceLevel::Off;
+        assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
     }
 
     /// Without evidence, selection keeps only candidates that can still win; it picks from
     /// exactly the ranks the full evidence says it should, each of them over repeated routes:
     /// the cheapest healthy, free ones, or the least loaded where the busy or health filter
-    /// falls back. Fleets with ties, deep and shallow overlaps, prompt blocks already active,
-    /// busy workers, and the cheapest worker marked wedged.
+    /// falls back. Fleets with ties, deep and shallow overlaps, prompt blocks already active
+    /// (some of them decayed), busy workers, and the cheapest worker marked wedged.
     #[test]
     fn pruned_selection_picks_what_the_full_evidence_says() {
         let mut rng = crate::rng::Rng::new(11);
@@ -3109,9 +3153,18 @@ mod tests {
                     } else {
                         (0..64).map(|i| 900_000 + i + 1000 * (w as u32)).collect()
                     };
-                    let mut q = req(1000 * (round + 1) + 10 * w + k, &body);
+                    let id = 1000 * (round + 1) + 10 * w + k;
+                    let mut q = req(id, &body);
                     q.hints.pinned.backend_instance = Some(WorkerId(w));
+                    // Some decay their unshared prompt blocks, from their first output block.
+                    let decays = rng.below(3) == 0;
+                    if decays {
+                        q.hints.expected_output_tokens = Some(40);
+                    }
                     r.route(&q).unwrap();
+                    if decays {
+                        r.output_block(RequestId(id)).unwrap();
+                    }
                 }
             }
             if round % 3 == 2 {

@@ -888,6 +888,7 @@ mod tests {
                     worker: i as usize,
                     role: crate::registry::WorkerRole::Aggregated,
                     label_bits: 0,
+                    index_key: None,
                     state: std::sync::Arc::new(crate::load::RankState::new(WorkerRank::new(i, 0))),
                 })
                 .collect()
