@@ -2678,10 +2678,11 @@ impl Scorer<'_> {
         // Where pruning needs no more than the cost (no preference or pool credit lowers
         // it), a rank whose bound's floor cannot win is not scored at all; the deepest match
         // goes first, as it sets a low cheapest cost early.
-        let floors = !EXTRAS && targets.prunes();
+        let floors = targets.prunes();
+        // (With `EXTRAS`, the seed would have to pass the label filters too: none is taken.)
         let seed = this
             .seed
-            .filter(|&i| floors && this.fleet.ranks[i].role == role);
+            .filter(|&i| floors && !EXTRAS && this.fleet.ranks[i].role == role);
         if let Some(i) = seed {
             this.offer_rank::<EXTRAS>(i, floors, targets, out);
         }
@@ -2717,10 +2718,22 @@ impl Scorer<'_> {
         let r = &self.fleet.ranks[i];
         if floors {
             // Neither the rank's retirement nor (while no booking decays its prompt) its
-            // decay is read: a rank pruned here never has its state visited.
-            let credit = self.credit_of(rank_depth_unchecked(r, self.depths)).0;
+            // decay is read: a rank pruned here never has its state visited. (A retired
+            // rank's stale overlap only lowers its floor; but pool credit may fall as the
+            // overlap grows, so with a pool the overlap is checked.)
+            let credit = if EXTRAS && !self.pool.is_empty() {
+                let (own, blocks) = self.credit_of(rank_depth(r, self.depths));
+                own + self.pool_extension(blocks).0
+            } else {
+                self.credit_of(rank_depth_unchecked(r, self.depths)).0
+            };
             let decay = self.decay_anywhere && r.state.prompt_decay_pending();
             let floor = CostTerms::bound_floor(self.weights, self.shape, credit, decay);
+            let floor = if EXTRAS {
+                self.less_preference(floor, r.label_bits)
+            } else {
+                floor
+            };
             if targets.cannot_win(floor) {
                 return;
             }
@@ -3100,11 +3113,61 @@ mod tests {
         assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
     }
 
+    /// Preferred labels and pool hits lower a rank's cost below the floor of its own overlap;
+    /// pruned selection takes both into its floors. Worker 0 holds all 20 of the query's
+    /// blocks and is scored first; worker 1 holds 18 and carries the preferred label, and
+    /// wins; worker 2 holds 16 and finds the other 4 in the pool, and ties with worker 0 (as
+    /// does worker 1, with 2 from the pool).
+    #[test]
+    fn preferences_and_pool_hits_lower_the_floors_pruning_uses() {
+        let r = router(RouterConfig {
+            pool_credit: 1.0,
+            ..RouterConfig::default()
+        });
+        let t = tokens(20 * BS as usize);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        for (w, depth) in [(0u64, 20usize), (1, 18), (2, 16)] {
+            let mut c = WorkerConfig::simple(w, 1000, BS);
+            if w == 1 {
+                c.labels = vec![("gpu".to_string(), "fast".to_string())];
+            }
+            r.join_worker(c).unwrap();
+            store(
+                &r,
+                WorkerRank::new(w, 0),
+                StorageTier::Device,
+                &locals[..depth],
+                0,
+            );
+        }
+        let picks = |q: &RouteRequest<'_>| {
+            (0..200)
+                .map(|_| r.route(q).unwrap().worker.worker.0)
+                .collect::<std::collections::BTreeSet<u64>>()
+        };
+        let preferred = [PreferredLabel {
+            label: Label {
+                key: "gpu",
+                value: "fast",
+            },
+            weight: 3.0,
+        }];
+        let pool = [16..18u32, 18..20];
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.preferred = &preferred;
+        assert_eq!(picks(&q), [1].into());
+        q.hints.preferred = &[];
+        q.hints.pool = PoolHits::Hits(&pool);
+        assert_eq!(picks(&q), [0, 1, 2].into());
+    }
+
     /// Without evidence, selection keeps only candidates that can still win; it picks from
     /// exactly the ranks the full evidence says it should, each of them over repeated routes:
     /// the cheapest healthy, free ones, or the least loaded where the busy or health filter
     /// falls back. Fleets with ties, deep and shallow overlaps, prompt blocks already active
-    /// (some of them decayed), busy workers, and the cheapest worker marked wedged.
+    /// (some of them decayed), busy workers, the cheapest worker marked wedged, and requests
+    /// with preferred labels and pool hits.
     #[test]
     fn pruned_selection_picks_what_the_full_evidence_says() {
         let mut rng = crate::rng::Rng::new(11);
@@ -3125,7 +3188,11 @@ mod tests {
             let mut deepest = (0, WorkerId(0));
             for w in 0..16u64 {
                 let kv = if all_busy { 4 } else { 20 };
-                r.join_worker(WorkerConfig::simple(w, kv, BS)).unwrap();
+                let mut c = WorkerConfig::simple(w, kv, BS);
+                if rng.below(3) == 0 {
+                    c.labels = vec![("gpu".to_string(), "fast".to_string())];
+                }
+                r.join_worker(c).unwrap();
                 let depth = [0, 0, 2, 5, 5, 20][rng.below(6) as usize];
                 if depth > 0 {
                     store(
@@ -3173,6 +3240,19 @@ mod tests {
             let mut q = req(1, &t);
             q.hints.mode = Mode::QueryOnly;
             q.hints.evidence = EvidenceLevel::Full;
+            // Some rounds prefer a label and bring pool hits: both lower costs.
+            let preferred = [PreferredLabel {
+                label: Label {
+                    key: "gpu",
+                    value: "fast",
+                },
+                weight: 3.0,
+            }];
+            let pool = [0..8u32, 12..16];
+            if round % 5 >= 3 {
+                q.hints.preferred = &preferred;
+                q.hints.pool = PoolHits::Hits(&pool);
+            }
             let ev = r.route(&q).unwrap().evidence.unwrap();
             let healthy: Vec<&Candidate> = ev.iter().filter(|c| c.health.is_healthy()).collect();
             let pool = if healthy.is_empty() {

@@ -575,8 +575,9 @@ impl ProbeTargets {
     /// filter falls back to them.
     #[inline(always)]
     pub fn cannot_win(&self, floor: f64) -> bool {
-        // The margin covers the bound's own rounding (a few units in the last place).
-        self.prune && floor * (1.0 - 1e-9) > self.cheapest
+        // The margin covers the bound's own rounding (a few units in the last place of its
+        // largest term) many times over.
+        self.prune && floor - 1e-9 * floor.abs().max(1.0) > self.cheapest
     }
 
     /// The candidates to probe, lowest bound first.
