@@ -1550,12 +1550,14 @@ impl Router {
             s.candidates.reserve(fleet.ranks.len());
             // Candidates that cannot win are not kept where only the winner matters: the
             // cheapest is taken (ties at random), and nothing else reads the whole list (no
-            // evidence, no rank warming up, no wait to estimate).
+            // evidence, no wait to estimate). While ranks warm up, warm-up's pick needs every
+            // candidate on a cache miss: a request the kept candidates hold no block of is
+            // gathered again, whole, for it.
             let prune = probe
                 && temperature == 0.0
                 && hints.evidence != EvidenceLevel::Full
-                && gate != Gate::Behind
-                && !self.warming(now);
+                && gate != Gate::Behind;
+            let warming = self.warming(now);
             let mut targets =
                 ProbeTargets::new(if probe { shape.full_blocks } else { 0 }).pruning(prune);
             let unlabelled = scorer.gather(
@@ -1635,13 +1637,13 @@ impl Router {
             }
             let (pick, by) = match outcome {
                 None => (
-                    LeastLoaded.select(&input, &mut rng),
+                    s.candidates[LeastLoaded.select(&input, &mut rng)],
                     DecidedBy::FallbackAllUnhealthy,
                 ),
                 Some(BusyOutcome::AllBusy) => {
                     bump(&self.counters.all_busy);
                     (
-                        LeastLoaded.select(&input, &mut rng),
+                        s.candidates[LeastLoaded.select(&input, &mut rng)],
                         DecidedBy::FallbackAllBusy,
                     )
                 }
@@ -1650,13 +1652,32 @@ impl Router {
                         PolicyKind::KvAware => DecidedBy::Cost,
                         k => DecidedBy::Policy(k),
                     };
-                    match self.warm_pick(&fleet, &s.candidates, now, &mut rng) {
-                        Some(pick) => (pick, DecidedBy::WarmUp),
-                        None => (self.selector.select(&input, &mut rng), by),
+                    let miss = !s.candidates.iter().any(|c| c.overlap_blocks > 0);
+                    let warm = if prune && warming && miss {
+                        // Maybe a cache miss while ranks warm up (a pruned rank may hold a
+                        // block): warm-up's pick sees every free, healthy candidate (there
+                        // are some: a pruned gather keeps the cheapest of them).
+                        let mut all = Vec::with_capacity(fleet.ranks.len());
+                        let mut unpruned = ProbeTargets::new(0);
+                        scorer.gather(role, hints.allowed, required, &mut all, &mut unpruned);
+                        if scorer.health_on {
+                            filter_unhealthy(&mut all);
+                        }
+                        if scorer.busy_on {
+                            filter_busy(&mut all);
+                        }
+                        self.warm_pick(&fleet, &all, now, &mut rng).map(|i| all[i])
+                    } else {
+                        self.warm_pick(&fleet, &s.candidates, now, &mut rng)
+                            .map(|i| s.candidates[i])
+                    };
+                    match warm {
+                        Some(c) => (c, DecidedBy::WarmUp),
+                        None => (s.candidates[self.selector.select(&input, &mut rng)], by),
                     }
                 }
             };
-            (full(&s.candidates[pick]), by, ev)
+            (full(&pick), by, ev)
         };
         let t3 = timing.then(Instant::now);
 
@@ -5109,6 +5130,54 @@ mod warm_up_tests {
             .filter(|&seed| query(&r, seed, now).decided_by == DecidedBy::WarmUp)
             .count();
         assert!((850..1150).contains(&warm), "{warm}");
+    }
+
+    /// Pruned selection and warm-up agree with the unpruned: worker 3 warms (it just joined),
+    /// workers 1 and 2 have warmed long ago. A miss whose warming candidate cannot win on cost
+    /// still goes to it (the pruned gather is redone for warm-up's pick); a request that a
+    /// free worker holds a block of is no miss, even when that worker is pruned for its load.
+    #[test]
+    fn pruning_keeps_warm_ups_misses_and_hits() {
+        let r = router(1.0, 0.0);
+        let t0 = Instant::now();
+        let later = t0 + 3 * MINUTE;
+        r.join_worker_at(
+            WorkerConfig::simple(3, 1000, BS),
+            KvEvents::Published,
+            later,
+        )
+        .unwrap();
+        // Worker 3 carries a little load, worker 1 a lot (and one block of query 9's prompt).
+        let load = |worker: u64, id: u64, blocks: usize| {
+            let t: Vec<u32> = (0..(blocks * BS as usize) as u32)
+                .map(|i| 777_000 + i)
+                .collect();
+            let mut q = RouteRequest {
+                id: RequestId(id),
+                tokens: &t,
+                hints: RouteHints::default(),
+            };
+            q.hints.pinned.backend_instance = Some(WorkerId(worker));
+            r.route_at(&q, later).unwrap();
+        };
+        load(3, 100, 1);
+        load(1, 101, 40);
+        store(&r, 1, 9, 1, 1);
+        // A miss: worker 3 costs more than worker 2, but warm-up takes it.
+        for seed in 20..60 {
+            assert_eq!(
+                query(&r, seed, later).worker.worker,
+                WorkerId(3),
+                "seed {seed}"
+            );
+        }
+        // Query 9: worker 1 holds its first block, so no miss; the cheapest serves (worker
+        // 2, as worker 1's load outweighs its block).
+        for _ in 0..40 {
+            let d = query(&r, 9, later);
+            assert_eq!(d.worker.worker, WorkerId(2));
+            assert_eq!(d.decided_by, DecidedBy::Cost);
+        }
     }
 
     /// A worker whose reported cache is far below the fleet's warms again at the next expire
