@@ -6,6 +6,14 @@
 //! matches a handful of workers deeply and many shallowly (the system prompt), like a
 //! production fleet with prefix reuse. Every worker carries some load.
 //!
+//! | bench | what it times |
+//! |---|---|
+//! | `hash_only` | hashing the prompt's blocks |
+//! | `hash_and_match_only` | hashing, then the match by rank id (`find_depths_into`), as `route()` does |
+//! | `hash_and_match_scores` | hashing, then the match as a list of scores (`find_matches_into`) |
+//! | `route_query_only` | `route()` deciding without booking |
+//! | `route_book_and_free` | `route()` booking, then `free` |
+//!
 //! The `vs_dynamo` group puts the selection step next to Dynamo's own: dynamo-kv-router
 //! 1.6.1's `DefaultWorkerSelector::select_worker` (its reference cost function) over the same
 //! 256 workers, the same overlaps (this index's match of the same prompt), the same loads
@@ -55,7 +63,7 @@ use kvroute_core::router::{Mode, RouteHints, RouteRequest, Router};
 use kvroute_core::session::SessionId;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, OverlapScores,
-    PrefixIndex, StorageTier, StoredBlock, WorkerRank,
+    PrefixIndex, RankDepths, StorageTier, StoredBlock, WorkerRank,
 };
 
 const BS: usize = 16;
@@ -170,6 +178,17 @@ fn bench_route(c: &mut Criterion) {
         })
     });
     g.bench_function("hash_and_match_only", |b| {
+        let hasher = BlockHasher::new(BS);
+        let reader = router.index_reader();
+        let mut out = Vec::with_capacity(PROMPT / BS);
+        let mut depths = RankDepths::default();
+        b.iter(|| {
+            hasher.local_hashes_into(black_box(&query), &mut out);
+            reader.find_depths_into(&out, MatchOptions::default(), &mut depths);
+            black_box(depths.ids().len())
+        })
+    });
+    g.bench_function("hash_and_match_scores", |b| {
         let hasher = BlockHasher::new(BS);
         let reader = router.index_reader();
         let mut out = Vec::with_capacity(PROMPT / BS);

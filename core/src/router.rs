@@ -746,12 +746,24 @@ struct RaiseToRecords<'a> {
     fleet: &'a Fleet,
     depths: &'a mut RankDepths,
     raised: bool,
+    /// The last rank looked up and its key: a raise follows the floor of the same rank.
+    last: std::cell::Cell<Option<(WorkerRank, Option<RankKey>)>>,
 }
 
 impl RaiseToRecords<'_> {
     /// The index key of a rank of the fleet that can take overlap in this match.
     fn key_of(&self, rank: WorkerRank) -> Option<RankKey> {
-        live_key(&self.fleet.ranks[self.fleet.rank_index(rank)?], self.depths)
+        if let Some((r, key)) = self.last.get() {
+            if r == rank {
+                return key;
+            }
+        }
+        let key = self
+            .fleet
+            .rank_index(rank)
+            .and_then(|i| live_key(&self.fleet.ranks[i], self.depths));
+        self.last.set(Some((rank, key)));
+        key
     }
 }
 
@@ -1377,6 +1389,7 @@ impl Router {
                 fleet: &fleet,
                 depths: &mut s.depths,
                 raised: false,
+                last: std::cell::Cell::new(None),
             };
             self.approx
                 .lookup_over(&s.locals, &mut s.keys, now.get_or(None), &mut raise);
