@@ -47,6 +47,48 @@ pub const MM_INLINE: usize = 16;
 /// Hash of one block's tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct LocalHash(pub u64);
+
+/// A block hash as its 64-bit word: stored runs keep plain words, queries keep [`LocalHash`]es.
+pub(crate) trait HashWord: Copy {
+    fn word(self) -> u64;
+}
+
+impl HashWord for u64 {
+    #[inline(always)]
+    fn word(self) -> u64 {
+        self
+    }
+}
+
+impl HashWord for LocalHash {
+    #[inline(always)]
+    fn word(self) -> u64 {
+        self.0
+    }
+}
+
+/// How many leading hashes `a` and `b` share: eight compared at a time while all eight agree,
+/// then one at a time.
+#[inline]
+pub(crate) fn common_prefix<A: HashWord, B: HashWord>(a: &[A], b: &[B]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut i = 0;
+    while i + 8 <= n {
+        let diff = a[i..i + 8]
+            .iter()
+            .zip(&b[i..i + 8])
+            .fold(0, |d, (x, y)| d | (x.word() ^ y.word()));
+        if diff != 0 {
+            break;
+        }
+        i += 8;
+    }
+    while i < n && a[i].word() == b[i].word() {
+        i += 1;
+    }
+    i
+}
 /// Chained hash of a block and every block before it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct SeqHash(pub u64);

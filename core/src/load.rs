@@ -279,26 +279,9 @@ pub struct PrefixRefs {
     distinct: u64,
 }
 
-/// How many leading blocks `a` and `b` share: eight compared at a time while all eight
-/// agree, then one at a time.
+/// How many leading blocks `a` and `b` share.
 fn common_prefix(a: &[LocalHash], b: &[LocalHash]) -> usize {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut i = 0;
-    while i + 8 <= n {
-        let diff = a[i..i + 8]
-            .iter()
-            .zip(&b[i..i + 8])
-            .fold(0, |d, (x, y)| d | (x.0 ^ y.0));
-        if diff != 0 {
-            break;
-        }
-        i += 8;
-    }
-    while i < n && a[i] == b[i] {
-        i += 1;
-    }
-    i
+    crate::hash::common_prefix(a, b)
 }
 
 /// Lexicographic order of two prompts' block hashes.

@@ -18,7 +18,7 @@ use super::shard::ShardShared;
 use super::table::{ChildKey, ROOT};
 use super::{OverlapScores, RankDepths, RankScore};
 use crate::event::{StorageTier, WorkerRank};
-use crate::hash::LocalHash;
+use crate::hash::{common_prefix, LocalHash};
 
 /// Leading blocks of `mask` held from offset 0, at most `limit`.
 #[inline]
@@ -168,29 +168,6 @@ impl Sink for RankDepths {
     }
 }
 
-/// Leading hashes of `run` equal to `query`'s: eight at a time while all eight agree, then
-/// one at a time.
-#[inline]
-fn common_len(run: &[u64], query: &[LocalHash]) -> usize {
-    let n = run.len().min(query.len());
-    let (run, query) = (&run[..n], &query[..n]);
-    let mut i = 0;
-    while i + 8 <= n {
-        let diff = run[i..i + 8]
-            .iter()
-            .zip(&query[i..i + 8])
-            .fold(0, |d, (a, b)| d | (a ^ b.0));
-        if diff != 0 {
-            break;
-        }
-        i += 8;
-    }
-    while i < n && run[i] == query[i].0 {
-        i += 1;
-    }
-    i
-}
-
 /// The holders of rank `id` starting at holder `from`: the end of its group and the union of
 /// its masks (a rank's holders, one per tier, are adjacent).
 #[inline(always)]
@@ -326,7 +303,7 @@ pub(crate) fn walk(
         {
             break; // the slot was reused since the link was read
         }
-        let m = common_len(run.hashes, rest);
+        let m = common_prefix(run.hashes, rest);
         if !started {
             started = true;
             out.first_run(run.holders, m, ranks);
