@@ -185,7 +185,7 @@ fn bench_route(c: &mut Criterion) {
         b.iter(|| {
             hasher.local_hashes_into(black_box(&query), &mut out);
             reader.find_depths_into(&out, MatchOptions::default(), &mut depths);
-            black_box(depths.ids().len())
+            black_box(depths.deepest())
         })
     });
     g.bench_function("hash_and_match_scores", |b| {

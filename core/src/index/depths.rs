@@ -35,8 +35,6 @@ pub struct RankDepths {
     epoch: u32,
     /// The current match's stamp (never 0, so an untouched entry never matches).
     stamp: u32,
-    /// Ids with an entry in this match, in the order the walk found them.
-    ids: Vec<u32>,
     /// Ranks still holding every block so far: (rank id, rank id), as the walk narrows them.
     pub(super) active: Vec<(u32, u32)>,
     /// The walk's deepest overlap: (blocks, rank id), the first found of the deepest.
@@ -61,7 +59,6 @@ impl RankDepths {
         self.epoch = epoch;
         self.deep = (0, 0);
         self.deepest = None;
-        self.ids.clear();
         self.active.clear();
         self.stamp += 1;
         if self.stamp >= STAMP_LIMIT {
@@ -146,9 +143,9 @@ impl RankDepths {
         }
     }
 
-    /// The ids this match scored, in the order the walk found them.
-    pub fn ids(&self) -> &[u32] {
-        &self.ids
+    /// The ids this match scored, in increasing order (a scan of the table).
+    pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.entries.len() as u32).filter(|&id| self.live(self.entries[id as usize]))
     }
 
     /// Sets the overlap of rank id `id` (below the `ranks` of [`RankDepths::begin`]) as the
@@ -163,7 +160,6 @@ impl RankDepths {
             super::read::add_tiers(&mut split, group, lead);
             self.single_or_split(i, split, lead as u32)
         };
-        self.ids.push(id);
         self.note_depth(id, lead as u32);
     }
 
@@ -179,7 +175,6 @@ impl RankDepths {
         let e = self.entry(tier, lead);
         if let Some(slot) = self.entries.get_mut(id as usize) {
             *slot = e;
-            self.ids.push(id);
             self.note_depth(id, lead);
         }
     }
@@ -223,16 +218,13 @@ impl RankDepths {
             self.grow(i + 1);
         }
         let e = self.entries[i];
-        let (had, tier, blocks) = if self.live(e) {
-            (true, (e >> 32) as u8, e as u32)
+        let (tier, blocks) = if self.live(e) {
+            ((e >> 32) as u8, e as u32)
         } else {
-            (false, StorageTier::Device as u8, 0)
+            (StorageTier::Device as u8, 0)
         };
         if depth <= blocks {
             return false;
-        }
-        if !had {
-            self.ids.push(key.id);
         }
         let device = StorageTier::Device as u8;
         self.entries[i] = if tier == device {
@@ -265,9 +257,8 @@ impl RankDepths {
     /// The overlaps as scores, ranks named through `reader` (as it names them now: call it
     /// while no rank is removed, or expect ids reused since the match under their new rank).
     pub fn to_scores(&self, reader: &super::IndexReader) -> Vec<super::RankScore> {
-        self.ids
-            .iter()
-            .filter_map(|&id| {
+        self.ids()
+            .filter_map(|id| {
                 let rank = reader.rank_of(id)?;
                 let per_tier = self.per_tier(id);
                 Some(super::RankScore {
@@ -283,7 +274,7 @@ impl RankDepths {
     pub fn capacity_bytes(&self) -> usize {
         self.entries.capacity() * 8
             + self.split.capacity() * std::mem::size_of::<[u32; StorageTier::COUNT]>()
-            + (self.ids.capacity() + 2 * self.active.capacity()) * 4
+            + 2 * self.active.capacity() * 4
     }
 }
 
@@ -327,7 +318,7 @@ mod tests {
         assert_eq!(d.per_tier(2), [3, 0, 1, 0]);
         assert_eq!(d.per_tier(1), [5, 3, 0, 0]);
         assert_eq!(d.get(1).unwrap().blocks, 8);
-        assert_eq!(d.ids(), [1, 2]);
+        assert_eq!(d.ids().collect::<Vec<_>>(), [1, 2]);
         assert_eq!(d.get(0), None);
         assert_eq!(d.get(9), None);
     }
@@ -343,7 +334,7 @@ mod tests {
         // A rank the walk did not score, beyond the table: it grows.
         assert!(d.raise(key(7, 0), 4));
         assert_eq!(d.per_tier(7), [4, 0, 0, 0]);
-        assert_eq!(d.ids(), [0, 7]);
+        assert_eq!(d.ids().collect::<Vec<_>>(), [0, 7]);
         // A key given out after the match began: neither read nor raised.
         d.begin(8, 3);
         d.first(2, &group(2, &[(0, 1)]), 1);
@@ -366,6 +357,6 @@ mod tests {
         d.begin(2, 0);
         assert_eq!(d.stamp, 1);
         assert_eq!((d.get(0), d.get(1)), (None, None));
-        assert!(d.ids().is_empty());
+        assert_eq!(d.ids().count(), 0);
     }
 }

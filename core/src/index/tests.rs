@@ -673,7 +673,8 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
             got.sort();
             assert_eq!(got, model.find_matches(q), "prompt {p}, {len} blocks");
             reader.find_depths_into(q, MatchOptions::default(), &mut depths);
-            assert_eq!(depths.ids(), out.rank_ids(), "the same ranks, by id");
+            let ids: Vec<u32> = depths.ids().collect();
+            assert_eq!(ids, out.rank_ids(), "the same ranks, by id");
             let mut dense = depths.to_scores(&reader);
             dense.sort();
             assert_eq!(dense, got, "prompt {p}, {len} blocks, by id");
