@@ -2605,6 +2605,31 @@ fn merge_pool_ranges(
     Ok(())
 }
 
+/// [`CostTerms::credit_needed`] by decay flag, at one cheapest cost.
+struct CreditBar {
+    cheapest: f64,
+    need: [f64; 2],
+}
+
+impl Default for CreditBar {
+    /// Before any candidate: no bar.
+    fn default() -> Self {
+        CreditBar {
+            cheapest: f64::INFINITY,
+            need: [f64::NEG_INFINITY; 2],
+        }
+    }
+}
+
+impl CreditBar {
+    fn at(w: &Weights, shape: &RequestShape, cheapest: f64) -> Self {
+        CreditBar {
+            cheapest,
+            need: [false, true].map(|d| CostTerms::credit_needed(w, shape, cheapest, d)),
+        }
+    }
+}
+
 /// Everything one request's ranks are scored against.
 struct Scorer<'a> {
     /// The shared pool's hits, disjoint and sorted (empty: no pool credit).
@@ -2717,8 +2742,9 @@ impl Scorer<'_> {
         let seed = this
             .seed
             .filter(|&i| floors && !EXTRAS && this.fleet.ranks[i].role == role);
+        let mut bar = CreditBar::default();
         if let Some(i) = seed {
-            this.offer_rank::<EXTRAS>(i, floors, targets, out);
+            this.offer_rank::<EXTRAS>(i, floors, &mut bar, targets, out);
         }
         let mut unlabelled = 0;
         for (i, r) in this.fleet.ranks.iter().enumerate() {
@@ -2734,7 +2760,7 @@ impl Scorer<'_> {
                     continue;
                 }
             }
-            this.offer_rank::<EXTRAS>(i, floors, targets, out);
+            this.offer_rank::<EXTRAS>(i, floors, &mut bar, targets, out);
         }
         unlabelled
     }
@@ -2746,11 +2772,24 @@ impl Scorer<'_> {
         &self,
         i: usize,
         floors: bool,
+        bar: &mut CreditBar,
         targets: &mut ProbeTargets,
         out: &mut Vec<Scored>,
     ) {
         let r = &self.fleet.ranks[i];
-        if floors {
+        if floors && !EXTRAS {
+            // The floor's test as a bar on the credit, moved only when the cheapest cost
+            // falls: one comparison a rank.
+            let credit = self.credit_of(rank_depth_unchecked(r, self.depths)).0;
+            let decay = self.decay_anywhere && r.state.prompt_decay_pending();
+            let cheapest = targets.cheapest();
+            if cheapest != bar.cheapest {
+                *bar = CreditBar::at(self.weights, self.shape, cheapest);
+            }
+            if credit < bar.need[usize::from(decay)] {
+                return;
+            }
+        } else if floors {
             // Neither the rank's retirement nor (while no booking decays its prompt) its
             // decay is read: a rank pruned here never has its state visited. (A retired
             // rank's stale overlap only lowers its floor; but pool credit may fall as the

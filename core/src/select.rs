@@ -260,6 +260,41 @@ impl CostTerms {
         prefill + count_f64(own)
     }
 
+    /// The least overlap credit a rank needs for its probe bound to reach `cheapest`, by what
+    /// [`CostTerms::bound_floor`] gives: a rank with less credit (and the same decay flag)
+    /// cannot win, whatever its load. Conservative by a margin far above rounding (`-∞`: any
+    /// credit may win).
+    pub fn credit_needed(
+        w: &Weights,
+        shape: &RequestShape,
+        cheapest: f64,
+        prompt_decay: bool,
+    ) -> f64 {
+        let s = w.prefill_load_scale;
+        let own = count_f64(if prompt_decay {
+            shape.blocks.saturating_sub(u64::from(shape.full_blocks))
+        } else {
+            shape.blocks
+        });
+        // The floor is s · max(0, T − credit) + own; it is above `cheapest` by more than the
+        // margin when s · (T − credit) is.
+        let margin = 1e-6 * cheapest.abs().max(own).max(1.0);
+        let gap = cheapest + margin - own;
+        if !gap.is_finite() || s < 0.0 {
+            return f64::NEG_INFINITY;
+        }
+        if s == 0.0 {
+            return if gap < 0.0 {
+                f64::INFINITY
+            } else {
+                f64::NEG_INFINITY
+            };
+        }
+        let t = Self::prefill_blocks(w, shape, &LoadView::default());
+        let need = t - gap / s;
+        need - 1e-9 * need.abs().max(1.0)
+    }
+
     /// The overlap credit of `per_tier` cached blocks, in blocks.
     #[inline]
     pub fn credit_of(w: &Weights, per_tier: &[u32; StorageTier::COUNT]) -> f64 {
@@ -529,6 +564,12 @@ impl ProbeTargets {
     pub fn pruning(mut self, prune: bool) -> Self {
         self.prune = prune;
         self
+    }
+
+    /// The cheapest cost of a free, healthy candidate offered so far (`∞`: none).
+    #[inline(always)]
+    pub fn cheapest(&self) -> f64 {
+        self.cheapest
     }
 
     /// True when these targets prune ([`ProbeTargets::pruning`]).
@@ -1381,7 +1422,8 @@ mod tests {
     /// The floor under a rank's probe bound, from its credit alone, is at most the bound that
     /// offering the rank computes, for every load (decays, booked prefill, active prompts and
     /// output), weight and shape, up to rounding that the margin `cannot_win` leaves covers
-    /// a thousand times over.
+    /// a thousand times over; and the credit it takes to reach a cheapest cost at or above
+    /// the bound is never more than the rank's.
     #[test]
     fn the_bound_floor_never_exceeds_the_bound() {
         let mut rng = Rng::new(5);
@@ -1430,6 +1472,14 @@ mod tests {
             let mut t = ProbeTargets::new(s.full_blocks).pruning(true);
             t.offer(0, &scored(0, bound, 0, Busy::Free));
             assert!(!t.cannot_win(floor), "the bound itself is the cheapest");
+            // Nor does the bar on the credit keep it out, at that cheapest cost or above.
+            for cheapest in [bound, bound + 1.0, bound * 1.5] {
+                let need = CostTerms::credit_needed(&w, &s, cheapest, load.prompt_decay != 0);
+                assert!(
+                    credit >= need,
+                    "{credit} < {need} at {cheapest}: {w:?} {s:?} {load:?}"
+                );
+            }
         }
     }
 
