@@ -733,6 +733,8 @@ struct Scratch {
     /// The match, by the index's rank ids.
     depths: RankDepths,
     candidates: Vec<Scored>,
+    /// Every candidate, for warm-up's pick on a cache miss after a pruned gather.
+    unpruned: Vec<Scored>,
     /// The request's preferred labels as (label bit, weight).
     preferred: Vec<(u64, f64)>,
     /// The pool's hits, clipped, sorted and merged into disjoint `[start, end)` ranges.
@@ -1670,16 +1672,17 @@ impl Router {
                         // Maybe a cache miss while ranks warm up (a pruned rank may hold a
                         // block): warm-up's pick sees every free, healthy candidate (there
                         // are some: a pruned gather keeps the cheapest of them).
-                        let mut all = Vec::with_capacity(fleet.ranks.len());
+                        let all = &mut s.unpruned;
+                        all.clear();
                         let mut unpruned = ProbeTargets::new(0);
-                        scorer.gather(role, hints.allowed, required, &mut all, &mut unpruned);
+                        scorer.gather(role, hints.allowed, required, all, &mut unpruned);
                         if scorer.health_on {
-                            filter_unhealthy(&mut all);
+                            filter_unhealthy(all);
                         }
                         if scorer.busy_on {
-                            filter_busy(&mut all);
+                            filter_busy(all);
                         }
-                        self.warm_pick(&fleet, &all, now, &mut rng).map(|i| all[i])
+                        self.warm_pick(&fleet, all, now, &mut rng).map(|i| all[i])
                     } else {
                         self.warm_pick(&fleet, &s.candidates, now, &mut rng)
                             .map(|i| s.candidates[i])
