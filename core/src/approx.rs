@@ -15,24 +15,37 @@
 //! and scatter (or herd) before the first event lands. A speculative record, with a TTL of a
 //! second or two, bridges that gap; once the worker's own events arrive the index's overlap is
 //! at least the record's, so the record adds nothing and then expires. An eviction or clear
-//! from the worker retires its records at once (a per-rank epoch), so speculation never claims
-//! blocks the worker said it dropped.
+//! from the worker retires its records at once (a per-rank generation), so speculation never
+//! claims blocks the worker said it dropped.
 //!
-//! **Structure.** Per rank, a table of `prefix key → (expiry, epoch)` (a search probes one
-//! rank's records, so it stays in one small table), and an index of the ranks by the key of
-//! each recorded prompt's first block. Prefix keys are the router's chained keys of the
-//! prompt's blocks ([`crate::load::prefix_keys_into`]): equal keys mean equal prefixes. A route
-//! records the whole chain with one expiry, and a key already present keeps the later of its
-//! two expiries, so along any recorded chain expiries never increase: the live records of a
-//! rank are closed under prefixes, and a query's depth on a rank is found by a galloping
-//! search, which computes the query's prefix keys only as far as it looks. The search starts at
-//! the first block, or past the rank's floor when the caller gives one (the index's overlap: a
-//! record no deeper than what the index already says costs one probe), and tries the previous
-//! rank's depth first (ranks recorded with one prompt end at one depth). To keep a long
-//! prompt's record cheap, only *checkpoint* blocks are written: the first [`DENSE_BLOCKS`],
-//! then every [`STRIDE`]-th, and the last; a depth is therefore exact up to [`DENSE_BLOCKS`]
-//! and otherwise found to within [`STRIDE`] − 1 blocks below the truth (never above). The table
-//! is capped; records past the cap are dropped and counted.
+//! **Structure.** One table from a block's prefix key to a *node*: the ranks holding a record
+//! of that prefix (each with its expiry and generation, sorted by rank slot), the XOR of their
+//! fingerprints, and the latest expiry among them. Prefix keys are the router's chained keys
+//! of the prompt's blocks ([`crate::load::prefix_keys_into`]): equal keys mean equal prefixes.
+//! To keep a long prompt's record cheap, only *checkpoint* blocks are written: the first
+//! [`DENSE_BLOCKS`], then every [`STRIDE`]-th, and the last; a depth is therefore exact up to
+//! [`DENSE_BLOCKS`] and otherwise found to within [`STRIDE`] − 1 blocks below the truth
+//! (never above).
+//!
+//! A route records the whole chain with one expiry, and a key already held keeps the later of
+//! its two expiries. So along any chain the nodes *nest*: a rank held at a deeper checkpoint is
+//! held at every shallower one, with an expiry at least as late and a generation at least as
+//! new. Two consequences make a search cheap whatever the number of ranks:
+//! - a node holding anything live has a parent holding something live, so the query's deepest
+//!   live node is found by a galloping search over its checkpoints, computing its prefix keys
+//!   only as far as it looks;
+//! - the nodes of a query's chain that hold exactly what the deepest holds form a run ending
+//!   there, found by bisection on the fingerprint; only where the holders change (ranks whose
+//!   records stop shallower) is another node read.
+//!
+//! Ranks recorded with one system prompt therefore cost one read of one node, not one search
+//! each. The fingerprint is a 64-bit XOR of mixed (slot, generation, expiry) triples; two
+//! different holder sets agree on it with probability 2⁻⁶⁴, and then a shallower holder's
+//! records would go unreported (never a deeper claim than recorded).
+//!
+//! A rank is named by a dense *slot* of the table's own, which carries its index key (the key
+//! a match's [`RankDepths`](crate::index::RankDepths) is read by) and its generation. The
+//! table is capped; records past the cap are dropped and counted.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -41,6 +54,7 @@ use std::time::Instant;
 
 use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
+use crate::index::RankKey;
 use crate::load::prefix_keys_extend;
 use crate::rng::mix64;
 
@@ -62,10 +76,56 @@ fn checkpoints(n: usize) -> impl Iterator<Item = usize> + Clone {
     dense.chain(strided)
 }
 
+/// One rank's record of one prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    slot: u32,
+    /// The slot's generation when written: a retired or reassigned slot's holders are dead.
+    generation: u32,
+    /// Expiry, in [`ApproxCache::tick`]s.
+    expires: i64,
+}
+
+impl Holder {
+    #[inline]
+    fn fingerprint(self) -> u64 {
+        mix64(
+            (u64::from(self.slot) << 32 | u64::from(self.generation)) ^ mix64(self.expires as u64),
+        )
+    }
+}
+
+/// The ranks holding a record of one prefix.
+#[derive(Debug, Default)]
+struct Node {
+    /// Sorted by slot.
+    holders: Vec<Holder>,
+    /// XOR of the holders' fingerprints.
+    fingerprint: u64,
+    /// The latest expiry of any holder, live or not (a bound; exact after a sweep).
+    latest: i64,
+}
+
+impl Node {
+    fn refresh(&mut self) {
+        self.fingerprint = self.holders.iter().fold(0, |f, h| f ^ h.fingerprint());
+        self.latest = self
+            .holders
+            .iter()
+            .map(|h| h.expires)
+            .max()
+            .unwrap_or(i64::MIN);
+    }
+}
+
+/// A rank the table has records of.
 #[derive(Clone, Copy, Debug)]
-struct Record {
-    expires: Instant,
-    epoch: u32,
+struct Slot {
+    rank: WorkerRank,
+    key: RankKey,
+    /// Bumped when the rank's worker evicts or clears blocks, leaves, or re-registers: its
+    /// older holders stop counting.
+    generation: u32,
 }
 
 /// A hasher for the table's keys, which are already mixed.
@@ -91,25 +151,69 @@ impl std::hash::Hasher for Mixed {
 
 type Table<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<Mixed>>;
 
-/// One rank's records. Kept apart from other ranks' so that the probes of one search, all
-/// for one rank, land in one small table.
-#[derive(Debug, Default)]
-struct RankRecords {
-    /// Bumped when the rank's worker evicts or clears blocks: older records stop counting.
-    epoch: u32,
-    /// Prefix key → record.
-    records: Table<u64, Record>,
-}
-
 #[derive(Debug, Default)]
 struct Inner {
-    /// Ranks holding records, with their records.
-    ranks: Table<WorkerRank, RankRecords>,
-    /// Records held, over all ranks (the cap counts these).
+    /// Prefix key → the ranks holding a record of it.
+    nodes: Table<u64, Node>,
+    /// Holders over all nodes (the cap counts these).
     records: usize,
-    /// The key of a recorded prompt's first block → the ranks it was recorded on: a lookup
-    /// visits only the ranks whose records start like the query.
-    heads: Table<u64, Vec<WorkerRank>>,
+    slots: Vec<Slot>,
+    slot_of: Table<WorkerRank, u32>,
+    /// Slots of ranks that left, for reuse.
+    free: Vec<u32>,
+    /// Per slot, the stamp of the last lookup that reported it.
+    seen: Vec<u32>,
+    stamp: u32,
+}
+
+impl Inner {
+    /// The slot of `rank` under `key`, made if new; a rank registered again under another key
+    /// starts a new generation.
+    fn slot(&mut self, rank: WorkerRank, key: RankKey) -> (u32, u32) {
+        if let Some(&s) = self.slot_of.get(&rank) {
+            let slot = &mut self.slots[s as usize];
+            if slot.key != key {
+                slot.key = key;
+                slot.generation = slot.generation.wrapping_add(1);
+            }
+            return (s, slot.generation);
+        }
+        let s = match self.free.pop() {
+            Some(s) => {
+                let slot = &mut self.slots[s as usize];
+                slot.rank = rank;
+                slot.key = key;
+                s
+            }
+            None => {
+                self.slots.push(Slot {
+                    rank,
+                    key,
+                    generation: 0,
+                });
+                self.seen.push(0);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.slot_of.insert(rank, s);
+        (s, self.slots[s as usize].generation)
+    }
+
+    /// Removes the holders `gone` says are gone from every node; returns how many.
+    fn purge(&mut self, mut gone: impl FnMut(&Holder) -> bool) -> usize {
+        let mut removed = 0;
+        self.nodes.retain(|_, node| {
+            let before = node.holders.len();
+            node.holders.retain(|h| !gone(h));
+            if node.holders.len() != before {
+                removed += before - node.holders.len();
+                node.refresh();
+            }
+            !node.holders.is_empty()
+        });
+        self.records -= removed;
+        removed
+    }
 }
 
 /// Counters of the record table.
@@ -121,17 +225,15 @@ pub struct ApproxCounts {
     pub written: u64,
     /// Records not written because the table was full.
     pub dropped: u64,
-    /// Records removed by sweeps (expired or retired).
+    /// Records removed by sweeps (expired or retired) and by workers leaving.
     pub swept: u64,
 }
 
 /// What a lookup reports to ([`ApproxCache::lookup_over`]).
 pub trait Overlaps {
-    /// Leading blocks of the prompt already known cached on `rank` (by the index): only a
-    /// record deeper than this is reported.
-    fn floor(&self, rank: WorkerRank) -> u32;
-    /// `rank` holds live records of the prompt's first `depth` blocks, more than its floor.
-    fn raise(&mut self, rank: WorkerRank, depth: u32);
+    /// `rank`, known to the index as `key`, holds live records of the prompt's first `depth`
+    /// blocks (and of no deeper checkpoint of it).
+    fn raise(&mut self, rank: WorkerRank, key: RankKey, depth: u32);
 }
 
 /// The record table (see the module comment).
@@ -139,6 +241,8 @@ pub trait Overlaps {
 pub struct ApproxCache {
     inner: Mutex<Inner>,
     max_records: usize,
+    /// The origin of ticks.
+    base: Instant,
     /// Records held, readable without the lock (lookups skip the table while 0).
     len: AtomicUsize,
     written: AtomicU64,
@@ -156,10 +260,20 @@ impl ApproxCache {
         ApproxCache {
             inner: Mutex::new(Inner::default()),
             max_records,
+            base: Instant::now(),
             len: AtomicUsize::new(0),
             written: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             swept: AtomicU64::new(0),
+        }
+    }
+
+    /// `t` in nanoseconds from the table's origin (negative before it).
+    fn tick(&self, t: Instant) -> i64 {
+        let clamp = |d: std::time::Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
+        match t.checked_duration_since(self.base) {
+            Some(d) => clamp(d),
+            None => -clamp(self.base.duration_since(t)),
         }
     }
 
@@ -169,41 +283,70 @@ impl ApproxCache {
         self.len.load(Ordering::Relaxed) == 0
     }
 
-    /// Records that `rank` caches the prompt whose full blocks have prefix `keys`, until
-    /// `expires`.
-    pub fn record(&self, keys: &[u64], rank: WorkerRank, expires: Instant) {
+    /// Records that `rank`, known to the index as `key`, caches the prompt whose full blocks
+    /// have prefix keys `keys`, until `expires`. `serving` is asked under the table's lock:
+    /// when it says the rank is leaving, nothing is written (its records may already have been
+    /// removed, and must not come back).
+    pub fn record(
+        &self,
+        keys: &[u64],
+        rank: WorkerRank,
+        key: RankKey,
+        expires: Instant,
+        serving: impl FnOnce() -> bool,
+    ) {
         if keys.is_empty() {
             return;
         }
+        let expires = self.tick(expires);
         let mut g = lock(&self.inner);
-        let inner = &mut *g;
-        let rr = inner.ranks.entry(rank).or_default();
-        let heads = inner.heads.entry(keys[0]).or_default();
-        if !heads.contains(&rank) {
-            heads.push(rank);
+        if !serving() {
+            return;
         }
+        let inner = &mut *g;
+        let (slot, generation) = inner.slot(rank, key);
+        let fresh = Holder {
+            slot,
+            generation,
+            expires,
+        };
         let (mut written, mut dropped) = (0u64, 0u64);
         for i in checkpoints(keys.len()) {
             let full = inner.records >= self.max_records;
-            match rr.records.get_mut(&keys[i]) {
-                Some(r) if r.epoch == rr.epoch => {
-                    r.expires = r.expires.max(expires);
-                    written += 1;
-                }
-                Some(r) => {
-                    *r = Record {
-                        expires,
-                        epoch: rr.epoch,
-                    };
-                    written += 1;
-                }
+            match inner.nodes.get_mut(&keys[i]) {
+                Some(node) => match node.holders.binary_search_by_key(&slot, |h| h.slot) {
+                    Ok(p) => {
+                        let h = &mut node.holders[p];
+                        let new = if h.generation == generation {
+                            Holder {
+                                expires: h.expires.max(expires),
+                                ..fresh
+                            }
+                        } else {
+                            fresh
+                        };
+                        node.fingerprint ^= h.fingerprint() ^ new.fingerprint();
+                        node.latest = node.latest.max(new.expires);
+                        *h = new;
+                        written += 1;
+                    }
+                    Err(_) if full => dropped += 1,
+                    Err(p) => {
+                        node.holders.insert(p, fresh);
+                        node.fingerprint ^= fresh.fingerprint();
+                        node.latest = node.latest.max(expires);
+                        inner.records += 1;
+                        written += 1;
+                    }
+                },
                 None if full => dropped += 1,
                 None => {
-                    rr.records.insert(
+                    inner.nodes.insert(
                         keys[i],
-                        Record {
-                            expires,
-                            epoch: rr.epoch,
+                        Node {
+                            holders: vec![fresh],
+                            fingerprint: fresh.fingerprint(),
+                            latest: expires,
                         },
                     );
                     inner.records += 1;
@@ -218,9 +361,7 @@ impl ApproxCache {
 
     /// For every rank with live records of the prompt whose full blocks hash to `locals`,
     /// calls `f(rank, blocks)` with the depth of its longest live record. `keys` holds the
-    /// prompt's prefix keys computed so far and is extended only as far as the search looks:
-    /// a galloping search from the first block, so a shallow or absent record costs a few
-    /// keys, not the whole prompt's.
+    /// prompt's prefix keys computed so far and is extended only as far as the search looks.
     pub fn lookup(
         &self,
         locals: &[LocalHash],
@@ -230,20 +371,16 @@ impl ApproxCache {
     ) {
         struct Every<F>(F);
         impl<F: FnMut(WorkerRank, u32)> Overlaps for Every<F> {
-            fn floor(&self, _: WorkerRank) -> u32 {
-                0
-            }
-            fn raise(&mut self, rank: WorkerRank, depth: u32) {
+            fn raise(&mut self, rank: WorkerRank, _: RankKey, depth: u32) {
                 (self.0)(rank, depth)
             }
         }
         self.lookup_over(locals, keys, now, &mut Every(f));
     }
 
-    /// [`ApproxCache::lookup`] for ranks whose overlap is partly known already (the index's):
-    /// a rank's search starts at the first checkpoint past its floor, so a record no deeper
-    /// than the floor costs one probe (none when the floor is past the prompt), and only
-    /// depths above the floor are reported.
+    /// [`ApproxCache::lookup`], reporting each rank with its index key: a galloping search
+    /// for the deepest node holding anything live, then one read of each distinct node up
+    /// the chain from there (see the module comment).
     pub fn lookup_over(
         &self,
         locals: &[LocalHash],
@@ -255,98 +392,84 @@ impl ApproxCache {
         if n == 0 || self.is_empty() {
             return;
         }
-        prefix_keys_extend(locals, keys, 1);
-        let key0 = keys[0];
+        let now = self.tick(now);
         let mut guard = lock(&self.inner);
-        let inner = &mut *guard;
-        let Some(heads) = inner.heads.get_mut(&key0) else {
-            return;
-        };
-        let ranks = &inner.ranks;
+        let Inner {
+            nodes,
+            slots,
+            seen,
+            stamp,
+            ..
+        } = &mut *guard;
         let count = checkpoint_count(n);
-        let mut last_depth: Option<usize> = None;
-        // One pass over the ranks whose records start like the query. A rank whose first
-        // record expired or was retired leaves the list when it is looked at there (no
-        // allocation; a new record puts it back, and sweeps clear the rest).
-        heads.retain(|&rank| {
-            let Some(rr) = ranks.get(&rank) else {
-                return false;
-            };
-            let live_at = |key: u64| {
-                rr.records
-                    .get(&key)
-                    .is_some_and(|r| r.epoch == rr.epoch && r.expires > now)
-            };
-            // The first checkpoint at or past the floor: a record ending before it adds nothing.
-            let floor = out.floor(rank) as usize;
-            let (mut start, mut end) = (0usize, count);
-            while start < end {
-                let mid = start + (end - start) / 2;
-                if checkpoint_at(mid, n) < floor {
-                    start = mid + 1;
+        let mut node = |j: usize| {
+            let i = checkpoint_at(j, n);
+            prefix_keys_extend(locals, keys, i + 1);
+            nodes.get(&keys[i])
+        };
+        let lives = |node: Option<&Node>| node.is_some_and(|x| x.latest > now);
+        if !lives(node(0)) {
+            return;
+        }
+        // The deepest checkpoint whose node may hold something live: gallop (doubling the
+        // depth in blocks, as each probe costs the keys up to it), then bisect.
+        let mut lo = 0usize;
+        let mut hi = loop {
+            let probe = first_checkpoint_from(2 * checkpoint_at(lo, n) + 1, n, count).max(lo + 1);
+            if probe >= count {
+                break count;
+            }
+            if !lives(node(probe)) {
+                break probe;
+            }
+            lo = probe;
+        };
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if lives(node(mid)) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        *stamp = stamp.wrapping_add(1);
+        if *stamp == 0 {
+            seen.fill(0);
+            *stamp = 1;
+        }
+        let stamp = *stamp;
+        // Read the deepest node, then the deepest one that differs from it, and so on up.
+        let mut top = lo;
+        while let Some(at) = node(top) {
+            let depth = (checkpoint_at(top, n) + 1) as u32;
+            for h in &at.holders {
+                let s = h.slot as usize;
+                let slot = &slots[s];
+                if h.generation == slot.generation && h.expires > now && seen[s] != stamp {
+                    seen[s] = stamp;
+                    out.raise(slot.rank, slot.key, depth);
+                }
+            }
+            if top == 0 {
+                break;
+            }
+            let fingerprint = at.fingerprint;
+            let same = |x: Option<&Node>| x.is_some_and(|x| x.fingerprint == fingerprint);
+            if same(node(0)) {
+                break;
+            }
+            // Nodes holding what `top` holds form a run ending at `top`: find where it starts.
+            let (mut differs, mut equal) = (0usize, top);
+            while equal - differs > 1 {
+                let mid = differs + (equal - differs) / 2;
+                if same(node(mid)) {
+                    equal = mid;
                 } else {
-                    end = mid;
+                    differs = mid;
                 }
             }
-            if start == count {
-                return true;
-            }
-            let mut live = |j: usize| {
-                let i = checkpoint_at(j, n);
-                prefix_keys_extend(locals, keys, i + 1);
-                live_at(keys[i])
-            };
-            if !live(start) {
-                // Dead at its first record: gone for good. Dead later: kept (records are
-                // closed under prefixes, so nothing deeper is live either).
-                return start > 0;
-            }
-            // `lo` is live, `hi` dead (or the end). Ranks recorded with one prompt end at one
-            // depth, so the previous rank's depth is tried first: two probes when it holds.
-            let mut lo = start;
-            let mut hi = None;
-            if let Some(h) = last_depth.filter(|&h| h > lo) {
-                if !live(h) {
-                    hi = Some(h);
-                } else {
-                    lo = h;
-                    if h + 1 >= count || !live(h + 1) {
-                        hi = Some(h + 1);
-                    } else {
-                        lo = h + 1;
-                    }
-                }
-            }
-            // Else gallop to a dead checkpoint (or the end); then bisect.
-            let mut hi = match hi {
-                Some(hi) => hi,
-                None => {
-                    let mut step = 1usize;
-                    loop {
-                        let probe = lo + step;
-                        if probe >= count {
-                            break count;
-                        }
-                        if !live(probe) {
-                            break probe;
-                        }
-                        lo = probe;
-                        step *= 2;
-                    }
-                }
-            };
-            while hi - lo > 1 {
-                let mid = lo + (hi - lo) / 2;
-                if live(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid;
-                }
-            }
-            last_depth = Some(lo);
-            out.raise(rank, (checkpoint_at(lo, n) + 1) as u32);
-            true
-        });
+            top = differs;
+        }
     }
 
     /// `rank`'s records stop counting (its worker evicted or cleared blocks).
@@ -354,31 +477,35 @@ impl ApproxCache {
         if self.is_empty() {
             return;
         }
-        if let Some(rr) = lock(&self.inner).ranks.get_mut(&rank) {
-            rr.epoch = rr.epoch.wrapping_add(1);
+        let mut g = lock(&self.inner);
+        let inner = &mut *g;
+        if let Some(&s) = inner.slot_of.get(&rank) {
+            let slot = &mut inner.slots[s as usize];
+            slot.generation = slot.generation.wrapping_add(1);
         }
     }
 
-    /// Every record of `worker` goes (it left).
+    /// Every record of `worker` goes (it left), and its ranks' slots are freed.
     pub fn remove_worker(&self, worker: WorkerId) {
-        if self.is_empty() {
-            return;
-        }
         let mut g = lock(&self.inner);
         let inner = &mut *g;
-        let mut gone = 0;
-        inner.ranks.retain(|r, rr| {
+        let mut leaving = Vec::new();
+        inner.slot_of.retain(|r, &mut s| {
             let leaves = r.worker == worker;
             if leaves {
-                gone += rr.records.len();
+                leaving.push(s);
             }
             !leaves
         });
-        inner.records -= gone;
-        inner.heads.retain(|_, ranks| {
-            ranks.retain(|r| r.worker != worker);
-            !ranks.is_empty()
-        });
+        if leaving.is_empty() {
+            return;
+        }
+        let gone = inner.purge(|h| leaving.contains(&h.slot));
+        for &s in &leaving {
+            let slot = &mut inner.slots[s as usize];
+            slot.generation = slot.generation.wrapping_add(1);
+            inner.free.push(s);
+        }
         self.swept.fetch_add(gone as u64, Ordering::Relaxed);
         self.len.store(inner.records, Ordering::Relaxed);
     }
@@ -388,22 +515,13 @@ impl ApproxCache {
         if self.is_empty() {
             return 0;
         }
+        let now = self.tick(now);
         let mut g = lock(&self.inner);
         let inner = &mut *g;
-        let mut gone = 0;
-        inner.ranks.retain(|_, rr| {
-            let (epoch, before) = (rr.epoch, rr.records.len());
-            rr.records
-                .retain(|_, r| r.epoch == epoch && r.expires > now);
-            gone += before - rr.records.len();
-            !rr.records.is_empty()
-        });
-        inner.records -= gone;
-        let ranks = &inner.ranks;
-        inner.heads.retain(|key, list| {
-            list.retain(|r| ranks.get(r).is_some_and(|rr| rr.records.contains_key(key)));
-            !list.is_empty()
-        });
+        let slots = std::mem::take(&mut inner.slots);
+        let gone =
+            inner.purge(|h| h.expires <= now || h.generation != slots[h.slot as usize].generation);
+        inner.slots = slots;
         self.swept.fetch_add(gone as u64, Ordering::Relaxed);
         self.len.store(inner.records, Ordering::Relaxed);
         gone
@@ -425,9 +543,25 @@ fn checkpoint_count(n: usize) -> usize {
     if n <= DENSE_BLOCKS {
         return n;
     }
-    let strided = (DENSE_BLOCKS + 1..=n).filter(|j| j % STRIDE == 0).count();
+    // Blocks i past the dense ones with (i + 1) a multiple of STRIDE.
+    let strided = n / STRIDE - DENSE_BLOCKS / STRIDE;
     let last_extra = usize::from(n % STRIDE != 0);
     DENSE_BLOCKS + strided + last_extra
+}
+
+/// The index of the first checkpoint at or past block `i` of a prompt of `n` full blocks,
+/// which has `count` of them (`count` when there is none).
+fn first_checkpoint_from(i: usize, n: usize, count: usize) -> usize {
+    let (mut lo, mut hi) = (0usize, count);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if checkpoint_at(mid, n) < i {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// The `j`-th checkpoint of a prompt of `n` full blocks.
@@ -463,6 +597,18 @@ mod tests {
         k
     }
 
+    /// The index key the tests give a rank.
+    fn key_of(r: WorkerRank) -> RankKey {
+        RankKey {
+            id: r.worker.0 as u32 * 8 + r.dp_rank.0,
+            epoch: 0,
+        }
+    }
+
+    fn rec(c: &ApproxCache, keys: &[u64], r: WorkerRank, until: Instant) {
+        c.record(keys, r, key_of(r), until, || true);
+    }
+
     /// `lookup` from scratch keys (as a route starts with few).
     fn look(c: &ApproxCache, l: &[LocalHash], now: Instant) -> Vec<(WorkerRank, u32)> {
         let mut keys = Vec::new();
@@ -483,6 +629,17 @@ mod tests {
             for (j, &i) in literal.iter().enumerate() {
                 assert_eq!(checkpoint_at(j, n), i, "n = {n}, j = {j}");
             }
+            for i in 0..n + 2 {
+                let first = literal
+                    .iter()
+                    .position(|&c| c >= i)
+                    .unwrap_or(literal.len());
+                assert_eq!(
+                    first_checkpoint_from(i, n, literal.len()),
+                    first,
+                    "n = {n}, i = {i}"
+                );
+            }
         }
     }
 
@@ -493,9 +650,9 @@ mod tests {
         let r = WorkerRank::new(1, 0);
         let a = locals(1, 100);
         let ka = keys_of(&a);
-        c.record(&ka[..10], r, t0 + Duration::from_secs(5));
+        rec(&c, &ka[..10], r, t0 + Duration::from_secs(5));
         assert_eq!(look(&c, &a, t0), vec![(r, 10)]);
-        c.record(&ka, r, t0 + Duration::from_secs(5));
+        rec(&c, &ka, r, t0 + Duration::from_secs(5));
         assert_eq!(
             look(&c, &a, t0),
             vec![(r, 100)],
@@ -521,7 +678,8 @@ mod tests {
         let c = ApproxCache::new(1 << 20);
         let t0 = Instant::now();
         let a = locals(1, 512);
-        c.record(
+        rec(
+            &c,
             &keys_of(&a[..3]),
             WorkerRank::new(1, 0),
             t0 + Duration::from_secs(5),
@@ -536,60 +694,6 @@ mod tests {
         assert_eq!(depth, 3);
         assert!(keys.len() <= 5, "{}", keys.len());
         assert_eq!(keys, keys_of(&a[..keys.len()]));
-    }
-
-    /// With floors, a lookup reports what a plain lookup reports above each floor and
-    /// nothing else, and a record no deeper than its floor costs one key past it.
-    #[test]
-    fn floors_report_only_deeper_records_and_search_from_the_floor() {
-        struct Floors {
-            floors: HashMap<WorkerRank, u32>,
-            got: Vec<(WorkerRank, u32)>,
-        }
-        impl Overlaps for Floors {
-            fn floor(&self, rank: WorkerRank) -> u32 {
-                self.floors.get(&rank).copied().unwrap_or(0)
-            }
-            fn raise(&mut self, rank: WorkerRank, depth: u32) {
-                assert!(depth > self.floor(rank));
-                self.got.push((rank, depth));
-            }
-        }
-        let c = ApproxCache::new(1 << 20);
-        let t0 = Instant::now();
-        let a = locals(1, 300);
-        let ka = keys_of(&a);
-        let until = t0 + Duration::from_secs(5);
-        for (w, depth) in (0..40u64).zip((5..300).step_by(7)) {
-            c.record(&ka[..depth], WorkerRank::new(w, 0), until);
-        }
-        let plain = look(&c, &a, t0);
-        assert_eq!(plain.len(), 40);
-        for floor in [0u32, 1, 16, 17, 40, 64, 100, 250, 299, 300, 1000] {
-            let mut f = Floors {
-                floors: (0..40).map(|w| (WorkerRank::new(w, 0), floor)).collect(),
-                got: Vec::new(),
-            };
-            let mut keys = Vec::new();
-            c.lookup_over(&a, &mut keys, t0, &mut f);
-            f.got.sort();
-            let want: Vec<(WorkerRank, u32)> =
-                plain.iter().copied().filter(|&(_, d)| d > floor).collect();
-            assert_eq!(f.got, want, "floor {floor}");
-        }
-        // Every record below a floor of 250: the search looks at one key past the floor.
-        let mut f = Floors {
-            floors: (0..40).map(|w| (WorkerRank::new(w, 0), 250)).collect(),
-            got: Vec::new(),
-        };
-        let c2 = ApproxCache::new(1 << 20);
-        for w in 0..40u64 {
-            c2.record(&ka[..100], WorkerRank::new(w, 0), until);
-        }
-        let mut keys = Vec::new();
-        c2.lookup_over(&a, &mut keys, t0, &mut f);
-        assert!(f.got.is_empty());
-        assert!(keys.len() <= 256, "{}", keys.len());
     }
 
     /// Ranks searched one after another, most at one depth and some deeper or shallower (the
@@ -607,9 +711,9 @@ mod tests {
         let mut want = Vec::new();
         for (w, &d) in depths.iter().enumerate() {
             let r = WorkerRank::new(w as u64, 0);
-            all.record(&ka[..d], r, until);
+            rec(&all, &ka[..d], r, until);
             let alone = ApproxCache::new(1 << 20);
-            alone.record(&ka[..d], r, until);
+            rec(&alone, &ka[..d], r, until);
             want.extend(look(&alone, &a, t0));
         }
         want.sort();
@@ -625,8 +729,8 @@ mod tests {
         let r = WorkerRank::new(1, 0);
         let a = locals(1, 40);
         let ka = keys_of(&a);
-        c.record(&ka, r, t0 + Duration::from_secs(2));
-        c.record(&ka[..8], r, t0 + Duration::from_secs(10));
+        rec(&c, &ka, r, t0 + Duration::from_secs(2));
+        rec(&c, &ka[..8], r, t0 + Duration::from_secs(10));
         let depth = |at: Instant| look(&c, &a, at).first().map_or(0, |x| x.1);
         assert_eq!(depth(t0 + Duration::from_millis(1999)), 40);
         assert_eq!(depth(t0 + Duration::from_secs(2)), 8);
@@ -645,11 +749,11 @@ mod tests {
         let (r1, r2) = (WorkerRank::new(1, 0), WorkerRank::new(2, 0));
         let a = locals(1, 20);
         let ka = keys_of(&a);
-        c.record(&ka, r1, t0 + Duration::from_secs(5));
-        c.record(&ka, r2, t0 + Duration::from_secs(5));
+        rec(&c, &ka, r1, t0 + Duration::from_secs(5));
+        rec(&c, &ka, r2, t0 + Duration::from_secs(5));
         c.retire_rank(r1);
         assert_eq!(look(&c, &a, t0), vec![(r2, 20)]);
-        c.record(&ka[..5], r1, t0 + Duration::from_secs(5));
+        rec(&c, &ka[..5], r1, t0 + Duration::from_secs(5));
         assert_eq!(look(&c, &a, t0), vec![(r1, 5), (r2, 20)]);
         // 17 checkpoints each (blocks 0-15, 19); rank 1 refreshed 5 of its own.
         assert_eq!(c.sweep(t0), 12, "the retired epoch's tail");
@@ -657,13 +761,185 @@ mod tests {
         assert_eq!(c.counts().records, 5);
     }
 
+    /// A record asked for a rank that is leaving writes nothing: its worker's records may
+    /// already be gone, and must not come back.
+    #[test]
+    fn a_leaving_rank_gets_no_records() {
+        let c = ApproxCache::new(1 << 20);
+        let t0 = Instant::now();
+        let r = WorkerRank::new(1, 0);
+        let k = keys_of(&locals(1, 20));
+        c.record(&k, r, key_of(r), t0 + Duration::from_secs(1), || false);
+        assert!(c.is_empty());
+        assert_eq!(c.counts().written, 0);
+    }
+
     #[test]
     fn the_cap_drops_and_counts() {
         let c = ApproxCache::new(10);
         let t0 = Instant::now();
         let k = keys_of(&locals(1, 14));
-        c.record(&k, WorkerRank::new(1, 0), t0 + Duration::from_secs(1));
+        rec(&c, &k, WorkerRank::new(1, 0), t0 + Duration::from_secs(1));
         let n = c.counts();
         assert_eq!((n.records, n.written, n.dropped), (10, 10, 4));
+    }
+
+    /// The table against a plain model (per rank: prefix key → generation and expiry, and a
+    /// query's depth is its deepest checkpoint live for the rank), over random records on
+    /// branching prompts, retirements, re-registrations, leaves, sweeps and lookups.
+    #[test]
+    fn agrees_with_a_plain_model() {
+        /// Prefix key → (generation, expiry).
+        type Records = HashMap<u64, (u32, Instant)>;
+        #[derive(Default)]
+        struct Model {
+            /// rank → (key, generation, records).
+            ranks: HashMap<WorkerRank, (RankKey, u32, Records)>,
+        }
+        impl Model {
+            fn records(&self) -> usize {
+                self.ranks.values().map(|r| r.2.len()).sum()
+            }
+        }
+        let t0 = Instant::now();
+        let ms = |x: u64| t0 + Duration::from_millis(x);
+        let trunk = locals(1, 160);
+        let branches: Vec<Vec<LocalHash>> = (0..4).map(|b| locals(10 + b, 120)).collect();
+        let mut rng = crate::rng::Rng::new(7);
+        let prompt = |rng: &mut crate::rng::Rng| {
+            let cut = rng.below(trunk.len() as u64 + 1) as usize;
+            let mut p = trunk[..cut].to_vec();
+            let b = &branches[rng.below(branches.len() as u64) as usize];
+            p.extend_from_slice(&b[..rng.below(b.len() as u64) as usize]);
+            if p.is_empty() {
+                p.push(trunk[0]);
+            }
+            p
+        };
+        for round in 0..40 {
+            let c = ApproxCache::new(1 << 20);
+            let mut m = Model::default();
+            let mut epoch = 0u32;
+            let mut epochs = HashMap::new();
+            for _ in 0..300 {
+                let r = WorkerRank::new(rng.below(6), rng.below(2) as u32);
+                match rng.below(20) {
+                    0..=9 => {
+                        let p = prompt(&mut rng);
+                        let keys = keys_of(&p);
+                        let until = ms(rng.below(100));
+                        let key = RankKey {
+                            id: r.worker.0 as u32 * 2 + r.dp_rank.0,
+                            epoch: *epochs.get(&r).unwrap_or(&0),
+                        };
+                        let entry = m.ranks.entry(r).or_insert((key, 0, HashMap::new()));
+                        if entry.0 != key {
+                            // Registered again: the older records stop counting.
+                            entry.0 = key;
+                            entry.1 += 1;
+                        }
+                        let (key, generation) = (entry.0, entry.1);
+                        c.record(&keys, r, key, until, || true);
+                        for i in checkpoints(keys.len()) {
+                            let e = entry.2.entry(keys[i]).or_insert((generation, until));
+                            *e = if e.0 == generation {
+                                (generation, e.1.max(until))
+                            } else {
+                                (generation, until)
+                            };
+                        }
+                    }
+                    10..=11 => {
+                        c.retire_rank(r);
+                        if let Some(e) = m.ranks.get_mut(&r) {
+                            e.1 += 1;
+                        }
+                    }
+                    12 => {
+                        // Registered again under a new key, from its next record on.
+                        epoch += 1;
+                        epochs.insert(r, epoch);
+                    }
+                    13 => {
+                        c.remove_worker(r.worker);
+                        m.ranks.retain(|x, _| x.worker != r.worker);
+                    }
+                    14 => {
+                        let now = ms(rng.below(100));
+                        let before = m.records();
+                        for (_, generation, recs) in m.ranks.values_mut() {
+                            recs.retain(|_, &mut (g, t)| g == *generation && t > now);
+                        }
+                        assert_eq!(c.sweep(now), before - m.records(), "round {round}");
+                    }
+                    _ => {
+                        let q = prompt(&mut rng);
+                        let now = ms(rng.below(100));
+                        let kq = keys_of(&q);
+                        let mut want = Vec::new();
+                        for (&rank, (_, generation, recs)) in &m.ranks {
+                            let deepest = (0..checkpoint_count(q.len()))
+                                .map(|j| checkpoint_at(j, q.len()))
+                                .filter(|&i| {
+                                    recs.get(&kq[i])
+                                        .is_some_and(|&(g, t)| g == *generation && t > now)
+                                })
+                                .max();
+                            if let Some(i) = deepest {
+                                want.push((rank, i as u32 + 1));
+                            }
+                        }
+                        want.sort();
+                        let mut got = Vec::new();
+                        let mut keys = Vec::new();
+                        c.lookup_over(&q, &mut keys, now, &mut Keys(&m, &mut got));
+                        got.sort();
+                        assert_eq!(got, want, "round {round}");
+                        assert_eq!(keys, kq[..keys.len()]);
+                    }
+                }
+                assert_eq!(c.counts().records, m.records(), "round {round}");
+            }
+        }
+
+        /// Checks each reported key against the model's.
+        struct Keys<'a>(&'a Model, &'a mut Vec<(WorkerRank, u32)>);
+        impl Overlaps for Keys<'_> {
+            fn raise(&mut self, rank: WorkerRank, key: RankKey, depth: u32) {
+                assert_eq!(self.0.ranks[&rank].0, key);
+                self.1.push((rank, depth));
+            }
+        }
+    }
+
+    /// Many ranks recorded with one system prompt, each with its own tail: a query sharing the
+    /// prompt gets every rank at the prompt's depth, and ranks recorded deeper or shallower
+    /// at theirs, while looking at few keys past the shared depth.
+    #[test]
+    fn ranks_sharing_a_prompt_are_read_together() {
+        let c = ApproxCache::new(1 << 20);
+        let t0 = Instant::now();
+        let until = t0 + Duration::from_secs(5);
+        let system = locals(1, 64);
+        for w in 0..256u64 {
+            let mut p = system.clone();
+            p.extend(locals(100 + w, 64));
+            rec(&c, &keys_of(&p), WorkerRank::new(w, 0), until);
+        }
+        // Two ranks hold shallower records only: of 20 blocks (the query sees its first 16,
+        // the checkpoints they share), and of 3.
+        rec(&c, &keys_of(&system[..20]), WorkerRank::new(300, 0), until);
+        rec(&c, &keys_of(&system[..3]), WorkerRank::new(301, 0), until);
+        let mut q = system.clone();
+        q.extend(locals(7, 448));
+        let mut keys = Vec::new();
+        let mut got = Vec::new();
+        c.lookup(&q, &mut keys, t0, |r, d| got.push((r.worker.0, d)));
+        got.sort();
+        let mut want: Vec<(u64, u32)> = (0..256).map(|w| (w, 64)).collect();
+        want.extend([(300, 16), (301, 3)]);
+        assert_eq!(got, want);
+        // The gallop doubles the depth in blocks: it stops at the first checkpoint past 128.
+        assert!(keys.len() <= 128, "{}", keys.len());
     }
 }

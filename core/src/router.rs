@@ -742,57 +742,19 @@ struct Scratch {
 }
 
 /// The router's records (approximate mode, speculation) raise a rank's overlap to their
-/// depth, as device blocks; the index's overlap stands where it is deeper, and is the floor
-/// below which the records are not searched.
+/// depth, as device blocks; the index's overlap stands where it is deeper.
 struct RaiseToRecords<'a> {
-    fleet: &'a Fleet,
     depths: &'a mut RankDepths,
     raised: bool,
-    /// The last rank looked up and its key: a raise follows the floor of the same rank.
-    last: std::cell::Cell<Option<(WorkerRank, Option<RankKey>)>>,
-}
-
-impl RaiseToRecords<'_> {
-    /// The index key of a rank of the fleet that can take overlap in this match.
-    fn key_of(&self, rank: WorkerRank) -> Option<RankKey> {
-        if let Some((r, key)) = self.last.get() {
-            if r == rank {
-                return key;
-            }
-        }
-        let key = self
-            .fleet
-            .rank_index(rank)
-            .and_then(|i| live_key(&self.fleet.ranks[i], self.depths));
-        self.last.set(Some((rank, key)));
-        key
-    }
 }
 
 impl crate::approx::Overlaps for RaiseToRecords<'_> {
-    fn floor(&self, rank: WorkerRank) -> u32 {
-        match self.key_of(rank) {
-            Some(key) => self.depths.get_for(key).map_or(0, |d| d.blocks),
-            // Not in this snapshot (or not in the index, or newer than the match): nothing
-            // to raise, so nothing worth searching.
-            None => u32::MAX,
-        }
+    fn raise(&mut self, _: WorkerRank, key: RankKey, depth: u32) {
+        // A key given out after the match began raises nothing (`RankDepths::raise`); a
+        // retired rank's raise is never read (selection skips retired ranks), and a rank's
+        // records leave the table before the index frees its id.
+        self.raised |= self.depths.raise(key, depth);
     }
-
-    fn raise(&mut self, rank: WorkerRank, depth: u32) {
-        if let Some(key) = self.key_of(rank) {
-            self.raised |= self.depths.raise(key, depth);
-        }
-    }
-}
-
-/// The key by which `depths` knows rank `r`: `None` for a rank not registered in the index
-/// (when its fleet was built), registered after the match began, or retired (the index may
-/// since have given its id to another rank).
-#[inline(always)]
-fn live_key(r: &RankEntry, depths: &RankDepths) -> Option<RankKey> {
-    let key = r.index_key?;
-    (depths.covers(key) && !r.state.is_retired()).then_some(key)
 }
 
 /// The overlap `depths` gives rank `r` under its key, retired or not: at least the overlap
@@ -1388,10 +1350,8 @@ impl Router {
         // their depth, as device blocks; the index's overlap stands where it is deeper.
         if !self.approx.is_empty() && !s.locals.is_empty() {
             let mut raise = RaiseToRecords {
-                fleet: &fleet,
                 depths: &mut s.depths,
                 raised: false,
-                last: std::cell::Cell::new(None),
             };
             self.approx
                 .lookup_over(&s.locals, &mut s.keys, now.get_or(None), &mut raise);
@@ -1725,11 +1685,17 @@ impl Router {
                         Speculative::Off => None,
                     },
                 };
-                if let Some(ttl) = record_ttl {
+                let entry = &fleet.ranks[chosen.fleet_index];
+                if let (Some(ttl), Some(key)) = (record_ttl, entry.index_key) {
                     let full = s.locals.len();
                     prefix_keys_extend(&s.locals, &mut s.keys, full);
-                    self.approx
-                        .record(&s.keys[..full], chosen.rank, now.get_or(t3) + ttl);
+                    self.approx.record(
+                        &s.keys[..full],
+                        chosen.rank,
+                        key,
+                        now.get_or(t3) + ttl,
+                        || !entry.state.is_retired(),
+                    );
                 }
                 if let Some(sid) = hints.session {
                     self.sessions.record(
@@ -5073,6 +5039,38 @@ mod approx_tests {
         r.note_event(w1, StorageTier::Device, EventSeen::Removed { blocks: 3 });
         assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 5);
         assert_eq!(overlap_on(&r, &p, w1, t0), 0);
+    }
+
+    /// Records are kept by the rank's index key: when a worker leaves and another takes its
+    /// index id, the newcomer gets none of the leaver's records, and a worker that rejoins
+    /// starts without its old ones.
+    #[test]
+    fn a_departed_workers_records_credit_no_one() {
+        let r = router(Speculative::On {
+            ttl: Duration::from_secs(60),
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
+        let t0 = Instant::now();
+        let p = prompt(128);
+        let (w1, w3) = (WorkerRank::new(1, 0), WorkerRank::new(3, 0));
+        pinned(&r, 1, &p, 1, t0);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 8);
+        let id_of = |w: WorkerRank| {
+            let f = r.fleet();
+            f.ranks[f.rank_index(w).unwrap()].index_key.unwrap().id
+        };
+        let old_id = id_of(w1);
+        r.leave_worker(WorkerId(1)).unwrap();
+        assert_eq!(r.counts().approx.records, 0);
+        r.join_worker(WorkerConfig::simple(3, 1000, BS)).unwrap();
+        assert_eq!(id_of(w3), old_id, "the newcomer takes the freed id");
+        assert_eq!(overlap_on(&r, &p, w3, t0), 0);
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        assert_eq!(overlap_on(&r, &p, w1, t0), 0);
+        pinned(&r, 2, &p, 1, t0);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 8);
+        assert_eq!(overlap_on(&r, &p, w3, t0), 0);
     }
 }
 
