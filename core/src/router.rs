@@ -2703,14 +2703,32 @@ impl Scorer<'_> {
             shape: &shape,
             ..*self
         };
-        // Where pruning needs no more than the cost (no preference or pool credit lowers
-        // it), a rank whose bound's floor cannot win is not scored at all; the deepest match
-        // goes first, as it sets a low cheapest cost early.
+        // A rank whose bound's floor cannot win is not scored at all; the rank likeliest to
+        // be cheapest goes first, as it sets a low cheapest cost early: the deepest (without
+        // extras, the walk's deepest; with them, the deepest eligible).
         let floors = targets.prunes();
-        // (With `EXTRAS`, the seed would have to pass the label filters too: none is taken.)
-        let seed = this
-            .seed
-            .filter(|&i| floors && !EXTRAS && this.fleet.ranks[i].role == role);
+        let eligible = |r: &RankEntry| {
+            r.role == role
+                && (!EXTRAS
+                    || (allowed.is_none_or(|a| a.contains(&r.rank.worker))
+                        && r.label_bits & required == required))
+        };
+        let seed = if !floors {
+            None
+        } else if EXTRAS {
+            // The deepest eligible rank: its credit is likely the highest.
+            let mut best = (0u32, None);
+            for (i, r) in this.fleet.ranks.iter().enumerate() {
+                if let Some((_, d)) = rank_depth_unchecked(r, this.depths) {
+                    if d.blocks > best.0 && eligible(r) {
+                        best = (d.blocks, Some(i));
+                    }
+                }
+            }
+            best.1
+        } else {
+            this.seed.filter(|&i| eligible(&this.fleet.ranks[i]))
+        };
         let mut bar = CreditBar::default();
         if let Some(i) = seed {
             this.offer_rank::<EXTRAS>(i, floors, &mut bar, targets, out);
@@ -2759,28 +2777,31 @@ impl Scorer<'_> {
                 return;
             }
         } else if floors {
-            // Neither the rank's retirement nor (while no booking decays its prompt) its
-            // decay is read: a rank pruned here never has its state visited. (A retired
-            // rank's stale overlap only lowers its floor; but pool credit may fall as the
-            // overlap grows, so with a pool the overlap is checked.)
-            let credit = if EXTRAS && !self.pool.is_empty() {
-                let (own, blocks) = self.credit_of(rank_depth(r, self.depths));
-                own + self.pool_extension(blocks).0
-            } else {
-                self.credit_of(rank_depth_unchecked(r, self.depths)).0
-            };
+            // The credit and preference are read once, for the floor and then the cost.
+            // Neither the rank's load nor (while no booking decays its prompt) its decay is
+            // read before the floor's test.
+            let (own_credit, blocks) = self.overlap(i);
+            let credit = self.with_pool::<EXTRAS>(own_credit, blocks);
+            let preference = self.preference_of::<EXTRAS>(r);
             let decay = self.decay_anywhere && r.state.prompt_decay_pending();
             let floor = CostTerms::bound_floor(self.weights, self.shape, credit, decay);
-            let floor = if EXTRAS {
-                self.less_preference(floor, r.label_bits)
-            } else {
-                floor
-            };
-            if targets.cannot_win(floor) {
+            if targets.cannot_win(floor - preference) {
                 return;
             }
+            let load = r.state.load();
+            let cost = CostTerms::total_of(self.weights, self.shape, &load, credit, 0) - preference;
+            // The bound itself, now that the load is read: the rest of the scoring (busy and
+            // health marks) is not done for a rank that cannot win.
+            if targets.bound_cannot_win(cost, load.prompt_blocks) {
+                return;
+            }
+            let c = self.scored::<EXTRAS>(i, r, load, cost, blocks);
+            if targets.offer(out.len(), &c) {
+                out.push(c);
+            }
+            return;
         }
-        let c = self.score_with::<EXTRAS>(i, self.overlap(i));
+        let c = self.score_as::<EXTRAS>(i);
         if targets.offer(out.len(), &c) {
             out.push(c);
         }
@@ -2798,12 +2819,58 @@ impl Scorer<'_> {
     fn score_with<const EXTRAS: bool>(&self, i: usize, (own_credit, blocks): (f64, u32)) -> Scored {
         let r = &self.fleet.ranks[i];
         let load = r.state.load();
-        let credit = if EXTRAS && !self.pool.is_empty() {
+        let cost = self.cost_with::<EXTRAS>(r, &load, own_credit, blocks);
+        self.scored::<EXTRAS>(i, r, load, cost, blocks)
+    }
+
+    /// The cost of rank `r` under `load`, with its own overlap credit and blocks.
+    #[inline(always)]
+    fn cost_with<const EXTRAS: bool>(
+        &self,
+        r: &RankEntry,
+        load: &LoadView,
+        own_credit: f64,
+        blocks: u32,
+    ) -> f64 {
+        let credit = self.with_pool::<EXTRAS>(own_credit, blocks);
+        let cost = CostTerms::total_of(self.weights, self.shape, load, credit, 0);
+        if EXTRAS {
+            self.less_preference(cost, r.label_bits)
+        } else {
+            cost
+        }
+    }
+
+    /// A rank's own overlap credit with the pool's credit beyond it (with `EXTRAS`).
+    #[inline(always)]
+    fn with_pool<const EXTRAS: bool>(&self, own_credit: f64, blocks: u32) -> f64 {
+        if EXTRAS && !self.pool.is_empty() {
             own_credit + self.pool_extension(blocks).0
         } else {
             own_credit
-        };
-        let cost = CostTerms::total_of(self.weights, self.shape, &load, credit, 0);
+        }
+    }
+
+    /// What rank `r`'s preferred labels take off its cost (with `EXTRAS`; 0 without).
+    #[inline(always)]
+    fn preference_of<const EXTRAS: bool>(&self, r: &RankEntry) -> f64 {
+        if EXTRAS && !self.preferred.is_empty() {
+            self.preference(r.label_bits)
+        } else {
+            0.0
+        }
+    }
+
+    /// Rank `i` (`r`) scored, from its load and cost.
+    #[inline(always)]
+    fn scored<const EXTRAS: bool>(
+        &self,
+        i: usize,
+        r: &RankEntry,
+        load: LoadView,
+        cost: f64,
+        blocks: u32,
+    ) -> Scored {
         Scored {
             fleet_index: i as u32,
             overlap_blocks: blocks,
@@ -2818,11 +2885,7 @@ impl Scorer<'_> {
                 Health::Healthy
             },
             shared_blocks: 0,
-            cost: if EXTRAS {
-                self.less_preference(cost, r.label_bits)
-            } else {
-                cost
-            },
+            cost,
             load,
         }
     }

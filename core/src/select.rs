@@ -621,6 +621,15 @@ impl ProbeTargets {
         self.prune && floor - 1e-9 * floor.abs().max(1.0) > self.cheapest
     }
 
+    /// [`ProbeTargets::cannot_win`] for a rank's probe bound itself: its `cost` less its room
+    /// (its `prompt_blocks`, up to the prompt's full blocks), as [`ProbeTargets::offer`]
+    /// computes it. True only where `offer` would refuse the rank too, or (busy or marked)
+    /// where a free, healthy rank has set the cheapest cost.
+    #[inline(always)]
+    pub fn bound_cannot_win(&self, cost: f64, prompt_blocks: u64) -> bool {
+        self.cannot_win(cost - count_f64(prompt_blocks.min(self.full_blocks)))
+    }
+
     /// The candidates to probe, lowest bound first.
     pub fn targets(&self) -> &[u32] {
         let n = self.bounds[..self.n]
