@@ -126,6 +126,8 @@ struct Slot {
     /// Bumped when the rank's worker evicts or clears blocks, leaves, or re-registers: its
     /// older holders stop counting.
     generation: u32,
+    /// The stamp of the last lookup that reported the rank.
+    seen: u32,
 }
 
 /// A hasher for the table's keys, which are already mixed.
@@ -161,8 +163,7 @@ struct Inner {
     slot_of: Table<WorkerRank, u32>,
     /// Slots of ranks that left, for reuse.
     free: Vec<u32>,
-    /// Per slot, the stamp of the last lookup that reported it.
-    seen: Vec<u32>,
+    /// The current lookup's stamp (see [`Slot::seen`]).
     stamp: u32,
 }
 
@@ -190,8 +191,8 @@ impl Inner {
                     rank,
                     key,
                     generation: 0,
+                    seen: 0,
                 });
-                self.seen.push(0);
                 (self.slots.len() - 1) as u32
             }
         };
@@ -397,18 +398,13 @@ impl ApproxCache {
         let Inner {
             nodes,
             slots,
-            seen,
             stamp,
             ..
         } = &mut *guard;
+        let nodes = &*nodes;
         let count = checkpoint_count(n);
-        let mut node = |j: usize| {
-            let i = checkpoint_at(j, n);
-            prefix_keys_extend(locals, keys, i + 1);
-            nodes.get(&keys[i])
-        };
         let lives = |node: Option<&Node>| node.is_some_and(|x| x.latest > now);
-        if !lives(node(0)) {
+        if !lives(node_at(nodes, locals, keys, 0)) {
             return;
         }
         // The deepest checkpoint whose node may hold something live: gallop (doubling the
@@ -419,14 +415,14 @@ impl ApproxCache {
             if probe >= count {
                 break count;
             }
-            if !lives(node(probe)) {
+            if !lives(node_at(nodes, locals, keys, probe)) {
                 break probe;
             }
             lo = probe;
         };
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
-            if lives(node(mid)) {
+            if lives(node_at(nodes, locals, keys, mid)) {
                 lo = mid;
             } else {
                 hi = mid;
@@ -434,41 +430,54 @@ impl ApproxCache {
         }
         *stamp = stamp.wrapping_add(1);
         if *stamp == 0 {
-            seen.fill(0);
+            slots.iter_mut().for_each(|s| s.seen = 0);
             *stamp = 1;
         }
         let stamp = *stamp;
         // Read the deepest node, then the deepest one that differs from it, and so on up.
+        // Ranks are marked seen only where another node follows, and looked up only after
+        // the first.
         let mut top = lo;
-        while let Some(at) = node(top) {
+        let mut first = true;
+        while let Some(at) = node_at(nodes, locals, keys, top) {
+            // Nodes holding what `top` holds form a run ending at `top`: the node above
+            // where it starts is read next.
+            let same = |x: Option<&Node>| x.is_some_and(|x| x.fingerprint == at.fingerprint);
+            let next = if top == 0 || same(node_at(nodes, locals, keys, 0)) {
+                None
+            } else {
+                let (mut differs, mut equal) = (0usize, top);
+                while equal - differs > 1 {
+                    let mid = differs + (equal - differs) / 2;
+                    if same(node_at(nodes, locals, keys, mid)) {
+                        equal = mid;
+                    } else {
+                        differs = mid;
+                    }
+                }
+                Some(differs)
+            };
             let depth = (checkpoint_at(top, n) + 1) as u32;
             for h in &at.holders {
-                let s = h.slot as usize;
-                let slot = &slots[s];
-                if h.generation == slot.generation && h.expires > now && seen[s] != stamp {
-                    seen[s] = stamp;
-                    out.raise(slot.rank, slot.key, depth);
+                let slot = &mut slots[h.slot as usize];
+                if h.generation != slot.generation || h.expires <= now {
+                    continue;
                 }
-            }
-            if top == 0 {
-                break;
-            }
-            let fingerprint = at.fingerprint;
-            let same = |x: Option<&Node>| x.is_some_and(|x| x.fingerprint == fingerprint);
-            if same(node(0)) {
-                break;
-            }
-            // Nodes holding what `top` holds form a run ending at `top`: find where it starts.
-            let (mut differs, mut equal) = (0usize, top);
-            while equal - differs > 1 {
-                let mid = differs + (equal - differs) / 2;
-                if same(node(mid)) {
-                    equal = mid;
-                } else {
-                    differs = mid;
+                if !first {
+                    if slot.seen == stamp {
+                        continue;
+                    }
+                    slot.seen = stamp;
+                } else if next.is_some() {
+                    slot.seen = stamp;
                 }
+                out.raise(slot.rank, slot.key, depth);
             }
-            top = differs;
+            match next {
+                Some(j) => top = j,
+                None => break,
+            }
+            first = false;
         }
     }
 
@@ -536,6 +545,20 @@ impl ApproxCache {
             swept: self.swept.load(Ordering::Relaxed),
         }
     }
+}
+
+/// The node of the `j`-th checkpoint of `locals` (a prompt of `n` full blocks), its prefix
+/// keys extended as far as needed.
+#[inline]
+fn node_at<'a>(
+    nodes: &'a Table<u64, Node>,
+    locals: &[LocalHash],
+    keys: &mut Vec<u64>,
+    j: usize,
+) -> Option<&'a Node> {
+    let i = checkpoint_at(j, locals.len());
+    prefix_keys_extend(locals, keys, i + 1);
+    nodes.get(&keys[i])
 }
 
 /// Checkpoints of a prompt of `n` full blocks.

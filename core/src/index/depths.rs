@@ -209,15 +209,16 @@ impl RankDepths {
     /// Raises the rank of `key` to `depth` blocks when it holds fewer, the blocks added counted
     /// as device blocks (a caller's own evidence of cached blocks); true when it rose. A key
     /// the match does not cover ([`RankDepths::covers`]) is not raised.
+    #[inline]
     pub fn raise(&mut self, key: RankKey, depth: u32) -> bool {
         if !self.covers(key) {
             return false;
         }
         let i = key.id as usize;
-        if i >= self.entries.len() {
+        let Some(&e) = self.entries.get(i) else {
             self.grow(i + 1);
-        }
-        let e = self.entries[i];
+            return self.raise(key, depth);
+        };
         let (tier, blocks) = if self.live(e) {
             ((e >> 32) as u8, e as u32)
         } else {
@@ -227,18 +228,25 @@ impl RankDepths {
             return false;
         }
         let device = StorageTier::Device as u8;
-        self.entries[i] = if tier == device {
-            self.entry(device, depth)
+        if tier == device {
+            self.entries[i] = self.entry(device, depth);
         } else {
-            let mut split = if tier == MIXED {
-                self.split[i]
-            } else {
-                one_tier(tier, blocks)
-            };
-            split[device as usize] += depth - blocks;
-            self.single_or_split(i, split, depth)
-        };
+            self.raise_split(i, tier, blocks, depth);
+        }
         true
+    }
+
+    /// [`RankDepths::raise`] of an entry not all on the device tier.
+    #[cold]
+    fn raise_split(&mut self, i: usize, tier: u8, blocks: u32, depth: u32) {
+        let device = StorageTier::Device as u8;
+        let mut split = if tier == MIXED {
+            self.split[i]
+        } else {
+            one_tier(tier, blocks)
+        };
+        split[device as usize] += depth - blocks;
+        self.entries[i] = self.single_or_split(i, split, depth);
     }
 
     /// The entry for `split` (summing to `blocks`): one tier when only one holds blocks,
