@@ -536,6 +536,9 @@ pub struct ProbeTargets {
     /// Refuse candidates that can no longer win ([`ProbeTargets::pruning`]).
     prune: bool,
     cheapest: f64,
+    /// What a floor must exceed to be refused ([`ProbeTargets::cannot_win`]): `∞` while
+    /// nothing is refused.
+    bar: f64,
     n: usize,
     bounds: [f64; SHARED_PROBES],
     indices: [u32; SHARED_PROBES],
@@ -548,6 +551,7 @@ impl ProbeTargets {
             full_blocks: u64::from(full_blocks),
             prune: false,
             cheapest: f64::INFINITY,
+            bar: f64::INFINITY,
             n: 0,
             bounds: [f64::INFINITY; SHARED_PROBES],
             indices: [0; SHARED_PROBES],
@@ -588,6 +592,9 @@ impl ProbeTargets {
         }
         if c.cost < self.cheapest {
             self.cheapest = c.cost;
+            if self.prune {
+                self.bar = Self::bar_at(c.cost);
+            }
         }
         let room = c.load.prompt_blocks.min(self.full_blocks);
         let bound = c.cost - count_f64(room);
@@ -616,9 +623,16 @@ impl ProbeTargets {
     /// filter falls back to them.
     #[inline(always)]
     pub fn cannot_win(&self, floor: f64) -> bool {
-        // The margin covers the bound's own rounding (a few units in the last place of its
-        // largest term) many times over.
-        self.prune && floor - 1e-9 * floor.abs().max(1.0) > self.cheapest
+        floor > self.bar
+    }
+
+    /// The bar over `cheapest`: a floor above it is above `cheapest` by more than
+    /// 10⁻⁹ · max(|floor|, 1), a margin that covers the bound's own rounding (a few units in
+    /// the last place of its largest term) many times over. (Above `c + 2·10⁻⁹ · max(|c|, 1)`
+    /// a floor f satisfies f − 10⁻⁹ · max(|f|, 1) > c whatever the signs; the bar's own
+    /// rounding is some 10⁻¹⁶ of it.)
+    fn bar_at(cheapest: f64) -> f64 {
+        cheapest + 2e-9 * cheapest.abs().max(1.0)
     }
 
     /// [`ProbeTargets::cannot_win`] for a rank's probe bound itself: its `cost` less its room
@@ -1426,6 +1440,36 @@ mod tests {
         assert!(picked.windows(2).all(|w| w[0] <= w[1]), "{picked:?}");
         picked.dedup();
         assert_eq!(picked, vec![100.0, 101.0, 102.0, 103.0]);
+    }
+
+    /// A floor above the bar over the cheapest cost clears it by the margin, whatever the
+    /// signs and sizes (preferences make costs negative), and the bar refuses nothing while
+    /// pruning is off or before a cost is seen.
+    #[test]
+    fn the_bar_keeps_the_margin() {
+        let mut rng = Rng::new(9);
+        let value = |rng: &mut Rng| {
+            let scale = [1e-3, 0.5, 1.0, 3.0, 1e3, 1e7][rng.below(6) as usize];
+            (rng.unit_f64() * 2.0 - 1.0) * scale
+        };
+        for _ in 0..200_000 {
+            let c = value(&mut rng);
+            let mut t = ProbeTargets::new(64).pruning(true);
+            assert!(!t.cannot_win(f64::MAX));
+            t.offer(0, &scored(0, c, 0, Busy::Free));
+            for f in [
+                value(&mut rng),
+                c + value(&mut rng) * 1e-8,
+                c + 1e-12 * c.abs(),
+            ] {
+                if t.cannot_win(f) {
+                    assert!(f - 1e-9 * f.abs().max(1.0) > c, "{f} against {c}");
+                }
+            }
+            let mut off = ProbeTargets::new(64);
+            off.offer(0, &scored(0, c, 0, Busy::Free));
+            assert!(!off.cannot_win(f64::MAX));
+        }
     }
 
     /// The floor under a rank's probe bound, from its credit alone, is at most the bound that
