@@ -21,7 +21,7 @@
 //! data structure: the router serialises access and decides when the head may go.
 
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
 
 use crate::config::QueueOrder;
@@ -96,14 +96,15 @@ pub struct Waiting<T> {
     pub tokens: u64,
     pub enqueued_at: Instant,
     /// The lane it waits in: requests a scan treats alike share one (the router's lane is
-    /// the request's eligibility). Lanes are counted apart ([`AdmissionQueue::lane_len`]) so
-    /// that a scan can tell when nothing is left to try.
+    /// the request's eligibility). Each lane keeps its own order, so that a scan steps from
+    /// lane head to lane head ([`AdmissionQueue::first_head`]), never over the requests of a
+    /// lane it has given up on.
     pub lane: usize,
     pub item: T,
 }
 
-/// Where a waiting request stands in the release order: a cursor for a scan that takes
-/// requests out as it goes ([`AdmissionQueue::next_after`], [`AdmissionQueue::take`]).
+/// Where a waiting request stands in the release order ([`AdmissionQueue::first_head`],
+/// [`AdmissionQueue::take`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Place(QueueKey);
 
@@ -133,10 +134,10 @@ pub struct AdmissionQueue<T> {
     seq: u64,
     entries: BTreeMap<QueueKey, Waiting<T>>,
     by_id: HashMap<RequestId, QueueKey>,
-    /// Requests waiting, by lane.
-    lanes: Vec<usize>,
-    /// Lanes with a request waiting.
-    nonempty_lanes: usize,
+    /// The places of the requests waiting, by lane.
+    lanes: Vec<BTreeSet<QueueKey>>,
+    /// Each lane with a request waiting, under its first place: release order over lanes.
+    heads: BTreeSet<(QueueKey, usize)>,
 }
 
 impl<T> AdmissionQueue<T> {
@@ -150,7 +151,7 @@ impl<T> AdmissionQueue<T> {
             entries: BTreeMap::new(),
             by_id: HashMap::new(),
             lanes: Vec::new(),
-            nonempty_lanes: 0,
+            heads: BTreeSet::new(),
         }
     }
 
@@ -176,12 +177,12 @@ impl<T> AdmissionQueue<T> {
 
     /// Requests waiting in `lane`.
     pub fn lane_len(&self, lane: usize) -> usize {
-        self.lanes.get(lane).copied().unwrap_or(0)
+        self.lanes.get(lane).map_or(0, BTreeSet::len)
     }
 
     /// Lanes with at least one request waiting.
     pub fn nonempty_lanes(&self) -> usize {
-        self.nonempty_lanes
+        self.heads.len()
     }
 
     /// True when `request` waits.
@@ -206,12 +207,20 @@ impl<T> AdmissionQueue<T> {
         self.seq += 1;
         self.queued_tokens += w.tokens;
         if w.lane >= self.lanes.len() {
-            self.lanes.resize(w.lane + 1, 0);
+            self.lanes.resize_with(w.lane + 1, BTreeSet::new);
         }
-        if self.lanes[w.lane] == 0 {
-            self.nonempty_lanes += 1;
+        let lane = &mut self.lanes[w.lane];
+        match lane.first() {
+            Some(&head) if head < key => {}
+            Some(&head) => {
+                self.heads.remove(&(head, w.lane));
+                self.heads.insert((key, w.lane));
+            }
+            None => {
+                self.heads.insert((key, w.lane));
+            }
         }
-        self.lanes[w.lane] += 1;
+        lane.insert(key);
         self.by_id.insert(w.request, key);
         self.entries.insert(key, w);
         Ok(())
@@ -224,35 +233,35 @@ impl<T> AdmissionQueue<T> {
 
     /// Takes the request that goes next.
     pub fn pop(&mut self) -> Option<Waiting<T>> {
-        let (_, w) = self.entries.pop_first()?;
+        let (key, w) = self.entries.pop_first()?;
         self.by_id.remove(&w.request);
-        self.left(&w);
+        self.left(key, &w);
         Some(w)
     }
 
-    /// The first request after `after` in release order (from the head when `None`).
-    pub fn next_after(&self, after: Option<Place>) -> Option<(Place, &Waiting<T>)> {
-        use std::ops::Bound::{Excluded, Unbounded};
-        let from = after.map_or(Unbounded, |p| Excluded(p.0));
-        self.entries
-            .range((from, Unbounded))
-            .next()
-            .map(|(k, w)| (Place(*k), w))
+    /// The first request in release order among the lanes `skip` does not name: a walk over
+    /// lane heads, so a lane skipped costs one step however many requests wait in it.
+    pub fn first_head(&self, skip: impl Fn(usize) -> bool) -> Option<(Place, &Waiting<T>)> {
+        let &(key, _) = self.heads.iter().find(|&&(_, lane)| !skip(lane))?;
+        Some((Place(key), &self.entries[&key]))
     }
 
     /// Takes the request at `place`, if it still waits there.
     pub fn take(&mut self, place: Place) -> Option<Waiting<T>> {
         let w = self.entries.remove(&place.0)?;
         self.by_id.remove(&w.request);
-        self.left(&w);
+        self.left(place.0, &w);
         Some(w)
     }
 
-    fn left(&mut self, w: &Waiting<T>) {
+    fn left(&mut self, key: QueueKey, w: &Waiting<T>) {
         self.queued_tokens -= w.tokens;
-        self.lanes[w.lane] -= 1;
-        if self.lanes[w.lane] == 0 {
-            self.nonempty_lanes -= 1;
+        let lane = &mut self.lanes[w.lane];
+        lane.remove(&key);
+        if self.heads.remove(&(key, w.lane)) {
+            if let Some(&next) = lane.first() {
+                self.heads.insert((next, w.lane));
+            }
         }
     }
 
@@ -260,7 +269,7 @@ impl<T> AdmissionQueue<T> {
     pub fn remove(&mut self, request: RequestId) -> Option<Waiting<T>> {
         let key = self.by_id.remove(&request)?;
         let w = self.entries.remove(&key)?;
-        self.left(&w);
+        self.left(key, &w);
         Some(w)
     }
 
@@ -318,10 +327,10 @@ mod tests {
         assert_eq!(q.queued_tokens(), 30);
     }
 
-    /// Lanes count their requests through every way in and out, and a cursor walks the
-    /// release order, taking requests as it goes.
+    /// Lanes count their requests through every way in and out, and a walk over lane heads
+    /// that skips a lane never visits its requests.
     #[test]
-    fn lanes_count_and_a_cursor_takes_in_order() {
+    fn lanes_count_and_a_walk_over_heads_takes_in_order() {
         let t0 = Instant::now();
         let mut q = AdmissionQueue::new(QueueOrder::Fcfs, 1_000);
         for id in 1..=7u64 {
@@ -330,28 +339,30 @@ mod tests {
         }
         assert_eq!((q.lane_len(0), q.lane_len(1), q.lane_len(2)), (2, 3, 2));
         assert_eq!((q.nonempty_lanes(), q.lane_len(9)), (3, 0));
-        // Take lane 0's requests (3 and 6) by cursor, leaving the rest in place.
-        let mut cursor = None;
+        // Lane 2 given up on; lanes 0 and 1 taken head by head, in release order.
         let mut seen = Vec::new();
-        while let Some((place, w)) = q.next_after(cursor) {
-            cursor = Some(place);
+        while let Some((place, w)) = q.first_head(|lane| lane == 2) {
             seen.push(w.request.0);
-            if w.lane == 0 {
-                assert!(q.take(place).is_some());
-                assert!(q.take(place).is_none(), "taken once");
-            }
+            assert!(q.take(place).is_some());
+            assert!(q.take(place).is_none(), "taken once");
         }
-        assert_eq!(seen, vec![1, 2, 3, 4, 5, 6, 7]);
-        assert_eq!(ids(&q), vec![1, 2, 4, 5, 7]);
-        assert_eq!((q.lane_len(0), q.nonempty_lanes()), (0, 2));
-        assert_eq!(q.pop().unwrap().request, RequestId(1));
-        assert!(q.remove(RequestId(4)).is_some());
-        assert!(q.remove(RequestId(7)).is_some());
+        assert_eq!(seen, vec![1, 3, 4, 6, 7]);
+        assert_eq!(ids(&q), vec![2, 5]);
         assert_eq!(
-            (q.lane_len(1), q.lane_len(2), q.nonempty_lanes()),
-            (0, 2, 1)
+            (q.lane_len(0), q.lane_len(1), q.nonempty_lanes()),
+            (0, 0, 1)
         );
-        assert_eq!(q.queued_tokens(), 20);
+        // A request that jumps ahead of its lane's head becomes the head.
+        q.push(w(8, 10, t0), order(0, 0.0, 0.5, 10)).unwrap();
+        assert_eq!(q.first_head(|_| false).unwrap().1.request, RequestId(8));
+        assert!(q.first_head(|lane| lane == 2).is_none());
+        assert_eq!(q.pop().unwrap().request, RequestId(8));
+        assert!(q.remove(RequestId(2)).is_some());
+        assert_eq!(q.first_head(|_| false).unwrap().1.request, RequestId(5));
+        assert!(q.remove(RequestId(5)).is_some());
+        assert_eq!((q.lane_len(2), q.nonempty_lanes()), (0, 0));
+        assert_eq!(q.queued_tokens(), 0);
+        assert!(q.first_head(|_| false).is_none());
     }
 
     #[test]

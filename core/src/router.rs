@@ -2302,20 +2302,17 @@ impl Router {
 
     fn release_locked(&self, q: &Queue, st: &mut QueueState, now: Instant) -> usize {
         let mut n = 0;
-        let mut cursor = None;
         // The lanes this pass found waiting; it ends once every lane with a request is one.
+        // Each step tries the first request of the lanes not found waiting: it is either
+        // taken or its lane is, so the pass never steps over a waiting lane's requests.
         st.blocked.clear();
         st.blocked.resize(st.lane_phase.len(), false);
         let mut blocked = 0;
         while blocked < st.queue.nonempty_lanes() {
-            let Some((place, w)) = st.queue.next_after(cursor) else {
+            let Some((place, w)) = st.queue.first_head(|lane| st.blocked[lane]) else {
                 break;
             };
-            cursor = Some(place);
             let lane = w.lane;
-            if st.blocked[lane] {
-                continue;
-            }
             let (phase, whole_phase) = (w.item.eligibility.phase, w.item.eligibility.whole_phase());
             let mut bufs = LabelBufs::default();
             let req = w.item.request(w.request, &mut bufs);
@@ -2342,7 +2339,8 @@ impl Router {
                 Err(e) => Err(e),
             };
             let Some(w) = st.queue.take(place) else {
-                continue;
+                // Not reached: the place was a lane head under this lock.
+                break;
             };
             st.lane_left(w.lane);
             let waited = now.saturating_duration_since(w.enqueued_at);
