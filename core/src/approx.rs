@@ -233,8 +233,9 @@ pub struct ApproxCounts {
 /// What a lookup reports to ([`ApproxCache::lookup_over`]).
 pub trait Overlaps {
     /// `rank`, known to the index as `key`, holds live records of the prompt's first `depth`
-    /// blocks (and of no deeper checkpoint of it).
-    fn raise(&mut self, rank: WorkerRank, key: RankKey, depth: u32);
+    /// blocks (and of no deeper checkpoint of it); true when that raised what the receiver
+    /// knew of the rank.
+    fn raise(&mut self, rank: WorkerRank, key: RankKey, depth: u32) -> bool;
 }
 
 /// The record table (see the module comment).
@@ -372,8 +373,9 @@ impl ApproxCache {
     ) {
         struct Every<F>(F);
         impl<F: FnMut(WorkerRank, u32)> Overlaps for Every<F> {
-            fn raise(&mut self, rank: WorkerRank, _: RankKey, depth: u32) {
-                (self.0)(rank, depth)
+            fn raise(&mut self, rank: WorkerRank, _: RankKey, depth: u32) -> bool {
+                (self.0)(rank, depth);
+                true
             }
         }
         self.lookup_over(locals, keys, now, &mut Every(f));
@@ -381,17 +383,18 @@ impl ApproxCache {
 
     /// [`ApproxCache::lookup`], reporting each rank with its index key: a galloping search
     /// for the deepest node holding anything live, then one read of each distinct node up
-    /// the chain from there (see the module comment).
+    /// the chain from there (see the module comment). True when some report raised what
+    /// `out` knew.
     pub fn lookup_over(
         &self,
         locals: &[LocalHash],
         keys: &mut Vec<u64>,
         now: Instant,
         out: &mut impl Overlaps,
-    ) {
+    ) -> bool {
         let n = locals.len();
         if n == 0 || self.is_empty() {
-            return;
+            return false;
         }
         let now = self.tick(now);
         let mut guard = lock(&self.inner);
@@ -405,7 +408,7 @@ impl ApproxCache {
         let count = checkpoint_count(n);
         let lives = |node: Option<&Node>| node.is_some_and(|x| x.latest > now);
         if !lives(node_at(nodes, locals, keys, 0)) {
-            return;
+            return false;
         }
         // The deepest checkpoint whose node may hold something live: gallop (doubling the
         // depth in blocks, as each probe costs the keys up to it), then bisect.
@@ -439,6 +442,7 @@ impl ApproxCache {
         // the first.
         let mut top = lo;
         let mut first = true;
+        let mut raised = false;
         while let Some(at) = node_at(nodes, locals, keys, top) {
             // Nodes holding what `top` holds form a run ending at `top`: the node above
             // where it starts is read next.
@@ -471,7 +475,9 @@ impl ApproxCache {
                 } else if next.is_some() {
                     slot.seen = stamp;
                 }
-                out.raise(slot.rank, slot.key, depth);
+                if out.raise(slot.rank, slot.key, depth) {
+                    raised = true;
+                }
             }
             match next {
                 Some(j) => top = j,
@@ -479,6 +485,7 @@ impl ApproxCache {
             }
             first = false;
         }
+        raised
     }
 
     /// `rank`'s records stop counting (its worker evicted or cleared blocks).
@@ -928,9 +935,10 @@ mod tests {
         /// Checks each reported key against the model's.
         struct Keys<'a>(&'a Model, &'a mut Vec<(WorkerRank, u32)>);
         impl Overlaps for Keys<'_> {
-            fn raise(&mut self, rank: WorkerRank, key: RankKey, depth: u32) {
+            fn raise(&mut self, rank: WorkerRank, key: RankKey, depth: u32) -> bool {
                 assert_eq!(self.0.ranks[&rank].0, key);
                 self.1.push((rank, depth));
+                true
             }
         }
     }

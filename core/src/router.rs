@@ -743,17 +743,13 @@ struct Scratch {
 
 /// The router's records (approximate mode, speculation) raise a rank's overlap to their
 /// depth, as device blocks; the index's overlap stands where it is deeper.
-struct RaiseToRecords<'a> {
-    depths: &'a mut RankDepths,
-    raised: bool,
-}
-
-impl crate::approx::Overlaps for RaiseToRecords<'_> {
-    fn raise(&mut self, _: WorkerRank, key: RankKey, depth: u32) {
+impl crate::approx::Overlaps for RankDepths {
+    #[inline(always)]
+    fn raise(&mut self, _: WorkerRank, key: RankKey, depth: u32) -> bool {
         // A key given out after the match began raises nothing (`RankDepths::raise`); a
         // retired rank's raise is never read (selection skips retired ranks), and a rank's
         // records leave the table before the index frees its id.
-        self.raised |= self.depths.raise(key, depth);
+        RankDepths::raise(self, key, depth)
     }
 }
 
@@ -1349,13 +1345,11 @@ impl Router {
         // The router's own records (approximate mode, speculation) raise a rank's overlap to
         // their depth, as device blocks; the index's overlap stands where it is deeper.
         if !self.approx.is_empty() && !s.locals.is_empty() {
-            let mut raise = RaiseToRecords {
-                depths: &mut s.depths,
-                raised: false,
-            };
-            self.approx
-                .lookup_over(&s.locals, &mut s.keys, now.get_or(None), &mut raise);
-            if raise.raised {
+            let now = now.get_or(None);
+            if self
+                .approx
+                .lookup_over(&s.locals, &mut s.keys, now, &mut s.depths)
+            {
                 bump(&self.counters.approx_raised);
             }
         }
