@@ -102,28 +102,37 @@ impl Hasher for PassThroughHasher {
 
 type PassThrough = BuildHasherDefault<PassThroughHasher>;
 
-/// The prefix key of each block of `locals`: `k[i] = mix(rot(k[i-1]) ^ Li)` from a constant
-/// `k[-1]`. One multiply per block on the chain: local hashes are already well mixed.
+/// The key before the first block.
+const PREFIX_KEY_SEED: u64 = 0x243f_6a88_85a3_08d3;
+
+/// One step of the prefix key chain: `k[i] = (k[i-1] ^ Li) · M`, M odd. For a given previous
+/// key the step is a bijection of the block's hash, and for a given block a bijection of the
+/// previous key, so two different prefixes share a key only by a 2⁻⁶⁴ accident of their
+/// (already well mixed) local hashes. Its low bits mix poorly: tables hash the keys again.
+/// Two operations on the chain, which a long prompt walks block by block.
+#[inline(always)]
+fn prefix_step(k: u64, l: LocalHash) -> u64 {
+    (k ^ l.0).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// The prefix key of each block of `locals` ([`prefix_step`] from a constant seed).
 /// Replaces `out`'s contents; allocation-free when `out` has the capacity. Internal to the
-/// router (never compared with engine hashes), so it need only be cheap and well mixed.
+/// router (never compared with engine hashes), so it need only be cheap and collision-free.
 pub fn prefix_keys_into(locals: &[LocalHash], out: &mut Vec<u64>) {
     out.clear();
-    let mut k = 0x243f_6a88_85a3_08d3u64;
-    for l in locals {
-        k = mix64(k.rotate_left(23) ^ l.0);
-        out.push(k);
-    }
+    prefix_keys_extend(locals, out, locals.len());
 }
 
 /// Continues `out` (the prefix keys of `locals[..out.len()]`) up to `locals[..upto]`; the
 /// same keys [`prefix_keys_into`] gives.
 pub fn prefix_keys_extend(locals: &[LocalHash], out: &mut Vec<u64>, upto: usize) {
     let upto = upto.min(locals.len());
-    let mut k = out.last().copied().unwrap_or(0x243f_6a88_85a3_08d3u64);
-    for l in &locals[out.len().min(upto)..upto] {
-        k = mix64(k.rotate_left(23) ^ l.0);
-        out.push(k);
-    }
+    let from = out.len().min(upto);
+    let mut k = out.last().copied().unwrap_or(PREFIX_KEY_SEED);
+    out.extend(locals[from..upto].iter().map(|&l| {
+        k = prefix_step(k, l);
+        k
+    }));
 }
 
 /// One output block in [`LoadView::output_decay`]'s fixed point.
@@ -1318,6 +1327,32 @@ mod tests {
         assert_eq!(ledger.purge_worker(WorkerId(1)), 1);
         assert!(a.load().is_idle());
         assert_eq!(b.load().requests, 1);
+    }
+
+    /// Over many prompts branching from shared prefixes (small and structured local hashes
+    /// included), distinct prefixes get distinct keys and equal prefixes equal keys.
+    #[test]
+    fn prefix_keys_tell_prefixes_apart() {
+        let mut rng = crate::rng::Rng::new(3);
+        let mut by_key: HashMap<u64, Vec<u64>> = HashMap::new();
+        for p in 0..2_000u64 {
+            // A branch of one of a few trunks, its hashes random or tiny.
+            let trunk = p % 7;
+            let cut = rng.below(40);
+            let locals: Vec<u64> = (0..80u64)
+                .map(|i| match (i < cut, p % 2) {
+                    (true, _) => trunk * 1_000 + i,
+                    (false, 0) => rng.next_u64(),
+                    (false, _) => rng.below(4),
+                })
+                .collect();
+            for (i, k) in keys(&locals).into_iter().enumerate() {
+                let prefix = locals[..=i].to_vec();
+                let seen = by_key.entry(k).or_insert_with(|| prefix.clone());
+                assert_eq!(*seen, prefix, "two prefixes share key {k:#x}");
+            }
+        }
+        assert!(by_key.len() > 50_000, "{}", by_key.len());
     }
 
     #[test]
