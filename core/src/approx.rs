@@ -107,6 +107,15 @@ struct Node {
 }
 
 impl Node {
+    /// Where `slot`'s holder is (`Ok`) or would go (`Err`), trying `hint` first.
+    #[inline]
+    fn place(&self, slot: u32, hint: usize) -> Result<usize, usize> {
+        match self.holders.get(hint) {
+            Some(h) if h.slot == slot => Ok(hint),
+            _ => self.holders.binary_search_by_key(&slot, |h| h.slot),
+        }
+    }
+
     fn refresh(&mut self) {
         self.fingerprint = self.holders.iter().fold(0, |f, h| f ^ h.fingerprint());
         self.latest = self
@@ -313,10 +322,13 @@ impl ApproxCache {
             expires,
         };
         let (mut written, mut dropped) = (0u64, 0u64);
+        // Nodes along a chain mostly hold the same ranks: the rank's place in one node is
+        // tried first in the next.
+        let mut hint = 0usize;
         for i in checkpoints(keys.len()) {
             let full = inner.records >= self.max_records;
             match inner.nodes.get_mut(&keys[i]) {
-                Some(node) => match node.holders.binary_search_by_key(&slot, |h| h.slot) {
+                Some(node) => match node.place(slot, hint) {
                     Ok(p) => {
                         let h = &mut node.holders[p];
                         let new = if h.generation == generation {
@@ -331,9 +343,11 @@ impl ApproxCache {
                         node.latest = node.latest.max(new.expires);
                         *h = new;
                         written += 1;
+                        hint = p;
                     }
                     Err(_) if full => dropped += 1,
                     Err(p) => {
+                        hint = p;
                         node.holders.insert(p, fresh);
                         node.fingerprint ^= fresh.fingerprint();
                         node.latest = node.latest.max(expires);
