@@ -2,7 +2,7 @@
 //! mode), and, optionally and briefly, for workers that do (speculative records).
 //!
 //! ```text
-//!   route ──booked on rank r──▶ record(prefix keys of the prompt, r, now + TTL)
+//!   route ──booked on rank r──▶ record(checkpoint keys of the prompt, r, now + TTL)
 //!   route ──match──▶ index overlap per rank ──max──▶ overlap the selector sees
 //!                         record depth per rank ─┘        (records count as device blocks)
 //!   Removed / Cleared event from r ──▶ r's records from before it stop counting
@@ -18,22 +18,23 @@
 //! from the worker retires its records at once (a per-rank generation), so speculation never
 //! claims blocks the worker said it dropped.
 //!
-//! **Structure.** One table from a block's prefix key to a *node*: the ranks holding a record
-//! of that prefix (each with its expiry and generation, sorted by rank slot), the XOR of their
-//! fingerprints, and the latest expiry among them. Prefix keys are the router's chained keys
-//! of the prompt's blocks ([`crate::load::prefix_keys_into`]): equal keys mean equal prefixes.
-//! To keep a long prompt's record cheap, only *checkpoint* blocks are written: the first
-//! [`DENSE_BLOCKS`], then every [`STRIDE`]-th, and the last; a depth is therefore exact up to
-//! [`DENSE_BLOCKS`] and otherwise found to within [`STRIDE`] − 1 blocks below the truth
-//! (never above).
+//! **Structure.** To keep a long prompt's record cheap, only *checkpoint* blocks are written:
+//! the first [`DENSE_BLOCKS`], then every [`STRIDE`]-th, and the last; a depth is therefore
+//! exact up to [`DENSE_BLOCKS`] and otherwise found to within [`STRIDE`] − 1 blocks below the
+//! truth (never above). One table maps a checkpoint's key to a *node*: the ranks holding a
+//! record of that prefix (each with its expiry and generation, sorted by rank slot), the XOR
+//! of their fingerprints, and the latest expiry among them. A checkpoint's key
+//! ([`checkpoint_keys_extend`]) chains the previous checkpoint's with the blocks in between:
+//! equal keys mean equal prefixes, and a long prompt's keys cost a chained step per
+//! checkpoint, its blocks digested four at a time.
 //!
 //! A route records the whole chain with one expiry, and a key already held keeps the later of
 //! its two expiries. So along any chain the nodes *nest*: a rank held at a deeper checkpoint is
 //! held at every shallower one, with an expiry at least as late and a generation at least as
 //! new. Two consequences make a search cheap whatever the number of ranks:
 //! - a node holding anything live has a parent holding something live, so the query's deepest
-//!   live node is found by a galloping search over its checkpoints, computing its prefix keys
-//!   only as far as it looks;
+//!   live node is found by a galloping search over its checkpoints, computing its keys only
+//!   as far as it looks;
 //! - the nodes of a query's chain that hold exactly what the deepest holds form a run ending
 //!   there, found by bisection on the fingerprint; only where the holders change (ranks whose
 //!   records stop shallower) is another node read.
@@ -55,7 +56,6 @@ use std::time::Instant;
 use crate::event::{WorkerId, WorkerRank};
 use crate::hash::LocalHash;
 use crate::index::RankKey;
-use crate::load::prefix_keys_extend;
 use crate::rng::mix64;
 
 /// Blocks recorded one by one at the start of a prompt.
@@ -64,12 +64,13 @@ pub const DENSE_BLOCKS: usize = 16;
 pub const STRIDE: usize = 16;
 
 /// Whether block `i` of a prompt of `n` full blocks is a checkpoint.
-#[inline]
+#[cfg(test)]
 fn is_checkpoint(i: usize, n: usize) -> bool {
     i < DENSE_BLOCKS || (i + 1) % STRIDE == 0 || i + 1 == n
 }
 
 /// The checkpoint positions of a prompt of `n` full blocks, in order.
+#[cfg(test)]
 fn checkpoints(n: usize) -> impl Iterator<Item = usize> + Clone {
     let dense = 0..n.min(DENSE_BLOCKS);
     let strided = (DENSE_BLOCKS..n).filter(move |&i| is_checkpoint(i, n));
@@ -294,19 +295,19 @@ impl ApproxCache {
         self.len.load(Ordering::Relaxed) == 0
     }
 
-    /// Records that `rank`, known to the index as `key`, caches the prompt whose full blocks
-    /// have prefix keys `keys`, until `expires`. `serving` is asked under the table's lock:
+    /// Records that `rank`, known to the index as `key`, caches the prompt whose checkpoint
+    /// keys ([`checkpoint_keys_extend`], all of them) are `marks`, until `expires`. `serving` is asked under the table's lock:
     /// when it says the rank is leaving, nothing is written (its records may already have been
     /// removed, and must not come back).
     pub fn record(
         &self,
-        keys: &[u64],
+        marks: &[u64],
         rank: WorkerRank,
         key: RankKey,
         expires: Instant,
         serving: impl FnOnce() -> bool,
     ) {
-        if keys.is_empty() {
+        if marks.is_empty() {
             return;
         }
         let expires = self.tick(expires);
@@ -325,9 +326,9 @@ impl ApproxCache {
         // Nodes along a chain mostly hold the same ranks: the rank's place in one node is
         // tried first in the next.
         let mut hint = 0usize;
-        for i in checkpoints(keys.len()) {
+        for &mark in marks {
             let full = inner.records >= self.max_records;
-            match inner.nodes.get_mut(&keys[i]) {
+            match inner.nodes.get_mut(&mark) {
                 Some(node) => match node.place(slot, hint) {
                     Ok(p) => {
                         let h = &mut node.holders[p];
@@ -358,7 +359,7 @@ impl ApproxCache {
                 None if full => dropped += 1,
                 None => {
                     inner.nodes.insert(
-                        keys[i],
+                        mark,
                         Node {
                             holders: vec![fresh],
                             fingerprint: fresh.fingerprint(),
@@ -376,12 +377,13 @@ impl ApproxCache {
     }
 
     /// For every rank with live records of the prompt whose full blocks hash to `locals`,
-    /// calls `f(rank, blocks)` with the depth of its longest live record. `keys` holds the
-    /// prompt's prefix keys computed so far and is extended only as far as the search looks.
+    /// calls `f(rank, blocks)` with the depth of its longest live record. `marks` holds the
+    /// prompt's checkpoint keys computed so far ([`checkpoint_keys_extend`]) and is extended
+    /// only as far as the search looks.
     pub fn lookup(
         &self,
         locals: &[LocalHash],
-        keys: &mut Vec<u64>,
+        marks: &mut Vec<u64>,
         now: Instant,
         f: impl FnMut(WorkerRank, u32),
     ) {
@@ -392,7 +394,7 @@ impl ApproxCache {
                 true
             }
         }
-        self.lookup_over(locals, keys, now, &mut Every(f));
+        self.lookup_over(locals, marks, now, &mut Every(f));
     }
 
     /// [`ApproxCache::lookup`], reporting each rank with its index key: a galloping search
@@ -402,7 +404,7 @@ impl ApproxCache {
     pub fn lookup_over(
         &self,
         locals: &[LocalHash],
-        keys: &mut Vec<u64>,
+        marks: &mut Vec<u64>,
         now: Instant,
         out: &mut impl Overlaps,
     ) -> bool {
@@ -421,7 +423,7 @@ impl ApproxCache {
         let nodes = &*nodes;
         let count = checkpoint_count(n);
         let lives = |node: Option<&Node>| node.is_some_and(|x| x.latest > now);
-        if !lives(node_at(nodes, locals, keys, 0)) {
+        if !lives(node_at(nodes, locals, marks, 0)) {
             return false;
         }
         // The deepest checkpoint whose node may hold something live: gallop (doubling the
@@ -432,14 +434,14 @@ impl ApproxCache {
             if probe >= count {
                 break count;
             }
-            if !lives(node_at(nodes, locals, keys, probe)) {
+            if !lives(node_at(nodes, locals, marks, probe)) {
                 break probe;
             }
             lo = probe;
         };
         while hi - lo > 1 {
             let mid = lo + (hi - lo) / 2;
-            if lives(node_at(nodes, locals, keys, mid)) {
+            if lives(node_at(nodes, locals, marks, mid)) {
                 lo = mid;
             } else {
                 hi = mid;
@@ -457,17 +459,17 @@ impl ApproxCache {
         let mut top = lo;
         let mut first = true;
         let mut raised = false;
-        while let Some(at) = node_at(nodes, locals, keys, top) {
+        while let Some(at) = node_at(nodes, locals, marks, top) {
             // Nodes holding what `top` holds form a run ending at `top`: the node above
             // where it starts is read next.
             let same = |x: Option<&Node>| x.is_some_and(|x| x.fingerprint == at.fingerprint);
-            let next = if top == 0 || same(node_at(nodes, locals, keys, 0)) {
+            let next = if top == 0 || same(node_at(nodes, locals, marks, 0)) {
                 None
             } else {
                 let (mut differs, mut equal) = (0usize, top);
                 while equal - differs > 1 {
                     let mid = differs + (equal - differs) / 2;
-                    if same(node_at(nodes, locals, keys, mid)) {
+                    if same(node_at(nodes, locals, marks, mid)) {
                         equal = mid;
                     } else {
                         differs = mid;
@@ -568,18 +570,70 @@ impl ApproxCache {
     }
 }
 
-/// The node of the `j`-th checkpoint of `locals` (a prompt of `n` full blocks), its prefix
-/// keys extended as far as needed.
+/// The node of the `j`-th checkpoint of the prompt `locals`, its checkpoint keys extended as
+/// far as needed.
 #[inline]
 fn node_at<'a>(
     nodes: &'a Table<u64, Node>,
     locals: &[LocalHash],
-    keys: &mut Vec<u64>,
+    marks: &mut Vec<u64>,
     j: usize,
 ) -> Option<&'a Node> {
-    let i = checkpoint_at(j, locals.len());
-    prefix_keys_extend(locals, keys, i + 1);
-    nodes.get(&keys[i])
+    checkpoint_keys_extend(locals, marks, j + 1);
+    nodes.get(&marks[j])
+}
+
+/// The key before a prompt's first checkpoint.
+const MARK_SEED: u64 = 0x243f_6a88_85a3_08d3;
+
+/// One step of a key chain: `(k ^ x) · M`, M odd; for a given `k` a bijection of `x` and for
+/// a given `x` a bijection of `k` (see [`crate::load::prefix_keys_into`]).
+#[inline(always)]
+fn chain(k: u64, x: u64) -> u64 {
+    (k ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// A digest of the local hashes of a run of blocks, in four independent chains (a block's
+/// chain is its position in the run mod 4) folded together: a multiply per block, four at a
+/// time, where one chain over the run would wait on each multiply in turn.
+#[inline]
+fn digest(run: &[LocalHash]) -> u64 {
+    const SEEDS: [u64; 4] = [
+        0x1319_8a2e_0370_7344,
+        0xa409_3822_299f_31d0,
+        0x082e_fa98_ec4e_6c89,
+        0x4528_21e6_38d0_1377,
+    ];
+    let mut lanes = SEEDS;
+    for four in run.chunks(4) {
+        for (lane, l) in lanes.iter_mut().zip(four) {
+            *lane = chain(*lane, l.0);
+        }
+    }
+    lanes[0] ^ lanes[1].rotate_left(16) ^ lanes[2].rotate_left(32) ^ lanes[3].rotate_left(48)
+}
+
+/// Continues `marks` (the checkpoint keys of the prompt `locals`, in checkpoint order) up to
+/// checkpoint `upto` (exclusive; at most the prompt's checkpoints). The key of a checkpoint
+/// chains the previous one with its run of blocks: the block itself in the dense part, a
+/// [`digest`] of the blocks since the previous checkpoint past it. It names the prefix up to
+/// that block: two prompts share it exactly when they share the prefix (a 2⁻⁶⁴ accident
+/// aside), whatever their lengths, as the runs before a prompt's last block do not depend on
+/// its length.
+pub fn checkpoint_keys_extend(locals: &[LocalHash], marks: &mut Vec<u64>, upto: usize) {
+    let n = locals.len();
+    let upto = upto.min(checkpoint_count(n));
+    let mut k = marks.last().copied().unwrap_or(MARK_SEED);
+    for j in marks.len()..upto {
+        let end = checkpoint_at(j, n);
+        k = if j < DENSE_BLOCKS {
+            chain(k, locals[end].0)
+        } else {
+            let start = checkpoint_at(j - 1, n) + 1;
+            chain(k, digest(&locals[start..=end]))
+        };
+        marks.push(k);
+    }
 }
 
 /// Checkpoints of a prompt of `n` full blocks.
@@ -635,9 +689,10 @@ mod tests {
             .collect()
     }
 
-    fn keys_of(locals: &[LocalHash]) -> Vec<u64> {
+    /// All the checkpoint keys of a prompt.
+    fn marks_of(locals: &[LocalHash]) -> Vec<u64> {
         let mut k = Vec::new();
-        crate::load::prefix_keys_into(locals, &mut k);
+        checkpoint_keys_extend(locals, &mut k, usize::MAX);
         k
     }
 
@@ -649,8 +704,8 @@ mod tests {
         }
     }
 
-    fn rec(c: &ApproxCache, keys: &[u64], r: WorkerRank, until: Instant) {
-        c.record(keys, r, key_of(r), until, || true);
+    fn rec(c: &ApproxCache, marks: &[u64], r: WorkerRank, until: Instant) {
+        c.record(marks, r, key_of(r), until, || true);
     }
 
     /// `lookup` from scratch keys (as a route starts with few).
@@ -687,16 +742,45 @@ mod tests {
         }
     }
 
+    /// A checkpoint's key names the prefix up to it, whatever the prompt's length: a prefix
+    /// of a prompt has the prompt's keys at the checkpoints they share, and a different
+    /// block anywhere before a checkpoint changes its key.
+    #[test]
+    fn checkpoint_keys_name_prefixes_at_any_length() {
+        let a = locals(1, 300);
+        let all = marks_of(&a);
+        for n in 1..=a.len() {
+            let part = marks_of(&a[..n]);
+            assert_eq!(part.len(), checkpoint_count(n));
+            for (j, &k) in part.iter().enumerate() {
+                let i = checkpoint_at(j, n);
+                match (0..all.len()).find(|&jj| checkpoint_at(jj, a.len()) == i) {
+                    // The same block is a checkpoint of both: the same prefix, the same key.
+                    Some(jj) => assert_eq!(k, all[jj], "n = {n}, block {i}"),
+                    // The prefix's own last checkpoint: a prefix no checkpoint of `a` ends at.
+                    None => assert!(!all.contains(&k), "n = {n}, block {i}"),
+                }
+            }
+            // One block changed: every key from its checkpoint on changes.
+            let mut b = a[..n].to_vec();
+            let at = (n * 37 + 11) % n;
+            b[at] = LocalHash(b[at].0 ^ 1);
+            let changed = marks_of(&b);
+            for (j, (&x, &y)) in part.iter().zip(&changed).enumerate() {
+                assert_eq!(x == y, checkpoint_at(j, n) < at, "n = {n}, changed {at}");
+            }
+        }
+    }
+
     #[test]
     fn depth_is_exact_when_dense_and_never_above_the_truth() {
         let c = ApproxCache::new(1 << 20);
         let t0 = Instant::now();
         let r = WorkerRank::new(1, 0);
         let a = locals(1, 100);
-        let ka = keys_of(&a);
-        rec(&c, &ka[..10], r, t0 + Duration::from_secs(5));
+        rec(&c, &marks_of(&a[..10]), r, t0 + Duration::from_secs(5));
         assert_eq!(look(&c, &a, t0), vec![(r, 10)]);
-        rec(&c, &ka, r, t0 + Duration::from_secs(5));
+        rec(&c, &marks_of(&a), r, t0 + Duration::from_secs(5));
         assert_eq!(
             look(&c, &a, t0),
             vec![(r, 100)],
@@ -724,7 +808,7 @@ mod tests {
         let a = locals(1, 512);
         rec(
             &c,
-            &keys_of(&a[..3]),
+            &marks_of(&a[..3]),
             WorkerRank::new(1, 0),
             t0 + Duration::from_secs(5),
         );
@@ -737,7 +821,7 @@ mod tests {
         c.lookup(&a, &mut keys, t0, |_, d| depth = d);
         assert_eq!(depth, 3);
         assert!(keys.len() <= 5, "{}", keys.len());
-        assert_eq!(keys, keys_of(&a[..keys.len()]));
+        assert_eq!(keys, marks_of(&a)[..keys.len()]);
     }
 
     /// Ranks searched one after another, most at one depth and some deeper or shallower (the
@@ -747,7 +831,6 @@ mod tests {
         let t0 = Instant::now();
         let until = t0 + Duration::from_secs(5);
         let a = locals(3, 300);
-        let ka = keys_of(&a);
         let depths = [
             30usize, 30, 30, 100, 30, 7, 30, 300, 31, 16, 17, 1, 299, 30, 64, 63, 65,
         ];
@@ -755,9 +838,9 @@ mod tests {
         let mut want = Vec::new();
         for (w, &d) in depths.iter().enumerate() {
             let r = WorkerRank::new(w as u64, 0);
-            rec(&all, &ka[..d], r, until);
+            rec(&all, &marks_of(&a[..d]), r, until);
             let alone = ApproxCache::new(1 << 20);
-            rec(&alone, &ka[..d], r, until);
+            rec(&alone, &marks_of(&a[..d]), r, until);
             want.extend(look(&alone, &a, t0));
         }
         want.sort();
@@ -772,9 +855,8 @@ mod tests {
         let t0 = Instant::now();
         let r = WorkerRank::new(1, 0);
         let a = locals(1, 40);
-        let ka = keys_of(&a);
-        rec(&c, &ka, r, t0 + Duration::from_secs(2));
-        rec(&c, &ka[..8], r, t0 + Duration::from_secs(10));
+        rec(&c, &marks_of(&a), r, t0 + Duration::from_secs(2));
+        rec(&c, &marks_of(&a[..8]), r, t0 + Duration::from_secs(10));
         let depth = |at: Instant| look(&c, &a, at).first().map_or(0, |x| x.1);
         assert_eq!(depth(t0 + Duration::from_millis(1999)), 40);
         assert_eq!(depth(t0 + Duration::from_secs(2)), 8);
@@ -792,12 +874,11 @@ mod tests {
         let t0 = Instant::now();
         let (r1, r2) = (WorkerRank::new(1, 0), WorkerRank::new(2, 0));
         let a = locals(1, 20);
-        let ka = keys_of(&a);
-        rec(&c, &ka, r1, t0 + Duration::from_secs(5));
-        rec(&c, &ka, r2, t0 + Duration::from_secs(5));
+        rec(&c, &marks_of(&a), r1, t0 + Duration::from_secs(5));
+        rec(&c, &marks_of(&a), r2, t0 + Duration::from_secs(5));
         c.retire_rank(r1);
         assert_eq!(look(&c, &a, t0), vec![(r2, 20)]);
-        rec(&c, &ka[..5], r1, t0 + Duration::from_secs(5));
+        rec(&c, &marks_of(&a[..5]), r1, t0 + Duration::from_secs(5));
         assert_eq!(look(&c, &a, t0), vec![(r1, 5), (r2, 20)]);
         // 17 checkpoints each (blocks 0-15, 19); rank 1 refreshed 5 of its own.
         assert_eq!(c.sweep(t0), 12, "the retired epoch's tail");
@@ -812,7 +893,7 @@ mod tests {
         let c = ApproxCache::new(1 << 20);
         let t0 = Instant::now();
         let r = WorkerRank::new(1, 0);
-        let k = keys_of(&locals(1, 20));
+        let k = marks_of(&locals(1, 20));
         c.record(&k, r, key_of(r), t0 + Duration::from_secs(1), || false);
         assert!(c.is_empty());
         assert_eq!(c.counts().written, 0);
@@ -822,7 +903,7 @@ mod tests {
     fn the_cap_drops_and_counts() {
         let c = ApproxCache::new(10);
         let t0 = Instant::now();
-        let k = keys_of(&locals(1, 14));
+        let k = marks_of(&locals(1, 14));
         rec(&c, &k, WorkerRank::new(1, 0), t0 + Duration::from_secs(1));
         let n = c.counts();
         assert_eq!((n.records, n.written, n.dropped), (10, 10, 4));
@@ -870,7 +951,7 @@ mod tests {
                 match rng.below(20) {
                     0..=9 => {
                         let p = prompt(&mut rng);
-                        let keys = keys_of(&p);
+                        let marks = marks_of(&p);
                         let until = ms(rng.below(100));
                         let key = RankKey {
                             id: r.worker.0 as u32 * 2 + r.dp_rank.0,
@@ -883,9 +964,9 @@ mod tests {
                             entry.1 += 1;
                         }
                         let (key, generation) = (entry.0, entry.1);
-                        c.record(&keys, r, key, until, || true);
-                        for i in checkpoints(keys.len()) {
-                            let e = entry.2.entry(keys[i]).or_insert((generation, until));
+                        c.record(&marks, r, key, until, || true);
+                        for &mark in &marks {
+                            let e = entry.2.entry(mark).or_insert((generation, until));
                             *e = if e.0 == generation {
                                 (generation, e.1.max(until))
                             } else {
@@ -919,15 +1000,15 @@ mod tests {
                     _ => {
                         let q = prompt(&mut rng);
                         let now = ms(rng.below(100));
-                        let kq = keys_of(&q);
+                        let kq = marks_of(&q);
                         let mut want = Vec::new();
                         for (&rank, (_, generation, recs)) in &m.ranks {
                             let deepest = (0..checkpoint_count(q.len()))
-                                .map(|j| checkpoint_at(j, q.len()))
-                                .filter(|&i| {
-                                    recs.get(&kq[i])
+                                .filter(|&j| {
+                                    recs.get(&kq[j])
                                         .is_some_and(|&(g, t)| g == *generation && t > now)
                                 })
+                                .map(|j| checkpoint_at(j, q.len()))
                                 .max();
                             if let Some(i) = deepest {
                                 want.push((rank, i as u32 + 1));
@@ -969,12 +1050,12 @@ mod tests {
         for w in 0..256u64 {
             let mut p = system.clone();
             p.extend(locals(100 + w, 64));
-            rec(&c, &keys_of(&p), WorkerRank::new(w, 0), until);
+            rec(&c, &marks_of(&p), WorkerRank::new(w, 0), until);
         }
         // Two ranks hold shallower records only: of 20 blocks (the query sees its first 16,
         // the checkpoints they share), and of 3.
-        rec(&c, &keys_of(&system[..20]), WorkerRank::new(300, 0), until);
-        rec(&c, &keys_of(&system[..3]), WorkerRank::new(301, 0), until);
+        rec(&c, &marks_of(&system[..20]), WorkerRank::new(300, 0), until);
+        rec(&c, &marks_of(&system[..3]), WorkerRank::new(301, 0), until);
         let mut q = system.clone();
         q.extend(locals(7, 448));
         let mut keys = Vec::new();
@@ -984,7 +1065,8 @@ mod tests {
         let mut want: Vec<(u64, u32)> = (0..256).map(|w| (w, 64)).collect();
         want.extend([(300, 16), (301, 3)]);
         assert_eq!(got, want);
-        // The gallop doubles the depth in blocks: it stops at the first checkpoint past 128.
-        assert!(keys.len() <= 128, "{}", keys.len());
+        // The gallop doubles the depth in blocks: it stops at the first checkpoint past 127
+        // (the 23rd).
+        assert!(keys.len() <= 23, "{}", keys.len());
     }
 }

@@ -60,7 +60,7 @@ use hdrhistogram::Histogram;
 
 use crossbeam_utils::CachePadded;
 
-use crate::approx::{ApproxCache, ApproxCounts};
+use crate::approx::{checkpoint_keys_extend, ApproxCache, ApproxCounts};
 use crate::config::{
     ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Speculative, Timing, WarmUp,
 };
@@ -70,8 +70,8 @@ use crate::health::Health;
 use crate::index::{IndexError, IndexReader, MatchOptions, PrefixIndex, RankDepths, RankKey};
 pub use crate::load::Dispatch;
 use crate::load::{
-    prefix_keys_extend, prefix_keys_into, BookingSpec, Freed, Generated, Ledger, LedgerCounts,
-    LoadError, LoadView, RankState, RequestId, Step,
+    prefix_keys_into, BookingSpec, Freed, Generated, Ledger, LedgerCounts, LoadError, LoadView,
+    RankState, RequestId, Step,
 };
 use crate::queue::{AdmissionQueue, OrderInput, PriorityClass, Refused, Waiting};
 use crate::registry::{
@@ -729,7 +729,10 @@ fn bump(c: &AtomicU64) {
 #[derive(Default)]
 struct Scratch {
     locals: Vec<LocalHash>,
+    /// Prefix keys of the blocks the policy keys on.
     keys: Vec<u64>,
+    /// Checkpoint keys for the router's records, computed as far as they are looked at.
+    marks: Vec<u64>,
     /// The match, by the index's rank ids.
     depths: RankDepths,
     candidates: Vec<Scored>,
@@ -1320,6 +1323,7 @@ impl Router {
         hasher.local_hashes_into(req.tokens, &mut s.locals);
         let keyed = self.prefix_key_blocks().min(s.locals.len());
         prefix_keys_into(&s.locals[..keyed], &mut s.keys);
+        s.marks.clear();
         let t1 = timing.then(Instant::now);
 
         // 2. Match, by the index's rank ids; each fleet rank reads its own (`rank_depth`).
@@ -1348,7 +1352,7 @@ impl Router {
             let now = now.get_or(None);
             if self
                 .approx
-                .lookup_over(&s.locals, &mut s.keys, now, &mut s.depths)
+                .lookup_over(&s.locals, &mut s.marks, now, &mut s.depths)
             {
                 bump(&self.counters.approx_raised);
             }
@@ -1681,15 +1685,11 @@ impl Router {
                 };
                 let entry = &fleet.ranks[chosen.fleet_index];
                 if let (Some(ttl), Some(key)) = (record_ttl, entry.index_key) {
-                    let full = s.locals.len();
-                    prefix_keys_extend(&s.locals, &mut s.keys, full);
-                    self.approx.record(
-                        &s.keys[..full],
-                        chosen.rank,
-                        key,
-                        now.get_or(t3) + ttl,
-                        || !entry.state.is_retired(),
-                    );
+                    checkpoint_keys_extend(&s.locals, &mut s.marks, usize::MAX);
+                    self.approx
+                        .record(&s.marks, chosen.rank, key, now.get_or(t3) + ttl, || {
+                            !entry.state.is_retired()
+                        });
                 }
                 if let Some(sid) = hints.session {
                     self.sessions.record(
