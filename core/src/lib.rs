@@ -66,8 +66,8 @@ pub use event::{
 };
 pub use hash::{LocalHash, SeqHash};
 pub use index::{
-    Depth, IndexConfig, IndexError, IndexReader, IndexStats, MatchOptions, OverlapScores,
-    PrefixIndex, RankDepths, RankKey, RankScore,
+    ApplyEvents, Depth, IndexConfig, IndexError, IndexReader, IndexStats, MatchOptions,
+    OverlapScores, PrefixIndex, RankDepths, RankKey, RankScore,
 };
 pub use load::{LoadView, RequestId};
 pub use registry::{WorkerConfig, WorkerRole};

@@ -64,7 +64,10 @@ use crate::approx::{checkpoint_keys_extend, ApproxCache, ApproxCounts};
 use crate::config::{
     ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Speculative, Timing, WarmUp,
 };
-use crate::event::{DpRank, KvEvent, KvEventData, StorageTier, WorkerId, WorkerRank};
+use crate::event::{
+    BlockHash, DpRank, EventHeader, KvEvent, KvEventData, StorageTier, StoredBlock, WorkerId,
+    WorkerRank,
+};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
 use crate::health::Health;
 use crate::index::{IndexError, IndexReader, MatchOptions, PrefixIndex, RankDepths, RankKey};
@@ -207,6 +210,64 @@ pub enum EventSeen {
     Stored { blocks: u64 },
     Removed { blocks: u64 },
     Cleared,
+}
+
+/// KV events into a router's index, each noted ([`Router::event_writer`]).
+pub struct EventWriter<'a> {
+    index: MutexGuard<'a, PrefixIndex>,
+    router: &'a Router,
+}
+
+impl std::fmt::Debug for EventWriter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventWriter").finish_non_exhaustive()
+    }
+}
+
+impl EventWriter<'_> {
+    fn noted(
+        &self,
+        header: EventHeader,
+        seen: EventSeen,
+        applied: Result<(), IndexError>,
+    ) -> Result<(), IndexError> {
+        if applied.is_ok() {
+            self.router.note_event(header.source, header.tier, seen);
+        }
+        applied
+    }
+}
+
+impl crate::index::ApplyEvents for EventWriter<'_> {
+    fn apply_stored(
+        &mut self,
+        header: EventHeader,
+        parent: Option<BlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        let applied = self.index.apply_stored(header, parent, blocks);
+        let seen = EventSeen::Stored {
+            blocks: blocks.len() as u64,
+        };
+        self.noted(header, seen, applied)
+    }
+
+    fn apply_removed(
+        &mut self,
+        header: EventHeader,
+        blocks: &[BlockHash],
+    ) -> Result<(), IndexError> {
+        let applied = self.index.apply_removed(header, blocks);
+        let seen = EventSeen::Removed {
+            blocks: blocks.len() as u64,
+        };
+        self.noted(header, seen, applied)
+    }
+
+    fn apply_cleared(&mut self, header: EventHeader) -> Result<(), IndexError> {
+        let applied = self.index.apply_cleared(header);
+        self.noted(header, EventSeen::Cleared, applied)
+    }
 }
 
 /// A worker label, `key=value`, as a request names it.
@@ -893,6 +954,17 @@ impl Router {
             self.note_event(event.header.source, event.header.tier, seen);
         }
         applied
+    }
+
+    /// A writer of KV events into the router's index for an ingest path that decodes them
+    /// itself (the transport's): each event it applies is noted as [`Router::apply_event`]
+    /// notes it. It holds the index's lock while it lives: keep it for a batch, not longer
+    /// (joins and leaves wait on it; routes do not).
+    pub fn event_writer(&self) -> EventWriter<'_> {
+        EventWriter {
+            index: lock(&self.index),
+            router: self,
+        }
     }
 
     /// Tells the router of a KV event applied to the index elsewhere (an ingest path that
@@ -5093,6 +5165,59 @@ mod approx_tests {
         assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 8);
         r.note_event(w1, StorageTier::Device, EventSeen::Removed { blocks: 3 });
         assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 5);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 0);
+    }
+
+    /// Events written through the router's event writer (as an ingest path writes them)
+    /// reach the index and are noted: stored blocks feed warm-up's measure, an eviction
+    /// retires speculation, and a rejected event is noted not at all.
+    #[test]
+    fn the_event_writer_applies_and_notes() {
+        use crate::index::ApplyEvents;
+        let r = router(Speculative::On {
+            ttl: Duration::from_secs(5),
+        });
+        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+        let t0 = Instant::now();
+        let p = prompt(128);
+        let w1 = WorkerRank::new(1, 0);
+        pinned(&r, 1, &p, 1, t0);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 8);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&p);
+        let blocks: Vec<StoredBlock> = locals[..4]
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(i as u64 + 1),
+                local_hash: *h,
+            })
+            .collect();
+        let header = |id: u64| EventHeader {
+            source: w1,
+            event_id: EventId(id),
+            tier: StorageTier::Device,
+        };
+        {
+            let mut w = r.event_writer();
+            w.apply_stored(header(0), None, &blocks).unwrap();
+            let unknown = EventHeader {
+                source: WorkerRank::new(9, 0),
+                ..header(1)
+            };
+            assert!(w.apply_removed(unknown, &[BlockHash(1)]).is_err());
+        }
+        assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 4);
+        assert_eq!(overlap_on(&r, &p, w1, t0), 8, "the record is still deeper");
+        r.event_writer()
+            .apply_removed(header(1), &[BlockHash(4)])
+            .unwrap();
+        assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 3);
+        assert_eq!(
+            overlap_on(&r, &p, w1, t0),
+            3,
+            "the eviction retired the record"
+        );
+        r.event_writer().apply_cleared(header(2)).unwrap();
         assert_eq!(overlap_on(&r, &p, w1, t0), 0);
     }
 

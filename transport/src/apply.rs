@@ -1,9 +1,13 @@
 //! Applying received KV events to the prefix index straight from their archived form.
 //!
 //! ```text
-//!  Frame payload (Bytes) ──validate──▶ &ArchivedKvEventBatch ──per event──▶ PrefixIndex
+//!  Frame payload (Bytes) ──validate──▶ &ArchivedKvEventBatch ──per event──▶ ApplyEvents
 //!                                        events[i].data.blocks ──copy──▶ scratch Vec<StoredBlock>
 //! ```
+//!
+//! Events go to anything that applies them ([`ApplyEvents`]): a [`PrefixIndex`] of the
+//! caller's, or a router's event writer (`Router::event_writer`), which also notes each event
+//! for the router's own bookkeeping (speculative records, warm-up).
 //!
 //! No owned event is built: each event's header is read from the archive, and its blocks are
 //! copied into one scratch vector that lives as long as the [`BatchApplier`] and is reused by
@@ -16,8 +20,8 @@
 //! is kept, and the rest of the batch is applied.
 
 use kvroute_core::{
-    BlockHash, DpRank, EventHeader, EventId, IndexError, LocalHash, PrefixIndex, StoredBlock,
-    WorkerId, WorkerRank,
+    ApplyEvents, BlockHash, DpRank, EventHeader, EventId, IndexError, LocalHash, PrefixIndex,
+    StoredBlock, WorkerId, WorkerRank,
 };
 use rkyv::option::ArchivedOption;
 
@@ -68,7 +72,7 @@ impl BatchApplier {
     /// `Hello` checks that they agree before calling this.
     pub fn apply_batch(
         &mut self,
-        index: &mut PrefixIndex,
+        index: &mut impl ApplyEvents,
         batch: &ArchivedKvEventBatch,
     ) -> BatchOutcome {
         self.apply_events(index, WorkerId(batch.worker_id.to_native()), &batch.events)
@@ -77,7 +81,7 @@ impl BatchApplier {
     /// Applies the events of a recovery reply (a replay, or a snapshot: Cleared, then Stored).
     pub fn apply_recovery(
         &mut self,
-        index: &mut PrefixIndex,
+        index: &mut impl ApplyEvents,
         reply: &ArchivedRecoveryReply,
     ) -> BatchOutcome {
         self.apply_events(index, WorkerId(reply.worker_id.to_native()), &reply.events)
@@ -86,7 +90,7 @@ impl BatchApplier {
     /// Applies `events` as events of `worker`'s ranks.
     pub fn apply_events(
         &mut self,
-        index: &mut PrefixIndex,
+        index: &mut impl ApplyEvents,
         worker: WorkerId,
         events: &[ArchivedWireEvent],
     ) -> BatchOutcome {

@@ -6,7 +6,7 @@
 //!  runtime thread 1 ─ listener (same port) ─────── conn ─ ...                                │
 //!                                                                                            ▼
 //!                     bounded queue of the frames of each read (Bytes, no copy) ─▶ writer thread
-//!                                                                  PrefixIndex + BatchApplier
+//!                                        BatchApplier ─▶ IngestTarget: PrefixIndex, or Router
 //! ```
 //!
 //! * One current-thread runtime per thread, io_uring or epoll ([`crate::backend`]), each
@@ -18,7 +18,10 @@
 //!   index falls behind, connections wait on the queue and stop reading, and TCP pushes back on
 //!   the workers. Nothing buffers without bound: a message holds at most one read's bytes.
 //! * The writer validates each payload again before reading it in place (bytecheck is a few ns
-//!   per event; it keeps the crate free of `unsafe`) and applies it with one [`BatchApplier`].
+//!   per event; it keeps the crate free of `unsafe`) and applies it with one [`BatchApplier`],
+//!   to an index of the server's own or to a router's index ([`IngestTarget`]). Into a router
+//!   it writes through `Router::event_writer`, one read's frames under one hold of the
+//!   router's index lock, and the router notes every event (speculation, warm-up).
 //! * Any frame error closes that connection alone, with one `warn` line and a count per kind
 //!   ([`IngestStats::decode`]); so does a read error. A stream that ends inside a frame is
 //!   counted as truncated. Other connections are not affected.
@@ -37,7 +40,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use kvroute_core::{IndexReader, PrefixIndex};
+use kvroute_core::{ApplyEvents, IndexReader, PrefixIndex, Router};
 use tokio::sync::{mpsc, watch};
 
 use crate::apply::{BatchApplier, BatchOutcome};
@@ -163,10 +166,59 @@ pub struct IngestStats {
     pub apply: ApplyStats,
 }
 
+/// Where an [`IngestServer`] applies the events it receives.
+#[derive(Debug)]
+pub enum IngestTarget {
+    /// An index of its own, handed back at shutdown.
+    Index(Box<PrefixIndex>),
+    /// A router's index, through [`Router::event_writer`], so that the router notes every
+    /// event (an eviction retires its speculative records, stored blocks feed warm-up). The
+    /// writer holds the router's index lock for one received read's frames at a time.
+    Router(Arc<Router>),
+}
+
+impl From<PrefixIndex> for IngestTarget {
+    fn from(index: PrefixIndex) -> Self {
+        IngestTarget::Index(Box::new(index))
+    }
+}
+
+impl From<Arc<Router>> for IngestTarget {
+    fn from(router: Arc<Router>) -> Self {
+        IngestTarget::Router(router)
+    }
+}
+
+impl IngestTarget {
+    /// The index, when the target is one of its own.
+    pub fn index(&self) -> Option<&PrefixIndex> {
+        match self {
+            IngestTarget::Index(index) => Some(index),
+            IngestTarget::Router(_) => None,
+        }
+    }
+
+    /// The index, when the target is one of its own.
+    pub fn into_index(self) -> Option<PrefixIndex> {
+        match self {
+            IngestTarget::Index(index) => Some(*index),
+            IngestTarget::Router(_) => None,
+        }
+    }
+
+    fn reader(&self) -> IndexReader {
+        match self {
+            IngestTarget::Index(index) => index.reader(),
+            IngestTarget::Router(router) => router.index_reader(),
+        }
+    }
+}
+
 /// What [`IngestServer::shutdown`] hands back.
 #[derive(Debug)]
 pub struct IngestReport {
-    pub index: PrefixIndex,
+    /// The target, with every received event applied.
+    pub target: IngestTarget,
     pub stats: IngestStats,
 }
 
@@ -204,13 +256,18 @@ pub struct IngestServer {
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     threads: Vec<JoinHandle<()>>,
-    writer: JoinHandle<PrefixIndex>,
+    writer: JoinHandle<IngestTarget>,
 }
 
 impl IngestServer {
     /// Binds, starts the runtime threads and the index writer, and returns once every thread
-    /// accepts. `index` moves to the writer; [`reader`](Self::reader) queries it meanwhile.
-    pub fn start(config: IngestConfig, index: PrefixIndex) -> Result<IngestServer, IngestError> {
+    /// accepts. `target` moves to the writer; [`reader`](Self::reader) queries its index
+    /// meanwhile. A [`PrefixIndex`] converts into a target of its own.
+    pub fn start(
+        config: IngestConfig,
+        target: impl Into<IngestTarget>,
+    ) -> Result<IngestServer, IngestError> {
+        let target = target.into();
         let resolved = config.backend.resolve()?;
         resolved.log("ingest", config.backend);
         let backend = resolved.backend;
@@ -231,13 +288,13 @@ impl IngestServer {
             })?;
 
         let shared = Arc::new(Shared::default());
-        let reader = index.reader();
+        let reader = target.reader();
         let max_payload = config.max_payload.min(MAX_PAYLOAD);
         let (queue, rx) = mpsc::channel::<Vec<Frame>>(config.queue_frames.max(1));
         let writer = {
             let shared = Arc::clone(&shared);
             spawn("kvroute-ingest-writer".into(), move || {
-                run_writer(index, rx, &shared, max_payload)
+                run_writer(target, rx, &shared, max_payload)
             })?
         };
 
@@ -307,7 +364,7 @@ impl IngestServer {
     }
 
     /// Stops accepting, lets open connections end within the grace period (cutting the rest),
-    /// applies every queued frame and returns the index and the totals.
+    /// applies every queued frame and returns the target and the totals.
     pub fn shutdown(self) -> Result<IngestReport, IngestError> {
         // Receivers see the change even if they subscribed after it; a send error only means
         // every thread has already gone.
@@ -318,11 +375,11 @@ impl IngestServer {
             })?;
         }
         // Every queue sender lived on those threads: the writer now drains and ends.
-        let index = self.writer.join().map_err(|_| IngestError::Panicked {
+        let target = self.writer.join().map_err(|_| IngestError::Panicked {
             thread: "kvroute-ingest-writer".into(),
         })?;
         Ok(IngestReport {
-            index,
+            target,
             stats: self.shared.snapshot(),
         })
     }
@@ -344,30 +401,45 @@ fn spawn<T: Send + 'static>(
 // ---- the index writer ----
 
 fn run_writer(
-    mut index: PrefixIndex,
+    mut target: IngestTarget,
     mut rx: mpsc::Receiver<Vec<Frame>>,
     shared: &Shared,
     max_payload: u32,
-) -> PrefixIndex {
+) -> IngestTarget {
     let mut applier = BatchApplier::new();
     let mut decoder = FrameDecoder::new(max_payload);
     let mut done = ApplyStats::default();
     while let Some(frames) = rx.blocking_recv() {
-        for frame in &frames {
-            match decoder.validate(frame) {
-                Ok(MessageRef::KvEvents(batch)) => {
-                    done.add(&applier.apply_batch(&mut index, batch))
-                }
-                Ok(MessageRef::RecoveryReply(reply)) => {
-                    done.add(&applier.apply_recovery(&mut index, reply))
-                }
-                Ok(_) | Err(_) => done.unreadable += 1,
+        match &mut target {
+            IngestTarget::Index(index) => {
+                apply_frames(&frames, &mut decoder, &mut applier, &mut **index, &mut done)
+            }
+            IngestTarget::Router(router) => {
+                let mut writer = router.event_writer();
+                apply_frames(&frames, &mut decoder, &mut applier, &mut writer, &mut done)
             }
         }
         let mut apply = shared.apply.lock().unwrap_or_else(PoisonError::into_inner);
         *apply = done;
     }
-    index
+    target
+}
+
+/// Applies the event frames of one read to `index`, counting into `done`.
+fn apply_frames(
+    frames: &[Frame],
+    decoder: &mut FrameDecoder,
+    applier: &mut BatchApplier,
+    index: &mut impl ApplyEvents,
+    done: &mut ApplyStats,
+) {
+    for frame in frames {
+        match decoder.validate(frame) {
+            Ok(MessageRef::KvEvents(batch)) => done.add(&applier.apply_batch(index, batch)),
+            Ok(MessageRef::RecoveryReply(reply)) => done.add(&applier.apply_recovery(index, reply)),
+            Ok(_) | Err(_) => done.unreadable += 1,
+        }
+    }
 }
 
 // ---- the runtime threads ----

@@ -44,7 +44,9 @@ pub use frame::{
     encode, encode_kv_events, encode_to_bytes, DecodeStats, EncodeError, Frame, FrameDecoder,
     FrameError,
 };
-pub use ingest::{IngestConfig, IngestError, IngestReport, IngestServer, IngestStats};
+pub use ingest::{
+    IngestConfig, IngestError, IngestReport, IngestServer, IngestStats, IngestTarget,
+};
 pub use kvroute_core as core;
 pub use wire::{Message, MessageKind, MessageRef, PROTOCOL_VERSION};
 pub use worker::{

@@ -334,7 +334,9 @@ fn requests_stream_back_with_backpressure_and_events_reach_the_index() {
         }
         let report = ingest.shutdown().expect("ingest shuts down");
         let scores = report
-            .index
+            .target
+            .index()
+            .expect("its own index")
             .find_matches(
                 &[LocalHash(1), LocalHash(2), LocalHash(3), LocalHash(4)],
                 MatchOptions::default(),

@@ -267,7 +267,10 @@ fn two_clients_land_as_if_applied_directly() {
         assert_eq!(s.decode.rejected(), 0, "{backend}");
         assert_eq!(s.queued, want, "{backend}");
         assert_eq!(s.apply.unreadable, 0, "{backend}");
-        assert_same_index(&report.index, &applied_directly(&[&a, &b]));
+        assert_same_index(
+            report.target.index().expect("its own index"),
+            &applied_directly(&[&a, &b]),
+        );
     }
 }
 
@@ -319,7 +322,10 @@ fn bad_frames_close_only_their_connection() {
             "{backend}: {d:?}"
         );
         assert_eq!(d.rejected(), 4, "{backend}");
-        assert_same_index(&report.index, &applied_directly(&[&good]));
+        assert_same_index(
+            report.target.index().expect("its own index"),
+            &applied_directly(&[&good]),
+        );
     }
 }
 
@@ -357,7 +363,10 @@ fn peer_killed_mid_frame_is_counted_and_harmless() {
         let report = server.shutdown().expect("shuts down");
         assert_eq!(report.stats.decode.truncated, 1, "{backend}");
         assert_eq!(report.stats.decode.rejected(), 1, "{backend}");
-        assert_same_index(&report.index, &applied_directly(&[&good, &killed[..3]]));
+        assert_same_index(
+            report.target.index().expect("its own index"),
+            &applied_directly(&[&good, &killed[..3]]),
+        );
     }
 }
 
@@ -403,7 +412,15 @@ fn shutdown_of_an_idle_server_returns_an_empty_report() {
         let server = IngestServer::start(config(backend), new_index()).expect("starts");
         let report = server.shutdown().expect("shuts down");
         assert_eq!(report.stats, IngestStats::default(), "{backend}");
-        assert_eq!(report.index.stats().stored_pairs, 0);
+        assert_eq!(
+            report
+                .target
+                .index()
+                .expect("its own index")
+                .stats()
+                .stored_pairs,
+            0
+        );
     }
 }
 
@@ -415,4 +432,106 @@ fn forcing_io_uring_where_it_is_missing_is_an_error_not_a_panic() {
     }
     let err = IngestServer::start(config(Backend::IoUring), new_index());
     assert!(err.is_err());
+}
+
+/// Into a router: the events land in the router's index (its matches see them, exactly as
+/// applied directly) and the router notes each one: stored blocks feed its measure of each
+/// worker's cache, and an eviction retires the worker's speculative records.
+#[test]
+fn events_into_a_router_land_in_its_index_and_are_noted() {
+    use kvroute_core::config::{Approximate, Speculative};
+    use kvroute_core::load::RequestId;
+    use kvroute_core::router::{EvidenceLevel, Mode};
+    use kvroute_core::{RouteHints, RouteRequest, Router, RouterConfig, WorkerConfig};
+    use std::sync::Arc;
+
+    const BS: u32 = 16;
+    for backend in backends() {
+        let router = Arc::new(
+            Router::new(
+                RouterConfig {
+                    approximate: Approximate {
+                        speculative: Speculative::On {
+                            ttl: Duration::from_secs(600),
+                        },
+                        ..Approximate::default()
+                    },
+                    ..RouterConfig::default()
+                },
+                new_index(),
+            )
+            .expect("a router"),
+        );
+        for w in [1, 2] {
+            router
+                .join_worker(WorkerConfig::simple(w, 100_000, BS))
+                .expect("joins");
+        }
+        // A booked route on worker 1 leaves a speculative record there.
+        let tokens: Vec<u32> = (0..128).collect();
+        let mut q = RouteRequest {
+            id: RequestId(1),
+            tokens: &tokens,
+            hints: RouteHints::default(),
+        };
+        q.hints.pinned.backend_instance = Some(WorkerId(1));
+        router.route(&q).expect("routes");
+        let overlap_on = |worker: u64| {
+            let mut q = RouteRequest {
+                id: RequestId(2),
+                tokens: &tokens,
+                hints: RouteHints::default(),
+            };
+            q.hints.mode = Mode::QueryOnly;
+            q.hints.evidence = EvidenceLevel::Full;
+            let d = router.route(&q).expect("routes");
+            d.evidence
+                .expect("full evidence")
+                .iter()
+                .find(|c| c.rank.worker == WorkerId(worker))
+                .map_or(0, |c| c.overlap.blocks)
+        };
+        assert_eq!(overlap_on(1), 8, "{backend}: the speculative record");
+
+        let server = IngestServer::start(config(backend), Arc::clone(&router)).expect("starts");
+        let (a, b) = (worker_batches(1), worker_batches(2));
+        for c in [
+            good_client(backend, server.local_addr(), a.clone()),
+            good_client(backend, server.local_addr(), b.clone()),
+        ] {
+            c.join().expect("client thread");
+        }
+        let want = total_batches(&[&a, &b]);
+        wait_for(&server, |s| s.apply.batches == want);
+        let report = server.shutdown().expect("shuts down");
+        assert!(report.target.index().is_none());
+        assert_eq!(report.stats.apply.rejected, 0, "{backend}");
+
+        // The router's matches see exactly what direct application gives.
+        let direct = applied_directly(&[&a, &b]);
+        let reader = router.index_reader();
+        for p in 0..PROMPTS {
+            let q = prompt_hashes(p);
+            let mut got = reader.find_matches(&q, MatchOptions::default()).scores;
+            let mut want = direct.find_matches(&q, MatchOptions::default()).scores;
+            got.sort();
+            want.sort();
+            assert_eq!(got, want, "{backend}: prompt {p}");
+        }
+        // Noted: each worker's stored blocks less its evictions, and worker 1's evictions
+        // retired its speculative record.
+        let fleet = router.fleet();
+        let stored: u64 = worker_events(1)
+            .iter()
+            .map(|e| match &e.data {
+                KvEventData::Stored { blocks, .. } => blocks.len() as i64,
+                KvEventData::Removed { blocks } => -(blocks.len() as i64),
+                KvEventData::Cleared => 0,
+            })
+            .sum::<i64>() as u64;
+        for r in fleet.ranks.iter() {
+            assert_eq!(r.state.reported_blocks(), stored, "{backend}: {:?}", r.rank);
+        }
+        assert_eq!(overlap_on(1), 0, "{backend}: speculation retired");
+    }
 }

@@ -242,6 +242,48 @@ pub struct RankKey {
     pub epoch: u32,
 }
 
+/// Something KV events are applied to: the index itself, or a router's writer that applies
+/// them to its index and notes each one ([`crate::router::EventWriter`]). An ingest path
+/// that decodes events from the wire writes through this, whichever it feeds.
+pub trait ApplyEvents {
+    /// [`PrefixIndex::apply_stored`].
+    fn apply_stored(
+        &mut self,
+        header: EventHeader,
+        parent: Option<BlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError>;
+    /// [`PrefixIndex::apply_removed`].
+    fn apply_removed(
+        &mut self,
+        header: EventHeader,
+        blocks: &[BlockHash],
+    ) -> Result<(), IndexError>;
+    /// [`PrefixIndex::apply_cleared`].
+    fn apply_cleared(&mut self, header: EventHeader) -> Result<(), IndexError>;
+}
+
+impl ApplyEvents for PrefixIndex {
+    fn apply_stored(
+        &mut self,
+        header: EventHeader,
+        parent: Option<BlockHash>,
+        blocks: &[StoredBlock],
+    ) -> Result<(), IndexError> {
+        PrefixIndex::apply_stored(self, header, parent, blocks)
+    }
+    fn apply_removed(
+        &mut self,
+        header: EventHeader,
+        blocks: &[BlockHash],
+    ) -> Result<(), IndexError> {
+        PrefixIndex::apply_removed(self, header, blocks)
+    }
+    fn apply_cleared(&mut self, header: EventHeader) -> Result<(), IndexError> {
+        PrefixIndex::apply_cleared(self, header)
+    }
+}
+
 /// A cheap, cloneable, thread-safe handle that matches queries lock-free.
 #[derive(Clone)]
 pub struct IndexReader {
