@@ -5107,15 +5107,7 @@ mod approx_tests {
         }
         // The worker's events for the first 4 blocks: the index's overlap stays after the
         // record expired; before, the deeper of the two counts.
-        let locals = BlockHasher::new(BS as usize).local_hashes(&p);
-        let blocks: Vec<StoredBlock> = locals[..4]
-            .iter()
-            .enumerate()
-            .map(|(i, h)| StoredBlock {
-                block_hash: BlockHash(i as u64 + 1),
-                local_hash: *h,
-            })
-            .collect();
+        let blocks = first_blocks(&p, 4);
         let header = EventHeader {
             source: w1,
             event_id: EventId(0),
@@ -5148,10 +5140,22 @@ mod approx_tests {
         assert_eq!(overlap_on(&r, &p, w1, t1 + Duration::from_millis(10)), 3);
     }
 
-    /// An ingest path that writes the index itself tells the router through `note_event`:
-    /// an eviction reported that way retires the speculation just the same.
-    #[test]
-    fn events_applied_elsewhere_are_noted() {
+    /// The first `n` blocks of prompt `p` as an engine would store them (block hashes 1..=n).
+    fn first_blocks(p: &[u32], n: usize) -> Vec<StoredBlock> {
+        let locals = BlockHasher::new(BS as usize).local_hashes(p);
+        locals[..n]
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(i as u64 + 1),
+                local_hash: *h,
+            })
+            .collect()
+    }
+
+    /// A router speculating for 5 s, worker 1 joined, and a booked 8-block prompt on it:
+    /// the router, the time, the prompt and the worker's rank.
+    fn speculating_on_one_worker() -> (Router, Instant, Vec<u32>, WorkerRank) {
         let r = router(Speculative::On {
             ttl: Duration::from_secs(5),
         });
@@ -5161,6 +5165,14 @@ mod approx_tests {
         let w1 = WorkerRank::new(1, 0);
         pinned(&r, 1, &p, 1, t0);
         assert_eq!(overlap_on(&r, &p, w1, t0), 8);
+        (r, t0, p, w1)
+    }
+
+    /// An ingest path that writes the index itself tells the router through `note_event`:
+    /// an eviction reported that way retires the speculation just the same.
+    #[test]
+    fn events_applied_elsewhere_are_noted() {
+        let (r, t0, p, w1) = speculating_on_one_worker();
         r.note_event(w1, StorageTier::Device, EventSeen::Stored { blocks: 8 });
         assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 8);
         r.note_event(w1, StorageTier::Device, EventSeen::Removed { blocks: 3 });
@@ -5174,24 +5186,8 @@ mod approx_tests {
     #[test]
     fn the_event_writer_applies_and_notes() {
         use crate::index::ApplyEvents;
-        let r = router(Speculative::On {
-            ttl: Duration::from_secs(5),
-        });
-        r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
-        let t0 = Instant::now();
-        let p = prompt(128);
-        let w1 = WorkerRank::new(1, 0);
-        pinned(&r, 1, &p, 1, t0);
-        assert_eq!(overlap_on(&r, &p, w1, t0), 8);
-        let locals = BlockHasher::new(BS as usize).local_hashes(&p);
-        let blocks: Vec<StoredBlock> = locals[..4]
-            .iter()
-            .enumerate()
-            .map(|(i, h)| StoredBlock {
-                block_hash: BlockHash(i as u64 + 1),
-                local_hash: *h,
-            })
-            .collect();
+        let (r, t0, p, w1) = speculating_on_one_worker();
+        let blocks = first_blocks(&p, 4);
         let header = |id: u64| EventHeader {
             source: w1,
             event_id: EventId(id),
