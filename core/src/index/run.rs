@@ -107,13 +107,27 @@ pub(crate) struct RunBuf {
 }
 
 impl RunBuf {
-    pub(crate) fn from_run(run: Run<'_>) -> Self {
-        RunBuf {
-            parent: run.parent,
-            parent_off: run.parent_off,
-            hashes: run.hashes.to_vec(),
-            holders: holders_of(run.holders).collect(),
-        }
+    /// Becomes a copy of `run`, in the vectors it already has.
+    pub(crate) fn copy_run(&mut self, run: Run<'_>) {
+        self.parent = run.parent;
+        self.parent_off = run.parent_off;
+        self.hashes.clear();
+        self.hashes.extend_from_slice(run.hashes);
+        self.holders.clear();
+        self.holders.extend(holders_of(run.holders));
+    }
+
+    /// Becomes an empty run under `parent`, in the vectors it already has.
+    pub(crate) fn reset(&mut self, parent: u32) {
+        self.parent = parent;
+        self.parent_off = 0;
+        self.hashes.clear();
+        self.holders.clear();
+    }
+
+    /// Heap bytes of its vectors.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.hashes.capacity() * 8 + self.holders.capacity() * std::mem::size_of::<Holder>()
     }
 
     /// Words the published form takes.
@@ -262,7 +276,9 @@ mod tests {
         assert_eq!(run.hashes, &buf.hashes[..]);
         let holders: Vec<Holder> = holders_of(run.holders).collect();
         assert_eq!(holders, buf.holders);
-        assert_eq!(RunBuf::from_run(run).words(), buf.words());
+        let mut copy = RunBuf::default();
+        copy.copy_run(run);
+        assert_eq!(copy.words(), buf.words());
         assert!(Run::parse(&words[..words.len() - 1]).is_none());
     }
 }

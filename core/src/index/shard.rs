@@ -16,6 +16,9 @@ use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use crate::event::StoredBlock;
 
+/// Working copies kept for reuse, at most.
+const SPARE_BUFS: usize = 16;
+
 /// What readers share.
 pub(crate) struct ShardShared {
     pub slots: Slots,
@@ -126,6 +129,11 @@ pub(crate) struct ShardWriter {
     meta_heap: usize,
     // Transaction state.
     dirty: Vec<(u32, RunBuf)>,
+    /// Working copies of earlier transactions, for the next ones: a run copied for an event
+    /// reuses their vectors instead of allocating.
+    spare: Vec<RunBuf>,
+    /// Heap bytes of `spare`.
+    spare_bytes: usize,
     new_links: Vec<(ChildKey, u32)>,
     dead_links: Vec<ChildKey>,
     dead_slots: Vec<u32>,
@@ -151,6 +159,8 @@ impl ShardWriter {
             lru: track_lru.then(BinaryHeap::new),
             meta_heap: 0,
             dirty: Vec::new(),
+            spare: Vec::new(),
+            spare_bytes: 0,
             new_links: Vec::new(),
             dead_links: Vec::new(),
             dead_slots: Vec::new(),
@@ -178,6 +188,8 @@ impl ShardWriter {
             + metas
             + lru
             + self.free.capacity() * 4
+            + self.spare_bytes
+            + self.spare.capacity() * std::mem::size_of::<RunBuf>()
     }
 
     /// Changes the writer-only facts of a slot, keeping the byte count.
@@ -213,13 +225,12 @@ impl ShardWriter {
     fn run_mut(&mut self, slot: u32) -> &mut RunBuf {
         let mut dirty = self.metas[slot as usize].dirty;
         if dirty == CLEAN {
-            let buf = match self.published(slot) {
-                Some(run) => RunBuf::from_run(run),
-                None => RunBuf {
-                    parent: ROOT,
-                    ..RunBuf::default()
-                },
-            };
+            let mut buf = self.spare.pop().unwrap_or_default();
+            self.spare_bytes -= buf.heap_bytes();
+            match self.published(slot) {
+                Some(run) => buf.copy_run(run),
+                None => buf.reset(ROOT),
+            }
             dirty = self.dirty.len() as u32;
             self.metas[slot as usize].dirty = dirty;
             self.dirty.push((slot, buf));
@@ -549,6 +560,10 @@ impl ShardWriter {
             shared
                 .slots
                 .publish(slot, buf.words(), |out| buf.write(out), &guard);
+            if self.spare.len() < SPARE_BUFS {
+                self.spare_bytes += buf.heap_bytes();
+                self.spare.push(buf);
+            }
         }
         self.dirty = dirty;
         for (key, slot) in std::mem::take(&mut self.new_links) {
