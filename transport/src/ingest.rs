@@ -29,8 +29,11 @@
 //!   (their peers close), cuts those still open, drains the queue into the index and returns
 //!   the index with the totals.
 //!
-//! Hello and Heartbeat frames are validated and counted but not acted on yet: registration and
-//! load reports are the next increment, as is checking a batch's worker id against the Hello.
+//! A Hello binds its connection to the worker it names: from then on an event batch or
+//! recovery reply for another worker (or a second Hello naming another) closes the
+//! connection, counted ([`ConnectionStats::foreign`]), so a connection cannot write another
+//! worker's blocks. A connection that sends no Hello is not bound. Registration from the Hello
+//! and load reports from Heartbeats are not done here: the embedder joins workers to its router.
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
@@ -124,6 +127,8 @@ pub struct ConnectionStats {
     pub cut_at_shutdown: u64,
     /// The index writer had stopped (it only does after a panic).
     pub writer_gone: u64,
+    /// Closed by us for a frame naming a worker other than the connection's Hello.
+    pub foreign: u64,
     pub accept_errors: u64,
 }
 
@@ -161,7 +166,8 @@ pub struct IngestStats {
     pub decode: DecodeStats,
     /// Frames queued for the index writer.
     pub queued: u64,
-    /// Valid frames of other kinds (Hello, Heartbeat, ...): counted, not acted on yet.
+    /// Valid frames of other kinds (Hello, Heartbeat, ...): counted (a Hello also binds its
+    /// connection to its worker).
     pub ignored: u64,
     pub apply: ApplyStats,
 }
@@ -532,6 +538,11 @@ enum End {
     Frame(FrameError),
     Io(std::io::Error),
     WriterGone,
+    /// A frame for `named`, on a connection whose Hello said `bound`.
+    Foreign {
+        bound: u64,
+        named: u64,
+    },
 }
 
 /// One connection: read, cut frames, validate, queue event batches, until the peer closes or
@@ -542,6 +553,8 @@ async fn serve(mut stream: Stream, peer: SocketAddr, ctx: Rc<ConnContext>) {
     let mut buf = ctx.take_buffer();
     let mut decoder = FrameDecoder::new(ctx.max_payload);
     let (mut queued, mut ignored) = (0u64, 0u64);
+    // The worker a Hello bound this connection to.
+    let mut bound: Option<u64> = None;
     let mut eof = false;
     let mut frames = Vec::new();
     let end = loop {
@@ -557,12 +570,29 @@ async fn serve(mut stream: Stream, peer: SocketAddr, ctx: Rc<ConnContext>) {
                 Ok(None) => break None,
                 Err(e) => break Some(End::Frame(e)),
             };
-            if let Err(e) = decoder.validate(&frame) {
-                break Some(End::Frame(e));
+            let named = match decoder.validate(&frame) {
+                Err(e) => break Some(End::Frame(e)),
+                Ok(MessageRef::Hello(h)) => {
+                    ignored += 1;
+                    let named = h.worker_id.to_native();
+                    bound.get_or_insert(named);
+                    named
+                }
+                Ok(MessageRef::KvEvents(b)) => b.worker_id.to_native(),
+                Ok(MessageRef::RecoveryReply(r)) => r.worker_id.to_native(),
+                Ok(_) => {
+                    ignored += 1;
+                    continue;
+                }
+            };
+            if let Some(bound) = bound.filter(|&b| b != named) {
+                break Some(End::Foreign { bound, named });
             }
-            match frame.kind() {
-                MessageKind::KvEvents | MessageKind::RecoveryReply => frames.push(frame),
-                _ => ignored += 1,
+            if matches!(
+                frame.kind(),
+                MessageKind::KvEvents | MessageKind::RecoveryReply
+            ) {
+                frames.push(frame);
             }
         };
         // The frames this read completed, good ones before a bad one included.
@@ -599,6 +629,7 @@ async fn serve(mut stream: Stream, peer: SocketAddr, ctx: Rc<ConnContext>) {
             End::Frame(_) => c.rejected += 1,
             End::Io(_) => c.io_errors += 1,
             End::WriterGone => c.writer_gone += 1,
+            End::Foreign { .. } => c.foreign += 1,
         }
     });
     match end {
@@ -612,6 +643,12 @@ async fn serve(mut stream: Stream, peer: SocketAddr, ctx: Rc<ConnContext>) {
         ),
         End::Io(error) => tracing::warn!(%peer, %error, "ingest connection closed: read failed"),
         End::WriterGone => tracing::warn!(%peer, "ingest connection closed: index writer gone"),
+        End::Foreign { bound, named } => tracing::warn!(
+            %peer,
+            hello_worker = bound,
+            frame_worker = named,
+            "ingest connection closed: a frame for another worker than its Hello's"
+        ),
     }
     ctx.give_buffer(buf);
 }

@@ -535,3 +535,61 @@ fn events_into_a_router_land_in_its_index_and_are_noted() {
         assert_eq!(overlap_on(1), 0, "{backend}: speculation retired");
     }
 }
+
+/// A Hello binds its connection to its worker: that worker's batches land, and a batch for
+/// another worker closes the connection, counted, before anything of it is applied. Another
+/// connection, with no Hello, is not bound.
+#[test]
+fn a_hello_binds_its_connection_to_its_worker() {
+    use kvroute_transport::frame::encode;
+    use kvroute_transport::wire::{Hello, Role};
+    use kvroute_transport::Message;
+
+    for backend in backends() {
+        let server = IngestServer::start(config(backend), new_index()).expect("starts");
+        let addr = server.local_addr();
+        let hello = |worker: u64| {
+            let mut out = BytesMut::new();
+            let h = Hello {
+                protocol_version: PROTOCOL_VERSION,
+                worker_id: worker,
+                dp_start: 0,
+                dp_size: 1,
+                kv_blocks: 1 << 14,
+                block_size: 16,
+                role: Role::Aggregated,
+                max_batched_tokens: 8192,
+                labels: Vec::new(),
+            };
+            encode(&Message::Hello(h), &mut out).expect("encodes");
+            out.to_vec()
+        };
+        let (mine, theirs) = (worker_batches(3), worker_batches(4));
+        // Hello as worker 3, its first batch, then worker 4's: cut after the first.
+        let mut bytes = hello(3);
+        bytes.extend(frame_bytes(&mine[0]));
+        bytes.extend(frame_bytes(&theirs[0]));
+        bytes.extend(frame_bytes(&mine[1]));
+        let spoofer = bad_client(backend, addr, bytes);
+        // The same Hello again is fine; unbound, worker 4's batches land.
+        let mut again = hello(3);
+        again.extend(frame_bytes(&mine[0]));
+        let repeat = client(backend, addr, move |mut c| async move {
+            c.send_raw(&again).await.expect("sends");
+            c.close().await.expect("closes");
+        });
+        let unbound = good_client(backend, addr, theirs.clone());
+        for c in [spoofer, repeat, unbound] {
+            c.join().expect("client thread");
+        }
+        let want = 2 + theirs.len() as u64;
+        let s = wait_for(&server, |s| {
+            s.apply.batches == want && s.connections.foreign + s.connections.closed == 3
+        });
+        assert_eq!(s.connections.foreign, 1, "{backend}: {s:?}");
+        assert_eq!(s.ignored, 2, "{backend}: two Hellos");
+        let report = server.shutdown().expect("shuts down");
+        let index = report.target.index().expect("its own index");
+        assert_same_index(index, &applied_directly(&[&mine[..1], &mine[..1], &theirs]));
+    }
+}
