@@ -40,6 +40,10 @@
 //! | `route_query_only` | `route()` in query-only mode with the hints above |
 //! | `submit_book_and_free` | `submit()` booking the request (session bound, records written), then `free` |
 //!
+//! The `record_lookup_256_ranks` group times the router's record table alone: one lookup of the
+//! prompt against 256 ranks' records, all to one depth (`one_depth`) or each to its own
+//! (`every_depth`, the lookup's worst case).
+//!
 //! `cargo bench -p kvroute-benches --bench route`
 
 use std::collections::HashMap;
@@ -488,5 +492,57 @@ fn bench_all_conditions(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_route, bench_vs_dynamo, bench_all_conditions);
+/// The router's record table alone: 256 ranks holding records of one 512-block prompt, all to
+/// one depth (64 blocks: one node read) or each to its own (2, 4, ..., 512 blocks: every
+/// checkpoint's node read, the lookup's worst case); one lookup of the whole prompt.
+fn bench_record_lookup(c: &mut Criterion) {
+    use kvroute_core::approx::{checkpoint_keys_extend, ApproxCache};
+    use kvroute_core::RankKey;
+    use std::time::Instant;
+
+    let prompt: Vec<LocalHash> = BlockHasher::new(BS).local_hashes(&prompt(7));
+    let mut g = c.benchmark_group("record_lookup_256_ranks");
+    g.throughput(Throughput::Elements(1));
+    for (name, depth) in [
+        ("one_depth", (|_| 64) as fn(usize) -> usize),
+        ("every_depth", |w| 2 * w + 2),
+    ] {
+        let table = ApproxCache::new(1 << 22);
+        let now = Instant::now();
+        for w in 0..WORKERS as usize {
+            let mut marks = Vec::new();
+            checkpoint_keys_extend(
+                &prompt[..depth(w).min(prompt.len())],
+                &mut marks,
+                usize::MAX,
+            );
+            let key = RankKey {
+                id: w as u32,
+                epoch: 0,
+            };
+            let rank = WorkerRank::new(w as u64, 0);
+            table.record(&marks, rank, key, now + Duration::from_secs(3600), || true);
+        }
+        let mut marks = Vec::new();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                marks.clear();
+                let mut deepest = 0;
+                table.lookup(black_box(&prompt), &mut marks, now, |_, d| {
+                    deepest = deepest.max(d)
+                });
+                deepest
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_route,
+    bench_vs_dynamo,
+    bench_all_conditions,
+    bench_record_lookup
+);
 criterion_main!(benches);
