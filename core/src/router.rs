@@ -65,8 +65,7 @@ use crate::config::{
     ConfigError, Disaggregation, Metrics, Queueing, RouterConfig, Speculative, Timing, WarmUp,
 };
 use crate::event::{
-    BlockHash, DpRank, EventHeader, KvEvent, KvEventData, StorageTier, StoredBlock, WorkerId,
-    WorkerRank,
+    BlockHash, DpRank, EventHeader, KvEvent, StorageTier, StoredBlock, WorkerId, WorkerRank,
 };
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
 use crate::health::Health;
@@ -940,20 +939,7 @@ impl Router {
     /// Applies a KV event to the index (serialised with other writers), and tells the
     /// router's own bookkeeping of it ([`Router::note_event`]).
     pub fn apply_event(&self, event: &KvEvent) -> Result<(), IndexError> {
-        let applied = lock(&self.index).apply(event);
-        if applied.is_ok() {
-            let seen = match &event.data {
-                KvEventData::Stored { blocks, .. } => EventSeen::Stored {
-                    blocks: blocks.len() as u64,
-                },
-                KvEventData::Removed { blocks } => EventSeen::Removed {
-                    blocks: blocks.len() as u64,
-                },
-                KvEventData::Cleared => EventSeen::Cleared,
-            };
-            self.note_event(event.header.source, event.header.tier, seen);
-        }
-        applied
+        crate::index::ApplyEvents::apply_event(&mut self.event_writer(), event)
     }
 
     /// A writer of KV events into the router's index for an ingest path that decodes them
@@ -4991,7 +4977,7 @@ mod session_tests {
 mod approx_tests {
     use super::*;
     use crate::config::Approximate;
-    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::event::{BlockHash, EventHeader, EventId, KvEventData, StoredBlock};
     use crate::index::IndexConfig;
     use std::time::Duration;
 
@@ -5253,7 +5239,7 @@ mod approx_tests {
 #[cfg(test)]
 mod warm_up_tests {
     use super::*;
-    use crate::event::{BlockHash, EventHeader, EventId, StoredBlock};
+    use crate::event::{BlockHash, EventHeader, EventId, KvEventData, StoredBlock};
     use crate::index::IndexConfig;
     use std::collections::HashSet;
     use std::time::Duration;

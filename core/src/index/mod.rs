@@ -261,6 +261,17 @@ pub trait ApplyEvents {
     ) -> Result<(), IndexError>;
     /// [`PrefixIndex::apply_cleared`].
     fn apply_cleared(&mut self, header: EventHeader) -> Result<(), IndexError>;
+
+    /// Applies one event, whichever kind.
+    fn apply_event(&mut self, event: &KvEvent) -> Result<(), IndexError> {
+        match &event.data {
+            KvEventData::Stored { parent, blocks } => {
+                self.apply_stored(event.header, *parent, blocks)
+            }
+            KvEventData::Removed { blocks } => self.apply_removed(event.header, blocks),
+            KvEventData::Cleared => self.apply_cleared(event.header),
+        }
+    }
 }
 
 impl ApplyEvents for PrefixIndex {
@@ -647,13 +658,7 @@ impl PrefixIndex {
 
     /// Applies one event.
     pub fn apply(&mut self, event: &KvEvent) -> Result<(), IndexError> {
-        match &event.data {
-            KvEventData::Stored { parent, blocks } => {
-                self.apply_stored(event.header, *parent, blocks)
-            }
-            KvEventData::Removed { blocks } => self.apply_removed(event.header, blocks),
-            KvEventData::Cleared => self.apply_cleared(event.header),
-        }
+        ApplyEvents::apply_event(self, event)
     }
 
     fn names(&mut self, rank: u32) -> &mut NameMap {
