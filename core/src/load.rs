@@ -59,7 +59,7 @@ use crate::index::RankKey;
 use crate::registry::KvEvents;
 use crate::rng::mix64;
 use crate::session::SessionId;
-use crate::sync::{AtomicBool, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
+use crate::sync::{fence, AtomicBool, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
 
 /// A request's identity, chosen by the caller (unique among its active requests).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -460,6 +460,12 @@ impl RankState {
         }
     }
 
+    /// Prefill tokens booked on the rank (a `SeqCst` read, for [`Ledger::refresh_prefill_floor`]).
+    #[inline]
+    pub fn booked_prefill(&self) -> u64 {
+        self.load.prefill_tokens.load(Ordering::SeqCst)
+    }
+
     /// True when some of the rank's prompt load is decayed ([`LoadView::prompt_decay`]).
     #[inline(always)]
     pub fn prompt_decay_pending(&self) -> bool {
@@ -702,6 +708,8 @@ pub struct Ledger {
     /// Bookings whose prompt load is decayed now, on any rank: while 0, no rank's
     /// [`LoadView::prompt_decay`] is either (selection bounds costs tighter then).
     decaying: AtomicU64,
+    /// At most every rank's booked prefill tokens ([`Ledger::prefill_floor`]).
+    prefill_floor: CachePadded<AtomicU64>,
     booked: AtomicU64,
     freed: AtomicU64,
     expired: AtomicU64,
@@ -718,6 +726,7 @@ impl Default for Ledger {
             spare: Mutex::new(Vec::new()),
             prompt_decay: PromptDecay::default(),
             decaying: AtomicU64::new(0),
+            prefill_floor: CachePadded::new(AtomicU64::new(0)),
             booked: AtomicU64::new(0),
             freed: AtomicU64::new(0),
             expired: AtomicU64::new(0),
@@ -860,8 +869,7 @@ impl Ledger {
                 .fetch_sub(gone + b.tail_blocks, Ordering::Relaxed);
             keys
         };
-        l.prefill_tokens
-            .fetch_sub(b.prefill_tokens, Ordering::Relaxed);
+        self.release_prefill(&b.state, b.prefill_tokens);
         l.output_blocks
             .fetch_sub(b.output_blocks, Ordering::Relaxed);
         l.output_decay.fetch_sub(b.output_decay, Ordering::Relaxed);
@@ -914,10 +922,7 @@ impl Ledger {
             return Err(self.unknown(request));
         };
         let tokens = std::mem::take(&mut b.prefill_tokens);
-        b.state
-            .load
-            .prefill_tokens
-            .fetch_sub(tokens, Ordering::Relaxed);
+        self.release_prefill(&b.state, tokens);
         let first = !std::mem::replace(&mut b.first_token_seen, true);
         let elapsed = match now {
             Some(now) if first => {
@@ -1001,10 +1006,7 @@ impl Ledger {
         }
         if !std::mem::replace(&mut b.first_token_seen, true) {
             let pending = std::mem::take(&mut b.prefill_tokens);
-            b.state
-                .load
-                .prefill_tokens
-                .fetch_sub(pending, Ordering::Relaxed);
+            self.release_prefill(&b.state, pending);
             out.prefill_released = true;
             if let Some(now) = now {
                 b.last_token_at = Some(now);
@@ -1070,6 +1072,75 @@ impl Ledger {
             }
             b.prompt_decay = now;
         }
+    }
+
+    /// A number of prefill tokens that every rank has booked at least: selection's floors
+    /// count them on every rank before reading its load. Lowered at once whenever a rank's
+    /// booked prefill falls below it (a release, or a new rank: [`Ledger::lower_prefill_floor`]),
+    /// raised only by [`Ledger::refresh_prefill_floor`]; 0 until then.
+    #[inline]
+    pub fn prefill_floor(&self) -> u64 {
+        self.prefill_floor.load(Ordering::SeqCst)
+    }
+
+    /// Keeps [`Ledger::prefill_floor`] at most `tokens`, some rank's booked prefill now.
+    #[inline]
+    pub fn lower_prefill_floor(&self, tokens: u64) {
+        if tokens < self.prefill_floor.load(Ordering::SeqCst) {
+            self.prefill_floor.fetch_min(tokens, Ordering::SeqCst);
+        }
+    }
+
+    /// Raises [`Ledger::prefill_floor`] to the least prefill booked on `ranks` (every rank
+    /// that can be selected; the caller covers ranks published meanwhile).
+    ///
+    /// The floor stays a floor against releases racing with the refresh. A release lowers its
+    /// rank's counter, then (past a `SeqCst` fence) reads the floor; the refresh swaps its
+    /// minimum in, then (past a `SeqCst` fence) reads every rank again and lowers the floor to
+    /// any count below it. The fences order each side's write before its read, so a release
+    /// that the second pass misses reads the swapped-in floor (or a lower one) and lowers it
+    /// itself. A refresh that loses the swap to another writer changes nothing. The loom
+    /// model `loom_a_refresh_racing_a_release_never_leaves_the_floor_above_a_rank` fails
+    /// without either fence or without the second pass.
+    pub fn refresh_prefill_floor<'a, I>(&self, ranks: I)
+    where
+        I: IntoIterator<Item = &'a RankState>,
+        I::IntoIter: Clone,
+    {
+        let ranks = ranks.into_iter();
+        let seen = self.prefill_floor.load(Ordering::SeqCst);
+        let least = ranks
+            .clone()
+            .map(RankState::booked_prefill)
+            .min()
+            .unwrap_or(0);
+        if least == seen
+            || self
+                .prefill_floor
+                .compare_exchange(seen, least, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+        {
+            return;
+        }
+        fence(Ordering::SeqCst);
+        for r in ranks {
+            self.lower_prefill_floor(r.booked_prefill());
+        }
+    }
+
+    /// Releases `tokens` of prefill booked on `state`, keeping the floor under its new count.
+    fn release_prefill(&self, state: &RankState, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let before = state
+            .load
+            .prefill_tokens
+            .fetch_sub(tokens, Ordering::SeqCst);
+        // The count's change is ordered before the floor is read (see
+        // `refresh_prefill_floor`).
+        fence(Ordering::SeqCst);
+        self.lower_prefill_floor(before.wrapping_sub(tokens));
     }
 
     /// True when some booking's prompt load is decayed now (on some rank,
@@ -1749,6 +1820,42 @@ mod tests {
             (40, 16, 2, Dispatch::Reached)
         );
     }
+
+    /// The booked-prefill floor follows every release down at once, and a refresh raises it
+    /// to the least booked prefill of the ranks it is given, never above any of them.
+    #[test]
+    fn the_prefill_floor_follows_releases_down_and_refreshes_up() {
+        let ledger = Ledger::new();
+        let now = Instant::now();
+        let a = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+        let b = Arc::new(RankState::new(WorkerRank::new(2, 0)));
+        let k = blocks(&[1, 2]);
+        ledger.book(spec(1, &a, 300, &k, now)).unwrap();
+        ledger.book(spec(2, &a, 200, &k, now)).unwrap();
+        ledger.book(spec(3, &b, 700, &k, now)).unwrap();
+        assert_eq!(ledger.prefill_floor(), 0, "nothing known before a refresh");
+        let ranks = [&*a, &*b];
+        ledger.refresh_prefill_floor(ranks);
+        assert_eq!(ledger.prefill_floor(), 500);
+        // Each way prefill is released lowers it to the rank's new count at once.
+        ledger.prefill_done(RequestId(2), None).unwrap();
+        assert_eq!(ledger.prefill_floor(), 300);
+        ledger.tokens_generated(RequestId(3), 5, None).unwrap();
+        assert_eq!(ledger.prefill_floor(), 0);
+        ledger.refresh_prefill_floor(ranks);
+        assert_eq!(ledger.prefill_floor(), 0, "rank b has nothing booked now");
+        ledger.book(spec(4, &b, 100, &k, now)).unwrap();
+        ledger.refresh_prefill_floor(ranks);
+        assert_eq!(ledger.prefill_floor(), 100);
+        ledger.free(RequestId(1)).unwrap();
+        assert_eq!(ledger.prefill_floor(), 0);
+        ledger.refresh_prefill_floor(ranks);
+        assert_eq!(ledger.prefill_floor(), 0);
+        ledger.lower_prefill_floor(7);
+        assert_eq!(ledger.prefill_floor(), 0, "lowering never raises");
+        ledger.refresh_prefill_floor([]);
+        assert_eq!(ledger.prefill_floor(), 0, "no ranks: nothing known");
+    }
 }
 
 /// Loom models of the lifecycle races: the real ledger and counters, on loom's atomics and
@@ -1888,6 +1995,37 @@ mod loom_tests {
             }
             assert_idle(&state);
             assert_eq!(ledger.active(), 0);
+        });
+    }
+
+    /// A refresh of the booked-prefill floor races a release on one of its ranks and a
+    /// booking on the other: once both are done, the floor is at most every rank's booked
+    /// prefill (a refresh that swapped in a minimum read before the release must not leave
+    /// it standing). The model fails if the refresh's second pass is taken out.
+    #[test]
+    fn loom_a_refresh_racing_a_release_never_leaves_the_floor_above_a_rank() {
+        model(|| {
+            let ledger = LoomArc::new(Ledger::new());
+            let a = Arc::new(RankState::new(WorkerRank::new(1, 0)));
+            let b = Arc::new(RankState::new(WorkerRank::new(2, 0)));
+            book(&ledger, &a, 1, &blocks(&[1])).unwrap();
+            book(&ledger, &b, 2, &blocks(&[2])).unwrap();
+            let release = {
+                let ledger = LoomArc::clone(&ledger);
+                loom::thread::spawn(move || {
+                    ledger.prefill_done(RequestId(1), None).unwrap();
+                })
+            };
+            let refresh = {
+                let (ledger, a, b) = (LoomArc::clone(&ledger), Arc::clone(&a), Arc::clone(&b));
+                loom::thread::spawn(move || ledger.refresh_prefill_floor([&*a, &*b]))
+            };
+            book(&ledger, &b, 3, &blocks(&[3])).unwrap();
+            release.join().unwrap();
+            refresh.join().unwrap();
+            let floor = ledger.prefill_floor();
+            assert!(floor <= a.booked_prefill(), "{floor} over rank a");
+            assert!(floor <= b.booked_prefill(), "{floor} over rank b");
         });
     }
 }

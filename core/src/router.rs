@@ -82,8 +82,8 @@ use crate::registry::{
 use crate::rng::{mix64, SharedRng};
 use crate::select::{
     filter_busy, filter_unhealthy, selector_for, Busy, BusyOutcome, Candidate, CostTerms,
-    HealthOutcome, LeastLoaded, Overlap, Overrides, PolicyKind, ProbeTargets, RequestShape, Scored,
-    SelectInput, Selector, Weights,
+    FloorTerms, HealthOutcome, LeastLoaded, Overlap, Overrides, PolicyKind, ProbeTargets,
+    RequestShape, Scored, SelectInput, Selector, Weights,
 };
 use crate::session::{
     SessionClose, SessionEnd, SessionEndReason, SessionId, SessionRouting, Sessions,
@@ -802,6 +802,9 @@ struct Scratch {
     preferred: Vec<(u64, f64)>,
     /// The pool's hits, clipped, sorted and merged into disjoint `[start, end)` ranges.
     pool: Vec<(u32, u32)>,
+    /// Ranks whose load this thread read in selection only to find that they could not win,
+    /// since it last refreshed the booked-prefill floor ([`Router::refresh_prefill_floor`]).
+    loaded_losers: u64,
 }
 
 /// The router's records (approximate mode, speculation) raise a rank's overlap to their
@@ -981,6 +984,28 @@ impl Router {
         }
     }
 
+    /// Raises the ledger's booked-prefill floor to the least prefill booked on any rank of
+    /// the fleet ([`Ledger::refresh_prefill_floor`]). A rank published while the refresh read
+    /// an older fleet is fresh (nothing booked): its join lowers the floor after publishing,
+    /// and if the refresh comes after that, the fleet it reads again below has the rank.
+    pub fn refresh_prefill_floor(&self) {
+        let fleet = self.registry.load();
+        self.ledger
+            .refresh_prefill_floor(fleet.ranks.iter().map(|r| &*r.state));
+        let latest = self.registry.load();
+        if latest.generation != fleet.generation {
+            for r in latest.ranks.iter() {
+                self.ledger.lower_prefill_floor(r.state.booked_prefill());
+            }
+        }
+    }
+
+    /// Prefill tokens every rank has booked at least, as selection's floors count them
+    /// ([`Ledger::prefill_floor`]).
+    pub fn prefill_floor(&self) -> u64 {
+        self.ledger.prefill_floor()
+    }
+
     /// The fleet snapshot.
     pub fn fleet(&self) -> std::sync::Arc<Fleet> {
         self.registry.load_full()
@@ -1015,6 +1040,9 @@ impl Router {
     ) -> Result<(), RouterError> {
         let id = config.id;
         let fleet = self.registry.join(config)?;
+        // Fresh ranks have booked nothing: published first, then the floor follows (see
+        // `refresh_prefill_floor`).
+        self.ledger.lower_prefill_floor(0);
         if let Some(w) = fleet.worker(id) {
             let mut index = lock(&self.index);
             for r in &fleet.ranks[w.ranks.clone()] {
@@ -1451,6 +1479,7 @@ impl Router {
             }
         }
         let busy = &self.config.busy;
+        let booked_floor = self.ledger.prefill_floor();
         let scorer = Scorer {
             pool: &s.pool,
             pool_credit: self.config.pool_credit,
@@ -1459,6 +1488,8 @@ impl Router {
             depths: &s.depths,
             seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
             decay_anywhere: self.ledger.prompt_decay_anywhere(),
+            booked_floor,
+            floor_terms: FloorTerms::new(&weights, &shape, booked_floor),
             weights: &weights,
             shape: &shape,
             busy,
@@ -1598,6 +1629,14 @@ impl Router {
                 &mut s.candidates,
                 &mut targets,
             );
+            // Loads read in vain say the booked-prefill floor may lag the fleet's loads: once
+            // they add up to some sixteen reads of every rank, read every rank twice to raise
+            // it (a refresh then costs at most an eighth of what triggered it).
+            s.loaded_losers += u64::from(targets.loaded_losers());
+            if s.loaded_losers > 16 * fleet.ranks.len() as u64 {
+                s.loaded_losers = 0;
+                self.refresh_prefill_floor();
+            }
             if s.candidates.is_empty() {
                 if unlabelled > 0 {
                     bump(&self.counters.no_eligible);
@@ -2641,10 +2680,11 @@ impl Default for CreditBar {
 }
 
 impl CreditBar {
-    fn at(w: &Weights, shape: &RequestShape, cheapest: f64) -> Self {
+    fn at(w: &Weights, shape: &RequestShape, cheapest: f64, booked_floor: u64) -> Self {
         CreditBar {
             cheapest,
-            need: [false, true].map(|d| CostTerms::credit_needed(w, shape, cheapest, d)),
+            need: [false, true]
+                .map(|d| CostTerms::credit_needed(w, shape, cheapest, d, booked_floor)),
         }
     }
 }
@@ -2664,6 +2704,10 @@ struct Scorer<'a> {
     seed: Option<usize>,
     /// False while no booking's prompt load is decayed ([`Ledger::prompt_decay_anywhere`]).
     decay_anywhere: bool,
+    /// Prefill tokens every rank has booked at least ([`Ledger::prefill_floor`]).
+    booked_floor: u64,
+    /// The request's side of every rank's floor ([`CostTerms::bound_floor`]).
+    floor_terms: FloorTerms,
     weights: &'a Weights,
     shape: &'a RequestShape,
     busy: &'a crate::config::BusyThresholds,
@@ -2821,7 +2865,7 @@ impl Scorer<'_> {
             let decay = self.decay_anywhere && r.state.prompt_decay_pending();
             let cheapest = targets.cheapest();
             if cheapest != bar.cheapest {
-                *bar = CreditBar::at(self.weights, self.shape, cheapest);
+                *bar = CreditBar::at(self.weights, self.shape, cheapest, self.booked_floor);
             }
             if credit < bar.need[usize::from(decay)] {
                 return;
@@ -2834,7 +2878,7 @@ impl Scorer<'_> {
             let credit = self.with_pool::<EXTRAS>(own_credit, blocks);
             let preference = self.preference_of::<EXTRAS>(r);
             let decay = self.decay_anywhere && r.state.prompt_decay_pending();
-            let floor = CostTerms::bound_floor(self.weights, self.shape, credit, decay);
+            let floor = self.floor_terms.floor(credit, decay);
             if targets.cannot_win(floor - preference) {
                 return;
             }
@@ -2843,6 +2887,7 @@ impl Scorer<'_> {
             // The bound itself, now that the load is read: the rest of the scoring (busy and
             // health marks) is not done for a rank that cannot win.
             if targets.bound_cannot_win(cost, load.prompt_blocks) {
+                targets.note_loaded_loser();
                 return;
             }
             let c = self.scored::<EXTRAS>(i, r, load, cost, blocks);
@@ -3326,11 +3371,13 @@ mod tests {
     #[test]
     fn pruned_selection_picks_what_the_full_evidence_says() {
         let mut rng = crate::rng::Rng::new(11);
-        let (mut by_cost, mut by_load) = (0, 0);
+        let (mut by_cost, mut by_load, mut loaded_floors) = (0, 0, 0);
         for round in 0..32u64 {
             let busy = round % 2 == 1;
             // Every worker loaded and tiny: all busy, so the least loaded serves.
             let all_busy = round % 4 == 3;
+            // Prefill booked on every worker: the floors count it (`Ledger::prefill_floor`).
+            let loaded_everywhere = round % 8 < 2;
             let r = router(RouterConfig {
                 busy: crate::config::BusyThresholds {
                     decode_blocks_fraction: busy.then_some(0.5),
@@ -3362,14 +3409,14 @@ mod tests {
                     deepest = (depth, WorkerId(w));
                 }
                 // Load: the query's own first blocks active on some, other prompts on others.
-                let requests = if all_busy {
+                let requests = if all_busy || loaded_everywhere {
                     1 + rng.below(2)
                 } else {
                     rng.below(3)
                 };
                 for k in 0..requests {
                     // Another prompt's 4 blocks make a 4-block worker busy.
-                    let own = !all_busy && rng.below(2) == 0;
+                    let own = !(all_busy || loaded_everywhere && k == 0) && rng.below(2) == 0;
                     let body: Vec<u32> = if own {
                         t[..16 * (1 + rng.below(10) as usize)].to_vec()
                     } else {
@@ -3439,6 +3486,11 @@ mod tests {
                     .collect()
             };
             q.hints.evidence = EvidenceLevel::Off;
+            r.refresh_prefill_floor();
+            if loaded_everywhere || all_busy {
+                assert!(r.prefill_floor() >= 64, "round {round}");
+                loaded_floors += 1;
+            }
             let mut picked = std::collections::BTreeSet::new();
             for _ in 0..300 {
                 let d = r.route(&q).unwrap();
@@ -3448,8 +3500,8 @@ mod tests {
             assert_eq!(picked, want, "round {round}");
         }
         assert!(
-            by_cost >= 16 && by_load >= 4,
-            "{by_cost} by cost, {by_load} by load"
+            by_cost >= 16 && by_load >= 4 && loaded_floors >= 12,
+            "{by_cost} by cost, {by_load} by load, {loaded_floors} floors over booked prefill"
         );
     }
 

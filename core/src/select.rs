@@ -235,40 +235,37 @@ impl CostTerms {
 
     /// A floor under the probe bound of a rank ([`ProbeTargets::offer`]: its cost less the
     /// most a probe could take off it) from the request and the rank's overlap credit alone,
-    /// without its load; `prompt_decay` says whether the rank's prompt load may be decayed.
+    /// without its load; `prompt_decay` says whether the rank's prompt load may be decayed,
+    /// `booked` is a number of prefill tokens the rank has booked at least
+    /// ([`crate::load::Ledger::prefill_floor`]; 0 knows nothing).
     ///
-    /// The bound's terms each stay at or above the floor's: the prefill term with no tokens
-    /// already booked (the same operations on a smaller count, all monotone); the prompt
-    /// blocks less the room, at least the request's own blocks (all whole numbers below
-    /// 2⁵³, so exact), or, with decay, those less the prompt's full blocks; the output, at
-    /// least 0. The two sums round on their own, so [`ProbeTargets::cannot_win`] compares
-    /// with a margin far above that.
+    /// The bound's terms each stay at or above the floor's: the prefill term with `booked`
+    /// tokens booked, no more than the rank's (the same operations on a count no larger, all
+    /// monotone); the prompt blocks less the room, at least the request's own blocks (all
+    /// whole numbers below 2⁵³, so exact), or, with decay, those less the prompt's full
+    /// blocks; the output, at least 0. The two sums round on their own, so
+    /// [`ProbeTargets::cannot_win`] compares with a margin far above that.
     #[inline(always)]
     pub fn bound_floor(
         w: &Weights,
         shape: &RequestShape,
         credit_blocks: f64,
         prompt_decay: bool,
+        booked: u64,
     ) -> f64 {
-        let idle = LoadView::default();
-        let prefill = Self::prefill_cost(w, Self::prefill_blocks(w, shape, &idle), credit_blocks);
-        let own = if prompt_decay {
-            shape.blocks.saturating_sub(u64::from(shape.full_blocks))
-        } else {
-            shape.blocks
-        };
-        prefill + count_f64(own)
+        FloorTerms::new(w, shape, booked).floor(credit_blocks, prompt_decay)
     }
 
     /// The least overlap credit a rank needs for its probe bound to reach `cheapest`, by what
-    /// [`CostTerms::bound_floor`] gives: a rank with less credit (and the same decay flag)
-    /// cannot win, whatever its load. Conservative by a margin far above rounding (`-∞`: any
-    /// credit may win).
+    /// [`CostTerms::bound_floor`] gives (with the same `booked`): a rank with less credit (and
+    /// the same decay flag) cannot win, whatever its load. Conservative by a margin far above
+    /// rounding (`-∞`: any credit may win).
     pub fn credit_needed(
         w: &Weights,
         shape: &RequestShape,
         cheapest: f64,
         prompt_decay: bool,
+        booked: u64,
     ) -> f64 {
         let s = w.prefill_load_scale;
         let own = count_f64(if prompt_decay {
@@ -290,7 +287,11 @@ impl CostTerms {
                 f64::NEG_INFINITY
             };
         }
-        let t = Self::prefill_blocks(w, shape, &LoadView::default());
+        let least = LoadView {
+            prefill_tokens: booked,
+            ..LoadView::default()
+        };
+        let t = Self::prefill_blocks(w, shape, &least);
         let need = t - gap / s;
         need - 1e-9 * need.abs().max(1.0)
     }
@@ -346,6 +347,43 @@ impl CostTerms {
                 .max(count_f64(own))
         };
         prompt + output
+    }
+}
+
+/// What [`CostTerms::bound_floor`] takes from the request alone, computed once for every
+/// rank it is asked of: the floor is then one subtraction, one multiplication and one
+/// addition a rank.
+#[derive(Clone, Copy, Debug)]
+pub struct FloorTerms {
+    scale: f64,
+    /// Prefill blocks with `booked` tokens booked.
+    prefill_blocks: f64,
+    /// The request's own blocks, without and with prompt decay.
+    own: [f64; 2],
+}
+
+impl FloorTerms {
+    #[inline(always)]
+    pub fn new(w: &Weights, shape: &RequestShape, booked: u64) -> Self {
+        let least = LoadView {
+            prefill_tokens: booked,
+            ..LoadView::default()
+        };
+        FloorTerms {
+            scale: w.prefill_load_scale,
+            prefill_blocks: CostTerms::prefill_blocks(w, shape, &least),
+            own: [
+                count_f64(shape.blocks),
+                count_f64(shape.blocks.saturating_sub(u64::from(shape.full_blocks))),
+            ],
+        }
+    }
+
+    /// [`CostTerms::bound_floor`] for a rank with `credit_blocks` of credit.
+    #[inline(always)]
+    pub fn floor(&self, credit_blocks: f64, prompt_decay: bool) -> f64 {
+        self.scale * positive_part(self.prefill_blocks - credit_blocks)
+            + self.own[usize::from(prompt_decay)]
     }
 }
 
@@ -542,6 +580,8 @@ pub struct ProbeTargets {
     n: usize,
     bounds: [f64; SHARED_PROBES],
     indices: [u32; SHARED_PROBES],
+    /// Candidates scored, load and all, and then refused.
+    loaded_losers: u32,
 }
 
 impl ProbeTargets {
@@ -555,7 +595,22 @@ impl ProbeTargets {
             n: 0,
             bounds: [f64::INFINITY; SHARED_PROBES],
             indices: [0; SHARED_PROBES],
+            loaded_losers: 0,
         }
+    }
+
+    /// Counts a candidate whose load was read only for it to be refused
+    /// ([`ProbeTargets::bound_cannot_win`] after the load); [`ProbeTargets::offer`] counts
+    /// those it refuses itself.
+    #[inline(always)]
+    pub fn note_loaded_loser(&mut self) {
+        self.loaded_losers += 1;
+    }
+
+    /// Candidates whose load was read only for them to be refused: what a tighter floor
+    /// under the loads would have saved.
+    pub fn loaded_losers(&self) -> u32 {
+        self.loaded_losers
     }
 
     /// These targets, refusing (with `prune`) every candidate that can no longer win: one
@@ -599,6 +654,7 @@ impl ProbeTargets {
         let room = c.load.prompt_blocks.min(self.full_blocks);
         let bound = c.cost - count_f64(room);
         if self.prune && bound > self.cheapest {
+            self.loaded_losers += 1;
             return false;
         }
         if room == 0 || bound >= self.bounds[SHARED_PROBES - 1] {
@@ -1515,7 +1571,13 @@ mod tests {
             let cost = CostTerms::total_of(&w, &s, &load, credit, 0);
             let room = load.prompt_blocks.min(u64::from(s.full_blocks));
             let bound = cost - count_f64(room);
-            let floor = CostTerms::bound_floor(&w, &s, credit, load.prompt_decay != 0);
+            // Any floor under the rank's booked prefill: none, all of it, or part.
+            let booked = match rng.below(3) {
+                0 => 0,
+                1 => load.prefill_tokens,
+                _ => rng.below(load.prefill_tokens + 1),
+            };
+            let floor = CostTerms::bound_floor(&w, &s, credit, load.prompt_decay != 0, booked);
             // Above the bound by rounding alone: far inside the margin.
             let slack = 1e-12 * bound.abs().max(1.0);
             assert!(
@@ -1527,7 +1589,8 @@ mod tests {
             assert!(!t.cannot_win(floor), "the bound itself is the cheapest");
             // Nor does the bar on the credit keep it out, at that cheapest cost or above.
             for cheapest in [bound, bound + 1.0, bound * 1.5] {
-                let need = CostTerms::credit_needed(&w, &s, cheapest, load.prompt_decay != 0);
+                let need =
+                    CostTerms::credit_needed(&w, &s, cheapest, load.prompt_decay != 0, booked);
                 assert!(
                     credit >= need,
                     "{credit} < {need} at {cheapest}: {w:?} {s:?} {load:?}"
