@@ -194,6 +194,9 @@ pub struct Fleet {
     pub ranks: Vec<RankEntry>,
     /// Where each rank sits in `ranks`.
     pub lookup: RankLookup,
+    /// By prefix-index rank id ([`RankKey::id`]): the rank's index in `ranks` (`u32::MAX`:
+    /// no rank of this snapshot has the id).
+    pub by_index_id: Vec<u32>,
     /// Every distinct `(key, value)` label of the fleet; label `i` is bit `i`.
     pub labels: Vec<(String, String)>,
     /// Bumped by every join and leave.
@@ -442,9 +445,20 @@ fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> 
             label_bits,
         });
     }
+    let mut by_index_id = Vec::new();
+    for (i, r) in ranks.iter().enumerate() {
+        if let Some(key) = r.index_key {
+            let id = key.id as usize;
+            if by_index_id.len() <= id {
+                by_index_id.resize(id + 1, u32::MAX);
+            }
+            by_index_id[id] = i as u32;
+        }
+    }
     Fleet {
         workers,
         lookup: RankLookup::new(&ranks),
+        by_index_id,
         ranks,
         labels,
         generation,

@@ -2827,6 +2827,27 @@ impl Scorer<'_> {
         if let Some(i) = seed {
             this.offer_rank::<EXTRAS>(i, floors, &mut bar, targets, out);
         }
+        // Once a free, healthy rank set the cheapest cost, a rank can win only with some
+        // least overlap: the ranks the match gave that many blocks are read off the match's
+        // table, and no other rank is visited. (A candidate exists then: the one that set
+        // the cost.)
+        if floors {
+            if let Some(least) = this.least_winning_blocks(targets) {
+                for id in this.depths.ids_with_at_least(least) {
+                    let Some(&i) = this.fleet.by_index_id.get(id as usize) else {
+                        continue;
+                    };
+                    let i = i as usize;
+                    match this.fleet.ranks.get(i) {
+                        Some(r) if Some(i) != seed && eligible(r) => {
+                            this.offer_rank::<EXTRAS>(i, floors, &mut bar, targets, out);
+                        }
+                        _ => {}
+                    }
+                }
+                return 0;
+            }
+        }
         let mut unlabelled = 0;
         for (i, r) in this.fleet.ranks.iter().enumerate() {
             if r.role != role || Some(i) == seed {
@@ -2844,6 +2865,54 @@ impl Scorer<'_> {
             this.offer_rank::<EXTRAS>(i, floors, &mut bar, targets, out);
         }
         unlabelled
+    }
+
+    /// The fewest leading blocks a rank must hold to be worth scoring, now that a free,
+    /// healthy rank has set the cheapest cost of `targets`: a rank of `b` blocks has at most
+    /// `b` times the highest tier credit, plus the longest pool run's credit, of credit; and
+    /// at most the sum of the preferred labels' weights of preference. With less credit than
+    /// [`CostTerms::credit_needed`] asks to reach the bar plus that preference, its floor is
+    /// above the bar ([`ProbeTargets::cannot_win`]) whatever its load. One block of slack
+    /// covers rounding. `None` when no cost is set yet, when a rank holding nothing might
+    /// still win, or when holding blocks earns no credit: every rank is visited then.
+    fn least_winning_blocks(&self, targets: &ProbeTargets) -> Option<u32> {
+        let bar = targets.bar();
+        if !bar.is_finite() {
+            return None;
+        }
+        let per_block = self
+            .weights
+            .credits
+            .iter()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max);
+        // (NaN credits too.)
+        if per_block.is_nan() || per_block <= 0.0 {
+            return None;
+        }
+        let preference: f64 = self.preferred.iter().map(|&(_, w)| w).sum();
+        let longest = self.pool.iter().map(|&(a, b)| b - a).max().unwrap_or(0);
+        let pool = (f64::from(longest) * self.pool_credit).max(0.0);
+        // With decay anywhere, the lower floor of a decaying rank.
+        let need = CostTerms::credit_needed(
+            self.weights,
+            self.shape,
+            bar + preference,
+            self.decay_anywhere,
+            self.booked_floor,
+        );
+        if need == f64::INFINITY {
+            return Some(u32::MAX);
+        }
+        let least = ((need - pool) / per_block).ceil() - 1.0;
+        if least.is_nan() || least < 1.0 {
+            return None;
+        }
+        Some(if least >= f64::from(u32::MAX) {
+            u32::MAX
+        } else {
+            least as u32
+        })
     }
 
     /// Scores rank `i` into `out` unless `targets` refuse it; with `floors`, first checks that
@@ -3360,6 +3429,87 @@ mod tests {
         q.hints.preferred = &[];
         q.hints.pool = PoolHits::Hits(&pool);
         assert_eq!(picks(&q), [0, 1, 2].into());
+    }
+
+    /// Selection that reads only the ranks the match gave enough blocks to win picks what
+    /// the full evidence says: 48 workers with overlaps spread over every depth (so the
+    /// least winning depth falls among them), tier weights, background prefill on every
+    /// worker (a booked-prefill floor above 0), some prompts active, and requests with
+    /// preferred labels, pool hits, both or neither. Each round's pick set over repeated
+    /// routes equals the set of cheapest free candidates.
+    #[test]
+    fn selection_from_the_deep_ranks_picks_what_the_full_evidence_says() {
+        let mut rng = crate::rng::Rng::new(29);
+        for round in 0..24u64 {
+            let r = router(RouterConfig {
+                pool_credit: [0.5, 1.0, 0.9][round as usize % 3],
+                ..RouterConfig::default()
+            });
+            let t = tokens(40 * BS as usize);
+            let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+            for w in 0..48u64 {
+                let mut c = WorkerConfig::simple(w, 1000, BS);
+                if rng.below(3) == 0 {
+                    c.labels = vec![("gpu".to_string(), "fast".to_string())];
+                }
+                r.join_worker(c).unwrap();
+                let depth = rng.below(41) as usize;
+                if depth > 0 {
+                    let tier = if rng.below(4) == 0 {
+                        StorageTier::HostPinned
+                    } else {
+                        StorageTier::Device
+                    };
+                    store(&r, WorkerRank::new(w, 0), tier, &locals[..depth], 0);
+                }
+                // Background prefill everywhere, of several sizes; some of the query's own
+                // blocks active on a few.
+                let own = rng.below(4) == 0;
+                let body: Vec<u32> = if own {
+                    t[..BS as usize * (1 + rng.below(8) as usize)].to_vec()
+                } else {
+                    let n = BS * (1 + rng.below(6) as u32);
+                    (0..n).map(|i| 700_000 + i + 1000 * (w as u32)).collect()
+                };
+                let mut q = req(1_000_000 * (round + 1) + w, &body);
+                q.hints.pinned.backend_instance = Some(WorkerId(w));
+                r.route(&q).unwrap();
+            }
+            r.refresh_prefill_floor();
+            let preferred = [PreferredLabel {
+                label: Label {
+                    key: "gpu",
+                    value: "fast",
+                },
+                weight: [1.0, 3.0, 7.5][rng.below(3) as usize],
+            }];
+            let start = rng.below(20) as u32;
+            let mid = start + 3 + rng.below(15) as u32;
+            let pool = [start..mid, mid + 2..mid + 2 + rng.below(9) as u32];
+            let mut q = req(1, &t);
+            q.hints.mode = Mode::QueryOnly;
+            if round % 4 >= 2 {
+                q.hints.preferred = &preferred;
+            }
+            if round % 2 == 1 {
+                q.hints.pool = PoolHits::Hits(&pool);
+            }
+            q.hints.evidence = EvidenceLevel::Full;
+            let ev = r.route(&q).unwrap().evidence.unwrap();
+            let min = ev
+                .iter()
+                .map(|c| c.cost.total)
+                .fold(f64::INFINITY, f64::min);
+            let want: std::collections::BTreeSet<WorkerRank> = ev
+                .iter()
+                .filter(|c| c.cost.total == min)
+                .map(|c| c.rank)
+                .collect();
+            q.hints.evidence = EvidenceLevel::Off;
+            let picked: std::collections::BTreeSet<WorkerRank> =
+                (0..200).map(|_| r.route(&q).unwrap().worker).collect();
+            assert_eq!(picked, want, "round {round}");
+        }
     }
 
     /// Without evidence, selection keeps only candidates that can still win; it picks from

@@ -631,6 +631,13 @@ impl ProbeTargets {
         self.cheapest
     }
 
+    /// What a floor must exceed for [`ProbeTargets::cannot_win`] (`∞` while nothing is
+    /// refused).
+    #[inline]
+    pub fn bar(&self) -> f64 {
+        self.bar
+    }
+
     /// True when these targets prune ([`ProbeTargets::pruning`]).
     pub fn prunes(&self) -> bool {
         self.prune

@@ -143,6 +143,18 @@ impl RankDepths {
         }
     }
 
+    /// The ids this match gave at least `blocks` blocks (at least 1), in increasing order: one
+    /// pass over the table.
+    pub fn ids_with_at_least(&self, blocks: u32) -> impl Iterator<Item = u32> + '_ {
+        let blocks = blocks.max(1);
+        let stamp = self.stamp;
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(move |&(_, &e)| (e >> STAMP_SHIFT) as u32 == stamp && e as u32 >= blocks)
+            .map(|(id, _)| id as u32)
+    }
+
     /// The ids this match scored, in increasing order (a scan of the table).
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         (0..self.entries.len() as u32).filter(|&id| self.live(self.entries[id as usize]))
