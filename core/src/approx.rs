@@ -394,18 +394,20 @@ impl ApproxCache {
                 true
             }
         }
-        self.lookup_over(locals, marks, now, &mut Every(f));
+        self.lookup_over(locals, marks, now, 0, &mut Every(f));
     }
 
     /// [`ApproxCache::lookup`], reporting each rank with its index key: a galloping search
     /// for the deepest node holding anything live, then one read of each distinct node up
-    /// the chain from there (see the module comment). True when some report raised what
-    /// `out` knew.
+    /// the chain from there (see the module comment), down to `min_depth` blocks: a node
+    /// shallower is not read (a caller to whom no overlap below that depth matters). True
+    /// when some report raised what `out` knew.
     pub fn lookup_over(
         &self,
         locals: &[LocalHash],
         marks: &mut Vec<u64>,
         now: Instant,
+        min_depth: u32,
         out: &mut impl Overlaps,
     ) -> bool {
         let n = locals.len();
@@ -478,6 +480,9 @@ impl ApproxCache {
                 Some(differs)
             };
             let depth = (checkpoint_at(top, n) + 1) as u32;
+            if depth < min_depth {
+                break;
+            }
             for h in &at.holders {
                 let slot = &mut slots[h.slot as usize];
                 if h.generation != slot.generation || h.expires <= now {
@@ -1017,10 +1022,17 @@ mod tests {
                         want.sort();
                         let mut got = Vec::new();
                         let mut keys = Vec::new();
-                        c.lookup_over(&q, &mut keys, now, &mut Keys(&m, &mut got));
+                        c.lookup_over(&q, &mut keys, now, 0, &mut Keys(&m, &mut got));
                         got.sort();
                         assert_eq!(got, want, "round {round}");
                         assert_eq!(keys, kq[..keys.len()]);
+                        // Down to a least depth: the same reports, less those shallower.
+                        let least = rng.below(q.len() as u64 + 2) as u32;
+                        let mut deep = Vec::new();
+                        c.lookup_over(&q, &mut keys, now, least, &mut Keys(&m, &mut deep));
+                        deep.sort();
+                        want.retain(|&(_, d)| d >= least);
+                        assert_eq!(deep, want, "round {round}, from {least} blocks");
                     }
                 }
                 assert_eq!(c.counts().records, m.records(), "round {round}");

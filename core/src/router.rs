@@ -1432,17 +1432,6 @@ impl Router {
             prefix_key: self.prefix_key(&s.keys),
         };
         let temperature = overrides.temperature.unwrap_or(self.config.temperature);
-        // The router's own records (approximate mode, speculation) raise a rank's overlap to
-        // their depth, as device blocks; the index's overlap stands where it is deeper.
-        if !self.approx.is_empty() && !s.locals.is_empty() {
-            let now = now.get_or(None);
-            if self
-                .approx
-                .lookup_over(&s.locals, &mut s.marks, now, &mut s.depths)
-            {
-                bump(&self.counters.approx_raised);
-            }
-        }
         // Constraints: required labels as one mask; preferred ones as (bit, weight).
         let mut required = 0u64;
         for l in hints.required {
@@ -1478,41 +1467,6 @@ impl Router {
                 }
             }
         }
-        let busy = &self.config.busy;
-        let booked_floor = self.ledger.prefill_floor();
-        let scorer = Scorer {
-            pool: &s.pool,
-            pool_credit: self.config.pool_credit,
-            preferred: &s.preferred,
-            fleet: &fleet,
-            depths: &s.depths,
-            seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
-            decay_anywhere: self.ledger.prompt_decay_anywhere(),
-            booked_floor,
-            floor_terms: FloorTerms::new(&weights, &shape, booked_floor),
-            weights: &weights,
-            shape: &shape,
-            busy,
-            busy_on: busy.decode_blocks_fraction.is_some()
-                || busy.prefill_tokens_fraction.is_some(),
-            health_on: self.marked_ranks.load(Ordering::Relaxed) > 0,
-        };
-        let full = |c: &Scored| {
-            let i = c.fleet_index as usize;
-            let per_tier = scorer.per_tier(i);
-            let mut c = Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape);
-            let (pool_credit, pool_blocks) = scorer.pool_extension(c.overlap.blocks);
-            if pool_blocks > 0 {
-                c.cost = c.cost.with_pool_credit(&weights, pool_credit, pool_blocks);
-            }
-            if !scorer.preferred.is_empty() {
-                c.cost = c
-                    .cost
-                    .with_preference(scorer.preference(fleet.ranks[i].label_bits));
-            }
-            c
-        };
-
         let mut rng = self.rng.fork();
         let mut bookkeeping = match hints.mode {
             Mode::Book => Bookkeeping::Booked,
@@ -1545,6 +1499,95 @@ impl Router {
                 }
             });
         }
+        let (role, role_fallback) = self.selection_role(&fleet, hints.phase);
+        // Candidates that cannot win are not kept where only the winner matters: the
+        // cheapest is taken (ties at random), and nothing else reads the whole list (no
+        // evidence, no wait to estimate). While ranks warm up, warm-up's pick needs every
+        // candidate on a cache miss: a request the kept candidates hold no block of is
+        // gathered again, whole, for it.
+        let prune = probe
+            && temperature == 0.0
+            && hints.evidence != EvidenceLevel::Full
+            && gate != Gate::Behind;
+        let busy = &self.config.busy;
+        let booked_floor = self.ledger.prefill_floor();
+        let health_on = self.marked_ranks.load(Ordering::Relaxed) > 0;
+        let decay_anywhere = self.ledger.prompt_decay_anywhere();
+        // The router's own records (approximate mode, speculation) raise a rank's overlap to
+        // their depth, as device blocks; the index's overlap stands where it is deeper. Where
+        // only the winner matters, the deepest eligible rank is scored on the index's overlap
+        // alone first: records shallower than any overlap that could beat it are not read
+        // (`Scorer::least_winning_blocks`; the rank's cost without its records is no lower
+        // than with them, so the depth found is no higher than it would be with them).
+        let mut known_seed = None;
+        if !self.approx.is_empty() && !s.locals.is_empty() {
+            let mut least = 0;
+            if prune && pin.is_none() {
+                let first = Scorer {
+                    pool: &s.pool,
+                    pool_credit: self.config.pool_credit,
+                    preferred: &s.preferred,
+                    fleet: &fleet,
+                    depths: &s.depths,
+                    seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
+                    known_seed: None,
+                    decay_anywhere,
+                    booked_floor,
+                    floor_terms: FloorTerms::new(&weights, &shape, booked_floor),
+                    weights: &weights,
+                    shape: &shape,
+                    busy,
+                    busy_on: busy.decode_blocks_fraction.is_some()
+                        || busy.prefill_tokens_fraction.is_some(),
+                    health_on,
+                };
+                let (seed, blocks) =
+                    first.least_after_seed(role, hints.allowed, required, &mut s.candidates);
+                known_seed = seed;
+                least = blocks.unwrap_or(0);
+            }
+            let now = now.get_or(None);
+            if self
+                .approx
+                .lookup_over(&s.locals, &mut s.marks, now, least, &mut s.depths)
+            {
+                bump(&self.counters.approx_raised);
+            }
+        }
+        let scorer = Scorer {
+            pool: &s.pool,
+            pool_credit: self.config.pool_credit,
+            preferred: &s.preferred,
+            fleet: &fleet,
+            depths: &s.depths,
+            seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
+            known_seed,
+            decay_anywhere,
+            booked_floor,
+            floor_terms: FloorTerms::new(&weights, &shape, booked_floor),
+            weights: &weights,
+            shape: &shape,
+            busy,
+            busy_on: busy.decode_blocks_fraction.is_some()
+                || busy.prefill_tokens_fraction.is_some(),
+            health_on,
+        };
+        let full = |c: &Scored| {
+            let i = c.fleet_index as usize;
+            let per_tier = scorer.per_tier(i);
+            let mut c = Candidate::from_scored(c, fleet.ranks[i].rank, per_tier, &weights, &shape);
+            let (pool_credit, pool_blocks) = scorer.pool_extension(c.overlap.blocks);
+            if pool_blocks > 0 {
+                c.cost = c.cost.with_pool_credit(&weights, pool_credit, pool_blocks);
+            }
+            if !scorer.preferred.is_empty() {
+                c.cost = c
+                    .cost
+                    .with_preference(scorer.preference(fleet.ranks[i].label_bits));
+            }
+            c
+        };
+
         let (chosen, decided_by, evidence) = if let Some(((wid, dp), pinned_by)) = pin {
             let Some(w) = fleet.worker(wid) else {
                 bump(&self.counters.unknown_worker);
@@ -1596,29 +1639,11 @@ impl Router {
             let ev = (hints.evidence == EvidenceLevel::Full).then(|| vec![c]);
             (c, pinned_by, ev)
         } else {
-            let mut role = match hints.phase {
-                Phase::Aggregated => WorkerRole::Aggregated,
-                Phase::Prefill => WorkerRole::Prefill,
-                Phase::Decode => WorkerRole::Decode,
-            };
-            if role == WorkerRole::Prefill
-                && self.config.disaggregation == Disaggregation::Optional
-                && !fleet.ranks.iter().any(|r| r.role == WorkerRole::Prefill)
-            {
-                role = WorkerRole::Aggregated;
-                fallback = Some(Fallback::PrefillToAggregated);
+            if role_fallback.is_some() {
+                fallback = role_fallback;
             }
             s.candidates.clear();
             s.candidates.reserve(fleet.ranks.len());
-            // Candidates that cannot win are not kept where only the winner matters: the
-            // cheapest is taken (ties at random), and nothing else reads the whole list (no
-            // evidence, no wait to estimate). While ranks warm up, warm-up's pick needs every
-            // candidate on a cache miss: a request the kept candidates hold no block of is
-            // gathered again, whole, for it.
-            let prune = probe
-                && temperature == 0.0
-                && hints.evidence != EvidenceLevel::Full
-                && gate != Gate::Behind;
             let warming = self.warming(now);
             let mut targets =
                 ProbeTargets::new(if probe { shape.full_blocks } else { 0 }).pruning(prune);
@@ -1876,6 +1901,23 @@ impl Router {
 
     /// True while some rank may still be warming up at `now` (warm-up's pick may then look
     /// at every candidate).
+    /// The role a request of `phase` is served by, and the fallback taken to find it (with
+    /// optional disaggregation and no prefill worker, prefill goes to aggregated workers).
+    fn selection_role(&self, fleet: &Fleet, phase: Phase) -> (WorkerRole, Option<Fallback>) {
+        let role = match phase {
+            Phase::Aggregated => WorkerRole::Aggregated,
+            Phase::Prefill => WorkerRole::Prefill,
+            Phase::Decode => WorkerRole::Decode,
+        };
+        if role == WorkerRole::Prefill
+            && self.config.disaggregation == Disaggregation::Optional
+            && !fleet.ranks.iter().any(|r| r.role == WorkerRole::Prefill)
+        {
+            return (WorkerRole::Aggregated, Some(Fallback::PrefillToAggregated));
+        }
+        (role, None)
+    }
+
     fn warming(&self, now: &Now) -> bool {
         matches!(self.config.warm_up, WarmUp::On { .. })
             && self.ns_since_epoch(now.get_or(None)) < self.warm_horizon_ns.load(Ordering::Relaxed)
@@ -2702,6 +2744,9 @@ struct Scorer<'a> {
     depths: &'a RankDepths,
     /// The fleet index of the match's deepest rank, scored first where that helps.
     seed: Option<usize>,
+    /// The rank a pruning gather scores first, when already chosen
+    /// ([`Scorer::least_after_seed`]).
+    known_seed: Option<usize>,
     /// False while no booking's prompt load is decayed ([`Ledger::prompt_decay_anywhere`]).
     decay_anywhere: bool,
     /// Prefill tokens every rank has booked at least ([`Ledger::prefill_floor`]).
@@ -2762,6 +2807,77 @@ impl Scorer<'_> {
         }
     }
 
+    /// True when rank `r` may serve a request for `role` (with `EXTRAS`: among `allowed`
+    /// workers, carrying the `required` labels).
+    #[inline(always)]
+    fn eligible<const EXTRAS: bool>(
+        r: &RankEntry,
+        role: WorkerRole,
+        allowed: Option<&[WorkerId]>,
+        required: u64,
+    ) -> bool {
+        r.role == role
+            && (!EXTRAS
+                || (allowed.is_none_or(|a| a.contains(&r.rank.worker))
+                    && r.label_bits & required == required))
+    }
+
+    /// The rank scored first where floors prune: the deepest (without extras, the walk's
+    /// deepest; with them, the deepest eligible), if eligible.
+    fn pick_seed<const EXTRAS: bool>(
+        &self,
+        role: WorkerRole,
+        allowed: Option<&[WorkerId]>,
+        required: u64,
+    ) -> Option<usize> {
+        let eligible = |r: &RankEntry| Self::eligible::<EXTRAS>(r, role, allowed, required);
+        if EXTRAS {
+            // The deepest eligible rank: its credit is likely the highest.
+            let mut best = (0u32, None);
+            for (i, r) in self.fleet.ranks.iter().enumerate() {
+                if let Some((_, d)) = rank_depth_unchecked(r, self.depths) {
+                    if d.blocks > best.0 && eligible(r) {
+                        best = (d.blocks, Some(i));
+                    }
+                }
+            }
+            best.1
+        } else {
+            self.seed.filter(|&i| eligible(&self.fleet.ranks[i]))
+        }
+    }
+
+    /// The seed a pruning gather would score first ([`Scorer::pick_seed`]), and the fewest
+    /// blocks a rank needs to beat it ([`Scorer::least_winning_blocks`]), from one scoring of
+    /// the seed (into `scratch`, cleared).
+    fn least_after_seed(
+        &self,
+        role: WorkerRole,
+        allowed: Option<&[WorkerId]>,
+        required: u64,
+        scratch: &mut Vec<Scored>,
+    ) -> (Option<usize>, Option<u32>) {
+        let extras = self.extras() || allowed.is_some() || required != 0;
+        let seed = if extras {
+            self.pick_seed::<true>(role, allowed, required)
+        } else {
+            self.pick_seed::<false>(role, allowed, required)
+        };
+        let Some(i) = seed else {
+            return (None, None);
+        };
+        let mut targets = ProbeTargets::new(self.shape.full_blocks).pruning(true);
+        let mut bar = CreditBar::default();
+        scratch.clear();
+        if extras {
+            self.offer_rank::<true>(i, true, &mut bar, &mut targets, scratch);
+        } else {
+            self.offer_rank::<false>(i, true, &mut bar, &mut targets, scratch);
+        }
+        scratch.clear();
+        (seed, self.least_winning_blocks(&targets))
+    }
+
     /// Scores every rank of `role` that `allowed` and `required` admit into `out`, offering
     /// each to `targets`; returns how many lacked a required label. One loop per kind of
     /// request, so that a plain one pays for no condition it does not use.
@@ -2798,30 +2914,14 @@ impl Scorer<'_> {
             ..*self
         };
         // A rank whose bound's floor cannot win is not scored at all; the rank likeliest to
-        // be cheapest goes first, as it sets a low cheapest cost early: the deepest (without
-        // extras, the walk's deepest; with them, the deepest eligible).
+        // be cheapest goes first, as it sets a low cheapest cost early.
         let floors = targets.prunes();
-        let eligible = |r: &RankEntry| {
-            r.role == role
-                && (!EXTRAS
-                    || (allowed.is_none_or(|a| a.contains(&r.rank.worker))
-                        && r.label_bits & required == required))
-        };
-        let seed = if !floors {
-            None
-        } else if EXTRAS {
-            // The deepest eligible rank: its credit is likely the highest.
-            let mut best = (0u32, None);
-            for (i, r) in this.fleet.ranks.iter().enumerate() {
-                if let Some((_, d)) = rank_depth_unchecked(r, this.depths) {
-                    if d.blocks > best.0 && eligible(r) {
-                        best = (d.blocks, Some(i));
-                    }
-                }
-            }
-            best.1
+        let eligible = |r: &RankEntry| Self::eligible::<EXTRAS>(r, role, allowed, required);
+        let seed = if floors {
+            this.known_seed
+                .or_else(|| this.pick_seed::<EXTRAS>(role, allowed, required))
         } else {
-            this.seed.filter(|&i| eligible(&this.fleet.ranks[i]))
+            None
         };
         let mut bar = CreditBar::default();
         if let Some(i) = seed {
@@ -3431,18 +3531,35 @@ mod tests {
         assert_eq!(picks(&q), [0, 1, 2].into());
     }
 
-    /// Selection that reads only the ranks the match gave enough blocks to win picks what
-    /// the full evidence says: 48 workers with overlaps spread over every depth (so the
-    /// least winning depth falls among them), tier weights, background prefill on every
-    /// worker (a booked-prefill floor above 0), some prompts active, and requests with
-    /// preferred labels, pool hits, both or neither. Each round's pick set over repeated
-    /// routes equals the set of cheapest free candidates.
+    /// Selection that reads only the ranks the match gave enough blocks to win, and only the
+    /// records deep enough to matter, picks what the full evidence says: 48 workers with
+    /// overlaps spread over every depth (so the least winning depth falls among them), tier
+    /// weights, background prefill on every worker (a booked-prefill floor above 0), some
+    /// prompts active, and requests with preferred labels, pool hits, both or neither; in
+    /// half the rounds, records of finished requests on workers with and without events,
+    /// beside heavily loaded deep ones. Each round's pick set over repeated routes equals the
+    /// set of cheapest free candidates. (Reading records from two blocks above the least
+    /// winning depth fails it.)
     #[test]
     fn selection_from_the_deep_ranks_picks_what_the_full_evidence_says() {
         let mut rng = crate::rng::Rng::new(29);
-        for round in 0..24u64 {
+        for round in 0..64u64 {
+            // Half the rounds record every route (speculation), and some workers publish no
+            // events: records then raise overlaps, the shallow ones unread where pruning
+            // finds them unable to win.
+            let records = round % 8 >= 4;
             let r = router(RouterConfig {
                 pool_credit: [0.5, 1.0, 0.9][round as usize % 3],
+                approximate: crate::config::Approximate {
+                    speculative: if records {
+                        crate::config::Speculative::On {
+                            ttl: std::time::Duration::from_secs(600),
+                        }
+                    } else {
+                        crate::config::Speculative::Off
+                    },
+                    ..crate::config::Approximate::default()
+                },
                 ..RouterConfig::default()
             });
             let t = tokens(40 * BS as usize);
@@ -3452,7 +3569,12 @@ mod tests {
                 if rng.below(3) == 0 {
                     c.labels = vec![("gpu".to_string(), "fast".to_string())];
                 }
-                r.join_worker(c).unwrap();
+                let events = if records && rng.below(4) == 0 {
+                    KvEvents::Absent
+                } else {
+                    KvEvents::Published
+                };
+                r.join_worker_with(c, events).unwrap();
                 let depth = rng.below(41) as usize;
                 if depth > 0 {
                     let tier = if rng.below(4) == 0 {
@@ -3464,16 +3586,24 @@ mod tests {
                 }
                 // Background prefill everywhere, of several sizes; some of the query's own
                 // blocks active on a few.
-                let own = rng.below(4) == 0;
+                let own = rng.below(if records { 2 } else { 4 }) == 0;
                 let body: Vec<u32> = if own {
-                    t[..BS as usize * (1 + rng.below(8) as usize)].to_vec()
+                    t[..BS as usize * (1 + rng.below(40) as usize)].to_vec()
                 } else {
-                    let n = BS * (1 + rng.below(6) as u32);
+                    // With records, the index's deep ranks carry heavy loads, so that ranks
+                    // known by their records alone win near the least winning depth.
+                    let most = if records { 60 } else { 6 };
+                    let n = BS * (1 + rng.below(most) as u32);
                     (0..n).map(|i| 700_000 + i + 1000 * (w as u32)).collect()
                 };
-                let mut q = req(1_000_000 * (round + 1) + w, &body);
+                let id = 1_000_000 * (round + 1) + w;
+                let mut q = req(id, &body);
                 q.hints.pinned.backend_instance = Some(WorkerId(w));
                 r.route(&q).unwrap();
+                // A finished request leaves its record and no load.
+                if records && own {
+                    r.free(RequestId(id)).unwrap();
+                }
             }
             r.refresh_prefill_floor();
             let preferred = [PreferredLabel {
