@@ -1545,6 +1545,17 @@ impl Router {
                     first.least_after_seed(role, hints.allowed, required, &mut s.candidates);
                 known_seed = seed;
                 least = blocks.unwrap_or(0);
+            } else if let Some(((wid, dp), _)) = pin {
+                // Only the pinned rank's overlap matters: records no deeper than what the
+                // index gives it change nothing.
+                if let Some(w) = fleet.worker(wid) {
+                    least = fleet.ranks[w.ranks.clone()]
+                        .iter()
+                        .filter(|r| dp.is_none_or(|dp| r.rank.dp_rank == dp))
+                        .map(|r| rank_depth_unchecked(r, &s.depths).map_or(0, |(_, d)| d.blocks))
+                        .min()
+                        .map_or(0, |blocks| blocks.saturating_add(1));
+                }
             }
             let now = now.get_or(None);
             if self
@@ -5398,6 +5409,44 @@ mod approx_tests {
         assert!(r.counts().approx_raised >= 2);
         r.expire(t0 + Duration::from_secs(120));
         assert_eq!(r.counts().approx.records, 0);
+    }
+
+    /// A pinned route sees its rank's records where they go deeper than the index's overlap,
+    /// and the index's overlap where that is deeper (only records deeper than the index's
+    /// overlap of the pinned rank are read).
+    #[test]
+    fn a_pinned_route_reads_its_ranks_records_beyond_the_index() {
+        let r = router(Speculative::Off);
+        for w in [1, 2] {
+            r.join_worker_with(WorkerConfig::simple(w, 1000, BS), KvEvents::Absent)
+                .unwrap();
+        }
+        let t0 = Instant::now();
+        let long = prompt(256); // 16 blocks
+        pinned(&r, 1, &long[..128], 1, t0);
+        pinned(&r, 2, &long, 2, t0);
+        r.free(RequestId(1)).unwrap();
+        r.free(RequestId(2)).unwrap();
+        let on_pinned = |worker: u64| {
+            let mut q = RouteRequest {
+                id: RequestId(50 + worker),
+                tokens: &long,
+                hints: RouteHints::default(),
+            };
+            q.hints.mode = Mode::QueryOnly;
+            q.hints.evidence = EvidenceLevel::Full;
+            q.hints.pinned.backend_instance = Some(WorkerId(worker));
+            let ev = r.route_at(&q, t0).unwrap().evidence.unwrap();
+            assert_eq!(ev.len(), 1);
+            ev[0].overlap.blocks
+        };
+        assert_eq!((on_pinned(1), on_pinned(2)), (8, 16));
+        let locals = BlockHasher::new(BS as usize).local_hashes(&long);
+        let w1 = WorkerRank::new(1, 0);
+        tests::store(&r, w1, StorageTier::Device, &locals[..4], 0);
+        assert_eq!(on_pinned(1), 8, "the record goes deeper than the index");
+        tests::store(&r, w1, StorageTier::Device, &locals[..12], 1);
+        assert_eq!(on_pinned(1), 12, "the index goes deeper than the record");
     }
 
     /// A speculative record bridges the time to the worker's first events, is overtaken by
