@@ -60,6 +60,10 @@ use crate::rng::mix64;
 
 /// Blocks recorded one by one at the start of a prompt.
 pub const DENSE_BLOCKS: usize = 16;
+
+/// A record of a chain its rank already holds to the end, expiring less than this before the
+/// new one would (in nanoseconds), leaves the chain as it is ([`ApproxCache::record`]).
+const REFRESH_SLACK_NS: i64 = 1_000_000;
 /// Past [`DENSE_BLOCKS`], one block in this many is recorded.
 pub const STRIDE: usize = 16;
 
@@ -317,6 +321,19 @@ impl ApproxCache {
         }
         let inner = &mut *g;
         let (slot, generation) = inner.slot(rank, key);
+        // The rank holds this chain to its end, at this generation, expiring less than
+        // `REFRESH_SLACK_NS` before this record would: the chain is left as it is (a record
+        // writes its whole chain with one expiry, and expiries only grow, so every node above
+        // holds the rank at least as long). A burst of requests with one prompt on one rank
+        // writes it once; the record may end up to the slack early, never late.
+        if let Some(node) = marks.last().and_then(|m| inner.nodes.get(m)) {
+            if let Ok(p) = node.place(slot, 0) {
+                let h = &node.holders[p];
+                if h.generation == generation && h.expires > expires - REFRESH_SLACK_NS {
+                    return;
+                }
+            }
+        }
         let fresh = Holder {
             slot,
             generation,
@@ -1080,5 +1097,45 @@ mod tests {
         // The gallop doubles the depth in blocks: it stops at the first checkpoint past 127
         // (the 23rd).
         assert!(keys.len() <= 23, "{}", keys.len());
+    }
+
+    /// A record of a chain the rank already holds to its end, expiring within the slack of
+    /// the one held, writes nothing; one that expires later by more, one that goes deeper,
+    /// and one made after the rank was retired each write their chain.
+    #[test]
+    fn a_record_the_rank_already_holds_is_not_written_again() {
+        let c = ApproxCache::new(1 << 20);
+        let t0 = Instant::now();
+        let r = WorkerRank::new(1, 0);
+        let p = locals(1, 64);
+        let marks = marks_of(&p);
+        let slack = Duration::from_nanos(REFRESH_SLACK_NS as u64);
+        let until = t0 + Duration::from_secs(5);
+        rec(&c, &marks, r, until);
+        let written = c.counts().written;
+        assert_eq!(written, marks.len() as u64);
+        // Within the slack, and a prefix of the chain: nothing written, the first expiry kept.
+        rec(&c, &marks, r, until + slack / 2);
+        rec(&c, &marks_of(&p[..32]), r, until + slack / 2);
+        assert_eq!(c.counts().written, written);
+        assert_eq!(look(&c, &p, until + slack / 4), vec![]);
+        assert_eq!(look(&c, &p, until - slack / 4), vec![(r, 64)]);
+        // Later by more than the slack: the chain is refreshed.
+        rec(&c, &marks, r, until + 2 * slack);
+        assert_eq!(c.counts().written, 2 * written);
+        assert_eq!(look(&c, &p, until + slack), vec![(r, 64)]);
+        // Deeper: written.
+        let mut longer = p.clone();
+        longer.extend(locals(2, 16));
+        rec(&c, &marks_of(&longer), r, until + 2 * slack);
+        assert_eq!(
+            c.counts().written,
+            2 * written + marks_of(&longer).len() as u64
+        );
+        // Retired, then recorded within the slack: written again, and counted in lookups.
+        c.retire_rank(r);
+        assert_eq!(look(&c, &p, t0), vec![]);
+        rec(&c, &marks, r, until + 2 * slack);
+        assert_eq!(look(&c, &p, t0), vec![(r, 64)]);
     }
 }
