@@ -627,10 +627,14 @@ fn digest(run: &[LocalHash]) -> u64 {
         0x4528_21e6_38d0_1377,
     ];
     let mut lanes = SEEDS;
-    for four in run.chunks(4) {
+    let mut fours = run.chunks_exact(4);
+    for four in &mut fours {
         for (lane, l) in lanes.iter_mut().zip(four) {
             *lane = chain(*lane, l.0);
         }
+    }
+    for (lane, l) in lanes.iter_mut().zip(fours.remainder()) {
+        *lane = chain(*lane, l.0);
     }
     lanes[0] ^ lanes[1].rotate_left(16) ^ lanes[2].rotate_left(32) ^ lanes[3].rotate_left(48)
 }
@@ -646,15 +650,25 @@ pub fn checkpoint_keys_extend(locals: &[LocalHash], marks: &mut Vec<u64>, upto: 
     let n = locals.len();
     let upto = upto.min(checkpoint_count(n));
     let mut k = marks.last().copied().unwrap_or(MARK_SEED);
-    for j in marks.len()..upto {
-        let end = checkpoint_at(j, n);
-        k = if j < DENSE_BLOCKS {
-            chain(k, locals[end].0)
-        } else {
-            let start = checkpoint_at(j - 1, n) + 1;
-            chain(k, digest(&locals[start..=end]))
-        };
+    let mut j = marks.len();
+    marks.reserve(upto.saturating_sub(j));
+    // The dense checkpoints are the blocks themselves.
+    while j < upto.min(DENSE_BLOCKS) {
+        k = chain(k, locals[j].0);
         marks.push(k);
+        j += 1;
+    }
+    if j >= upto {
+        return;
+    }
+    // Then runs of STRIDE blocks, the last one cut at the prompt's end.
+    let mut start = checkpoint_at(j - 1, n) + 1;
+    while j < upto {
+        let end = checkpoint_at(j, n);
+        k = chain(k, digest(&locals[start..=end]));
+        marks.push(k);
+        start = end + 1;
+        j += 1;
     }
 }
 
