@@ -2843,7 +2843,16 @@ impl Scorer<'_> {
     ) -> Option<usize> {
         let eligible = |r: &RankEntry| Self::eligible::<EXTRAS>(r, role, allowed, required);
         if EXTRAS {
-            // The deepest eligible rank: its credit is likely the highest.
+            // The deepest eligible rank: its credit is likely the highest. The walk's deepest
+            // few first, then every rank.
+            let fleet = self.fleet;
+            let known = self.depths.deepest_ids().find_map(|id| {
+                let i = *fleet.by_index_id.get(id as usize)? as usize;
+                fleet.ranks.get(i).filter(|r| eligible(r)).map(|_| i)
+            });
+            if known.is_some() {
+                return known;
+            }
             let mut best = (0u32, None);
             for (i, r) in self.fleet.ranks.iter().enumerate() {
                 if let Some((_, d)) = rank_depth_unchecked(r, self.depths) {

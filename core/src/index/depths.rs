@@ -10,6 +10,8 @@ use crate::event::{StorageTier, WorkerRank};
 const MIXED: u8 = 0xFF;
 /// Bits of an entry below the stamp: the tier byte and the block count.
 const STAMP_SHIFT: u32 = 40;
+/// The walk's deepest overlaps kept by [`RankDepths`].
+const TOP: usize = 4;
 /// Stamps wrap after this many matches (the table is then cleared once).
 const STAMP_LIMIT: u32 = 1 << 24;
 
@@ -37,9 +39,10 @@ pub struct RankDepths {
     stamp: u32,
     /// Ranks still holding every block so far: (rank id, rank id), as the walk narrows them.
     pub(super) active: Vec<(u32, u32)>,
-    /// The walk's deepest overlap: (blocks, rank id), the first found of the deepest.
-    deep: (u32, u32),
-    /// The rank of `deep`, named when the walk ends.
+    /// The walk's deepest overlaps: (blocks, rank id), deepest first (the first found of
+    /// equals ahead), `(0, 0)` where there are fewer.
+    top: [(u32, u32); TOP],
+    /// The rank of the deepest, named when the walk ends.
     deepest: Option<WorkerRank>,
 }
 
@@ -57,7 +60,7 @@ impl RankDepths {
     /// Starts a match over rank ids below `ranks`, `epoch` ids freed so far.
     pub(super) fn begin(&mut self, ranks: usize, epoch: u32) {
         self.epoch = epoch;
-        self.deep = (0, 0);
+        self.top = [(0, 0); TOP];
         self.deepest = None;
         self.active.clear();
         self.stamp += 1;
@@ -136,10 +139,19 @@ impl RankDepths {
         self.deepest
     }
 
+    /// The ids of the walk's deepest overlaps (at most four), deepest first: a hint for a
+    /// caller that wants a deep rank it may use without scanning every rank.
+    pub fn deepest_ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.top
+            .iter()
+            .take_while(|&&(b, _)| b > 0)
+            .map(|&(_, id)| id)
+    }
+
     /// Names the deepest rank from the walk's table of ranks.
     pub(super) fn end(&mut self, ranks: &[Option<WorkerRank>]) {
-        if self.deep.0 > 0 {
-            self.deepest = ranks.get(self.deep.1 as usize).copied().flatten();
+        if self.top[0].0 > 0 {
+            self.deepest = ranks.get(self.top[0].1 as usize).copied().flatten();
         }
     }
 
@@ -193,8 +205,22 @@ impl RankDepths {
 
     #[inline(always)]
     fn note_depth(&mut self, id: u32, blocks: u32) {
-        if blocks > self.deep.0 {
-            self.deep = (blocks, id);
+        if blocks > self.top[TOP - 1].0 {
+            self.note_deep(id, blocks);
+        }
+    }
+
+    /// Puts rank id `id` at `blocks` among the deepest (it is deeper than the last of them).
+    fn note_deep(&mut self, id: u32, blocks: u32) {
+        let mut at = self
+            .top
+            .iter()
+            .position(|&(b, i)| b > 0 && i == id)
+            .unwrap_or(TOP - 1);
+        self.top[at] = (blocks, id);
+        while at > 0 && self.top[at - 1].0 < blocks {
+            self.top.swap(at - 1, at);
+            at -= 1;
         }
     }
 

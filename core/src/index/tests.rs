@@ -675,6 +675,18 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
             reader.find_depths_into(q, MatchOptions::default(), &mut depths);
             let ids: Vec<u32> = depths.ids().collect();
             assert_eq!(ids, out.rank_ids(), "the same ranks, by id");
+            // The deepest few, deepest first, without repeats.
+            let blocks = |id: u32| depths.get(id).map_or(0, |d| d.blocks);
+            let mut deepest: Vec<u32> = ids.iter().map(|&id| blocks(id)).collect();
+            deepest.sort_unstable_by(|a, b| b.cmp(a));
+            deepest.truncate(4);
+            let top: Vec<u32> = depths.deepest_ids().collect();
+            let mut unique = top.clone();
+            unique.sort();
+            unique.dedup();
+            assert_eq!(unique.len(), top.len(), "prompt {p}, {len} blocks: {top:?}");
+            let top: Vec<u32> = top.into_iter().map(blocks).collect();
+            assert_eq!(top, deepest, "prompt {p}, {len} blocks");
             let mut dense = depths.to_scores(&reader);
             dense.sort();
             assert_eq!(dense, got, "prompt {p}, {len} blocks, by id");
