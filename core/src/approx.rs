@@ -442,12 +442,19 @@ impl ApproxCache {
         let nodes = &*nodes;
         let count = checkpoint_count(n);
         let lives = |node: Option<&Node>| node.is_some_and(|x| x.latest > now);
-        if !lives(node_at(nodes, locals, marks, 0)) {
+        // Nodes nest along a chain: where none lives at the first checkpoint that matters
+        // (the first, or the first at `min_depth` blocks or deeper), none lives deeper.
+        let first = if min_depth > 1 {
+            first_checkpoint_from(min_depth as usize - 1, n, count)
+        } else {
+            0
+        };
+        if first >= count || !lives(node_at(nodes, locals, marks, first)) {
             return false;
         }
         // The deepest checkpoint whose node may hold something live: gallop (doubling the
         // depth in blocks, as each probe costs the keys up to it), then bisect.
-        let mut lo = 0usize;
+        let mut lo = first;
         let mut hi = loop {
             let probe = first_checkpoint_from(2 * checkpoint_at(lo, n) + 1, n, count).max(lo + 1);
             if probe >= count {
