@@ -270,6 +270,17 @@ fn routes_from_several_threads_keep_load_exact() {
             }
         })
     };
+    // The booked-prefill floor refreshed all along, racing every release.
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let refresher = {
+        let (r, done) = (Arc::clone(&r), Arc::clone(&done));
+        std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                r.refresh_prefill_floor();
+                std::thread::yield_now();
+            }
+        })
+    };
     let handles: Vec<_> = (0..THREADS)
         .map(|t| {
             let r = Arc::clone(&r);
@@ -292,7 +303,10 @@ fn routes_from_several_threads_keep_load_exact() {
                     }
                     let mut g = RequestGuard::new(&*r, RequestId(id));
                     let _ = g.mark_dispatched();
-                    let _ = g.prefill_done();
+                    // Some kept requests keep their prefill booked.
+                    if i % 4 != 1 {
+                        let _ = g.prefill_done();
+                    }
                     let _ = g.output_block();
                     if i % 2 == 0 {
                         drop(g);
@@ -310,12 +324,28 @@ fn routes_from_several_threads_keep_load_exact() {
         .flat_map(|h| h.join().unwrap())
         .collect();
     churn.join().unwrap();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    refresher.join().unwrap();
+    // Quiet now: the floor is under every rank's booked prefill, and a refresh lifts it to
+    // the least of them.
+    let least = (0..WORKERS)
+        .map(|w| r.load(WorkerRank::new(w, 0)).unwrap().prefill_tokens)
+        .min()
+        .unwrap();
+    assert!(
+        r.prefill_floor() <= least,
+        "{} > {least}",
+        r.prefill_floor()
+    );
+    r.refresh_prefill_floor();
+    assert_eq!(r.prefill_floor(), least);
     for id in kept {
         // Requests on the churned worker were purged when it left: freeing them is an error,
         // and frees nothing.
         let _ = r.free(RequestId(id));
     }
     assert!(r.total_load().is_idle(), "{:?}", r.total_load());
+    assert_eq!(r.prefill_floor(), 0, "every release lowered it");
     assert_eq!(r.active_requests(), 0);
     let c = r.counts().ledger;
     assert_eq!(c.booked, c.freed + c.expired + c.purged + c.retired_races);
