@@ -128,11 +128,14 @@ impl Sink for RankDepths {
     /// the match began, and an id beyond the table is left out.
     fn first_run(&mut self, holders: &[u64], m: usize, _ranks: &[Option<WorkerRank>]) {
         let n = holders.len() / 2;
+        let holders = &holders[..2 * n];
         let mut h = 0;
         while h < n {
-            let (word, mask) = (holders[2 * h], holders[2 * h + 1]);
+            let pair = &holders[2 * h..2 * h + 2];
+            let (word, mask) = (pair[0], pair[1]);
             let id = (word >> 8) as u32;
-            if h + 1 < n && rank_at(holders, h + 1) == id {
+            let next = holders.get(2 * h + 2).map(|&w| (w >> 8) as u32);
+            if next == Some(id) {
                 // Several tiers: the general path.
                 let (end, union) = group_of(holders, h, n);
                 let lead = leading(union, m);
