@@ -1513,6 +1513,29 @@ impl Router {
         let booked_floor = self.ledger.prefill_floor();
         let health_on = self.marked_ranks.load(Ordering::Relaxed) > 0;
         let decay_anywhere = self.ledger.prompt_decay_anywhere();
+        // The scorer over the match as it stands (before and after the records raise it).
+        macro_rules! scorer {
+            ($known_seed:expr) => {
+                Scorer {
+                    pool: &s.pool,
+                    pool_credit: self.config.pool_credit,
+                    preferred: &s.preferred,
+                    fleet: &fleet,
+                    depths: &s.depths,
+                    seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
+                    known_seed: $known_seed,
+                    decay_anywhere,
+                    booked_floor,
+                    floor_terms: FloorTerms::new(&weights, &shape, booked_floor),
+                    weights: &weights,
+                    shape: &shape,
+                    busy,
+                    busy_on: busy.decode_blocks_fraction.is_some()
+                        || busy.prefill_tokens_fraction.is_some(),
+                    health_on,
+                }
+            };
+        }
         // The router's own records (approximate mode, speculation) raise a rank's overlap to
         // their depth, as device blocks; the index's overlap stands where it is deeper. Where
         // only the winner matters, the deepest eligible rank is scored on the index's overlap
@@ -1523,24 +1546,7 @@ impl Router {
         if !self.approx.is_empty() && !s.locals.is_empty() {
             let mut least = 0;
             if prune && pin.is_none() {
-                let first = Scorer {
-                    pool: &s.pool,
-                    pool_credit: self.config.pool_credit,
-                    preferred: &s.preferred,
-                    fleet: &fleet,
-                    depths: &s.depths,
-                    seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
-                    known_seed: None,
-                    decay_anywhere,
-                    booked_floor,
-                    floor_terms: FloorTerms::new(&weights, &shape, booked_floor),
-                    weights: &weights,
-                    shape: &shape,
-                    busy,
-                    busy_on: busy.decode_blocks_fraction.is_some()
-                        || busy.prefill_tokens_fraction.is_some(),
-                    health_on,
-                };
+                let first = scorer!(None);
                 let (seed, blocks) =
                     first.least_after_seed(role, hints.allowed, required, &mut s.candidates);
                 known_seed = seed;
@@ -1565,24 +1571,7 @@ impl Router {
                 bump(&self.counters.approx_raised);
             }
         }
-        let scorer = Scorer {
-            pool: &s.pool,
-            pool_credit: self.config.pool_credit,
-            preferred: &s.preferred,
-            fleet: &fleet,
-            depths: &s.depths,
-            seed: s.depths.deepest().and_then(|rank| fleet.rank_index(rank)),
-            known_seed,
-            decay_anywhere,
-            booked_floor,
-            floor_terms: FloorTerms::new(&weights, &shape, booked_floor),
-            weights: &weights,
-            shape: &shape,
-            busy,
-            busy_on: busy.decode_blocks_fraction.is_some()
-                || busy.prefill_tokens_fraction.is_some(),
-            health_on,
-        };
+        let scorer = scorer!(known_seed);
         let full = |c: &Scored| {
             let i = c.fleet_index as usize;
             let per_tier = scorer.per_tier(i);
