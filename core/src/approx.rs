@@ -329,7 +329,9 @@ impl ApproxCache {
         if let Some(node) = marks.last().and_then(|m| inner.nodes.get(m)) {
             if let Ok(p) = node.place(slot, 0) {
                 let h = &node.holders[p];
-                if h.generation == generation && h.expires > expires - REFRESH_SLACK_NS {
+                if h.generation == generation
+                    && h.expires > expires.saturating_sub(REFRESH_SLACK_NS)
+                {
                     return;
                 }
             }
