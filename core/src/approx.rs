@@ -446,17 +446,17 @@ impl ApproxCache {
         let lives = |node: Option<&Node>| node.is_some_and(|x| x.latest > now);
         // Nodes nest along a chain: where none lives at the first checkpoint that matters
         // (the first, or the first at `min_depth` blocks or deeper), none lives deeper.
-        let first = if min_depth > 1 {
+        let from = if min_depth > 1 {
             first_checkpoint_from(min_depth as usize - 1, n, count)
         } else {
             0
         };
-        if first >= count || !lives(node_at(nodes, locals, marks, first)) {
+        if from >= count || !lives(node_at(nodes, locals, marks, from)) {
             return false;
         }
         // The deepest checkpoint whose node may hold something live: gallop (doubling the
         // depth in blocks, as each probe costs the keys up to it), then bisect.
-        let mut lo = first;
+        let mut lo = from;
         let mut hi = loop {
             let probe = first_checkpoint_from(2 * checkpoint_at(lo, n) + 1, n, count).max(lo + 1);
             if probe >= count {
@@ -491,10 +491,11 @@ impl ApproxCache {
             // Nodes holding what `top` holds form a run ending at `top`: the node above
             // where it starts is read next.
             let same = |x: Option<&Node>| x.is_some_and(|x| x.fingerprint == at.fingerprint);
-            let next = if top == 0 || same(node_at(nodes, locals, marks, 0)) {
+            // Nodes above `from` are shallower than `min_depth`: none of them is read.
+            let next = if top == from || same(node_at(nodes, locals, marks, from)) {
                 None
             } else {
-                let (mut differs, mut equal) = (0usize, top);
+                let (mut differs, mut equal) = (from, top);
                 while equal - differs > 1 {
                     let mid = differs + (equal - differs) / 2;
                     if same(node_at(nodes, locals, marks, mid)) {
