@@ -323,7 +323,13 @@ impl PrefixRefs {
     fn position(&self, slot: u32) -> Option<usize> {
         let keys = self.keys(slot);
         self.order
-            .binary_search_by(|&o| compare_keys(self.keys(o), keys).then(o.cmp(&slot)))
+            .binary_search_by(|&o| {
+                // The slot itself: equal without reading its keys against themselves.
+                if o == slot {
+                    return std::cmp::Ordering::Equal;
+                }
+                compare_keys(self.keys(o), keys).then(o.cmp(&slot))
+            })
             .ok()
             .or_else(|| self.order.iter().position(|&o| o == slot))
     }
