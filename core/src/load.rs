@@ -279,7 +279,9 @@ impl LoadView {
 /// slower than the scan.
 #[derive(Debug, Default)]
 pub struct PrefixRefs {
-    /// One prompt's block hashes per slot; a free slot holds an empty vector.
+    /// One prompt's block hashes per slot. A free slot holds an empty vector that keeps its
+    /// capacity (up to [`KEPT_SLOT_CAPACITY`]), so that booking allocates nothing in steady
+    /// state.
     slots: Vec<Vec<LocalHash>>,
     free: Vec<u32>,
     /// Occupied slots in lexicographic order of their hashes, equal prompts by slot.
@@ -287,6 +289,10 @@ pub struct PrefixRefs {
     /// Distinct prefixes held (the trie's size).
     distinct: u64,
 }
+
+/// Hashes a free [`PrefixRefs`] slot keeps room for: a longer prompt's vector is dropped when
+/// it is released.
+const KEPT_SLOT_CAPACITY: usize = 1 << 14;
 
 /// How many leading blocks `a` and `b` share.
 fn common_prefix(a: &[LocalHash], b: &[LocalHash]) -> usize {
@@ -347,16 +353,16 @@ impl PrefixRefs {
         before.max(after)
     }
 
-    /// Holds the prompt of block hashes `keys` (the vector is kept, and handed back by
-    /// [`Self::release`]); returns its slot and how many of its prefixes were new on the rank.
-    fn acquire(&mut self, keys: Vec<LocalHash>) -> (u32, u64) {
+    /// Holds the prompt of block hashes `keys` (copied into a free slot); returns its slot and
+    /// how many of its prefixes were new on the rank.
+    fn acquire(&mut self, keys: &[LocalHash]) -> (u32, u64) {
         let slot = match self.free.pop() {
             Some(slot) => {
-                self.slots[slot as usize] = keys;
+                self.slots[slot as usize].extend_from_slice(keys);
                 slot
             }
             None => {
-                self.slots.push(keys);
+                self.slots.push(keys.to_vec());
                 (self.slots.len() - 1) as u32
             }
         };
@@ -370,17 +376,22 @@ impl PrefixRefs {
         (slot, new)
     }
 
-    /// Drops the prompt in `slot`; returns its hashes and how many prefixes the rank no longer
-    /// holds.
-    fn release(&mut self, slot: u32) -> (Vec<LocalHash>, u64) {
+    /// Drops the prompt in `slot`; returns how many prefixes the rank no longer holds.
+    fn release(&mut self, slot: u32) -> u64 {
         let Some(pos) = self.position(slot) else {
-            return (Vec::new(), 0);
+            return 0;
         };
         let gone = (self.keys(slot).len() - self.shared_at(pos)) as u64;
         self.order.remove(pos);
         self.free.push(slot);
         self.distinct = self.distinct.saturating_sub(gone);
-        (std::mem::take(&mut self.slots[slot as usize]), gone)
+        let kept = &mut self.slots[slot as usize];
+        if kept.capacity() > KEPT_SLOT_CAPACITY {
+            *kept = Vec::new();
+        } else {
+            kept.clear();
+        }
+        gone
     }
 
     /// How many trailing blocks of the prompt in `slot` no other active prompt holds.
@@ -708,8 +719,6 @@ const SHARDS: usize = 16;
 #[derive(Debug)]
 pub struct Ledger {
     shards: [CachePadded<Mutex<HashMap<RequestId, Booking, PassThrough>>>; SHARDS],
-    /// Spare key vectors, so that booking allocates nothing in steady state.
-    spare: Mutex<Vec<Vec<LocalHash>>>,
     prompt_decay: PromptDecay,
     /// Bookings whose prompt load is decayed now, on any rank: while 0, no rank's
     /// [`LoadView::prompt_decay`] is either (selection bounds costs tighter then).
@@ -729,7 +738,6 @@ impl Default for Ledger {
     fn default() -> Self {
         Ledger {
             shards: std::array::from_fn(|_| CachePadded::new(Mutex::new(HashMap::default()))),
-            spare: Mutex::new(Vec::new()),
             prompt_decay: PromptDecay::default(),
             decaying: AtomicU64::new(0),
             prefill_floor: CachePadded::new(AtomicU64::new(0)),
@@ -765,23 +773,6 @@ impl Ledger {
         &self.shards[(mix64(id.0) >> 60) as usize % SHARDS]
     }
 
-    fn take_spare(&self, len: usize) -> Vec<LocalHash> {
-        let v = lock(&self.spare).pop().unwrap_or_default();
-        if v.capacity() >= len {
-            v
-        } else {
-            Vec::with_capacity(len.next_power_of_two())
-        }
-    }
-
-    fn give_spare(&self, mut v: Vec<LocalHash>) {
-        v.clear();
-        let mut spare = lock(&self.spare);
-        if spare.len() < 1024 {
-            spare.push(v);
-        }
-    }
-
     /// Books a request on its rank: the prefill tokens, the prompt blocks not already active on
     /// the rank, the tail, one request.
     pub fn book(&self, spec: BookingSpec<'_>) -> Result<(), LoadError> {
@@ -798,13 +789,10 @@ impl Ledger {
             session,
             now,
         } = spec;
-        let mut keys = self.take_spare(block_hashes.len());
-        keys.extend_from_slice(block_hashes);
         {
             let mut shard = lock(self.shard(request));
             if shard.contains_key(&request) {
                 drop(shard);
-                self.give_spare(keys);
                 bump(&self.duplicate);
                 return Err(LoadError::DuplicateRequest { request });
             }
@@ -815,7 +803,7 @@ impl Ledger {
                 // The counter moves under the table's lock, so that its every value is the
                 // table's distinct keys plus the tails at some moment.
                 let mut refs = lock(&state.refs);
-                let (slot, new_blocks) = refs.acquire(keys);
+                let (slot, new_blocks) = refs.acquire(block_hashes);
                 l.prompt_blocks
                     .fetch_add(new_blocks + tail_blocks, Ordering::Relaxed);
                 slot
@@ -851,7 +839,7 @@ impl Ledger {
             // The worker left while we booked; the purge may have missed us. Whoever removes
             // the booking undoes it, so this cannot double-free.
             if let Some(b) = self.remove(request) {
-                self.undo(b);
+                self.undo(b, now);
                 bump(&self.retired_races);
             }
             return Err(LoadError::RankRetired {
@@ -866,36 +854,39 @@ impl Ledger {
         lock(self.shard(request)).remove(&request)
     }
 
-    fn undo(&self, b: Booking) -> Freed {
+    /// Releases everything `b` booked; the request's age is counted up to `now`.
+    fn undo(&self, b: Booking, now: Instant) -> Freed {
         let l = &*b.state.load;
-        let keys = {
+        {
             let mut refs = lock(&b.state.refs);
-            let (keys, gone) = refs.release(b.slot);
+            let gone = refs.release(b.slot);
             l.prompt_blocks
                 .fetch_sub(gone + b.tail_blocks, Ordering::Relaxed);
-            keys
-        };
+        }
         self.release_prefill(&b.state, b.prefill_tokens);
-        l.output_blocks
-            .fetch_sub(b.output_blocks, Ordering::Relaxed);
-        l.output_decay.fetch_sub(b.output_decay, Ordering::Relaxed);
-        l.prompt_decay.fetch_sub(b.prompt_decay, Ordering::Relaxed);
+        // Counters with nothing to give back are not written.
+        if b.output_blocks > 0 {
+            l.output_blocks
+                .fetch_sub(b.output_blocks, Ordering::Relaxed);
+        }
+        if b.output_decay > 0 {
+            l.output_decay.fetch_sub(b.output_decay, Ordering::Relaxed);
+        }
         if b.prompt_decay > 0 {
+            l.prompt_decay.fetch_sub(b.prompt_decay, Ordering::Relaxed);
             self.decaying.fetch_sub(1, Ordering::Relaxed);
         }
         l.requests.fetch_sub(1, Ordering::Relaxed);
-        let freed = Freed {
+        Freed {
             rank: b.state.rank,
             prefill_tokens: b.prefill_tokens,
             output_blocks: b.output_blocks,
             prompt_tokens: b.prompt_tokens,
             cached_tokens: b.cached_tokens,
             dispatch: b.dispatch,
-            age: b.booked_at.elapsed(),
+            age: now.saturating_duration_since(b.booked_at),
             session: b.session,
-        };
-        self.give_spare(keys);
-        freed
+        }
     }
 
     fn unknown(&self, request: RequestId) -> LoadError {
@@ -1157,10 +1148,15 @@ impl Ledger {
 
     /// The request ended: everything it booked is released.
     pub fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
+        self.free_at(request, Instant::now())
+    }
+
+    /// [`Ledger::free`] at `now`, which dates the request's [`Freed::age`].
+    pub fn free_at(&self, request: RequestId, now: Instant) -> Result<Freed, LoadError> {
         match self.remove(request) {
             Some(b) => {
                 bump(&self.freed);
-                Ok(self.undo(b))
+                Ok(self.undo(b, now))
             }
             None => Err(self.unknown(request)),
         }
@@ -1168,7 +1164,9 @@ impl Ledger {
 
     /// Frees every request booked at or before `now - max_age`; returns how many.
     pub fn expire(&self, now: Instant, max_age: Duration) -> usize {
-        let n = self.drain_where(|b| now.saturating_duration_since(b.booked_at) >= max_age);
+        let n = self.drain_where(now, |b| {
+            now.saturating_duration_since(b.booked_at) >= max_age
+        });
         self.expired.fetch_add(n as u64, Ordering::Relaxed);
         n
     }
@@ -1176,13 +1174,13 @@ impl Ledger {
     /// Drops every booking on a rank of `worker` (whose ranks must already be retired);
     /// returns how many.
     pub fn purge_worker(&self, worker: WorkerId) -> usize {
-        let n = self.drain_where(|b| b.state.rank.worker == worker);
+        let n = self.drain_where(Instant::now(), |b| b.state.rank.worker == worker);
         self.purged.fetch_add(n as u64, Ordering::Relaxed);
         n
     }
 
     /// Removes every booking `drop` selects and undoes its load; returns how many.
-    fn drain_where(&self, mut drop: impl FnMut(&Booking) -> bool) -> usize {
+    fn drain_where(&self, now: Instant, mut drop: impl FnMut(&Booking) -> bool) -> usize {
         let mut n = 0;
         for shard in &self.shards {
             let gone: Vec<Booking> = {
@@ -1195,7 +1193,7 @@ impl Ledger {
                 ids.iter().filter_map(|id| s.remove(id)).collect()
             };
             for b in gone {
-                self.undo(b);
+                self.undo(b, now);
                 n += 1;
             }
         }
@@ -1511,7 +1509,7 @@ mod tests {
                     let len = next(9) as usize;
                     let locals: Vec<u64> = (0..len).map(|_| next(3)).collect();
                     let k = keys(&locals);
-                    let (slot, new) = refs.acquire(blocks(&locals));
+                    let (slot, new) = refs.acquire(&blocks(&locals));
                     let before: std::collections::HashSet<u64> =
                         held.iter().flat_map(|(_, k)| k.iter().copied()).collect();
                     assert_eq!(new, k.iter().filter(|k| !before.contains(k)).count() as u64);
@@ -1521,8 +1519,10 @@ mod tests {
                     let (slot, k) = held.swap_remove(i);
                     let after: std::collections::HashSet<u64> =
                         held.iter().flat_map(|(_, k)| k.iter().copied()).collect();
-                    let (back, gone) = refs.release(slot);
-                    assert_eq!(keys(&back.iter().map(|b| b.0).collect::<Vec<_>>()), k);
+                    let held_keys: Vec<u64> = refs.keys(slot).iter().map(|b| b.0).collect();
+                    assert_eq!(keys(&held_keys), k);
+                    let gone = refs.release(slot);
+                    assert!(refs.keys(slot).is_empty());
                     assert_eq!(gone, k.iter().filter(|k| !after.contains(k)).count() as u64);
                 }
                 let mut counts: HashMap<u64, usize> = HashMap::new();

@@ -1326,7 +1326,8 @@ impl Router {
     /// The request ended (completed, cancelled, failed): its load is released, and when it
     /// had reached its worker, it counts as completed and records its ISL, OSL and hit rate.
     pub fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
-        let freed = self.ledger.free(request)?;
+        let now = Instant::now();
+        let freed = self.ledger.free_at(request, now)?;
         if freed.dispatch == Dispatch::Reached {
             bump(&self.counters.completed);
             if let Some(m) = &self.metrics {
@@ -1340,7 +1341,7 @@ impl Router {
             }
         }
         if let Some(sid) = freed.session {
-            if let Some(end) = self.sessions.request_ended(sid, request, Instant::now()) {
+            if let Some(end) = self.sessions.request_ended(sid, request, now) {
                 self.session_ended(end);
             }
         }
