@@ -625,10 +625,12 @@ fn chain(k: u64, x: u64) -> u64 {
     (k ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
-/// A digest of the local hashes of a run of blocks, in four independent chains (a block's
-/// chain is its position in the run mod 4) folded together: a multiply per block, four at a
-/// time, where one chain over the run would wait on each multiply in turn.
-#[inline]
+/// A digest of the local hashes of a run of blocks, in four independent multiply chains folded
+/// together. Each step of a chain takes a pair of blocks, the second rotated by an odd amount
+/// first (so a pair and its swap differ unless the two hashes are equal or complements), and
+/// a chain's step is its pair's position in the run mod 4: one multiply per two blocks, four
+/// in flight, where one chain over the run would wait on each multiply in turn.
+#[inline(always)]
 fn digest(run: &[LocalHash]) -> u64 {
     const SEEDS: [u64; 4] = [
         0x1319_8a2e_0370_7344,
@@ -636,15 +638,26 @@ fn digest(run: &[LocalHash]) -> u64 {
         0x082e_fa98_ec4e_6c89,
         0x4528_21e6_38d0_1377,
     ];
+    #[inline(always)]
+    fn pair(a: LocalHash, b: LocalHash) -> u64 {
+        a.0 ^ b.0.rotate_left(23)
+    }
     let mut lanes = SEEDS;
-    let mut fours = run.chunks_exact(4);
-    for four in &mut fours {
-        for (lane, l) in lanes.iter_mut().zip(four) {
-            *lane = chain(*lane, l.0);
+    let mut eights = run.chunks_exact(8);
+    for eight in &mut eights {
+        for (lane, two) in lanes.iter_mut().zip(eight.chunks_exact(2)) {
+            *lane = chain(*lane, pair(two[0], two[1]));
         }
     }
-    for (lane, l) in lanes.iter_mut().zip(fours.remainder()) {
-        *lane = chain(*lane, l.0);
+    let rest = eights.remainder();
+    let mut twos = rest.chunks_exact(2);
+    for (lane, two) in lanes.iter_mut().zip(&mut twos) {
+        *lane = chain(*lane, pair(two[0], two[1]));
+    }
+    if let [last] = twos.remainder() {
+        // A lone last block is chained alone, into a lane of its own: the run's length is
+        // in the digest either way, as runs of one length always split the same.
+        lanes[3] = chain(lanes[3], last.0);
     }
     lanes[0] ^ lanes[1].rotate_left(16) ^ lanes[2].rotate_left(32) ^ lanes[3].rotate_left(48)
 }
@@ -675,7 +688,13 @@ pub fn checkpoint_keys_extend(locals: &[LocalHash], marks: &mut Vec<u64>, upto: 
     let mut start = checkpoint_at(j - 1, n) + 1;
     while j < upto {
         let end = checkpoint_at(j, n);
-        k = chain(k, digest(&locals[start..=end]));
+        let run = &locals[start..=end];
+        // Every run but the last is a full stride: digested with its length known.
+        let d = match <&[LocalHash; STRIDE]>::try_from(run) {
+            Ok(full) => digest(full),
+            Err(_) => digest(run),
+        };
+        k = chain(k, d);
         marks.push(k);
         start = end + 1;
         j += 1;
@@ -807,13 +826,30 @@ mod tests {
                     None => assert!(!all.contains(&k), "n = {n}, block {i}"),
                 }
             }
-            // One block changed: every key from its checkpoint on changes.
-            let mut b = a[..n].to_vec();
-            let at = (n * 37 + 11) % n;
-            b[at] = LocalHash(b[at].0 ^ 1);
-            let changed = marks_of(&b);
-            for (j, (&x, &y)) in part.iter().zip(&changed).enumerate() {
-                assert_eq!(x == y, checkpoint_at(j, n) < at, "n = {n}, changed {at}");
+            // One block changed, or two swapped (within a pair, a run, or across runs), in
+            // the dense part and past it: every key from the first one's checkpoint on
+            // changes.
+            for at in [11 % n, mix64(n as u64) as usize % n] {
+                let mut b = a[..n].to_vec();
+                b[at] = LocalHash(b[at].0 ^ 1);
+                let mut variants = vec![(b, at)];
+                for gap in [1, 2, 3, 7, 8, 17] {
+                    if at + gap < n {
+                        let mut b = a[..n].to_vec();
+                        b.swap(at, at + gap);
+                        variants.push((b, at + gap));
+                    }
+                }
+                for (b, other) in variants {
+                    let changed = marks_of(&b);
+                    for (j, (&x, &y)) in part.iter().zip(&changed).enumerate() {
+                        assert_eq!(
+                            x == y,
+                            checkpoint_at(j, n) < at,
+                            "n = {n}, changed {at} and {other}"
+                        );
+                    }
+                }
             }
         }
     }
