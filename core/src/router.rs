@@ -786,6 +786,16 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
+/// A pinned route's rank, checked before the match.
+#[derive(Clone, Copy)]
+struct PinnedRank {
+    /// The rank scored (in the fleet's table).
+    index: usize,
+    /// False when the pin named a worker with several dp ranks and none of them.
+    resolved: bool,
+    by: DecidedBy,
+}
+
 #[derive(Default)]
 struct Scratch {
     locals: Vec<LocalHash>,
@@ -1413,13 +1423,7 @@ impl Router {
         s.marks.clear();
         let t1 = timing.then(Instant::now);
 
-        // 2. Match, by the index's rank ids; each fleet rank reads its own (`rank_depth`).
         let fleet = self.registry.load();
-        self.reader
-            .find_depths_into(&s.locals, MatchOptions::default(), &mut s.depths);
-        let t2 = timing.then(Instant::now);
-
-        // 3. Select.
         let overrides = hints.overrides.sanitized();
         let mut weights = Weights::new(&self.config, &overrides);
         if hints.phase == Phase::Decode {
@@ -1500,6 +1504,63 @@ impl Router {
                 }
             });
         }
+        // A pin is checked and resolved to its rank before the match: that rank is the only
+        // one scored. A worker with several dp ranks pinned without one is scored on its
+        // first (and the booking is not tracked).
+        let pinned = match pin {
+            None => None,
+            Some(((wid, dp), pinned_by)) => {
+                let Some(w) = fleet.worker(wid) else {
+                    bump(&self.counters.unknown_worker);
+                    return Err(RouteError::UnknownWorker {
+                        request,
+                        worker: wid,
+                    });
+                };
+                if hints.allowed.is_some_and(|a| !a.contains(&wid)) {
+                    bump(&self.counters.pinned_not_allowed);
+                    return Err(RouteError::PinnedNotAllowed {
+                        request,
+                        worker: wid,
+                    });
+                }
+                if w.label_bits & required != required {
+                    bump(&self.counters.no_eligible);
+                    return Err(RouteError::PinnedLacksLabels {
+                        request,
+                        worker: wid,
+                    });
+                }
+                let ranks = w.ranks.clone();
+                let resolved = match dp {
+                    Some(dp) => ranks.clone().find(|&i| fleet.ranks[i].rank.dp_rank == dp),
+                    None if ranks.len() == 1 => Some(ranks.start),
+                    None => None,
+                };
+                Some(PinnedRank {
+                    index: resolved.unwrap_or(ranks.start),
+                    resolved: resolved.is_some(),
+                    by: pinned_by,
+                })
+            }
+        };
+
+        // 2. Match, by the index's rank ids; each fleet rank reads its own (`rank_depth`). A
+        // pinned route's walk follows its rank alone.
+        match pinned.and_then(|p| fleet.ranks[p.index].index_key) {
+            Some(key) => self.reader.find_depth_of_into(
+                &s.locals,
+                MatchOptions::default(),
+                key.id,
+                &mut s.depths,
+            ),
+            None => self
+                .reader
+                .find_depths_into(&s.locals, MatchOptions::default(), &mut s.depths),
+        }
+        let t2 = timing.then(Instant::now);
+
+        // 3. Select.
         let (role, role_fallback) = self.selection_role(&fleet, hints.phase);
         // Candidates that cannot win are not kept where only the winner matters: the
         // cheapest is taken (ties at random), and nothing else reads the whole list (no
@@ -1552,17 +1613,12 @@ impl Router {
                     first.least_after_seed(role, hints.allowed, required, &mut s.candidates);
                 known_seed = seed;
                 least = blocks.unwrap_or(0);
-            } else if let Some(((wid, dp), _)) = pin {
+            } else if let Some(p) = pinned {
                 // Only the pinned rank's overlap matters: records no deeper than what the
                 // index gives it change nothing.
-                if let Some(w) = fleet.worker(wid) {
-                    least = fleet.ranks[w.ranks.clone()]
-                        .iter()
-                        .filter(|r| dp.is_none_or(|dp| r.rank.dp_rank == dp))
-                        .map(|r| rank_depth_unchecked(r, &s.depths).map_or(0, |(_, d)| d.blocks))
-                        .min()
-                        .map_or(0, |blocks| blocks.saturating_add(1));
-                }
+                least = rank_depth_unchecked(&fleet.ranks[p.index], &s.depths)
+                    .map_or(0, |(_, d)| d.blocks)
+                    .saturating_add(1);
             }
             let now = now.get_or(None);
             if self
@@ -1589,40 +1645,12 @@ impl Router {
             c
         };
 
-        let (chosen, decided_by, evidence) = if let Some(((wid, dp), pinned_by)) = pin {
-            let Some(w) = fleet.worker(wid) else {
-                bump(&self.counters.unknown_worker);
-                return Err(RouteError::UnknownWorker {
-                    request,
-                    worker: wid,
-                });
-            };
-            if hints.allowed.is_some_and(|a| !a.contains(&wid)) {
-                bump(&self.counters.pinned_not_allowed);
-                return Err(RouteError::PinnedNotAllowed {
-                    request,
-                    worker: wid,
-                });
+        let (chosen, decided_by, evidence) = if let Some(p) = pinned {
+            let i = p.index;
+            if !p.resolved && hints.mode == Mode::Book {
+                bookkeeping = Bookkeeping::UntrackedDpRankUnresolved;
             }
-            if w.label_bits & required != required {
-                bump(&self.counters.no_eligible);
-                return Err(RouteError::PinnedLacksLabels {
-                    request,
-                    worker: wid,
-                });
-            }
-            let ranks = w.ranks.clone();
-            let resolved = match dp {
-                Some(dp) => ranks.clone().find(|&i| fleet.ranks[i].rank.dp_rank == dp),
-                None if ranks.len() == 1 => Some(ranks.start),
-                None => None,
-            };
-            let i = resolved.unwrap_or_else(|| {
-                if hints.mode == Mode::Book {
-                    bookkeeping = Bookkeeping::UntrackedDpRankUnresolved;
-                }
-                ranks.start
-            });
+            let pinned_by = p.by;
             s.candidates.clear();
             s.candidates.push(scorer.score(i));
             if probe {
@@ -3329,6 +3357,70 @@ mod tests {
             tokens,
             hints: RouteHints::default(),
         }
+    }
+
+    /// A pinned or session-bound route walks the index for its rank alone: the rank's
+    /// overlap, tiers, load and cost are what an unpinned route's full evidence gives it,
+    /// whatever the other ranks hold.
+    #[test]
+    fn a_pinned_route_scores_its_rank_as_the_full_match_does() {
+        let r = router(RouterConfig::default());
+        for w in 1..=5 {
+            r.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+        }
+        let mut two = WorkerConfig::simple(6, 1000, BS);
+        two.dp_size = 2;
+        r.join_worker(two).unwrap();
+        // 100 blocks: more than one run of the index.
+        let t = tokens(1600);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        let rank = |w: u64, dp: u32| WorkerRank::new(w, dp);
+        let (device, host) = (StorageTier::Device, StorageTier::HostPinned);
+        store(&r, rank(1, 0), device, &locals, 1);
+        store(&r, rank(2, 0), device, &locals[..30], 2);
+        store(&r, rank(2, 0), host, &locals[..70], 3);
+        store(&r, rank(3, 0), host, &locals[..5], 4);
+        store(&r, rank(4, 0), device, &locals[..66], 5);
+        store(&r, rank(6, 0), device, &locals[..80], 6);
+        store(&r, rank(6, 1), device, &locals[..64], 7);
+        // Load on some ranks (of a prompt sharing no block with `t`), so that costs differ
+        // by more than the overlap.
+        let other: Vec<u32> = (0..96u32).map(|i| i * 13 + 5).collect();
+        for (id, w) in [(100u64, 1u64), (101, 2), (102, 6)] {
+            let mut q = req(id, &other);
+            q.hints.pinned.backend_instance = Some(WorkerId(w));
+            q.hints.pinned.dp_rank = Some(DpRank(0));
+            r.route(&q).unwrap();
+        }
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        let full = r.route(&q).unwrap().evidence.unwrap();
+        assert_eq!(full.len(), 7);
+        let of = |rank: WorkerRank| *full.iter().find(|c| c.rank == rank).unwrap();
+        for (w, dp) in [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (6, 0), (6, 1)] {
+            let mut p = q;
+            p.hints.pinned.backend_instance = Some(WorkerId(w));
+            p.hints.pinned.dp_rank = Some(DpRank(dp));
+            let ev = r.route(&p).unwrap().evidence.unwrap();
+            assert_eq!(ev, vec![of(rank(w, dp))], "worker {w}, dp rank {dp}");
+        }
+        // A worker of two dp ranks pinned without one: its first rank's.
+        let mut p = q;
+        p.hints.pinned.backend_instance = Some(WorkerId(6));
+        assert_eq!(r.route(&p).unwrap().evidence.unwrap(), vec![of(rank(6, 0))]);
+        // Bound to a session: its rank's, as pinned.
+        let mut first = req(2, &t);
+        first.hints.session = Some(SessionId(9));
+        first.hints.pinned.backend_instance = Some(WorkerId(2));
+        first.hints.pinned.dp_rank = Some(DpRank(0));
+        r.route(&first).unwrap();
+        let mut again = q;
+        again.hints.session = Some(SessionId(9));
+        let d = r.route(&again).unwrap();
+        assert_eq!(d.session, Some(SessionRouting::Sticky));
+        assert_eq!(d.worker, rank(2, 0));
+        assert_eq!(d.overlap, of(rank(2, 0)).overlap);
     }
 
     /// The reference's tier-weighted estimate, through the index and the router.

@@ -44,6 +44,9 @@ pub struct RankDepths {
     top: [(u32, u32); TOP],
     /// The rank of the deepest, named when the walk ends.
     deepest: Option<WorkerRank>,
+    /// The one rank id this match scores ([`super::IndexReader::find_depth_of_into`]), or
+    /// `None` for every rank.
+    pub(super) only: Option<u32>,
 }
 
 /// One rank's overlap as [`RankDepths::get`] reads it.
@@ -62,6 +65,7 @@ impl RankDepths {
         self.epoch = epoch;
         self.top = [(0, 0); TOP];
         self.deepest = None;
+        self.only = None;
         self.active.clear();
         self.stamp += 1;
         if self.stamp >= STAMP_LIMIT {

@@ -361,6 +361,29 @@ impl IndexReader {
         out.end(&ranks);
     }
 
+    /// [`IndexReader::find_depths_into`] for rank id `id` alone: the walk follows that rank
+    /// only, and `out` holds nothing for any other (its deepest is that rank, or none). For a
+    /// caller that has already chosen its rank (a pinned request) and wants its overlap.
+    pub fn find_depth_of_into(
+        &self,
+        query: &[LocalHash],
+        opts: MatchOptions,
+        id: u32,
+        out: &mut RankDepths,
+    ) {
+        let epoch = self.shared.frees.load(primitive::Ordering::Acquire);
+        let ranks = self.shared.ranks.load();
+        out.begin(ranks.len(), epoch);
+        out.only = Some(id);
+        let Some(first) = query.first() else {
+            return;
+        };
+        let shards = &self.shared.shards;
+        let shard = &shards[shard_of(*first, shards.len())];
+        read::walk(shard, &ranks, query, opts.early_exit, out);
+        out.end(&ranks);
+    }
+
     /// The rank that rank id `id` names now (`None`: a free id).
     pub fn rank_of(&self, id: u32) -> Option<WorkerRank> {
         self.shared.ranks.load().get(id as usize).copied().flatten()

@@ -129,6 +129,30 @@ impl Sink for RankDepths {
     fn first_run(&mut self, holders: &[u64], m: usize, _ranks: &[Option<WorkerRank>]) {
         let n = holders.len() / 2;
         let holders = &holders[..2 * n];
+        if let Some(id) = self.only {
+            // One rank: its group is found by bisection (holders are sorted by rank id), and
+            // no other rank enters the walk.
+            let (mut lo, mut hi) = (0, n);
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if rank_at(holders, mid) < id {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            if lo < n && rank_at(holders, lo) == id && self.holds(id) {
+                let (end, union) = group_of(holders, lo, n);
+                let lead = leading(union, m);
+                if lead > 0 {
+                    RankDepths::first(self, id, &holders[2 * lo..2 * end], lead);
+                    if lead == m {
+                        self.active.push((id, id));
+                    }
+                }
+            }
+            return;
+        }
         let mut h = 0;
         while h < n {
             let pair = &holders[2 * h..2 * h + 2];

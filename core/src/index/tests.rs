@@ -690,6 +690,23 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
             let mut dense = depths.to_scores(&reader);
             dense.sort();
             assert_eq!(dense, got, "prompt {p}, {len} blocks, by id");
+            // One rank's walk: that rank's overlap and tiers, nothing for any other (ids
+            // scored or not, and ids past the table's 48 ranks).
+            let all = depths.clone();
+            let mut one = crate::index::RankDepths::default();
+            for id in 0..64u32 {
+                reader.find_depth_of_into(q, MatchOptions::default(), id, &mut one);
+                let scored: Vec<u32> = one.ids().collect();
+                match all.get(id) {
+                    Some(d) => {
+                        assert_eq!(scored, vec![id], "prompt {p}, {len} blocks, id {id}");
+                        assert_eq!(one.get(id), Some(d));
+                        assert_eq!(one.per_tier(id), all.per_tier(id));
+                        assert_eq!(one.deepest_ids().collect::<Vec<_>>(), vec![id]);
+                    }
+                    None => assert!(scored.is_empty(), "prompt {p}, {len} blocks, id {id}"),
+                }
+            }
         }
     }
 }
