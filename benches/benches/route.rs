@@ -39,6 +39,11 @@
 //! |---|---|
 //! | `route_query_only` | `route()` in query-only mode with the hints above |
 //! | `submit_book_and_free` | `submit()` booking the request (session bound, records written), then `free` |
+//! | `submit_book_and_free_unbound` | the same without the session: every eligible rank is a candidate, as on a session's first turn |
+//!
+//! A session-bound route scores its bound rank alone (its index walk follows that rank only),
+//! so `submit_book_and_free` times the sticky path and `submit_book_and_free_unbound` the
+//! selection over the fleet.
 //!
 //! The `record_lookup_256_ranks` group times the router's record table alone: one lookup of the
 //! prompt against 256 ranks' records, all to one depth (`one_depth`) or each to its own
@@ -486,6 +491,22 @@ fn bench_all_conditions(c: &mut Criterion) {
                 Admission::Queued(t) => panic!("nothing waits here: {t:?}"),
             };
             router.free(RequestId(2)).unwrap();
+            black_box(w)
+        })
+    });
+    g.bench_function("submit_book_and_free_unbound", |b| {
+        let mut q = RouteRequest {
+            id: RequestId(3),
+            tokens: &query,
+            hints,
+        };
+        q.hints.session = None;
+        b.iter(|| {
+            let w = match router.submit(black_box(&q)).unwrap() {
+                Admission::Routed(d) => d.worker,
+                Admission::Queued(t) => panic!("nothing waits here: {t:?}"),
+            };
+            router.free(RequestId(3)).unwrap();
             black_box(w)
         })
     });

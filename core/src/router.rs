@@ -813,7 +813,8 @@ struct Scratch {
     /// The pool's hits, clipped, sorted and merged into disjoint `[start, end)` ranges.
     pool: Vec<(u32, u32)>,
     /// Ranks whose load this thread read in selection only to find that they could not win,
-    /// since it last refreshed the booked-prefill floor ([`Router::refresh_prefill_floor`]).
+    /// plus four per route, since it last refreshed the booked-prefill floor
+    /// ([`Router::refresh_prefill_floor`]).
     loaded_losers: u64,
 }
 
@@ -1685,8 +1686,12 @@ impl Router {
             );
             // Loads read in vain say the booked-prefill floor may lag the fleet's loads: once
             // they add up to some sixteen reads of every rank, read every rank twice to raise
-            // it (a refresh then costs at most an eighth of what triggered it).
-            s.loaded_losers += u64::from(targets.loaded_losers());
+            // it (a refresh then costs at most an eighth of what triggered it). Each route
+            // counts as four such reads as well: a floor left low (by joins, by releases) also
+            // weakens what selection prunes before any load is read (the records' least depth,
+            // the ranks visited), so it rises within four routes per rank even when no load is
+            // read in vain, at half a read per route.
+            s.loaded_losers += u64::from(targets.loaded_losers()) + 4;
             if s.loaded_losers > 16 * fleet.ranks.len() as u64 {
                 s.loaded_losers = 0;
                 self.refresh_prefill_floor();
@@ -3357,6 +3362,37 @@ mod tests {
             tokens,
             hints: RouteHints::default(),
         }
+    }
+
+    /// The booked-prefill floor that joins left at 0 rises by routing alone, within four
+    /// routes per rank, though no load is read in vain.
+    #[test]
+    fn routing_raises_a_floor_left_low() {
+        let r = router(RouterConfig::default());
+        for w in 1..=4 {
+            r.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+        }
+        let own: Vec<u32> = (0..320u32).map(|i| i * 13 + 5).collect();
+        for w in 1..=4u64 {
+            let mut q = req(100 + w, &own);
+            q.hints.pinned.backend_instance = Some(WorkerId(w));
+            r.route(&q).unwrap();
+        }
+        assert_eq!(r.prefill_floor(), 0, "bookings do not raise the floor");
+        // On a thread of its own: the count that triggers a refresh is the thread's.
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let t = tokens(160);
+                let mut q = req(1, &t);
+                q.hints.mode = Mode::QueryOnly;
+                for _ in 0..4 * 4 {
+                    r.route(&q).unwrap();
+                }
+                assert_eq!(r.prefill_floor(), 0);
+                r.route(&q).unwrap();
+                assert_eq!(r.prefill_floor(), 320);
+            });
+        });
     }
 
     /// A pinned or session-bound route walks the index for its rank alone: the rank's
