@@ -10,7 +10,7 @@ use crate::event::{StorageTier, WorkerRank};
 const MIXED: u8 = 0xFF;
 /// Bits of an entry below the stamp: the tier byte and the block count.
 const STAMP_SHIFT: u32 = 40;
-/// The walk's deepest overlaps kept by [`RankDepths`].
+/// The match's deepest overlaps kept by [`RankDepths`].
 const TOP: usize = 4;
 /// Stamps wrap after this many matches (the table is then cleared once).
 const STAMP_LIMIT: u32 = 1 << 24;
@@ -39,8 +39,8 @@ pub struct RankDepths {
     stamp: u32,
     /// Ranks still holding every block so far: (rank id, rank id), as the walk narrows them.
     pub(super) active: Vec<(u32, u32)>,
-    /// The walk's deepest overlaps: (blocks, rank id), deepest first (the first found of
-    /// equals ahead), `(0, 0)` where there are fewer.
+    /// The match's deepest overlaps (the walk's, then raised): (blocks, rank id), deepest
+    /// first (the first found of equals ahead), `(0, 0)` where there are fewer.
     top: [(u32, u32); TOP],
     /// The rank of the deepest, named when the walk ends.
     deepest: Option<WorkerRank>,
@@ -143,8 +143,9 @@ impl RankDepths {
         self.deepest
     }
 
-    /// The ids of the walk's deepest overlaps (at most four), deepest first: a hint for a
-    /// caller that wants a deep rank it may use without scanning every rank.
+    /// The ids of the match's deepest overlaps (at most four; the walk's, and those
+    /// [`RankDepths::raise`] raised), deepest first: a hint for a caller that wants a deep
+    /// rank it may use without scanning every rank.
     pub fn deepest_ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.top
             .iter()
@@ -159,16 +160,32 @@ impl RankDepths {
         }
     }
 
-    /// The ids this match gave at least `blocks` blocks (at least 1), in increasing order: one
-    /// pass over the table.
+    /// The ids this match gave at least `blocks` blocks (at least 1), in increasing order.
+    /// Deeper than the fourth deepest, they are among the four deepest, read from there;
+    /// otherwise one pass over the table.
     pub fn ids_with_at_least(&self, blocks: u32) -> impl Iterator<Item = u32> + '_ {
         let blocks = blocks.max(1);
         let stamp = self.stamp;
-        self.entries
-            .iter()
-            .enumerate()
-            .filter(move |&(_, &e)| (e >> STAMP_SHIFT) as u32 == stamp && e as u32 >= blocks)
-            .map(|(id, _)| id as u32)
+        let few = blocks > self.top[TOP - 1].0;
+        let mut deep = [u32::MAX; TOP];
+        let mut n = 0;
+        if few {
+            for &(b, id) in &self.top {
+                if b >= blocks {
+                    deep[n] = id;
+                    n += 1;
+                }
+            }
+            deep[..n].sort_unstable();
+        }
+        let scan = (!few).then(|| {
+            self.entries
+                .iter()
+                .enumerate()
+                .filter(move |&(_, &e)| (e >> STAMP_SHIFT) as u32 == stamp && e as u32 >= blocks)
+                .map(|(id, _)| id as u32)
+        });
+        deep.into_iter().take(n).chain(scan.into_iter().flatten())
     }
 
     /// The ids this match scored, in increasing order (a scan of the table).
@@ -275,6 +292,7 @@ impl RankDepths {
         } else {
             self.raise_split(i, tier, blocks, depth);
         }
+        self.note_depth(key.id, depth);
         true
     }
 
