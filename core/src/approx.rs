@@ -629,7 +629,9 @@ fn chain(k: u64, x: u64) -> u64 {
 /// together. Each step of a chain takes a pair of blocks, the second rotated by an odd amount
 /// first (so a pair and its swap differ unless the two hashes are equal or complements), and
 /// a chain's step is its pair's position in the run mod 4: one multiply per two blocks, four
-/// in flight, where one chain over the run would wait on each multiply in turn.
+/// in flight, where one chain over the run would wait on each multiply in turn. The run's
+/// length seeds the first chain, so runs of different lengths never meet by construction (a
+/// lone last block chained alone would otherwise equal a pair ending in a zero hash).
 #[inline(always)]
 fn digest(run: &[LocalHash]) -> u64 {
     const SEEDS: [u64; 4] = [
@@ -643,6 +645,7 @@ fn digest(run: &[LocalHash]) -> u64 {
         a.0 ^ b.0.rotate_left(23)
     }
     let mut lanes = SEEDS;
+    lanes[0] ^= run.len() as u64;
     let mut eights = run.chunks_exact(8);
     for eight in &mut eights {
         for (lane, two) in lanes.iter_mut().zip(eight.chunks_exact(2)) {
@@ -655,8 +658,7 @@ fn digest(run: &[LocalHash]) -> u64 {
         *lane = chain(*lane, pair(two[0], two[1]));
     }
     if let [last] = twos.remainder() {
-        // A lone last block is chained alone, into a lane of its own: the run's length is
-        // in the digest either way, as runs of one length always split the same.
+        // A lone last block is chained alone, into a lane no pair of a run this short uses.
         lanes[3] = chain(lanes[3], last.0);
     }
     lanes[0] ^ lanes[1].rotate_left(16) ^ lanes[2].rotate_left(32) ^ lanes[3].rotate_left(48)
@@ -817,6 +819,20 @@ mod tests {
         for n in 1..=a.len() {
             let part = marks_of(&a[..n]);
             assert_eq!(part.len(), checkpoint_count(n));
+            // One block more, with a hash of 0 (or all ones): the shorter prompt's last key
+            // is not among the longer one's, whatever the extra block.
+            for extra in [0, u64::MAX] {
+                let mut longer = a[..n].to_vec();
+                longer.push(LocalHash(extra));
+                let last = *part.last().unwrap();
+                let is_checkpoint =
+                    (0..checkpoint_count(n + 1)).any(|jj| checkpoint_at(jj, n + 1) == n - 1);
+                assert_eq!(
+                    marks_of(&longer).contains(&last),
+                    is_checkpoint,
+                    "n = {n}, extra {extra:#x}"
+                );
+            }
             for (j, &k) in part.iter().enumerate() {
                 let i = checkpoint_at(j, n);
                 match (0..all.len()).find(|&jj| checkpoint_at(jj, a.len()) == i) {

@@ -280,8 +280,8 @@ impl LoadView {
 #[derive(Debug, Default)]
 pub struct PrefixRefs {
     /// One prompt's block hashes per slot. A free slot holds an empty vector that keeps its
-    /// capacity (up to [`KEPT_SLOT_CAPACITY`]), so that booking allocates nothing in steady
-    /// state.
+    /// capacity (up to [`KEPT_SLOT_CAPACITY`], in up to [`KEPT_FREE_SLOTS`] free slots), so
+    /// that booking allocates nothing in steady state.
     slots: Vec<Vec<LocalHash>>,
     free: Vec<u32>,
     /// Occupied slots in lexicographic order of their hashes, equal prompts by slot.
@@ -292,7 +292,11 @@ pub struct PrefixRefs {
 
 /// Hashes a free [`PrefixRefs`] slot keeps room for: a longer prompt's vector is dropped when
 /// it is released.
-const KEPT_SLOT_CAPACITY: usize = 1 << 14;
+const KEPT_SLOT_CAPACITY: usize = 1 << 13;
+/// Free [`PrefixRefs`] slots that keep their vectors (the latest freed, which booking reuses
+/// first): a rank holds at most this many idle vectors, of at most 64 KiB each, after a peak
+/// of concurrent requests.
+const KEPT_FREE_SLOTS: usize = 16;
 
 /// How many leading blocks `a` and `b` share.
 fn common_prefix(a: &[LocalHash], b: &[LocalHash]) -> usize {
@@ -385,11 +389,17 @@ impl PrefixRefs {
         self.order.remove(pos);
         self.free.push(slot);
         self.distinct = self.distinct.saturating_sub(gone);
+        // Acquiring pops the latest free slot: the latest few keep their vectors, and the one
+        // this release pushes out of that window gives its vector up.
+        if let Some(i) = self.free.len().checked_sub(KEPT_FREE_SLOTS + 1) {
+            let deep = self.free[i];
+            self.slots[deep as usize] = Vec::new();
+        }
         let kept = &mut self.slots[slot as usize];
-        if kept.capacity() > KEPT_SLOT_CAPACITY {
-            *kept = Vec::new();
-        } else {
+        if kept.capacity() <= KEPT_SLOT_CAPACITY {
             kept.clear();
+        } else {
+            *kept = Vec::new();
         }
         gone
     }
@@ -1494,6 +1504,36 @@ mod tests {
     /// alphabet (so that they share prefixes of every length, and some are equal) acquired
     /// and released in random order give the same distinct count, shared prefix of any query
     /// and unshared suffix of every held prompt as counting each prefix key's holders.
+    #[test]
+    fn free_slots_keep_few_vectors_and_booking_reuses_them() {
+        let mut refs = PrefixRefs::default();
+        let prompt =
+            |p: u64, len: u64| blocks(&(0..len).map(|i| p * 100_000 + i).collect::<Vec<_>>());
+        let slots: Vec<u32> = (0..40).map(|p| refs.acquire(&prompt(p, 100)).0).collect();
+        for &slot in &slots {
+            refs.release(slot);
+        }
+        let holding = || refs.slots.iter().filter(|v| v.capacity() > 0).count();
+        assert_eq!(
+            holding(),
+            KEPT_FREE_SLOTS,
+            "only the latest free slots keep vectors"
+        );
+        assert!(refs.slots.iter().all(|v| v.is_empty()));
+        // Booking takes the latest free slot first: those with a vector, none allocated.
+        for p in 0..KEPT_FREE_SLOTS as u64 {
+            let next = *refs.free.last().unwrap();
+            assert!(refs.slots[next as usize].capacity() >= 100);
+            let (slot, _) = refs.acquire(&prompt(100 + p, 100));
+            assert_eq!(slot, next);
+            assert_eq!(refs.keys(slot), prompt(100 + p, 100).as_slice());
+        }
+        // A prompt longer than a kept vector may be gives its vector up when released.
+        let (long, _) = refs.acquire(&prompt(999, KEPT_SLOT_CAPACITY as u64 + 1));
+        refs.release(long);
+        assert_eq!(refs.slots[long as usize].capacity(), 0);
+    }
+
     #[test]
     fn prefix_table_equals_per_key_refcounts() {
         let mut x = 0x5eed_u64;

@@ -1687,10 +1687,11 @@ impl Router {
             // Loads read in vain say the booked-prefill floor may lag the fleet's loads: once
             // they add up to some sixteen reads of every rank, read every rank twice to raise
             // it (a refresh then costs at most an eighth of what triggered it). Each route
+            // selecting over the fleet (neither pinned nor session-bound, which read no floor)
             // counts as four such reads as well: a floor left low (by joins, by releases) also
             // weakens what selection prunes before any load is read (the records' least depth,
-            // the ranks visited), so it rises within four routes per rank even when no load is
-            // read in vain, at half a read per route.
+            // the ranks visited), so it rises within four such routes per rank even when no
+            // load is read in vain, at half a read per route.
             s.loaded_losers += u64::from(targets.loaded_losers()) + 4;
             if s.loaded_losers > 16 * fleet.ranks.len() as u64 {
                 s.loaded_losers = 0;

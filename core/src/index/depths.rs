@@ -267,7 +267,8 @@ impl RankDepths {
 
     /// Raises the rank of `key` to `depth` blocks when it holds fewer, the blocks added counted
     /// as device blocks (a caller's own evidence of cached blocks); true when it rose. A key
-    /// the match does not cover ([`RankDepths::covers`]) is not raised.
+    /// the match does not cover ([`RankDepths::covers`]) is not raised. Raises come after the
+    /// walk (which only deepens entries it wrote itself), so the four deepest stay exact.
     #[inline]
     pub fn raise(&mut self, key: RankKey, depth: u32) -> bool {
         if !self.covers(key) {

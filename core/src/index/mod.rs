@@ -364,10 +364,12 @@ impl IndexReader {
     /// [`IndexReader::find_depths_into`] for rank id `id` alone: the walk follows that rank
     /// only, and `out` holds nothing for any other (its deepest is that rank, or none). For a
     /// caller that has already chosen its rank (a pinned request) and wants its overlap.
+    /// `opts.early_exit` is ignored: with one rank followed, it would end every walk after
+    /// its first run.
     pub fn find_depth_of_into(
         &self,
         query: &[LocalHash],
-        opts: MatchOptions,
+        _opts: MatchOptions,
         id: u32,
         out: &mut RankDepths,
     ) {
@@ -380,7 +382,7 @@ impl IndexReader {
         };
         let shards = &self.shared.shards;
         let shard = &shards[shard_of(*first, shards.len())];
-        read::walk(shard, &ranks, query, opts.early_exit, out);
+        read::walk(shard, &ranks, query, false, out);
         out.end(&ranks);
     }
 
