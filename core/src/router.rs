@@ -1546,8 +1546,21 @@ impl Router {
             }
         };
 
+        // Candidates that cannot win are not kept where only the winner matters: the
+        // cheapest is taken (ties at random), and nothing else reads the whole list (no
+        // evidence, no wait to estimate). While ranks warm up, warm-up's pick needs every
+        // candidate on a cache miss: a request the kept candidates hold no block of is
+        // gathered again, whole, for it.
+        let prune = probe
+            && temperature == 0.0
+            && hints.evidence != EvidenceLevel::Full
+            && gate != Gate::Behind;
+
         // 2. Match, by the index's rank ids; each fleet rank reads its own (`rank_depth`). A
-        // pinned route's walk follows its rank alone.
+        // pinned route's walk follows its rank alone. A pruning route reads few ranks, the
+        // deep ones: the walk's first run (shared by many ranks, as a system prompt is) is
+        // kept to be read when asked for; otherwise every rank is written as the walk goes.
+        s.depths.set_eager(!prune);
         match pinned.and_then(|p| fleet.ranks[p.index].index_key) {
             Some(key) => self.reader.find_depth_of_into(
                 &s.locals,
@@ -1563,15 +1576,6 @@ impl Router {
 
         // 3. Select.
         let (role, role_fallback) = self.selection_role(&fleet, hints.phase);
-        // Candidates that cannot win are not kept where only the winner matters: the
-        // cheapest is taken (ties at random), and nothing else reads the whole list (no
-        // evidence, no wait to estimate). While ranks warm up, warm-up's pick needs every
-        // candidate on a cache miss: a request the kept candidates hold no block of is
-        // gathered again, whole, for it.
-        let prune = probe
-            && temperature == 0.0
-            && hints.evidence != EvidenceLevel::Full
-            && gate != Gate::Behind;
         let busy = &self.config.busy;
         let booked_floor = self.ledger.prefill_floor();
         let health_on = self.marked_ranks.load(Ordering::Relaxed) > 0;

@@ -1,7 +1,16 @@
 //! A match's result by the index's dense rank ids: one word per rank id, so that a caller that
 //! knows its ranks' ids (a router visiting every rank of its fleet) reads each rank's overlap
 //! with one load, and the walk writes one word per holder instead of building a score.
+//!
+//! The walk's first run is often shared by most ranks (a system prompt) while a selection
+//! that prunes reads only the deep ranks: by default its holder words are kept as they are
+//! (one copy), the ranks that hold all of it are narrowed straight from them at the next run,
+//! and any other rank's overlap is read from them by bisection when asked for. A caller about
+//! to read every rank asks for the first run written out as the walk goes
+//! ([`RankDepths::set_eager`]).
 
+use super::read::{add_tiers, find_group, group_of, leading};
+use super::run::rank_at;
 use super::RankKey;
 use crate::event::{StorageTier, WorkerRank};
 
@@ -47,6 +56,19 @@ pub struct RankDepths {
     /// The one rank id this match scores ([`super::IndexReader::find_depth_of_into`]), or
     /// `None` for every rank.
     pub(super) only: Option<u32>,
+    /// The walk's first run's holder words, as the run held them: a rank whose entry was not
+    /// written reads its overlap from here (the first `pending_m` blocks). Most ranks of a
+    /// shared first run (a system prompt) go no further, and most matches read few of them.
+    pending: Vec<u64>,
+    /// Blocks the first run matched (0: nothing pending).
+    pending_m: u32,
+    /// True while the ranks holding all of the first run are kept in `pending` rather than in
+    /// `active` (until the next run narrows them).
+    pub(super) pending_active: bool,
+    /// How many of them, counted up to 2 (the walk only asks for none, one or more).
+    pub(super) pending_full: usize,
+    /// Every rank of the first run written during the walk ([`RankDepths::set_eager`]).
+    pub(super) eager: bool,
 }
 
 /// One rank's overlap as [`RankDepths::get`] reads it.
@@ -66,6 +88,10 @@ impl RankDepths {
         self.top = [(0, 0); TOP];
         self.deepest = None;
         self.only = None;
+        self.pending.clear();
+        self.pending_m = 0;
+        self.pending_active = false;
+        self.pending_full = 0;
         self.active.clear();
         self.stamp += 1;
         if self.stamp >= STAMP_LIMIT {
@@ -97,13 +123,42 @@ impl RankDepths {
     pub fn get(&self, id: u32) -> Option<Depth> {
         let e = *self.entries.get(id as usize)?;
         if !self.live(e) {
-            return None;
+            return self.pending_get(id);
         }
         let t = (e >> 32) as u8;
         Some(Depth {
             blocks: e as u32,
             tier: StorageTier::ALL.get(t as usize).copied(),
         })
+    }
+
+    /// [`RankDepths::get`] of a rank with no entry written: its first-run overlap, if any.
+    #[inline(never)]
+    fn pending_get(&self, id: u32) -> Option<Depth> {
+        let (group, lead) = self.pending_group(id)?;
+        let tier = if group.len() == 2 {
+            StorageTier::ALL.get(group[0] as u8 as usize).copied()
+        } else {
+            let mut split = [0; StorageTier::COUNT];
+            add_tiers(&mut split, group, lead as usize);
+            let mut tiers = split.iter().enumerate().filter(|(_, &b)| b > 0);
+            match (tiers.next(), tiers.next()) {
+                (Some((t, _)), None) => StorageTier::ALL.get(t).copied(),
+                _ => None,
+            }
+        };
+        Some(Depth { blocks: lead, tier })
+    }
+
+    /// Rank id `id`'s holder words in the pending first run and the blocks it holds of it
+    /// (at least 1), for an id below the table's size.
+    fn pending_group(&self, id: u32) -> Option<(&[u64], u32)> {
+        if self.pending_m == 0 || !self.holds(id) {
+            return None;
+        }
+        let (start, end, union) = find_group(&self.pending, id)?;
+        let lead = leading(union, self.pending_m as usize) as u32;
+        (lead > 0).then(|| (&self.pending[2 * start..2 * end], lead))
     }
 
     /// True when `key` was given out before the match began: the entry under its id is then
@@ -125,16 +180,30 @@ impl RankDepths {
     }
 
     /// The blocks of rank id `id` split by the fastest tier each is held in.
+    #[inline]
     pub fn per_tier(&self, id: u32) -> [u32; StorageTier::COUNT] {
-        match self.get(id) {
-            None => [0; StorageTier::COUNT],
-            Some(Depth {
-                tier: Some(t),
-                blocks,
-                ..
-            }) => one_tier(t as u8, blocks),
-            Some(Depth { tier: None, .. }) => self.split[id as usize],
+        let Some(&e) = self.entries.get(id as usize) else {
+            return [0; StorageTier::COUNT];
+        };
+        if !self.live(e) {
+            return self.pending_per_tier(id);
         }
+        let t = (e >> 32) as u8;
+        if t == MIXED {
+            self.split[id as usize]
+        } else {
+            one_tier(t, e as u32)
+        }
+    }
+
+    /// [`RankDepths::per_tier`] of a rank with no entry written: its first-run blocks, if any.
+    #[inline(never)]
+    fn pending_per_tier(&self, id: u32) -> [u32; StorageTier::COUNT] {
+        let mut split = [0; StorageTier::COUNT];
+        if let Some((group, lead)) = self.pending_group(id) {
+            add_tiers(&mut split, group, lead as usize);
+        }
+        split
     }
 
     /// The rank the walk found deepest (the first found of equals), as the index named it when
@@ -165,7 +234,6 @@ impl RankDepths {
     /// otherwise one pass over the table.
     pub fn ids_with_at_least(&self, blocks: u32) -> impl Iterator<Item = u32> + '_ {
         let blocks = blocks.max(1);
-        let stamp = self.stamp;
         let few = blocks > self.top[TOP - 1].0;
         let mut deep = [u32::MAX; TOP];
         let mut n = 0;
@@ -178,19 +246,24 @@ impl RankDepths {
             }
             deep[..n].sort_unstable();
         }
-        let scan = (!few).then(|| {
-            self.entries
-                .iter()
-                .enumerate()
-                .filter(move |&(_, &e)| (e >> STAMP_SHIFT) as u32 == stamp && e as u32 >= blocks)
-                .map(|(id, _)| id as u32)
-        });
+        let scan = (!few).then(|| self.scan(blocks));
         deep.into_iter().take(n).chain(scan.into_iter().flatten())
     }
 
     /// The ids this match scored, in increasing order (a scan of the table).
     pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
-        (0..self.entries.len() as u32).filter(|&id| self.live(self.entries[id as usize]))
+        self.scan(1)
+    }
+
+    /// The ids with at least `blocks` (≥ 1) blocks, in increasing order: the table's entries,
+    /// and the pending first run's ranks where no entry was written.
+    fn scan(&self, blocks: u32) -> Scan<'_> {
+        Scan {
+            depths: self,
+            blocks,
+            id: 0,
+            holder: 0,
+        }
     }
 
     /// Sets the overlap of rank id `id` (below the `ranks` of [`RankDepths::begin`]) as the
@@ -214,6 +287,70 @@ impl RankDepths {
         (id as usize) < self.entries.len()
     }
 
+    /// Keeps the walk's first run, `holders` with `m` blocks matched, to be read when asked
+    /// for; notes its deepest ranks (the first four that hold all `m`, none being deeper, or
+    /// every rank when fewer do) and counts those that hold all `m`, up to 2.
+    pub(super) fn keep_first_run(&mut self, holders: &[u64], m: usize) {
+        self.pending.clear();
+        self.pending.extend_from_slice(holders);
+        self.pending_m = m as u32;
+        self.pending_active = true;
+        let n = holders.len() / 2;
+        let mut full = 0;
+        let mut h = 0;
+        while h < n {
+            let id = rank_at(holders, h);
+            let (end, union) = group_of(holders, h, n);
+            h = end;
+            let lead = leading(union, m);
+            if lead == 0 || !self.holds(id) {
+                continue;
+            }
+            self.note_depth(id, lead as u32);
+            if lead == m {
+                full += 1;
+                if full == TOP {
+                    break;
+                }
+            }
+        }
+        self.pending_full = full.min(2);
+    }
+
+    /// Narrows the pending first run's ranks that hold all of it against the walk's next run
+    /// (`holders`, `m` blocks matched): each rank of the next run that held all of the first
+    /// gets its entry, and stays active while it holds all `m`.
+    pub(super) fn narrow_first_run(&mut self, holders: &[u64], m: usize) {
+        self.pending_active = false;
+        self.active.clear();
+        let first_m = self.pending_m as usize;
+        let n = holders.len() / 2;
+        let mut h = 0;
+        while h < n {
+            let id = rank_at(holders, h);
+            let (end, union) = group_of(holders, h, n);
+            let group = h..end;
+            h = end;
+            let lead = leading(union, m);
+            if lead == 0 || !self.holds(id) {
+                continue;
+            }
+            let Some((start, stop, first)) = find_group(&self.pending, id) else {
+                continue;
+            };
+            if leading(first, first_m) != first_m {
+                continue;
+            }
+            let pending = std::mem::take(&mut self.pending);
+            RankDepths::first(self, id, &pending[2 * start..2 * stop], first_m);
+            self.pending = pending;
+            RankDepths::add(self, id, &holders[2 * group.start..2 * group.end], lead);
+            if lead == m {
+                self.active.push((id, id));
+            }
+        }
+    }
+
     /// [`RankDepths::first`] for a rank with one holder, in `tier`: one store.
     #[inline(always)]
     pub(super) fn first_single(&mut self, id: u32, tier: u8, lead: u32) {
@@ -222,6 +359,33 @@ impl RankDepths {
             *slot = e;
             self.note_depth(id, lead);
         }
+    }
+
+    /// Whether matches write every rank of the walk's first run as they go (`true`: for a
+    /// caller about to read most ranks, each then with one load) or keep its holder words to
+    /// be read when asked for (`false`, the default: for a caller that reads few ranks, the
+    /// deep ones). Stays set across matches.
+    pub fn set_eager(&mut self, eager: bool) {
+        self.eager = eager;
+    }
+
+    /// Writes rank id `id`'s entry from the pending first run; true when it had one there.
+    fn settle(&mut self, id: u32) -> bool {
+        let Some((start, stop, union)) = (if self.pending_m == 0 || !self.holds(id) {
+            None
+        } else {
+            find_group(&self.pending, id)
+        }) else {
+            return false;
+        };
+        let lead = leading(union, self.pending_m as usize);
+        if lead == 0 {
+            return false;
+        }
+        let pending = std::mem::take(&mut self.pending);
+        RankDepths::first(self, id, &pending[2 * start..2 * stop], lead);
+        self.pending = pending;
+        true
     }
 
     #[inline(always)]
@@ -279,6 +443,9 @@ impl RankDepths {
             self.grow(i + 1);
             return self.raise(key, depth);
         };
+        if !self.live(e) && self.settle(key.id) {
+            return self.raise(key, depth);
+        }
         let (tier, blocks) = if self.live(e) {
             ((e >> 32) as u8, e as u32)
         } else {
@@ -344,6 +511,7 @@ impl RankDepths {
         self.entries.capacity() * 8
             + self.split.capacity() * std::mem::size_of::<[u32; StorageTier::COUNT]>()
             + 2 * self.active.capacity() * 4
+            + self.pending.capacity() * 8
     }
 }
 
@@ -351,6 +519,52 @@ impl RankDepths {
 #[inline(always)]
 fn one_tier(t: u8, blocks: u32) -> [u32; StorageTier::COUNT] {
     std::array::from_fn(|i| if i == t as usize { blocks } else { 0 })
+}
+
+/// The ids of a [`RankDepths`] with at least some blocks, in increasing order: the table's
+/// live entries, and the pending first run's ranks whose entry was not written.
+pub(super) struct Scan<'a> {
+    depths: &'a RankDepths,
+    blocks: u32,
+    /// The next id to look at.
+    id: usize,
+    /// The next pending holder not yet passed.
+    holder: usize,
+}
+
+impl Iterator for Scan<'_> {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        let d = self.depths;
+        let pending = &d.pending;
+        let n = pending.len() / 2;
+        while self.id < d.entries.len() {
+            let id = self.id;
+            self.id += 1;
+            let e = d.entries[id];
+            if d.live(e) {
+                if e as u32 >= self.blocks {
+                    return Some(id as u32);
+                }
+                continue;
+            }
+            if d.pending_m == 0 {
+                continue;
+            }
+            while self.holder < n && (rank_at(pending, self.holder) as usize) < id {
+                self.holder += 1;
+            }
+            if self.holder < n && rank_at(pending, self.holder) as usize == id {
+                let (end, union) = group_of(pending, self.holder, n);
+                self.holder = end;
+                if leading(union, d.pending_m as usize) as u32 >= self.blocks {
+                    return Some(id as u32);
+                }
+            }
+        }
+        None
+    }
 }
 
 #[cfg(test)]

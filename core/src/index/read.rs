@@ -22,7 +22,7 @@ use crate::hash::{common_prefix, LocalHash};
 
 /// Leading blocks of `mask` held from offset 0, at most `limit`.
 #[inline]
-fn leading(mask: u64, limit: usize) -> usize {
+pub(super) fn leading(mask: u64, limit: usize) -> usize {
     (mask.trailing_ones() as usize).min(limit)
 }
 
@@ -56,6 +56,18 @@ pub(super) trait Sink {
         Self: Sized,
     {
         score_first(holders, m, ranks, self);
+    }
+
+    /// How many ranks hold every block so far (a sink that keeps them implicitly may answer
+    /// 2 for any number above 1).
+    fn active_len(&mut self) -> usize {
+        self.active().len()
+    }
+
+    /// Narrows a sink that keeps the first run's active ranks implicitly against a later run
+    /// (`holders`, `m` blocks matched); false when it keeps them in `active`.
+    fn narrow_implicit(&mut self, _holders: &[u64], _m: usize) -> bool {
+        false
     }
 
     /// `active` and `add` at once, for a pass that adds while it narrows the active list.
@@ -122,30 +134,20 @@ impl Sink for RankDepths {
         &mut self.active
     }
 
-    /// One pass over the holder words, a rank with one holder (one tier: the common case)
-    /// written in one store. Ids are not checked against the table of ranks: a reader of
-    /// this table keeps ids by [`super::RankKey`], which answers only for ids given out before
-    /// the match began, and an id beyond the table is left out.
+    /// One rank (a pinned walk), every rank in one pass (eager: a rank with one holder, one
+    /// tier, the common case, written in one store), or none: the holder words kept, to be
+    /// read when asked for ([`RankDepths::set_eager`]). Ids are not checked against the table
+    /// of ranks: a reader of this table keeps ids by [`super::RankKey`], which answers only
+    /// for ids given out before the match began, and an id beyond the table is left out.
     fn first_run(&mut self, holders: &[u64], m: usize, _ranks: &[Option<WorkerRank>]) {
         let n = holders.len() / 2;
         let holders = &holders[..2 * n];
         if let Some(id) = self.only {
-            // One rank: its group is found by bisection (holders are sorted by rank id), and
-            // no other rank enters the walk.
-            let (mut lo, mut hi) = (0, n);
-            while lo < hi {
-                let mid = lo + (hi - lo) / 2;
-                if rank_at(holders, mid) < id {
-                    lo = mid + 1;
-                } else {
-                    hi = mid;
-                }
-            }
-            if lo < n && rank_at(holders, lo) == id && self.holds(id) {
-                let (end, union) = group_of(holders, lo, n);
+            // One rank: its group is found by bisection, and no other rank enters the walk.
+            if let Some((start, end, union)) = find_group(holders, id) {
                 let lead = leading(union, m);
-                if lead > 0 {
-                    RankDepths::first(self, id, &holders[2 * lo..2 * end], lead);
+                if lead > 0 && self.holds(id) {
+                    RankDepths::first(self, id, &holders[2 * start..2 * end], lead);
                     if lead == m {
                         self.active.push((id, id));
                     }
@@ -153,6 +155,15 @@ impl Sink for RankDepths {
             }
             return;
         }
+        if !self.eager {
+            // The run's holder words are kept as they are: a rank's overlap is read from them
+            // when asked for, and the ranks that go on are written as the next run narrows
+            // them.
+            self.keep_first_run(holders, m);
+            return;
+        }
+        // Every rank written now, in one pass, a rank with one holder (one tier: the common
+        // case) in one store.
         let mut h = 0;
         while h < n {
             let pair = &holders[2 * h..2 * h + 2];
@@ -184,6 +195,23 @@ impl Sink for RankDepths {
     }
 
     #[inline(always)]
+    fn active_len(&mut self) -> usize {
+        if self.pending_active {
+            self.pending_full
+        } else {
+            self.active.len()
+        }
+    }
+
+    fn narrow_implicit(&mut self, holders: &[u64], m: usize) -> bool {
+        if !self.pending_active {
+            return false;
+        }
+        self.narrow_first_run(holders, m);
+        true
+    }
+
+    #[inline(always)]
     fn first(&mut self, id: u32, _rank: WorkerRank, group: &[u64], lead: usize) -> u32 {
         RankDepths::first(self, id, group, lead);
         id
@@ -198,7 +226,7 @@ impl Sink for RankDepths {
 /// The holders of rank `id` starting at holder `from`: the end of its group and the union of
 /// its masks (a rank's holders, one per tier, are adjacent).
 #[inline(always)]
-fn group_of(holders: &[u64], from: usize, n: usize) -> (usize, u64) {
+pub(super) fn group_of(holders: &[u64], from: usize, n: usize) -> (usize, u64) {
     let id = rank_at(holders, from);
     let mut union = holders[2 * from + 1];
     let mut end = from + 1;
@@ -207,6 +235,28 @@ fn group_of(holders: &[u64], from: usize, n: usize) -> (usize, u64) {
         end += 1;
     }
     (end, union)
+}
+
+/// The holders of rank `id` among holder words `holders` (sorted by rank id), by bisection:
+/// where its group starts and ends, and the union of its masks.
+#[inline]
+pub(super) fn find_group(holders: &[u64], id: u32) -> Option<(usize, usize, u64)> {
+    let n = holders.len() / 2;
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if rank_at(holders, mid) < id {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    if lo < n && rank_at(holders, lo) == id {
+        let (end, union) = group_of(holders, lo, n);
+        Some((lo, end, union))
+    } else {
+        None
+    }
 }
 
 /// Scores the ranks holding the first `m` matched blocks of the walk's first run.
@@ -334,13 +384,15 @@ pub(crate) fn walk(
         if !started {
             started = true;
             out.first_run(run.holders, m, ranks);
+        } else if out.narrow_implicit(run.holders, m) {
+            // The first run's ranks, narrowed where they were kept.
         } else if run.holders.len() / 2 * 4 < out.active().len() {
             narrow_by_search(run.holders, m, out);
         } else {
             narrow_by_merge(run.holders, m, out);
         }
         pos += m;
-        let active = out.active().len();
+        let active = out.active_len();
         if active == 0 || pos >= query.len() || (early_exit && active == 1) {
             break;
         }

@@ -412,6 +412,13 @@ fn early_exit_stops_when_one_rank_is_left() {
     assert_eq!(early.blocks(WorkerRank::new(2, 0)), 10);
     let lone = early.blocks(WorkerRank::new(1, 0));
     assert!((10..200).contains(&lone), "early exit scored {lone}");
+    // By id, the same: the walk stops where the scores' walk stops.
+    let reader = ix.reader();
+    let mut depths = crate::index::RankDepths::default();
+    reader.find_depths_into(&query(200), MatchOptions { early_exit: true }, &mut depths);
+    let id = |w: u64| ix.rank_key(WorkerRank::new(w, 0)).unwrap();
+    assert_eq!(depths.get_for(id(1)).map(|d| d.blocks), Some(lone));
+    assert_eq!(depths.get_for(id(2)).map(|d| d.blocks), Some(10));
 }
 
 #[test]
@@ -675,6 +682,23 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
             reader.find_depths_into(q, MatchOptions::default(), &mut depths);
             let ids: Vec<u32> = depths.ids().collect();
             assert_eq!(ids, out.rank_ids(), "the same ranks, by id");
+            // Written as the walk goes or read from the first run when asked for: the same.
+            let mut eager = crate::index::RankDepths::default();
+            eager.set_eager(true);
+            reader.find_depths_into(q, MatchOptions::default(), &mut eager);
+            assert_eq!(eager.ids().collect::<Vec<_>>(), ids);
+            for id in 0..64 {
+                assert_eq!(
+                    eager.get(id),
+                    depths.get(id),
+                    "prompt {p}, {len} blocks, id {id}"
+                );
+                assert_eq!(eager.per_tier(id), depths.per_tier(id));
+            }
+            assert_eq!(
+                eager.deepest_ids().collect::<Vec<_>>(),
+                depths.deepest_ids().collect::<Vec<_>>()
+            );
             // The deepest few, deepest first, without repeats.
             let blocks = |id: u32| depths.get(id).map_or(0, |d| d.blocks);
             let mut deepest: Vec<u32> = ids.iter().map(|&id| blocks(id)).collect();
@@ -690,12 +714,19 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
             // Raised by records (some ranks deeper, some held nothing before), the four
             // deepest and the ids with a least overlap still follow the table.
             let mut raised = depths.clone();
+            let mut expect: Vec<u32> = (0..64).map(blocks).collect();
             for k in 0..(p as u32 + 3) {
                 let id = (k * 7 + p as u32 * 5) % 52;
                 let depth = (k * 37 + len as u32) % 260 + 1;
                 raised.raise(crate::index::RankKey { id, epoch: 0 }, depth);
+                expect[id as usize] = expect[id as usize].max(depth);
             }
             let deep = |id: u32| raised.get(id).map_or(0, |d| d.blocks);
+            let now: Vec<u32> = (0..64).map(deep).collect();
+            assert_eq!(
+                now, expect,
+                "prompt {p}, {len} blocks: a raise never lowers"
+            );
             let mut want: Vec<u32> = raised.ids().map(deep).collect();
             want.sort_unstable_by(|a, b| b.cmp(a));
             want.truncate(4);
@@ -712,6 +743,16 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
             let mut dense = depths.to_scores(&reader);
             dense.sort();
             assert_eq!(dense, got, "prompt {p}, {len} blocks, by id");
+            // With the early exit, by id as by rank: the same ranks, the same lower bounds.
+            let early = MatchOptions { early_exit: true };
+            reader.find_matches_into(q, early, &mut out);
+            let mut want = out.scores.clone();
+            want.sort();
+            let mut early_depths = crate::index::RankDepths::default();
+            reader.find_depths_into(q, early, &mut early_depths);
+            let mut dense = early_depths.to_scores(&reader);
+            dense.sort();
+            assert_eq!(dense, want, "prompt {p}, {len} blocks, early exit");
             // One rank's walk: that rank's overlap and tiers, nothing for any other (ids
             // scored or not, and ids past the table's 48 ranks).
             let all = depths.clone();
