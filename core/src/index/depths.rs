@@ -9,6 +9,8 @@
 //! to read every rank asks for the first run written out as the walk goes
 //! ([`RankDepths::set_eager`]).
 
+use std::cell::{Cell, RefCell};
+
 use super::read::{add_tiers, find_group, group_of, leading};
 use super::run::rank_at;
 use super::RankKey;
@@ -62,6 +64,15 @@ pub struct RankDepths {
     pending: Vec<u64>,
     /// Blocks the first run matched (0: nothing pending).
     pending_m: u32,
+    /// The table's size when the first run was kept: ranks with ids past it are left out, as
+    /// the eager walk leaves them out (a raise may grow the table since).
+    pending_ids: usize,
+    /// By rank id: the first run's entries (as `entries` holds them), written on the first
+    /// read of a pending rank, so that a caller reading many ranks finds each with one load,
+    /// while a match that reads none pays nothing for them.
+    pending_at: RefCell<Vec<u64>>,
+    /// True once `pending_at` is built for this match.
+    pending_indexed: Cell<bool>,
     /// True while the ranks holding all of the first run are kept in `pending` rather than in
     /// `active` (until the next run narrows them).
     pub(super) pending_active: bool,
@@ -90,12 +101,15 @@ impl RankDepths {
         self.only = None;
         self.pending.clear();
         self.pending_m = 0;
+        self.pending_ids = 0;
+        self.pending_indexed.set(false);
         self.pending_active = false;
         self.pending_full = 0;
         self.active.clear();
         self.stamp += 1;
         if self.stamp >= STAMP_LIMIT {
             self.entries.iter_mut().for_each(|e| *e = 0);
+            self.pending_at.get_mut().iter_mut().for_each(|e| *e = 0);
             self.stamp = 1;
         }
         if self.entries.len() < ranks {
@@ -135,30 +149,66 @@ impl RankDepths {
     /// [`RankDepths::get`] of a rank with no entry written: its first-run overlap, if any.
     #[inline(never)]
     fn pending_get(&self, id: u32) -> Option<Depth> {
-        let (group, lead) = self.pending_group(id)?;
-        let tier = if group.len() == 2 {
-            StorageTier::ALL.get(group[0] as u8 as usize).copied()
-        } else {
-            let mut split = [0; StorageTier::COUNT];
-            add_tiers(&mut split, group, lead as usize);
-            let mut tiers = split.iter().enumerate().filter(|(_, &b)| b > 0);
-            match (tiers.next(), tiers.next()) {
-                (Some((t, _)), None) => StorageTier::ALL.get(t).copied(),
-                _ => None,
-            }
-        };
-        Some(Depth { blocks: lead, tier })
+        let e = self.pending_entry(id)?;
+        Some(Depth {
+            blocks: e as u32,
+            tier: StorageTier::ALL.get((e >> 32) as u8 as usize).copied(),
+        })
     }
 
-    /// Rank id `id`'s holder words in the pending first run and the blocks it holds of it
-    /// (at least 1), for an id below the table's size.
-    fn pending_group(&self, id: u32) -> Option<(&[u64], u32)> {
-        if self.pending_m == 0 || !self.holds(id) {
+    /// The entry rank id `id` would have had, had the first run been written (`None`: it
+    /// holds none of it, or its id is past the table).
+    #[inline]
+    fn pending_entry(&self, id: u32) -> Option<u64> {
+        if self.pending_m == 0 || id as usize >= self.pending_ids {
             return None;
         }
-        let (start, end, union) = find_group(&self.pending, id)?;
-        let lead = leading(union, self.pending_m as usize) as u32;
-        (lead > 0).then(|| (&self.pending[2 * start..2 * end], lead))
+        if !self.pending_indexed.get() {
+            self.index_pending();
+        }
+        let e = self.pending_at.borrow()[id as usize];
+        self.live(e).then_some(e)
+    }
+
+    /// Writes `pending_at`: the first run's entries, as the eager walk writes them into the
+    /// table (a rank's blocks split over several tiers marked [`MIXED`], its split read again
+    /// from the run when asked for).
+    #[cold]
+    fn index_pending(&self) {
+        let mut at = self.pending_at.borrow_mut();
+        if at.len() < self.pending_ids {
+            at.resize(self.pending_ids, 0);
+        }
+        let m = self.pending_m as usize;
+        let holders = &self.pending;
+        let n = holders.len() / 2;
+        let mut h = 0;
+        while h < n {
+            let id = rank_at(holders, h) as usize;
+            let (end, union) = group_of(holders, h, n);
+            let group = &holders[2 * h..2 * end];
+            h = end;
+            let lead = leading(union, m);
+            let Some(slot) = at.get_mut(id) else {
+                continue;
+            };
+            if lead == 0 {
+                continue;
+            }
+            let tier = if group.len() == 2 {
+                group[0] as u8
+            } else {
+                let mut split = [0; StorageTier::COUNT];
+                add_tiers(&mut split, group, lead);
+                let mut tiers = split.iter().enumerate().filter(|(_, &b)| b > 0);
+                match (tiers.next(), tiers.next()) {
+                    (Some((t, _)), None) => t as u8,
+                    _ => MIXED,
+                }
+            };
+            *slot = self.entry(tier, lead as u32);
+        }
+        self.pending_indexed.set(true);
     }
 
     /// True when `key` was given out before the match began: the entry under its id is then
@@ -200,8 +250,19 @@ impl RankDepths {
     #[inline(never)]
     fn pending_per_tier(&self, id: u32) -> [u32; StorageTier::COUNT] {
         let mut split = [0; StorageTier::COUNT];
-        if let Some((group, lead)) = self.pending_group(id) {
-            add_tiers(&mut split, group, lead as usize);
+        let Some(e) = self.pending_entry(id) else {
+            return split;
+        };
+        let (tier, blocks) = ((e >> 32) as u8, e as u32);
+        if tier != MIXED {
+            return one_tier(tier, blocks);
+        }
+        if let Some((start, end, _)) = find_group(&self.pending, id) {
+            add_tiers(
+                &mut split,
+                &self.pending[2 * start..2 * end],
+                blocks as usize,
+            );
         }
         split
     }
@@ -294,6 +355,7 @@ impl RankDepths {
         self.pending.clear();
         self.pending.extend_from_slice(holders);
         self.pending_m = m as u32;
+        self.pending_ids = self.entries.len();
         self.pending_active = true;
         let n = holders.len() / 2;
         let mut full = 0;
@@ -371,19 +433,19 @@ impl RankDepths {
 
     /// Writes rank id `id`'s entry from the pending first run; true when it had one there.
     fn settle(&mut self, id: u32) -> bool {
-        let Some((start, stop, union)) = (if self.pending_m == 0 || !self.holds(id) {
-            None
-        } else {
-            find_group(&self.pending, id)
-        }) else {
+        let Some(e) = self.pending_entry(id) else {
             return false;
         };
-        let lead = leading(union, self.pending_m as usize);
-        if lead == 0 {
-            return false;
+        if (e >> 32) as u8 != MIXED {
+            self.entries[id as usize] = e;
+            self.note_depth(id, e as u32);
+            return true;
         }
+        let Some((start, end, _)) = find_group(&self.pending, id) else {
+            return false;
+        };
         let pending = std::mem::take(&mut self.pending);
-        RankDepths::first(self, id, &pending[2 * start..2 * stop], lead);
+        RankDepths::first(self, id, &pending[2 * start..2 * end], e as u32 as usize);
         self.pending = pending;
         true
     }
@@ -549,7 +611,7 @@ impl Iterator for Scan<'_> {
                 }
                 continue;
             }
-            if d.pending_m == 0 {
+            if d.pending_m == 0 || id >= d.pending_ids {
                 continue;
             }
             while self.holder < n && (rank_at(pending, self.holder) as usize) < id {
@@ -625,6 +687,48 @@ mod tests {
         assert_eq!(d.get_for(key(2, 4)), None);
         assert!(!d.raise(key(2, 4), 9));
         assert!(d.raise(key(2, 2), 9));
+    }
+
+    /// The first run kept as it is reads as the eager walk writes it, ids past the table left
+    /// out, even after a raise grows the table.
+    #[test]
+    fn a_kept_first_run_reads_as_the_eager_walk_writes_it() {
+        let words: Vec<u64> = [
+            group(0, &[(0, 0b1111)]),
+            group(1, &[(0, 0b11), (1, 0b1111)]),
+            group(2, &[(1, 0b111)]),
+            group(3, &[(0, 0b1111)]),
+        ]
+        .concat();
+        let m = 4;
+        let mut both = [RankDepths::default(), RankDepths::default()];
+        both[1].set_eager(true);
+        for d in &mut both {
+            d.begin(3, 0);
+            let ranks = [None; 4];
+            super::super::read::Sink::first_run(d, &words, m, &ranks);
+            // Rank 3 is past the table of 3; a record then raises rank 4, growing it.
+            d.raise(key(4, 0), 2);
+        }
+        let [lazy, eager] = &both;
+        for id in 0..6 {
+            assert_eq!(lazy.get(id), eager.get(id), "id {id}");
+            assert_eq!(lazy.per_tier(id), eager.per_tier(id), "id {id}");
+        }
+        assert_eq!(lazy.get(3), None);
+        assert_eq!(lazy.ids().collect::<Vec<_>>(), [0, 1, 2, 4]);
+        assert_eq!(eager.ids().collect::<Vec<_>>(), [0, 1, 2, 4]);
+        for least in 1..=5 {
+            assert_eq!(
+                lazy.ids_with_at_least(least).collect::<Vec<_>>(),
+                eager.ids_with_at_least(least).collect::<Vec<_>>(),
+                "at least {least}"
+            );
+        }
+        assert_eq!(
+            lazy.deepest_ids().collect::<Vec<_>>(),
+            eager.deepest_ids().collect::<Vec<_>>()
+        );
     }
 
     #[test]
