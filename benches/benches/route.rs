@@ -10,6 +10,8 @@
 //! |---|---|
 //! | `hash_only` | hashing the prompt's blocks |
 //! | `hash_and_match_only` | hashing, then the match by rank id (`find_depths_into`), as `route()` does |
+//! | `hash_match_and_read_every_rank` | the same, then every rank's overlap read (the first run, kept as its holder words, written aside on the first read) |
+//! | `hash_match_and_read_every_rank_eager` | the same with the first run written as the walk goes (`RankDepths::set_eager`, as a route that reads every rank sets it) |
 //! | `hash_and_match_scores` | hashing, then the match as a list of scores (`find_matches_into`) |
 //! | `route_query_only` | `route()` deciding without booking |
 //! | `route_book_and_free` | `route()` booking, then `free` |
@@ -197,6 +199,27 @@ fn bench_route(c: &mut Criterion) {
             black_box(depths.deepest())
         })
     });
+    for (name, eager) in [
+        ("hash_match_and_read_every_rank", false),
+        ("hash_match_and_read_every_rank_eager", true),
+    ] {
+        g.bench_function(name, |b| {
+            let hasher = BlockHasher::new(BS);
+            let reader = router.index_reader();
+            let mut out = Vec::with_capacity(PROMPT / BS);
+            let mut depths = RankDepths::default();
+            depths.set_eager(eager);
+            b.iter(|| {
+                hasher.local_hashes_into(black_box(&query), &mut out);
+                reader.find_depths_into(&out, MatchOptions::default(), &mut depths);
+                let mut blocks = 0u64;
+                for id in 0..WORKERS as u32 {
+                    blocks += depths.get(id).map_or(0, |d| u64::from(d.blocks));
+                }
+                black_box(blocks)
+            })
+        });
+    }
     g.bench_function("hash_and_match_scores", |b| {
         let hasher = BlockHasher::new(BS);
         let reader = router.index_reader();
