@@ -1559,8 +1559,15 @@ impl Router {
         // 2. Match, by the index's rank ids; each fleet rank reads its own (`rank_depth`). A
         // pinned route's walk follows its rank alone. A pruning route reads few ranks, the
         // deep ones: the walk's first run (shared by many ranks, as a system prompt is) is
-        // kept to be read when asked for; otherwise every rank is written as the walk goes.
-        s.depths.set_eager(!prune);
+        // kept to be read when asked for. A route that reads every rank (no pruning, or no
+        // credit for cached blocks, as in decode, so no least winning overlap) has every rank
+        // written as the walk goes.
+        let credit = weights
+            .credits
+            .iter()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max);
+        s.depths.set_eager(!prune || !(credit > 0.0));
         match pinned.and_then(|p| fleet.ranks[p.index].index_key) {
             Some(key) => self.reader.find_depth_of_into(
                 &s.locals,
