@@ -184,7 +184,20 @@ impl RankDepths {
         let n = holders.len() / 2;
         let mut h = 0;
         while h < n {
-            let id = rank_at(holders, h) as usize;
+            let (word, mask) = (holders[2 * h], holders[2 * h + 1]);
+            let id = (word >> 8) as usize;
+            if holders
+                .get(2 * h + 2)
+                .is_none_or(|&w| (w >> 8) as usize != id)
+            {
+                // One holder (one tier): the common case.
+                h += 1;
+                let lead = leading(mask, m);
+                if let (Some(slot), true) = (at.get_mut(id), lead > 0) {
+                    *slot = self.entry(word as u8, lead as u32);
+                }
+                continue;
+            }
             let (end, union) = group_of(holders, h, n);
             let group = &holders[2 * h..2 * end];
             h = end;
