@@ -1567,7 +1567,8 @@ impl Router {
             .iter()
             .copied()
             .fold(f64::NEG_INFINITY, f64::max);
-        s.depths.set_eager(!prune || !(credit > 0.0));
+        s.depths
+            .set_eager(!prune || credit.is_nan() || credit <= 0.0);
         match pinned.and_then(|p| fleet.ranks[p.index].index_key) {
             Some(key) => self.reader.find_depth_of_into(
                 &s.locals,
