@@ -76,6 +76,13 @@ fn overflow(word: u64) -> u8 {
     (word >> COUNT_SHIFT) as u8
 }
 
+/// An entry's handle: its group times 8 plus its place in the group, so that neither needs a
+/// division by seven.
+#[inline]
+fn handle(g: usize, s: usize) -> usize {
+    g << 3 | s
+}
+
 impl NameMap {
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -112,13 +119,13 @@ impl NameMap {
     /// Hints the CPU to fetch the group `name` starts probing at.
     #[inline]
     pub(crate) fn prefetch(&self, name: u64) {
-        if self.ctrl.is_empty() {
-            return;
-        }
         let (g, _) = self.place(name);
-        prefetch_read(&self.ctrl[g]);
-        prefetch_read(&self.entries[g * GROUP]);
-        prefetch_read(&self.entries[g * GROUP + GROUP - 1]);
+        if let Some(word) = self.ctrl.get(g) {
+            prefetch_read(word);
+            let group = &self.entries[g * GROUP..g * GROUP + GROUP];
+            prefetch_read(&group[0]);
+            prefetch_read(&group[GROUP - 1]);
+        }
     }
 
     #[inline]
@@ -126,54 +133,55 @@ impl NameMap {
         self.find(name).map(|(_, pos)| pos)
     }
 
-    #[inline]
-    fn tag_at(&self, i: usize) -> u8 {
-        (self.ctrl[i / GROUP] >> ((i % GROUP) * 8)) as u8
-    }
-
-    #[inline]
-    fn set_tag(&mut self, i: usize, tag: u8) {
-        let shift = (i % GROUP) * 8;
-        let word = &mut self.ctrl[i / GROUP];
-        *word = (*word & !(0xFF << shift)) | ((tag as u64) << shift);
-    }
-
-    /// The entry of group `g` (control word `word`) that holds `name`, if any.
-    #[inline]
+    /// The place in group `g` (control word `word`) that holds `name`, if any.
+    #[inline(always)]
     fn find_in(&self, g: usize, word: u64, tag: u8, name: u64) -> Option<usize> {
+        let group = &self.entries[g * GROUP..g * GROUP + GROUP];
         let mut m = matches(word, tag);
         while m != 0 {
-            let i = g * GROUP + (m.trailing_zeros() / 8) as usize;
-            let [lo, hi, _] = self.entries[i];
-            // An emptied entry keeps its old name: the tag must match too.
-            if join(lo, hi) == name && self.tag_at(i) == tag {
-                return Some(i);
+            let s = (m.trailing_zeros() / 8) as usize;
+            let [lo, hi, _] = group[s];
+            // Bytes above a true match can match falsely, and an emptied entry keeps its old
+            // name: the tag must match too.
+            if join(lo, hi) == name && (word >> (s * 8)) as u8 == tag {
+                return Some(s);
             }
             m &= m - 1;
         }
         None
     }
 
-    /// Probes for `name` in a table with groups: `Ok(entry)` holding it, or `Err(group)` the
-    /// first group with room on its path.
-    #[inline]
-    fn probe(&self, name: u64) -> Result<usize, usize> {
-        let (mut g, tag) = self.place(name);
-        let mut room = None;
-        for _ in 0..self.groups() {
-            let word = self.ctrl[g];
-            if let Some(i) = self.find_in(g, word, tag, name) {
-                return Ok(i);
-            }
-            if room.is_none() && empties(word) != 0 {
-                room = Some(g);
-            }
+    /// Probes for `name` in a table with groups: `Ok(handle)` of the entry holding it, or
+    /// `Err((room, home, tag))`: the first group with room on its path, its home group and
+    /// its tag.
+    #[inline(always)]
+    fn probe(&self, name: u64) -> Result<usize, (usize, usize, u8)> {
+        let (home, tag) = self.place(name);
+        let mut g = home;
+        let word = self.ctrl[g];
+        if let Some(s) = self.find_in(g, word, tag, name) {
+            return Ok(handle(g, s));
+        }
+        if overflow(word) == 0 && empties(word) != 0 {
+            // The common case: an absent name whose home group has room.
+            return Err((g, home, tag));
+        }
+        let mut room = (empties(word) != 0).then_some(g);
+        let mut word = word;
+        for _ in 1..self.groups() {
             if overflow(word) == 0 {
                 break;
             }
             g = self.next(g);
+            word = self.ctrl[g];
+            if let Some(s) = self.find_in(g, word, tag, name) {
+                return Ok(handle(g, s));
+            }
+            if room.is_none() && empties(word) != 0 {
+                room = Some(g);
+            }
         }
-        Err(room.unwrap_or_else(|| self.room_from(g)))
+        Err((room.unwrap_or_else(|| self.room_from(g)), home, tag))
     }
 
     /// The first group with room from `g` on (the load bound guarantees one).
@@ -185,14 +193,14 @@ impl NameMap {
         g
     }
 
-    /// The entry index and position of a name, for [`NameMap::vacate`].
+    /// The entry handle and position of a name, for [`NameMap::vacate`].
     #[inline]
     pub(crate) fn find(&self, name: u64) -> Option<(usize, u32)> {
         if self.ctrl.is_empty() {
             return None;
         }
-        let i = self.probe(name).ok()?;
-        Some((i, self.entries[i][2]))
+        let h = self.probe(name).ok()?;
+        Some((h, self.entries[(h >> 3) * GROUP + (h & 7)][2]))
     }
 
     /// Inserts or replaces; returns the previous position. One probe serves both outcomes: a
@@ -200,55 +208,60 @@ impl NameMap {
     /// with room that the search passed.
     pub(crate) fn insert(&mut self, name: u64, pos: u32) -> Option<u32> {
         if (self.len + 1) * 10 > self.groups() * GROUP * 7 {
-            if let Some((i, old)) = self.find(name) {
-                self.entries[i][2] = pos;
+            if let Some((h, old)) = self.find(name) {
+                self.entries[(h >> 3) * GROUP + (h & 7)][2] = pos;
                 return Some(old);
             }
             self.resize(Self::target_groups(self.len + 1));
         }
         match self.probe(name) {
-            Ok(i) => {
-                let old = self.entries[i][2];
-                self.entries[i][2] = pos;
+            Ok(h) => {
+                let entry = &mut self.entries[(h >> 3) * GROUP + (h & 7)];
+                let old = entry[2];
+                entry[2] = pos;
                 Some(old)
             }
-            Err(g) => {
-                self.fill(name, pos, g);
+            Err((to, home, tag)) => {
+                self.fill(name, pos, to, home, tag);
                 None
             }
         }
     }
 
-    /// Writes a new name into group `to`, which has room, and counts it in the overflow of
-    /// every group it passed.
-    fn fill(&mut self, name: u64, pos: u32, to: usize) {
-        let (mut g, tag) = self.place(name);
+    /// Writes a new name (home group `home`, tag `tag`) into group `to`, which has room, and
+    /// counts it in the overflow of every group it passed.
+    #[inline]
+    fn fill(&mut self, name: u64, pos: u32, to: usize, home: usize, tag: u8) {
+        let mut g = home;
         while g != to {
             if overflow(self.ctrl[g]) != u8::MAX {
                 self.ctrl[g] += ONE;
             }
             g = self.next(g);
         }
-        let i = to * GROUP + (empties(self.ctrl[to]).trailing_zeros() / 8) as usize;
-        self.set_tag(i, tag);
-        self.entries[i] = [name as u32, (name >> 32) as u32, pos];
+        let word = &mut self.ctrl[to];
+        let s = (empties(*word).trailing_zeros() / 8) as usize;
+        // The byte was EMPTY: flipping EMPTY's bit and the tag's bits leaves the tag.
+        *word ^= ((EMPTY ^ tag) as u64) << (s * 8);
+        self.entries[to * GROUP + s] = [name as u32, (name >> 32) as u32, pos];
         self.len += 1;
     }
 
     /// Removes a name; returns its position.
     pub(crate) fn remove(&mut self, name: u64) -> Option<u32> {
-        let (i, pos) = self.find(name)?;
-        self.vacate(i);
+        let (h, pos) = self.find(name)?;
+        self.vacate(h);
         self.settle();
         Some(pos)
     }
 
     /// Removes the entry `find` returned without resizing, so that the entries other finds
     /// returned stay where they are; [`NameMap::settle`] afterwards.
-    pub(crate) fn vacate(&mut self, i: usize) {
-        let [lo, hi, _] = self.entries[i];
+    #[inline]
+    pub(crate) fn vacate(&mut self, h: usize) {
+        let (to, s) = (h >> 3, h & 7);
+        let [lo, hi, _] = self.entries[to * GROUP + s];
         let (mut g, _) = self.place(join(lo, hi));
-        let to = i / GROUP;
         while g != to {
             // A saturated count no longer knows how many it stands for: it stays.
             if overflow(self.ctrl[g]) != u8::MAX {
@@ -256,7 +269,7 @@ impl NameMap {
             }
             g = self.next(g);
         }
-        self.set_tag(i, EMPTY);
+        Self::empty(&mut self.ctrl[to], s);
         self.len -= 1;
     }
 
@@ -267,14 +280,26 @@ impl NameMap {
         }
     }
 
+    /// Marks place `s` of a group's control word empty.
+    #[inline]
+    fn empty(word: &mut u64, s: usize) {
+        *word = (*word & !(0xFF << (s * 8))) | (EMPTY as u64) << (s * 8);
+    }
+
+    /// Whether entry `i` (in `ctrl`'s numbering by groups of seven) is live.
+    #[inline]
+    fn live(ctrl: &[u64], i: usize) -> bool {
+        (ctrl[i / GROUP] >> ((i % GROUP) * 8)) as u8 & EMPTY == 0
+    }
+
     /// Keeps the entries for which `keep(name, position)` holds.
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(u64, u32) -> bool) {
         for i in 0..self.entries.len() {
-            if self.tag_at(i) & EMPTY == 0 {
+            if Self::live(&self.ctrl, i) {
                 let [lo, hi, v] = self.entries[i];
                 if !keep(join(lo, hi), v) {
                     // Emptied in place: the rebuild below places the survivors afresh.
-                    self.set_tag(i, EMPTY);
+                    Self::empty(&mut self.ctrl[i / GROUP], i % GROUP);
                     self.len -= 1;
                 }
             }
@@ -292,11 +317,11 @@ impl NameMap {
         let old = std::mem::replace(&mut self.entries, vec![[0, 0, 0]; groups * GROUP]);
         self.len = 0;
         for (i, e) in old.into_iter().enumerate() {
-            if (old_ctrl[i / GROUP] >> ((i % GROUP) * 8)) as u8 & EMPTY == 0 {
+            if Self::live(&old_ctrl, i) {
                 let name = join(e[0], e[1]);
-                let home = self.place(name).0;
+                let (home, tag) = self.place(name);
                 let to = self.room_from(home);
-                self.fill(name, e[2], to);
+                self.fill(name, e[2], to, home, tag);
             }
         }
     }
