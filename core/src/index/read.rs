@@ -13,8 +13,9 @@
 use std::sync::Arc;
 
 use super::mix::prefetch_read;
-use super::run::{holders_of, rank_at, Run};
+use super::run::{holders_of, rank_at, Run, RUN_CAP};
 use super::shard::ShardShared;
+use super::slots::NO_NEXT;
 use super::table::{ChildKey, ROOT};
 use super::{OverlapScores, RankDepths, RankScore};
 use crate::event::{StorageTier, WorkerRank};
@@ -335,6 +336,22 @@ fn narrow_by_search(holders: &[u64], m: usize, out: &mut impl Sink) {
     *out.active() = active;
 }
 
+/// Hints the CPU to fetch every cache line of a run's words: a walk compares them from the
+/// first to the last, and one run's lines are more than the hardware fetches ahead on its own.
+#[inline]
+fn prefetch_words(w: &[u64]) {
+    for x in w.iter().step_by(8) {
+        prefetch_read(x);
+    }
+}
+
+/// Whether published run words `w` are the child `key` names: its parent, offset and first
+/// hash.
+#[inline]
+fn leads_from(w: &[u64], key: ChildKey) -> bool {
+    Run::link(w) == Some((key.parent, key.off, key.hash))
+}
+
 pub(crate) fn walk(
     shard: &ShardShared,
     ranks: &Arc<Vec<Option<WorkerRank>>>,
@@ -355,24 +372,49 @@ pub(crate) fn walk(
     };
     let mut pos = 0usize;
     let mut started = false;
-    while let Some(slot) = table.get(key) {
-        let Some(run) = shard.slots.load(slot, &guard).and_then(Run::parse) else {
+    // The next run when a hint named it (checked like any child): (slot, its words, its hint).
+    let mut hinted: Option<(u32, &[u64], u32)> = None;
+    loop {
+        let (slot, words, next) = match hinted.take().filter(|&(_, w, _)| leads_from(w, key)) {
+            Some(h) => h,
+            None => {
+                let Some(slot) = table.get(key) else {
+                    break;
+                };
+                let Some((words, next)) = shard.slots.load_with_next(slot, &guard) else {
+                    break;
+                };
+                (slot, words, next)
+            }
+        };
+        let Some(run) = Run::parse(words) else {
             break;
         };
         let rest = &query[pos..];
         // While the hashes are compared, fetch what comes next in the common case: the
-        // holders, and the child-table entry of a query that runs past this run's end.
+        // holders, and the next run of a query that goes on past this run's end (the hinted
+        // one of a full run, else the child-table entry that leads to it).
         if let Some(h) = run.holders.first() {
             prefetch_read(h);
         }
-        if let (Some(last), Some(next)) =
+        let mut ahead = None;
+        if let (Some(last), Some(next_hash)) =
             (run.hashes.len().checked_sub(1), rest.get(run.hashes.len()))
         {
-            table.prefetch(ChildKey {
-                parent: slot,
-                off: last as u8,
-                hash: next.0,
-            });
+            if next != NO_NEXT && last == RUN_CAP - 1 {
+                ahead = shard
+                    .slots
+                    .load_with_next(next, &guard)
+                    .map(|(w, n)| (next, w, n));
+            }
+            match ahead {
+                Some((_, w, _)) => prefetch_words(w),
+                None => table.prefetch(ChildKey {
+                    parent: slot,
+                    off: last as u8,
+                    hash: next_hash.0,
+                }),
+            }
         }
         if run.parent != key.parent
             || run.parent_off != key.off
@@ -401,6 +443,11 @@ pub(crate) fn walk(
             off: (m - 1) as u8,
             hash: query[pos].0,
         };
+        // The hinted run can be the child only at the end of this run; the next turn checks
+        // that it is, and looks the key up otherwise.
+        if m == run.hashes.len() {
+            hinted = ahead;
+        }
     }
     out.active().clear();
 }

@@ -81,6 +81,16 @@ impl<'a> Run<'a> {
         1 + self.hashes.len() + self.holders.len()
     }
 
+    /// The parent slot, parent offset and first hash of a run's words, without parsing the
+    /// rest.
+    #[inline]
+    pub(crate) fn link(words: &[u64]) -> Option<(u32, u8, u64)> {
+        match words {
+            [head, first, ..] => Some((*head as u32, (*head >> 32) as u8, *first)),
+            _ => None,
+        }
+    }
+
     /// Reads a run's words; `None` if they are not a run (never for published words).
     #[inline]
     pub(crate) fn parse(words: &'a [u64]) -> Option<Self> {

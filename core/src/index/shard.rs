@@ -569,6 +569,10 @@ impl ShardWriter {
         for (key, slot) in std::mem::take(&mut self.new_links) {
             if self.metas[slot as usize].live {
                 self.table.insert(&shared.children, key, slot);
+                // A child at the end of a full run is where a walk through it goes on.
+                if key.parent != ROOT && key.off as usize == RUN_CAP - 1 {
+                    shared.slots.set_next(key.parent, slot);
+                }
             }
         }
         for key in std::mem::take(&mut self.dead_links) {

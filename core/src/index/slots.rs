@@ -11,11 +11,17 @@
 //! plain `Acquire` loads, so a walk pays one fence in all instead of reference-count traffic
 //! on every run it visits.
 //!
+//! Beside its pointer, a slot keeps a hint: the slot of the child most recently linked at the
+//! end of its run when the run is full. A long chain is a line of full runs, each continued
+//! at its end, so a walk reads the next run's slot from the line it already has and fetches
+//! that run while it compares the current one, instead of after a child-table lookup. The
+//! hint is never trusted: the walk checks the run it names as it checks any child it finds.
+//!
 //! All of the module's `unsafe` rests on two rules: only the single writer calls
 //! [`Slots::publish`] and [`Slots::clear`], and a published array has every word written.
 
 use std::mem::MaybeUninit;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
@@ -24,7 +30,27 @@ const FIRST_BITS: u32 = 10;
 const SEGMENTS: usize = 22;
 
 type Words = [MaybeUninit<u64>];
-type Segment = OnceLock<Box<[Atomic<Words>]>>;
+type Segment = OnceLock<Box<[Cell]>>;
+
+/// No next slot hinted.
+pub(crate) const NO_NEXT: u32 = u32::MAX;
+
+/// A slot: its run, and a hint of the slot a walk through the run's end usually goes on to.
+struct Cell {
+    run: Atomic<Words>,
+    /// The child most recently linked at the end of a full run, or [`NO_NEXT`]. Only a hint:
+    /// a reader checks the run it leads to as it checks every child it finds.
+    next: AtomicU32,
+}
+
+impl Cell {
+    fn empty() -> Self {
+        Cell {
+            run: Atomic::null(),
+            next: AtomicU32::new(NO_NEXT),
+        }
+    }
+}
 
 pub(crate) struct Slots {
     segs: Box<[Segment]>,
@@ -65,21 +91,36 @@ impl Slots {
     }
 
     #[inline]
-    fn cell(&self, i: u32) -> Option<&Atomic<Words>> {
+    fn cell(&self, i: u32) -> Option<&Cell> {
         let (k, off) = locate(i);
         self.segs.get(k)?.get()?.get(off)
     }
 
     /// The words in slot `i`, for as long as `guard` stays pinned. Any thread.
+    #[cfg(test)]
+    pub(crate) fn load<'g>(&self, i: u32, guard: &'g Guard) -> Option<&'g [u64]> {
+        self.load_with_next(i, guard).map(|(w, _)| w)
+    }
+
+    /// The words in slot `i` and its next-slot hint ([`NO_NEXT`] for none), for as long as
+    /// `guard` stays pinned. Any thread.
     #[inline]
     #[allow(unsafe_code)]
-    pub(crate) fn load<'g>(&self, i: u32, guard: &'g Guard) -> Option<&'g [u64]> {
+    pub(crate) fn load_with_next<'g>(&self, i: u32, guard: &'g Guard) -> Option<(&'g [u64], u32)> {
+        let cell = self.cell(i)?;
         // Acquire: pairs with the Release swap in `publish`, so the words are visible.
-        let p = self.cell(i)?.load(Ordering::Acquire, guard);
+        let p = cell.run.load(Ordering::Acquire, guard);
+        // Relaxed: the hint only names a slot, which is then loaded with Acquire.
+        let next = cell.next.load(Ordering::Relaxed);
         // SAFETY: an array is freed only after `publish` or `clear` unlinks it and retires it
         // with `defer_destroy`, which waits until every guard pinned before the unlink is
         // gone; `guard` is one of them for as long as the returned slice lives ('g).
-        unsafe { words(p) }
+        unsafe { words(p) }.map(|w| (w, next))
+    }
+
+    /// Hints that walks through the end of slot `i`'s run go on to slot `next`. Writer only.
+    pub(crate) fn set_next(&self, i: u32, next: u32) {
+        self.ensure(i).next.store(next, Ordering::Relaxed);
     }
 
     /// The words in slot `i`, as the writer sees them.
@@ -94,7 +135,7 @@ impl Slots {
         // and `clear`, which the caller promises not to call for this slot meanwhile.
         // Relaxed: the writer itself stored the pointer.
         let guard = unsafe { crossbeam_epoch::unprotected() };
-        let p = self.cell(i)?.load(Ordering::Relaxed, guard);
+        let p = self.cell(i)?.run.load(Ordering::Relaxed, guard);
         // SAFETY: as above, the array outlives the borrow of `self`.
         unsafe { words(p) }
     }
@@ -118,9 +159,10 @@ impl Slots {
         self.swap(i, array.into_shared(guard), guard);
     }
 
-    /// Empties slot `i` and retires its array. Writer only.
+    /// Empties slot `i`, forgets its hint and retires its array. Writer only.
     pub(crate) fn clear(&self, i: u32, guard: &Guard) {
-        if self.cell(i).is_some() {
+        if let Some(cell) = self.cell(i) {
+            cell.next.store(NO_NEXT, Ordering::Relaxed);
             self.swap(i, Shared::null(), guard);
         }
     }
@@ -128,7 +170,7 @@ impl Slots {
     #[allow(unsafe_code)]
     fn swap(&self, i: u32, new: Shared<'_, Words>, guard: &Guard) {
         // Release: readers that load the new pointer see its words.
-        let old = self.ensure(i).swap(new, Ordering::Release, guard);
+        let old = self.ensure(i).run.swap(new, Ordering::Release, guard);
         if !old.is_null() {
             // SAFETY:
             // - `old` is no longer reachable from the slot, and no other slot holds it (each
@@ -141,11 +183,11 @@ impl Slots {
 
     /// The slot, allocating its segment if needed. Writer only (callers guarantee a single
     /// writer; a racing second caller would only allocate a segment that is then dropped).
-    fn ensure(&self, i: u32) -> &Atomic<Words> {
+    fn ensure(&self, i: u32) -> &Cell {
         let (k, off) = locate(i);
         let seg = self.segs[k].get_or_init(|| {
             (0..(1usize << (k as u32 + FIRST_BITS)))
-                .map(|_| Atomic::null())
+                .map(|_| Cell::empty())
                 .collect()
         });
         &seg[off]
@@ -158,7 +200,7 @@ impl Slots {
 
     /// Bytes of the allocated segments.
     pub(crate) fn bytes(&self) -> usize {
-        let slot = std::mem::size_of::<Atomic<Words>>();
+        let slot = std::mem::size_of::<Cell>();
         self.segs
             .iter()
             .enumerate()
@@ -180,7 +222,9 @@ impl Drop for Slots {
                 // - A non-null pointer came from an `Owned` and was retired by nobody (a
                 //   retired array is unlinked first).
                 unsafe {
-                    let p = cell.load(Ordering::Relaxed, crossbeam_epoch::unprotected());
+                    let p = cell
+                        .run
+                        .load(Ordering::Relaxed, crossbeam_epoch::unprotected());
                     if !p.is_null() {
                         drop(p.into_owned());
                     }

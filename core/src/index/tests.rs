@@ -773,3 +773,81 @@ fn wide_fleets_narrow_by_search_and_by_merge_like_the_reference() {
         }
     }
 }
+
+/// Blocks `from..to` of a chain that shares blocks `0..from` with [`chain`] and then goes its
+/// own way: local hashes `5000 * fork + i`, names `100_000 * fork + i`.
+fn fork(fork: u64, from: u64, to: u64) -> Vec<StoredBlock> {
+    (from..to)
+        .map(|i| StoredBlock {
+            block_hash: BlockHash(100_000 * fork + i),
+            local_hash: LocalHash(5000 * fork + i),
+        })
+        .collect()
+}
+
+#[test]
+fn every_child_at_the_end_of_a_full_run_is_found_whichever_one_the_walk_is_hinted() {
+    let r = |w: u64| WorkerRank::new(w, 0);
+    let forked = |f: u64, n: u64| -> Vec<LocalHash> {
+        (0..n)
+            .map(|i| LocalHash(if i < 64 { i + 1 } else { 5000 * f + i }))
+            .collect()
+    };
+    let mut ix = idx();
+    // One full run, then two children at its end; the later one is the hinted one.
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 150, 0))
+        .unwrap();
+    ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 64, 0))
+        .unwrap();
+    ix.apply_stored(
+        hdr(2, 0, 1, device()),
+        Some(BlockHash(1063)),
+        &fork(1, 64, 150),
+    )
+    .unwrap();
+    let check = |ix: &PrefixIndex, one: u32, two: u32| {
+        let s = ix.find_matches(&query(150), MatchOptions::default());
+        assert_eq!((s.blocks(r(1)), s.blocks(r(2))), (150, 64));
+        let s = ix.find_matches(&forked(1, 150), MatchOptions::default());
+        assert_eq!((s.blocks(r(1)), s.blocks(r(2))), (64, two));
+        let s = ix.find_matches(&query(150)[..one as usize], MatchOptions::default());
+        assert_eq!(s.blocks(r(1)), one);
+    };
+    check(&ix, 150, 150);
+    // The hinted child goes, and its slot serves another chain: the hint is stale.
+    let gone: Vec<BlockHash> = (64..150).map(|i| BlockHash(100_000 + i)).collect();
+    ix.apply_removed(hdr(2, 0, 2, device()), &gone).unwrap();
+    for w in 3..6u64 {
+        let other: Vec<StoredBlock> = (0..130u64)
+            .map(|i| StoredBlock {
+                block_hash: BlockHash(w << 40 | i),
+                local_hash: LocalHash(w << 40 | i),
+            })
+            .collect();
+        ix.apply_stored(hdr(w, 0, 0, device()), None, &other)
+            .unwrap();
+    }
+    check(&ix, 150, 64);
+    check(&ix, 100, 64);
+    // A third child, hinted now; the first two are still found.
+    ix.apply_stored(
+        hdr(2, 0, 3, device()),
+        Some(BlockHash(1063)),
+        &fork(1, 64, 150),
+    )
+    .unwrap();
+    ix.apply_stored(hdr(6, 0, 0, device()), None, &chain(0, 64, 0))
+        .unwrap();
+    ix.apply_stored(
+        hdr(6, 0, 1, device()),
+        Some(BlockHash(1063)),
+        &fork(2, 64, 200),
+    )
+    .unwrap();
+    check(&ix, 150, 150);
+    let s = ix.find_matches(&forked(2, 200), MatchOptions::default());
+    assert_eq!(
+        (s.blocks(r(1)), s.blocks(r(2)), s.blocks(r(6))),
+        (64, 64, 200)
+    );
+}
