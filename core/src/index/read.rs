@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use super::mix::prefetch_read;
-use super::run::{holders_of, rank_at, Run, RUN_CAP};
+use super::run::{holders_of, rank_at, Run};
 use super::shard::ShardShared;
 use super::slots::NO_NEXT;
 use super::table::{ChildKey, ROOT};
@@ -391,29 +391,31 @@ pub(crate) fn walk(
             break;
         };
         let rest = &query[pos..];
-        // While the hashes are compared, fetch what comes next in the common case: the
-        // holders, and the next run of a query that goes on past this run's end (the hinted
-        // one of a full run, else the child-table entry that leads to it).
+        // While the hashes are compared, fetch what likely comes next: the holders, and the
+        // run the slot's hint names (checked before it is used, like any child found), else
+        // the child-table entry of a query that runs past this run's end.
         if let Some(h) = run.holders.first() {
             prefetch_read(h);
         }
         let mut ahead = None;
+        if rest.len() > 1 && next != NO_NEXT {
+            ahead = shard
+                .slots
+                .load_with_next(next, &guard)
+                .map(|(w, n)| (next, w, n));
+            if let Some((_, w, _)) = ahead {
+                prefetch_words(w);
+            }
+        }
         if let (Some(last), Some(next_hash)) =
             (run.hashes.len().checked_sub(1), rest.get(run.hashes.len()))
         {
-            if next != NO_NEXT && last == RUN_CAP - 1 {
-                ahead = shard
-                    .slots
-                    .load_with_next(next, &guard)
-                    .map(|(w, n)| (next, w, n));
-            }
-            match ahead {
-                Some((_, w, _)) => prefetch_words(w),
-                None => table.prefetch(ChildKey {
+            if ahead.is_none() {
+                table.prefetch(ChildKey {
                     parent: slot,
                     off: last as u8,
                     hash: next_hash.0,
-                }),
+                });
             }
         }
         if run.parent != key.parent
@@ -445,9 +447,7 @@ pub(crate) fn walk(
         };
         // The hinted run can be the child only at the end of this run; the next turn checks
         // that it is, and looks the key up otherwise.
-        if m == run.hashes.len() {
-            hinted = ahead;
-        }
+        hinted = ahead;
     }
     out.active().clear();
 }

@@ -569,8 +569,8 @@ impl ShardWriter {
         for (key, slot) in std::mem::take(&mut self.new_links) {
             if self.metas[slot as usize].live {
                 self.table.insert(&shared.children, key, slot);
-                // A child at the end of a full run is where a walk through it goes on.
-                if key.parent != ROOT && key.off as usize == RUN_CAP - 1 {
+                // The newest child is where the next walk through its parent likely goes on.
+                if key.parent != ROOT {
                     shared.slots.set_next(key.parent, slot);
                 }
             }

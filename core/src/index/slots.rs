@@ -11,11 +11,11 @@
 //! plain `Acquire` loads, so a walk pays one fence in all instead of reference-count traffic
 //! on every run it visits.
 //!
-//! Beside its pointer, a slot keeps a hint: the slot of the child most recently linked at the
-//! end of its run when the run is full. A long chain is a line of full runs, each continued
-//! at its end, so a walk reads the next run's slot from the line it already has and fetches
-//! that run while it compares the current one, instead of after a child-table lookup. The
-//! hint is never trusted: the walk checks the run it names as it checks any child it finds.
+//! Beside its pointer, a slot keeps a hint: the slot of the child most recently linked to its
+//! run. A conversation's chain grows turn by turn, each turn a child of the last, so a walk
+//! reads the next run's slot from the line it already has and fetches that run while it
+//! compares the current one, instead of after a child-table lookup. The hint is never
+//! trusted: the walk checks the run it names as it checks any child it finds.
 //!
 //! All of the module's `unsafe` rests on two rules: only the single writer calls
 //! [`Slots::publish`] and [`Slots::clear`], and a published array has every word written.
@@ -35,11 +35,11 @@ type Segment = OnceLock<Box<[Cell]>>;
 /// No next slot hinted.
 pub(crate) const NO_NEXT: u32 = u32::MAX;
 
-/// A slot: its run, and a hint of the slot a walk through the run's end usually goes on to.
+/// A slot: its run, and a hint of the slot a walk through the run most likely goes on to.
 struct Cell {
     run: Atomic<Words>,
-    /// The child most recently linked at the end of a full run, or [`NO_NEXT`]. Only a hint:
-    /// a reader checks the run it leads to as it checks every child it finds.
+    /// The child most recently linked to the run, or [`NO_NEXT`]. Only a hint: a reader
+    /// checks the run it leads to as it checks every child it finds.
     next: AtomicU32,
 }
 
@@ -118,7 +118,7 @@ impl Slots {
         unsafe { words(p) }.map(|w| (w, next))
     }
 
-    /// Hints that walks through the end of slot `i`'s run go on to slot `next`. Writer only.
+    /// Hints that walks through slot `i`'s run go on to slot `next`. Writer only.
     pub(crate) fn set_next(&self, i: u32, next: u32) {
         self.ensure(i).next.store(next, Ordering::Relaxed);
     }

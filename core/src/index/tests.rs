@@ -786,7 +786,7 @@ fn fork(fork: u64, from: u64, to: u64) -> Vec<StoredBlock> {
 }
 
 #[test]
-fn every_child_at_the_end_of_a_full_run_is_found_whichever_one_the_walk_is_hinted() {
+fn every_child_is_found_whichever_one_the_walk_is_hinted() {
     let r = |w: u64| WorkerRank::new(w, 0);
     let forked = |f: u64, n: u64| -> Vec<LocalHash> {
         (0..n)
@@ -850,4 +850,19 @@ fn every_child_at_the_end_of_a_full_run_is_found_whichever_one_the_walk_is_hinte
         (s.blocks(r(1)), s.blocks(r(2)), s.blocks(r(6))),
         (64, 64, 200)
     );
+    // A child inside the full run, hinted last: walks past it still go on at the end.
+    ix.apply_stored(hdr(7, 0, 0, device()), None, &chain(0, 30, 0))
+        .unwrap();
+    ix.apply_stored(
+        hdr(7, 0, 1, device()),
+        Some(BlockHash(1029)),
+        &fork(3, 30, 90),
+    )
+    .unwrap();
+    check(&ix, 150, 150);
+    let inner: Vec<LocalHash> = (0..90u64)
+        .map(|i| LocalHash(if i < 30 { i + 1 } else { 15_000 + i }))
+        .collect();
+    let s = ix.find_matches(&inner, MatchOptions::default());
+    assert_eq!((s.blocks(r(1)), s.blocks(r(7))), (30, 90));
 }
