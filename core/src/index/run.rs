@@ -145,23 +145,31 @@ impl RunBuf {
         1 + self.hashes.len() + 2 * self.holders.len()
     }
 
-    /// The published form, word by word ([`RunBuf::words`] of them).
-    pub(crate) fn encode(&self) -> impl Iterator<Item = u64> + '_ {
+    /// Writes the published form into the first [`RunBuf::words`] words of `out` and returns
+    /// how many it wrote (fewer only if `out` is too short).
+    pub(crate) fn write(&self, out: &mut [MaybeUninit<u64>]) -> usize {
         debug_assert!(self.hashes.len() <= RUN_CAP && self.holders.len() < 1 << 16);
         let head = self.parent as u64
             | (self.parent_off as u64) << 32
             | (self.hashes.len() as u64) << 40
             | (self.holders.len() as u64) << 48;
-        std::iter::once(head)
-            .chain(self.hashes.iter().copied())
-            .chain(self.holders.iter().flat_map(|h| h.pair()))
-    }
-
-    /// Writes the published form into `out`, which has [`RunBuf::words`] words.
-    pub(crate) fn write(&self, out: &mut [MaybeUninit<u64>]) {
-        for (slot, w) in out.iter_mut().zip(self.encode()) {
-            slot.write(w);
+        let Some((first, rest)) = out.split_first_mut() else {
+            return 0;
+        };
+        first.write(head);
+        let n = self.hashes.len().min(rest.len());
+        let (hashes, holders) = rest.split_at_mut(n);
+        for (o, &h) in hashes.iter_mut().zip(&self.hashes) {
+            o.write(h);
         }
+        let mut written = 1 + n;
+        for (o, h) in holders.chunks_exact_mut(2).zip(&self.holders) {
+            let [rank_tier, mask] = h.pair();
+            o[0].write(rank_tier);
+            o[1].write(mask);
+            written += 2;
+        }
+        written
     }
 
     /// Sets the bits of `bits` for (rank, tier). Returns those that were already set.
@@ -279,8 +287,20 @@ mod tests {
                 },
             ],
         };
-        let words: Vec<u64> = buf.encode().collect();
-        assert_eq!(words.len(), buf.words());
+        let mut out = vec![MaybeUninit::new(u64::MAX); buf.words() + 1];
+        assert_eq!(buf.write(&mut out), buf.words());
+        assert_eq!(
+            buf.write(&mut out[..10]),
+            10,
+            "a short buffer takes what fits"
+        );
+        assert_eq!(buf.write(&mut out), buf.words());
+        // SAFETY: every element was initialised above.
+        #[allow(unsafe_code)]
+        let words: Vec<u64> = out[..buf.words()]
+            .iter()
+            .map(|w| unsafe { w.assume_init() })
+            .collect();
         let run = Run::parse(&words).unwrap();
         assert_eq!((run.parent, run.parent_off), (77, 63));
         assert_eq!(run.hashes, &buf.hashes[..]);

@@ -140,22 +140,22 @@ impl Slots {
         unsafe { words(p) }
     }
 
-    /// Publishes in slot `i` (allocating its segment if needed) an array of `len` words that
-    /// `fill` writes, every one of them, and retires the previous array, which is freed once
-    /// every reader pinned before now has moved on. Writer only.
+    /// Publishes in slot `i` (allocating its segment if needed) an array of `len` words whose
+    /// first words `fill` writes (it returns how many), and retires the previous array, which
+    /// is freed once every reader pinned before now has moved on. Writer only.
     pub(crate) fn publish(
         &self,
         i: u32,
         len: usize,
-        fill: impl FnOnce(&mut [MaybeUninit<u64>]),
+        fill: impl FnOnce(&mut [MaybeUninit<u64>]) -> usize,
         guard: &Guard,
     ) {
         let mut array = Owned::<Words>::init(len);
-        // A word `fill` missed would be read as garbage: start from zeros.
-        for w in array.iter_mut() {
+        let written = fill(&mut array).min(len);
+        // Words `fill` left would be read as garbage: zeros instead.
+        for w in &mut array[written..] {
             w.write(0);
         }
-        fill(&mut array);
         self.swap(i, array.into_shared(guard), guard);
     }
 
@@ -257,6 +257,7 @@ mod tests {
                 for (o, w) in out.iter_mut().zip(words) {
                     o.write(*w);
                 }
+                words.len()
             },
             guard,
         );
@@ -276,12 +277,13 @@ mod tests {
         assert!(s.load(2, &guard).is_none());
         s.clear(5000, &guard);
         assert!(s.load(5000, &guard).is_none());
-        // A word the filler skips reads as zero.
+        // A word the filler leaves reads as zero.
         s.publish(
             9,
             2,
             |out| {
                 out[0].write(5);
+                1
             },
             &guard,
         );
