@@ -120,11 +120,14 @@ impl NameMap {
     #[inline]
     pub(crate) fn prefetch(&self, name: u64) {
         let (g, _) = self.place(name);
-        if let Some(word) = self.ctrl.get(g) {
+        if let (Some(word), Some(first), Some(last)) = (
+            self.ctrl.get(g),
+            self.entries.get(g * GROUP),
+            self.entries.get(g * GROUP + GROUP - 1),
+        ) {
             prefetch_read(word);
-            let group = &self.entries[g * GROUP..g * GROUP + GROUP];
-            prefetch_read(&group[0]);
-            prefetch_read(&group[GROUP - 1]);
+            prefetch_read(first);
+            prefetch_read(last);
         }
     }
 
@@ -194,7 +197,7 @@ impl NameMap {
     }
 
     /// The entry handle and position of a name, for [`NameMap::vacate`].
-    #[inline]
+    #[inline(always)]
     pub(crate) fn find(&self, name: u64) -> Option<(usize, u32)> {
         if self.ctrl.is_empty() {
             return None;
@@ -257,7 +260,7 @@ impl NameMap {
 
     /// Removes the entry `find` returned without resizing, so that the entries other finds
     /// returned stay where they are; [`NameMap::settle`] afterwards.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn vacate(&mut self, h: usize) {
         let (to, s) = (h >> 3, h & 7);
         let [lo, hi, _] = self.entries[to * GROUP + s];
@@ -316,12 +319,16 @@ impl NameMap {
         let old_ctrl = std::mem::replace(&mut self.ctrl, vec![EMPTY_GROUP; groups]);
         let old = std::mem::replace(&mut self.entries, vec![[0, 0, 0]; groups * GROUP]);
         self.len = 0;
-        for (i, e) in old.into_iter().enumerate() {
-            if Self::live(&old_ctrl, i) {
-                let name = join(e[0], e[1]);
+        for (word, group) in old_ctrl.iter().zip(old.chunks_exact(GROUP)) {
+            // The places whose tag is not EMPTY, one high bit each.
+            let mut live = !word & HIGH;
+            while live != 0 {
+                let [lo, hi, pos] = group[(live.trailing_zeros() / 8) as usize];
+                live &= live - 1;
+                let name = join(lo, hi);
                 let (home, tag) = self.place(name);
                 let to = self.room_from(home);
-                self.fill(name, e[2], to, home, tag);
+                self.fill(name, pos, to, home, tag);
             }
         }
     }
