@@ -188,6 +188,9 @@ impl ShardWriter {
             + metas
             + lru
             + self.free.capacity() * 4
+            + self.new_links.capacity() * std::mem::size_of::<(ChildKey, u32)>()
+            + (self.dead_links.capacity() * std::mem::size_of::<ChildKey>())
+            + self.dead_slots.capacity() * 4
             + self.spare_bytes
             + self.spare.capacity() * std::mem::size_of::<RunBuf>()
     }
@@ -566,7 +569,9 @@ impl ShardWriter {
             }
         }
         self.dirty = dirty;
-        for (key, slot) in std::mem::take(&mut self.new_links) {
+        // The lists are taken and put back emptied, so that they keep their capacity.
+        let mut new_links = std::mem::take(&mut self.new_links);
+        for &(key, slot) in &new_links {
             if self.metas[slot as usize].live {
                 self.table.insert(&shared.children, key, slot);
                 // The newest child is where the next walk through its parent likely goes on.
@@ -575,16 +580,21 @@ impl ShardWriter {
                 }
             }
         }
-        for key in std::mem::take(&mut self.dead_links) {
+        new_links.clear();
+        self.new_links = new_links;
+        for key in self.dead_links.drain(..) {
             self.table.remove(key);
         }
-        for slot in std::mem::take(&mut self.dead_slots) {
+        let mut dead_slots = std::mem::take(&mut self.dead_slots);
+        for &slot in &dead_slots {
             if let Some(old) = self.published(slot) {
                 self.run_bytes -= run_bytes(old.words());
                 shared.slots.clear(slot, &guard);
             }
             self.free.push(slot);
         }
+        dead_slots.clear();
+        self.dead_slots = dead_slots;
         // Hand the retired runs to the collector now, and let this thread, not a reader, do
         // the freeing that is due.
         guard.flush();
