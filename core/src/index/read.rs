@@ -4,7 +4,10 @@
 //! first block, compares the query against the run's hashes in one loop, scores the ranks that
 //! hold the matched blocks, and continues into the child that branches off where the comparison
 //! stopped. A rank stays in the running only while it holds every block so far; its score is
-//! the number of leading blocks it holds, split by the fastest tier it holds each in.
+//! the number of leading blocks it holds, split by the fastest tier it holds each in. The
+//! child comes from the run's slot hint when the hinted run is the one the table would give
+//! (same parent, offset and first hash), fetched while the run before it was compared; from
+//! the table otherwise.
 //!
 //! Nothing here locks or writes shared memory: runs are loaded under one epoch pin per walk, and
 //! every child found is checked against the position it was looked up from, so a walk that
@@ -445,8 +448,8 @@ pub(crate) fn walk(
             off: (m - 1) as u8,
             hash: query[pos].0,
         };
-        // The hinted run can be the child only at the end of this run; the next turn checks
-        // that it is, and looks the key up otherwise.
+        // The next turn takes the hinted run if it is this key's child, and looks the key up
+        // otherwise.
         hinted = ahead;
     }
     out.active().clear();
