@@ -120,14 +120,16 @@ impl NameMap {
     #[inline]
     pub(crate) fn prefetch(&self, name: u64) {
         let (g, _) = self.place(name);
-        if let (Some(word), Some(first), Some(last)) = (
+        if let (Some(word), Some(group)) = (
             self.ctrl.get(g),
-            self.entries.get(g * GROUP),
-            self.entries.get(g * GROUP + GROUP - 1),
+            self.entries.get(g * GROUP..g * GROUP + GROUP),
         ) {
             prefetch_read(word);
-            prefetch_read(first);
-            prefetch_read(last);
+            // A group's 84 bytes span up to three cache lines; bytes 0, 36 and 80 of it fall
+            // in each of them, wherever the group starts in its first line.
+            prefetch_read(&group[0]);
+            prefetch_read(&group[3]);
+            prefetch_read(&group[GROUP - 1][2]);
         }
     }
 
