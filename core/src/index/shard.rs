@@ -16,6 +16,9 @@ use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use crate::event::StoredBlock;
 
+/// Commits between hand-overs of retired runs to the epoch collector.
+const FLUSH_EVERY: u32 = 8;
+
 /// Working copies kept for reuse, at most.
 const SPARE_BUFS: usize = 16;
 
@@ -134,6 +137,8 @@ pub(crate) struct ShardWriter {
     spare: Vec<RunBuf>,
     /// Heap bytes of `spare`.
     spare_bytes: usize,
+    /// Commits since the retired runs were last handed to the collector.
+    unflushed: u32,
     new_links: Vec<(ChildKey, u32)>,
     dead_links: Vec<ChildKey>,
     dead_slots: Vec<u32>,
@@ -161,6 +166,7 @@ impl ShardWriter {
             dirty: Vec::new(),
             spare: Vec::new(),
             spare_bytes: 0,
+            unflushed: 0,
             new_links: Vec::new(),
             dead_links: Vec::new(),
             dead_slots: Vec::new(),
@@ -595,9 +601,14 @@ impl ShardWriter {
         }
         dead_slots.clear();
         self.dead_slots = dead_slots;
-        // Hand the retired runs to the collector now, and let this thread, not a reader, do
-        // the freeing that is due.
-        guard.flush();
+        // Hand the retired runs to the collector every few commits, and let this thread, not
+        // a reader, do the freeing that is due (a flush costs about as much as publishing a
+        // run; the thread's own bag holds what waits, at most 64 runs).
+        self.unflushed += 1;
+        if self.unflushed >= FLUSH_EVERY {
+            self.unflushed = 0;
+            guard.flush();
+        }
         if let Some(lru) = &mut self.lru {
             if lru.len() > 4 * self.live_runs + 1024 {
                 let metas = &self.metas;
