@@ -793,18 +793,22 @@ fn every_child_is_found_whichever_one_the_walk_is_hinted() {
             .map(|i| LocalHash(if i < 64 { i + 1 } else { 5000 * f + i }))
             .collect()
     };
+    // Rank `w` stores the full first run, then fork `f` after it up to block `to`.
+    let store_forked = |ix: &mut PrefixIndex, w: u64, f: u64, to: u64| {
+        ix.apply_stored(hdr(w, 0, 0, device()), None, &chain(0, 64, 0))
+            .unwrap();
+        ix.apply_stored(
+            hdr(w, 0, 1, device()),
+            Some(BlockHash(1063)),
+            &fork(f, 64, to),
+        )
+        .unwrap();
+    };
     let mut ix = idx();
     // One full run, then two children at its end; the later one is the hinted one.
     ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 150, 0))
         .unwrap();
-    ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 64, 0))
-        .unwrap();
-    ix.apply_stored(
-        hdr(2, 0, 1, device()),
-        Some(BlockHash(1063)),
-        &fork(1, 64, 150),
-    )
-    .unwrap();
+    store_forked(&mut ix, 2, 1, 150);
     let check = |ix: &PrefixIndex, one: u32, two: u32| {
         let s = ix.find_matches(&query(150), MatchOptions::default());
         assert_eq!((s.blocks(r(1)), s.blocks(r(2))), (150, 64));
@@ -836,14 +840,7 @@ fn every_child_is_found_whichever_one_the_walk_is_hinted() {
         &fork(1, 64, 150),
     )
     .unwrap();
-    ix.apply_stored(hdr(6, 0, 0, device()), None, &chain(0, 64, 0))
-        .unwrap();
-    ix.apply_stored(
-        hdr(6, 0, 1, device()),
-        Some(BlockHash(1063)),
-        &fork(2, 64, 200),
-    )
-    .unwrap();
+    store_forked(&mut ix, 6, 2, 200);
     check(&ix, 150, 150);
     let s = ix.find_matches(&forked(2, 200), MatchOptions::default());
     assert_eq!(
