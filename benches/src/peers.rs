@@ -62,7 +62,11 @@ pub trait Indexer {
 /// The indexers this benchmark knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
+    /// kvroute as a router runs it: each worker's rank registered with its KV capacity.
     Kvroute,
+    /// kvroute without the capacity: ranks registered by their first event, name maps grown
+    /// as they fill.
+    KvrouteUnsized,
     DynamoRadix,
     DynamoConcurrent,
     DynamoPositional,
@@ -72,8 +76,9 @@ pub enum Kind {
 
 impl Kind {
     /// Every indexer, in replay order.
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Kvroute,
+        Kind::KvrouteUnsized,
         Kind::DynamoRadix,
         Kind::DynamoConcurrent,
         Kind::DynamoPositional,
@@ -84,6 +89,7 @@ impl Kind {
     pub fn name(self) -> &'static str {
         match self {
             Kind::Kvroute => "kvroute",
+            Kind::KvrouteUnsized => "kvroute-unsized",
             Kind::DynamoRadix => "dynamo-radix",
             Kind::DynamoConcurrent => "dynamo-concurrent",
             Kind::DynamoPositional => "dynamo-positional",
@@ -99,7 +105,8 @@ impl Kind {
     /// Build the indexer, empty, for `config`'s fleet.
     pub fn build(self, config: &PeerConfig) -> Box<dyn Indexer> {
         match self {
-            Kind::Kvroute => Box::new(Kvroute::new()),
+            Kind::Kvroute => Box::new(Kvroute::sized(config.workers, config.capacity)),
+            Kind::KvrouteUnsized => Box::new(Kvroute::new()),
             Kind::DynamoRadix => Box::new(DynamoRadix::new()),
             Kind::DynamoConcurrent => Box::new(DynamoPool::new(
                 ConcurrentRadixTreeCompressed::new(),
@@ -128,6 +135,9 @@ impl fmt::Display for Kind {
 #[derive(Clone, Debug)]
 pub struct PeerConfig {
     pub workers: usize,
+    /// Blocks each worker caches: its KV capacity, which a router learns when the worker
+    /// registers (no peer's API takes it).
+    pub capacity: usize,
     pub block_size: usize,
     /// The runtime the thread-pool indexers' `flush` futures are driven on.
     pub runtime: tokio::runtime::Handle,
@@ -148,6 +158,19 @@ pub struct Kvroute {
 impl Kvroute {
     fn new() -> Self {
         Self::with_config(IndexConfig::default())
+    }
+
+    /// kvroute's index with workers `0..workers` registered as a router registers them: each
+    /// with its KV capacity, `capacity` blocks.
+    pub fn sized(workers: usize, capacity: usize) -> Self {
+        let mut k = Self::new();
+        for w in 0..workers {
+            let rank = Self::header(w as u32, 0).source;
+            k.index
+                .reserve_blocks(rank, capacity as u64)
+                .expect("the benchmark's fleet is within the rank limit");
+        }
+        k
     }
 
     /// kvroute's index with a configuration of its own (a memory budget, a shard count).
@@ -542,6 +565,7 @@ mod tests {
             .unwrap();
         let config = PeerConfig {
             workers: 4,
+            capacity: 600,
             block_size: 64,
             runtime: runtime.handle().clone(),
         };

@@ -61,6 +61,7 @@ fn kvroute_replay(stream: &kvroute_benches::workload::OpStream) -> Measurement {
         .expect("a current-thread runtime");
     let config = PeerConfig {
         workers: stream.workers,
+        capacity: sim().capacity,
         block_size: BLOCK_SIZE,
         runtime: runtime.handle().clone(),
     };

@@ -1049,7 +1049,7 @@ impl Router {
         events: KvEvents,
         now: Instant,
     ) -> Result<(), RouterError> {
-        let id = config.id;
+        let (id, kv_blocks) = (config.id, config.kv_blocks);
         let fleet = self.registry.join(config)?;
         // Fresh ranks have booked nothing: published first, then the floor follows (see
         // `refresh_prefill_floor`).
@@ -1059,7 +1059,9 @@ impl Router {
             for r in &fleet.ranks[w.ranks.clone()] {
                 r.state.set_kv_events(events);
                 self.warm(&r.state, now);
-                index.register_rank(r.rank)?;
+                // Registered with room for the names of a full cache: the rank's name map is
+                // not rebuilt while the worker warms up.
+                index.reserve_blocks(r.rank, kv_blocks)?;
                 if let Some(key) = index.rank_key(r.rank) {
                     r.state.set_index_key(key);
                 }

@@ -42,6 +42,11 @@ enum Op {
     RemoveWorker {
         worker: u64,
     },
+    /// Room for a rank's names: changes no answer.
+    Reserve {
+        rank: (u64, u32),
+        blocks: u64,
+    },
     Query {
         prompt: usize,
         len: usize,
@@ -89,6 +94,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(rank, prompt, at)| Op::SelfParent { rank, prompt, at }),
         1 => rank.clone().prop_map(|rank| Op::Clear { rank }),
         1 => (0..WORKERS + 1).prop_map(|worker| Op::RemoveWorker { worker }),
+        1 => (rank.clone(), 0u64..2_000).prop_map(|(rank, blocks)| Op::Reserve { rank, blocks }),
         6 => (any::<usize>(), any::<usize>()).prop_map(|(prompt, len)| Op::Query { prompt, len }),
     ]
 }
@@ -205,6 +211,13 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                 let a = index.remove_worker(WorkerId(*worker));
                 let b = model.remove_worker(WorkerId(*worker));
                 assert_eq!(a, b, "step {step}: {op:?}");
+            }
+            Op::Reserve { rank, blocks } => {
+                let r = WorkerRank::new(rank.0, rank.1);
+                index
+                    .reserve_blocks(r, *blocks)
+                    .expect("the rank limit is far");
+                model.register_rank(r);
             }
             Op::Query { prompt, len } => {
                 let p = &prompts[prompt % prompts.len()];

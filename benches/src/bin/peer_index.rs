@@ -241,6 +241,7 @@ fn run() -> Result<()> {
         .context("cannot start the tokio runtime the thread-pool peers flush on")?;
     let config = PeerConfig {
         workers: args.workers,
+        capacity: args.capacity,
         block_size: args.block_size,
         runtime: runtime.handle().clone(),
     };
@@ -330,7 +331,10 @@ fn print_table(results: &[Measurement]) {
     };
     // The goals compare against the best peer that answers as the ground truth does: a peer
     // that skips work it has not caught up with is fast for the wrong reason.
-    let others: Vec<&Measurement> = results.iter().filter(|m| m.name != ours.name).collect();
+    // Peers only: kvroute's own variants are not compared against.
+    let others: Vec<&Measurement> = (results.iter())
+        .filter(|m| !m.name.starts_with(Kind::Kvroute.name()))
+        .collect();
     let exact: Vec<&Measurement> = others
         .iter()
         .copied()

@@ -432,6 +432,13 @@ const PREFETCH_AHEAD: usize = 16;
 /// Most shards an index has: a position packs its shard into 4 bits.
 pub const MAX_SHARDS: usize = 16;
 
+/// Most blocks [`PrefixIndex::reserve_blocks`] makes room for in one rank's name map (about
+/// 370 MB of map): a capacity past it, from a worker's report, is taken as this.
+pub const MAX_RESERVED_BLOCKS: u64 = 1 << 24;
+
+/// Bytes a reserved name takes in a map at 60% load (92-byte groups of seven), rounded up.
+const RESERVED_NAME_BYTES: u64 = 22;
+
 /// A block's position in 32 bits: shard (4 bits), run slot (22 bits), offset (6 bits). Names
 /// map to it, so its size is most of a name's cost.
 #[inline]
@@ -560,6 +567,34 @@ impl PrefixIndex {
     /// Registers a rank (a no-op when it is known).
     pub fn register_rank(&mut self, rank: WorkerRank) -> Result<(), IndexError> {
         self.rank_id_or_register(rank)?;
+        self.enforce_budget();
+        Ok(())
+    }
+
+    /// Registers a rank (if it is new) and makes room in its name map for `blocks` blocks: the
+    /// KV capacity its worker reports (every tier it publishes events for), so that the map is
+    /// not rebuilt again and again while the rank fills (each rebuild moves every name, a
+    /// stall of the writer that grows with the rank), and is not shrunk below it when blocks
+    /// leave. A rank holding more grows its map as usual. The room counts in
+    /// [`PrefixIndex::memory_bytes`] from now on; it is capped at [`MAX_RESERVED_BLOCKS`] and,
+    /// under a memory budget, so that all ranks' reserved room together stays within a
+    /// quarter of the budget. A later call with fewer blocks lowers the floor without
+    /// shrinking the map at once.
+    pub fn reserve_blocks(&mut self, rank: WorkerRank, blocks: u64) -> Result<(), IndexError> {
+        let id = self.rank_id_or_register(rank)?;
+        let mut cap = MAX_RESERVED_BLOCKS;
+        if let Some(budget) = self.config.memory_budget {
+            let others: usize = (self.ranks.iter().enumerate())
+                .filter(|&(i, _)| i != id as usize)
+                .filter_map(|(_, r)| r.as_ref())
+                .map(|r| r.names.reserved_bytes())
+                .sum();
+            let room = (budget / 4).saturating_sub(others) as u64;
+            cap = cap.min(room / RESERVED_NAME_BYTES);
+        }
+        if let Some(Some(state)) = self.ranks.get_mut(id as usize) {
+            state.names.reserve(blocks.min(cap) as usize);
+        }
         self.enforce_budget();
         Ok(())
     }
@@ -900,7 +935,7 @@ impl PrefixIndex {
         });
         self.duplicate_copies -= copies_gone;
         if let Some(Some(state)) = self.ranks.get_mut(rank as usize) {
-            state.names = NameMap::default();
+            state.names.clear();
         }
         self.dropped = dropped;
         self.commit_touched(u64::MAX);
@@ -1006,6 +1041,12 @@ impl PrefixIndex {
             }
             self.dropped = dropped;
             self.commit_touched(touched);
+        }
+        if nothing_left && self.memory_bytes() > budget {
+            // Nothing left to evict: the budget comes before the room reserved for names.
+            for state in self.ranks.iter_mut().flatten() {
+                state.names.release();
+            }
         }
     }
 

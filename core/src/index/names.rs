@@ -44,6 +44,11 @@ pub(crate) struct NameMap {
     /// `[name low, name high, position]` per entry: 12 bytes.
     entries: Vec<[u32; 3]>,
     len: usize,
+    /// Groups the table never shrinks below: room reserved for the names a rank is expected to
+    /// hold ([`NameMap::reserve`]).
+    floor: usize,
+    /// Names the room was reserved for.
+    reserved: usize,
 }
 
 #[inline]
@@ -84,6 +89,41 @@ fn handle(g: usize, s: usize) -> usize {
 }
 
 impl NameMap {
+    /// Makes room for `names` names at once, and keeps it: the table is not rebuilt while it
+    /// fills up to them (60% full then), nor shrunk below them when names leave. It takes up to
+    /// a quarter more before it grows (75% full): a rank may store a batch before it evicts
+    /// to make room.
+    pub(crate) fn reserve(&mut self, names: usize) {
+        self.reserved = names;
+        self.floor = (names * 100).div_ceil(GROUP * 60).max(MIN_GROUPS);
+        if self.groups() < self.floor {
+            self.resize(self.floor);
+        }
+    }
+
+    /// Gives the reserved room back: the table shrinks to what its names need.
+    pub(crate) fn release(&mut self) {
+        (self.floor, self.reserved) = (0, 0);
+        if self.groups() > self.target_groups(self.len) {
+            self.resize(self.target_groups(self.len));
+        }
+    }
+
+    /// Heap bytes of the reserved room.
+    pub(crate) fn reserved_bytes(&self) -> usize {
+        self.floor * (8 + GROUP * 12)
+    }
+
+    /// Forgets every name and keeps the reserved room.
+    pub(crate) fn clear(&mut self) {
+        let (floor, reserved) = (self.floor, self.reserved);
+        *self = NameMap::default();
+        (self.floor, self.reserved) = (floor, reserved);
+        if floor > 0 {
+            self.resize(floor);
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.len
     }
@@ -212,12 +252,12 @@ impl NameMap {
     /// new name (the common case: a stored block is new to its rank) lands in the first group
     /// with room that the search passed.
     pub(crate) fn insert(&mut self, name: u64, pos: u32) -> Option<u32> {
-        if (self.len + 1) * 10 > self.groups() * GROUP * 7 {
+        if self.due_to_grow() {
             if let Some((h, old)) = self.find(name) {
                 self.entries[(h >> 3) * GROUP + (h & 7)][2] = pos;
                 return Some(old);
             }
-            self.resize(Self::target_groups(self.len + 1));
+            self.resize(self.target_groups(self.len + 1));
         }
         match self.probe(name) {
             Ok(h) => {
@@ -231,6 +271,14 @@ impl NameMap {
                 None
             }
         }
+    }
+
+    /// Whether one more name would take the table over 70% full, or a table at its reserved
+    /// room past its quarter of slack.
+    #[inline]
+    fn due_to_grow(&self) -> bool {
+        (self.len + 1) * 10 > self.groups() * GROUP * 7
+            && (self.groups() > self.floor || self.len + 1 > self.reserved + self.reserved / 4)
     }
 
     /// Writes a new name (home group `home`, tag `tag`) into group `to`, which has room, and
@@ -278,10 +326,10 @@ impl NameMap {
         self.len -= 1;
     }
 
-    /// Shrinks the table when removals left it under a quarter full.
+    /// Shrinks the table when removals left it under a quarter full, down to its reserved room.
     pub(crate) fn settle(&mut self) {
-        if self.len * 4 < self.groups() * GROUP && self.groups() > MIN_GROUPS {
-            self.resize(Self::target_groups(self.len));
+        if self.len * 4 < self.groups() * GROUP && self.groups() > MIN_GROUPS.max(self.floor) {
+            self.resize(self.target_groups(self.len));
         }
     }
 
@@ -309,12 +357,12 @@ impl NameMap {
                 }
             }
         }
-        self.resize(Self::target_groups(self.len));
+        self.resize(self.target_groups(self.len));
     }
 
-    /// Groups for `len` live names at 50% load.
-    fn target_groups(len: usize) -> usize {
-        (len * 2).div_ceil(GROUP).max(MIN_GROUPS)
+    /// Groups for `len` live names at 50% load, or the reserved room if that is more.
+    fn target_groups(&self, len: usize) -> usize {
+        (len * 2).div_ceil(GROUP).max(MIN_GROUPS).max(self.floor)
     }
 
     fn resize(&mut self, groups: usize) {
@@ -418,6 +466,51 @@ mod tests {
         }
         assert!(m.ctrl.iter().all(|&w| overflow(w) == 0));
         assert_eq!(m.len(), 0);
+    }
+
+    #[test]
+    fn reserved_room_is_neither_rebuilt_while_filling_nor_given_back() {
+        let mut m = NameMap::default();
+        m.reserve(10_000);
+        let groups = m.groups();
+        assert!(
+            groups * GROUP * 65 >= 10_000 * 100,
+            "room for 10,000 at 65%"
+        );
+        let mut model = HashMap::new();
+        for n in 0..10_000u64 {
+            let name = n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5555;
+            assert_eq!(m.insert(name, n as u32), None);
+            model.insert(name, n as u32);
+        }
+        assert_eq!(m.groups(), groups, "not rebuilt while it filled");
+        // A quarter more fits before it grows.
+        for n in 0..2_400u64 {
+            assert_eq!(m.insert(!n, 7), None);
+        }
+        assert_eq!(m.groups(), groups, "not rebuilt within the slack");
+        for n in 0..2_400u64 {
+            assert_eq!(m.remove(!n), Some(7));
+        }
+        // Removals that leave it nearly empty do not shrink it below the reservation.
+        let names: Vec<u64> = model.keys().copied().collect();
+        for &name in &names[..9_990] {
+            assert_eq!(m.remove(name), model.remove(&name));
+        }
+        assert_eq!(m.groups(), groups);
+        for (k, v) in &model {
+            assert_eq!(m.get(*k), Some(*v));
+        }
+        // Past the reservation it grows as an unreserved map would.
+        for n in 0..20_000u64 {
+            m.insert(n, 1);
+        }
+        assert!(m.groups() > groups);
+        assert_eq!(m.len(), 20_010);
+        // Clearing forgets the names and keeps the reserved room (not the growth past it).
+        m.clear();
+        assert_eq!((m.len(), m.groups()), (0, groups));
+        assert_eq!(m.get(5), None);
     }
 
     #[test]

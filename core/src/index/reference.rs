@@ -110,6 +110,11 @@ impl ReferenceIndex {
         }
     }
 
+    /// Registers a rank that holds nothing yet (a no-op when it is known).
+    pub fn register_rank(&mut self, rank: WorkerRank) {
+        self.ranks.entry(rank).or_default();
+    }
+
     pub fn apply_cleared(&mut self, header: EventHeader) {
         let rank = self.ranks.entry(header.source).or_default();
         rank.names.clear();

@@ -497,6 +497,67 @@ fn accounted_memory_grows_with_content_and_returns_when_cleared() {
 }
 
 #[test]
+fn reserved_name_room_changes_no_answer_and_counts_in_memory() {
+    let (mut plain, mut sized) = (idx(), idx());
+    let r1 = WorkerRank::new(1, 0);
+    sized.reserve_blocks(r1, 4_000).unwrap();
+    assert!(sized.memory_bytes() >= plain.memory_bytes() + 4_000 * 12);
+    assert_eq!(sized.stats().ranks, 1, "reserving registers the rank");
+    let room = sized.memory_bytes();
+    // The same events, stores and removals, give the same answers.
+    for p in 0..40u64 {
+        let w = 1 + p % 3;
+        let base = (p % 10) * 100;
+        let blocks = chain(base, base + 60, p * 10_000);
+        let removed: Vec<BlockHash> = blocks[30..].iter().map(|b| b.block_hash).collect();
+        for ix in [&mut plain, &mut sized] {
+            ix.apply_stored(hdr(w, 0, 2 * p, device()), None, &blocks)
+                .unwrap();
+            if p % 2 == 1 {
+                ix.apply_removed(hdr(w, 0, 2 * p + 1, device()), &removed)
+                    .unwrap();
+            }
+        }
+        for n in [1, 30, 59, 60, 200] {
+            let q: Vec<LocalHash> = (base..base + n).map(|i| LocalHash(i + 1)).collect();
+            let (a, b) = (
+                plain.find_matches(&q, MatchOptions::default()),
+                sized.find_matches(&q, MatchOptions::default()),
+            );
+            for w in 1..=3 {
+                let r = WorkerRank::new(w, 0);
+                assert_eq!(
+                    a.blocks(r),
+                    b.blocks(r),
+                    "prompt {p}, query {n}, worker {w}"
+                );
+            }
+        }
+    }
+    // A cleared rank keeps its room; its blocks are gone.
+    sized.apply_cleared(hdr(1, 0, 1_000, device())).unwrap();
+    plain.apply_cleared(hdr(1, 0, 1_000, device())).unwrap();
+    assert_eq!(sized.stats().blocks, plain.stats().blocks);
+    assert!(sized.memory_bytes() >= room - 1_000);
+    // Under a budget, reservations together stay within a quarter of it.
+    let budget = 1 << 20;
+    let mut capped = PrefixIndex::new(IndexConfig {
+        shards: 1,
+        memory_budget: Some(budget),
+        ..IndexConfig::default()
+    });
+    let base = capped.memory_bytes();
+    for w in 0..8 {
+        capped
+            .reserve_blocks(WorkerRank::new(w, 0), u64::MAX)
+            .unwrap();
+    }
+    // Each rank's own bookkeeping and a group of rounding come on top.
+    assert!(capped.memory_bytes() - base <= budget / 4 + 8 * 512);
+    assert!(capped.memory_bytes() - base >= budget / 5);
+}
+
+#[test]
 fn huge_event_id_jumps_saturate_the_missing_count() {
     // Found by fuzzing: two ranks jumping to ids near 2^64 overflowed the sum of missing ids.
     let mut ix = idx();
@@ -550,6 +611,7 @@ fn the_budget_holds_after_every_kind_of_call() {
             .collect();
         let _ = ix.apply_stored(hdr(p % 7, 0, p, device()), None, &blocks);
         let _ = ix.register_rank(WorkerRank::new(1000 + p % 13, 0));
+        let _ = ix.reserve_blocks(WorkerRank::new(2000 + p % 5, 0), u64::MAX);
         let _ = ix.apply_removed(hdr(p % 7, 0, p + 1000, device()), &[BlockHash(p * 100)]);
         assert!(
             ix.memory_bytes() <= budget,
