@@ -252,10 +252,13 @@ fn run() -> Result<()> {
         .iter()
         .map(|_| Vec::with_capacity(args.rounds))
         .collect();
+    kvroute_benches::alloc::settle_heap();
     for round in 0..args.rounds {
         eprint!("round {}/{}:", round + 1, args.rounds);
         for (kind, measurements) in args.only.iter().zip(&mut rounds) {
             let measurement = replay(kind.name(), &stream, || kind.build(&config));
+            // The indexer is gone: its freed heap must not slow down the next one.
+            kvroute_benches::alloc::settle_heap();
             eprint!(" {kind} {:.2} s", measurement.wall.as_secs_f64());
             measurements.push(measurement);
         }
