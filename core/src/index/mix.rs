@@ -76,3 +76,21 @@ pub(crate) fn prefetch_read<T>(x: &T) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = x;
 }
+
+/// A read prefetch of the cache line at address `p`, which need not point into anything: a
+/// prefetch never faults, so a caller may aim it at a computed address without proving it in
+/// bounds (one that is not is a wasted hint).
+#[inline]
+#[allow(unsafe_code)]
+pub(crate) fn prefetch_addr<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY:
+    // - `_mm_prefetch` only needs SSE, which every x86_64 target has.
+    // - A prefetch is a hint: it reads nothing into the program and never faults, whatever
+    //   the address, so `p` need not be valid.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}

@@ -24,7 +24,7 @@
 //! names land on random groups, and overlapping those cache misses is most of the speed of
 //! applying events.
 
-use super::mix::prefetch_read;
+use super::mix::prefetch_addr;
 
 /// Entries per group.
 const GROUP: usize = 7;
@@ -159,18 +159,16 @@ impl NameMap {
     /// Hints the CPU to fetch the group `name` starts probing at.
     #[inline]
     pub(crate) fn prefetch(&self, name: u64) {
+        // Addresses only, never dereferenced: `g` is below `groups()` (or the table is empty,
+        // and the hints point nowhere), so no bounds are checked.
         let (g, _) = self.place(name);
-        if let (Some(word), Some(group)) = (
-            self.ctrl.get(g),
-            self.entries.get(g * GROUP..g * GROUP + GROUP),
-        ) {
-            prefetch_read(word);
-            // A group's 84 bytes span up to three cache lines; bytes 0, 36 and 80 of it fall
-            // in each of them, wherever the group starts in its first line.
-            prefetch_read(&group[0]);
-            prefetch_read(&group[3]);
-            prefetch_read(&group[GROUP - 1][2]);
-        }
+        prefetch_addr(self.ctrl.as_ptr().wrapping_add(g));
+        // A group's 84 bytes span up to three cache lines; bytes 0, 36 and 80 of it fall in
+        // each of them, wherever the group starts in its first line.
+        let group = self.entries.as_ptr().wrapping_add(g * GROUP).cast::<u8>();
+        prefetch_addr(group);
+        prefetch_addr(group.wrapping_add(36));
+        prefetch_addr(group.wrapping_add(80));
     }
 
     #[inline]
@@ -181,11 +179,12 @@ impl NameMap {
     /// The place in group `g` (control word `word`) that holds `name`, if any.
     #[inline(always)]
     fn find_in(&self, g: usize, word: u64, tag: u8, name: u64) -> Option<usize> {
-        let group = &self.entries[g * GROUP..g * GROUP + GROUP];
         let mut m = matches(word, tag);
         while m != 0 {
+            // Entries are read only for matching tags: a new name, the common insert, reads
+            // none of them.
             let s = (m.trailing_zeros() / 8) as usize;
-            let [lo, hi, _] = group[s];
+            let [lo, hi, _] = self.entries[g * GROUP + s];
             // Bytes above a true match can match falsely, and an emptied entry keeps its old
             // name: the tag must match too.
             if join(lo, hi) == name && (word >> (s * 8)) as u8 == tag {
