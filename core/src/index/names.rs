@@ -81,11 +81,18 @@ fn overflow(word: u64) -> u8 {
     (word >> COUNT_SHIFT) as u8
 }
 
-/// An entry's handle: its group times 8 plus its place in the group, so that neither needs a
-/// division by seven.
+/// An entry's handle: its group times 16, 8 if the group is the name's home group, and its
+/// place in the group, so that nothing needs a division by seven and a removal from the home
+/// group (the common case) need not find the home again.
 #[inline]
-fn handle(g: usize, s: usize) -> usize {
-    g << 3 | s
+fn handle(g: usize, s: usize, home: bool) -> usize {
+    g << 4 | (home as usize) << 3 | s
+}
+
+/// The group and place of an entry's handle.
+#[inline]
+fn entry_at(h: usize) -> usize {
+    (h >> 4) * GROUP + (h & 7)
 }
 
 impl NameMap {
@@ -204,7 +211,7 @@ impl NameMap {
         let mut g = home;
         let word = self.ctrl[g];
         if let Some(s) = self.find_in(g, word, tag, name) {
-            return Ok(handle(g, s));
+            return Ok(handle(g, s, true));
         }
         if overflow(word) == 0 && empties(word) != 0 {
             // The common case: an absent name whose home group has room.
@@ -219,7 +226,7 @@ impl NameMap {
             g = self.next(g);
             word = self.ctrl[g];
             if let Some(s) = self.find_in(g, word, tag, name) {
-                return Ok(handle(g, s));
+                return Ok(handle(g, s, false));
             }
             if room.is_none() && empties(word) != 0 {
                 room = Some(g);
@@ -244,7 +251,7 @@ impl NameMap {
             return None;
         }
         let h = self.probe(name).ok()?;
-        Some((h, self.entries[(h >> 3) * GROUP + (h & 7)][2]))
+        Some((h, self.entries[entry_at(h)][2]))
     }
 
     /// Inserts or replaces; returns the previous position. One probe serves both outcomes: a
@@ -253,14 +260,14 @@ impl NameMap {
     pub(crate) fn insert(&mut self, name: u64, pos: u32) -> Option<u32> {
         if self.due_to_grow() {
             if let Some((h, old)) = self.find(name) {
-                self.entries[(h >> 3) * GROUP + (h & 7)][2] = pos;
+                self.entries[entry_at(h)][2] = pos;
                 return Some(old);
             }
             self.resize(self.target_groups(self.len + 1));
         }
         match self.probe(name) {
             Ok(h) => {
-                let entry = &mut self.entries[(h >> 3) * GROUP + (h & 7)];
+                let entry = &mut self.entries[entry_at(h)];
                 let old = entry[2];
                 entry[2] = pos;
                 Some(old)
@@ -311,15 +318,18 @@ impl NameMap {
     /// returned stay where they are; [`NameMap::settle`] afterwards.
     #[inline(always)]
     pub(crate) fn vacate(&mut self, h: usize) {
-        let (to, s) = (h >> 3, h & 7);
-        let [lo, hi, _] = self.entries[to * GROUP + s];
-        let (mut g, _) = self.place(join(lo, hi));
-        while g != to {
-            // A saturated count no longer knows how many it stands for: it stays.
-            if overflow(self.ctrl[g]) != u8::MAX {
-                self.ctrl[g] -= ONE;
+        let (to, s) = (h >> 4, h & 7);
+        if h & 8 == 0 {
+            // Away from home: lower the counts of the groups it passed.
+            let [lo, hi, _] = self.entries[entry_at(h)];
+            let (mut g, _) = self.place(join(lo, hi));
+            while g != to {
+                // A saturated count no longer knows how many it stands for: it stays.
+                if overflow(self.ctrl[g]) != u8::MAX {
+                    self.ctrl[g] -= ONE;
+                }
+                g = self.next(g);
             }
-            g = self.next(g);
         }
         Self::empty(&mut self.ctrl[to], s);
         self.len -= 1;
