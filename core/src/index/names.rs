@@ -44,10 +44,8 @@ pub(crate) struct NameMap {
     /// `[name low, name high, position]` per entry: 12 bytes.
     entries: Vec<[u32; 3]>,
     len: usize,
-    /// Groups the table never shrinks below: room reserved for the names a rank is expected to
-    /// hold ([`NameMap::reserve`]).
-    floor: usize,
-    /// Names the room was reserved for.
+    /// Names the rank is expected to hold ([`NameMap::reserve`]): the table keeps room for them
+    /// (its [`NameMap::floor`]).
     reserved: usize,
 }
 
@@ -102,15 +100,23 @@ impl NameMap {
     /// to make room.
     pub(crate) fn reserve(&mut self, names: usize) {
         self.reserved = names;
-        self.floor = (names * 100).div_ceil(GROUP * 60).max(MIN_GROUPS);
-        if self.groups() < self.floor {
-            self.resize(self.floor);
+        if self.groups() < self.floor() {
+            self.resize(self.floor());
+        }
+    }
+
+    /// Groups the table never shrinks below: room for the reserved names at 60%.
+    #[inline]
+    fn floor(&self) -> usize {
+        match self.reserved {
+            0 => 0,
+            n => (n * 100).div_ceil(GROUP * 60).max(MIN_GROUPS),
         }
     }
 
     /// Gives the reserved room back: the table shrinks to what its names need.
     pub(crate) fn release(&mut self) {
-        (self.floor, self.reserved) = (0, 0);
+        self.reserved = 0;
         if self.groups() > self.target_groups(self.len) {
             self.resize(self.target_groups(self.len));
         }
@@ -118,17 +124,14 @@ impl NameMap {
 
     /// Heap bytes of the reserved room.
     pub(crate) fn reserved_bytes(&self) -> usize {
-        self.floor * (8 + GROUP * 12)
+        self.floor() * (8 + GROUP * 12)
     }
 
     /// Forgets every name and keeps the reserved room.
     pub(crate) fn clear(&mut self) {
-        let (floor, reserved) = (self.floor, self.reserved);
+        let reserved = self.reserved;
         *self = NameMap::default();
-        (self.floor, self.reserved) = (floor, reserved);
-        if floor > 0 {
-            self.resize(floor);
-        }
+        self.reserve(reserved);
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -284,7 +287,7 @@ impl NameMap {
     #[inline]
     fn due_to_grow(&self) -> bool {
         (self.len + 1) * 10 > self.groups() * GROUP * 7
-            && (self.groups() > self.floor || self.len + 1 > self.reserved + self.reserved / 4)
+            && (self.groups() > self.floor() || self.len + 1 > self.reserved + self.reserved / 4)
     }
 
     /// Writes a new name (home group `home`, tag `tag`) into group `to`, which has room, and
@@ -337,7 +340,7 @@ impl NameMap {
 
     /// Shrinks the table when removals left it under a quarter full, down to its reserved room.
     pub(crate) fn settle(&mut self) {
-        if self.len * 4 < self.groups() * GROUP && self.groups() > MIN_GROUPS.max(self.floor) {
+        if self.len * 4 < self.groups() * GROUP && self.groups() > MIN_GROUPS.max(self.floor()) {
             self.resize(self.target_groups(self.len));
         }
     }
@@ -371,7 +374,7 @@ impl NameMap {
 
     /// Groups for `len` live names at 50% load, or the reserved room if that is more.
     fn target_groups(&self, len: usize) -> usize {
-        (len * 2).div_ceil(GROUP).max(MIN_GROUPS).max(self.floor)
+        (len * 2).div_ceil(GROUP).max(MIN_GROUPS).max(self.floor())
     }
 
     fn resize(&mut self, groups: usize) {
