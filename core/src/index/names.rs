@@ -379,7 +379,11 @@ impl NameMap {
 
     fn resize(&mut self, groups: usize) {
         let old_ctrl = std::mem::replace(&mut self.ctrl, vec![EMPTY_GROUP; groups]);
-        let old = std::mem::replace(&mut self.entries, vec![[0, 0, 0]; groups * GROUP]);
+        // Written, not left to a zeroing allocation: the pages are taken now, while the table
+        // is built (or reserved), instead of one fault at a time under the events that fill it.
+        let mut entries = Vec::with_capacity(groups * GROUP);
+        entries.resize(groups * GROUP, [u32::MAX; 3]);
+        let old = std::mem::replace(&mut self.entries, entries);
         self.len = 0;
         for (word, group) in old_ctrl.iter().zip(old.chunks_exact(GROUP)) {
             // The places whose tag is not EMPTY, one high bit each.
