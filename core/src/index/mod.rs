@@ -399,7 +399,7 @@ pub struct PrefixIndex {
     reader: IndexReader,
     shards: Vec<ShardWriter>,
     ranks: Vec<Option<RankState>>,
-    rank_ids: HashMap<WorkerRank, u32>,
+    rank_ids: HashMap<WorkerRank, u32, MixState>,
     free_rank_ids: Vec<u32>,
     /// (rank, tier, position) -> copies beyond the first.
     copies: HashMap<(u32, u8, u32), u32, MixState>,
@@ -413,8 +413,6 @@ pub struct PrefixIndex {
     dropped: Vec<DroppedHold>,
     /// Scratch: where a Stored event's blocks landed.
     placed: Vec<(Pos, bool)>,
-    /// Scratch: the blocks of a Removed event awaiting their run's update.
-    pending: Vec<(u32, usize, u8)>,
 }
 
 impl std::fmt::Debug for PrefixIndex {
@@ -477,33 +475,51 @@ impl Removal {
     }
 }
 
-/// Clears (rank, tier)'s hold of the blocks `run` names (shard, slot, bits) and forgets the
-/// names of those the rank no longer holds in any tier. `pending` has each block's index in
-/// the event, name entry and offset.
-fn clear_run(
-    shards: &mut [ShardWriter],
-    names: &mut NameMap,
-    run: (usize, u32, u64),
-    (rank, tier): (u32, u8),
-    pending: &[(u32, usize, u8)],
-    tally: &mut Removal,
-) {
-    let (shard, slot, bits) = run;
-    if bits == 0 {
-        return;
-    }
-    let (cleared, elsewhere) = shards[shard].unhold(slot, rank, tier, bits);
-    tally.touched |= 1 << (shard % 64);
-    for &(i, entry, off) in pending {
-        let bit = 1u64 << off;
-        if cleared & bit == 0 {
-            tally.unknown(i as usize);
-        } else {
-            tally.removed += 1;
-            if elsewhere & bit == 0 {
-                names.vacate(entry);
-            }
+/// One run's hold by the (rank, tier) a Removed event clears, while the event's blocks in it
+/// are gathered.
+struct RunHold {
+    shard: usize,
+    slot: u32,
+    /// Blocks (rank, tier) holds in the run.
+    held: u64,
+    /// Blocks the rank holds in the run in another tier.
+    elsewhere: u64,
+    /// Blocks of the event gathered so far.
+    bits: u64,
+}
+
+impl RunHold {
+    const NONE: RunHold = RunHold {
+        shard: usize::MAX,
+        slot: u32::MAX,
+        held: 0,
+        elsewhere: 0,
+        bits: 0,
+    };
+
+    #[inline]
+    fn read(shards: &[ShardWriter], shard: usize, slot: u32, (rank, tier): (u32, u8)) -> Self {
+        let (held, elsewhere) = shards
+            .get(shard)
+            .map_or((0, 0), |s| s.rank_masks(slot, rank, tier));
+        RunHold {
+            shard,
+            slot,
+            held,
+            elsewhere,
+            bits: 0,
         }
+    }
+
+    /// Clears the gathered blocks with one holder update.
+    #[inline]
+    fn clear(&self, shards: &mut [ShardWriter], (rank, tier): (u32, u8), tally: &mut Removal) {
+        if self.bits == 0 {
+            return;
+        }
+        let (cleared, _) = shards[self.shard].unhold(self.slot, rank, tier, self.bits);
+        debug_assert_eq!(cleared, self.bits);
+        tally.touched |= 1 << (self.shard % 64);
     }
 }
 
@@ -526,7 +542,7 @@ impl PrefixIndex {
             reader: IndexReader { shared },
             shards,
             ranks: Vec::new(),
-            rank_ids: HashMap::new(),
+            rank_ids: HashMap::default(),
             free_rank_ids: Vec::new(),
             copies: HashMap::default(),
             tick: 0,
@@ -538,7 +554,6 @@ impl PrefixIndex {
             events: EventCounts::default(),
             dropped: Vec::new(),
             placed: Vec::new(),
-            pending: Vec::new(),
         }
     }
 
@@ -836,12 +851,12 @@ impl PrefixIndex {
             return Ok(());
         };
         let names = &mut state.names;
+        let shards = &mut self.shards;
         let mut tally = Removal::default();
-        // The blocks of one run are cleared together: (shard, slot, their bits), and per block
-        // its place in the event, its name entry and its offset.
-        let mut run = (0usize, u32::MAX, 0u64);
-        let mut pending = std::mem::take(&mut self.pending);
-        pending.clear();
+        // The blocks of one run are cleared together, with one holder update. The run's masks
+        // are read when the walk reaches it, so that each block is judged (held, held in
+        // another tier too) and its name forgotten at once.
+        let mut run = RunHold::NONE;
         for b in blocks.iter().take(PREFETCH_AHEAD) {
             names.prefetch(b.0);
         }
@@ -867,32 +882,24 @@ impl PrefixIndex {
                 continue;
             }
             let (shard, pos) = unpack(loc);
-            let bit = 1u64 << pos.off;
-            if (shard, pos.slot) != (run.0, run.1) || run.2 & bit != 0 {
-                clear_run(
-                    &mut self.shards,
-                    names,
-                    run,
-                    (rank, tier),
-                    &pending,
-                    &mut tally,
-                );
-                pending.clear();
-                run = (shard, pos.slot, 0);
+            if (shard, pos.slot) != (run.shard, run.slot) {
+                run.clear(shards, (rank, tier), &mut tally);
+                run = RunHold::read(shards, shard, pos.slot, (rank, tier));
             }
-            run.2 |= bit;
-            pending.push((i as u32, entry, pos.off));
+            let bit = 1u64 << pos.off;
+            // Not held in this tier, or already cleared by another name for the same block.
+            if (run.held & !run.bits) & bit == 0 {
+                tally.unknown(i);
+                continue;
+            }
+            run.bits |= bit;
+            tally.removed += 1;
+            if run.elsewhere & bit == 0 {
+                names.vacate(entry);
+            }
         }
-        clear_run(
-            &mut self.shards,
-            names,
-            run,
-            (rank, tier),
-            &pending,
-            &mut tally,
-        );
+        run.clear(shards, (rank, tier), &mut tally);
         names.settle();
-        self.pending = pending;
         self.stored_pairs -= tally.removed;
         self.commit_touched(tally.touched);
         self.enforce_budget();

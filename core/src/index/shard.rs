@@ -11,7 +11,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use super::run::{holders_of, run_bytes, Run, RunBuf, RUN_CAP};
+use super::run::{holders_of, rank_at, run_bytes, Run, RunBuf, RUN_CAP};
 use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use crate::event::StoredBlock;
@@ -263,6 +263,43 @@ impl ShardWriter {
         }
         self.published(slot)
             .is_some_and(|r| holders_of(r.holders).any(|h| h.rank == rank))
+    }
+
+    /// (rank, tier)'s mask of run `slot` and the union of the rank's masks in its other tiers,
+    /// in the writer's current view (nothing for a run that is not live).
+    pub(crate) fn rank_masks(&self, slot: u32, rank: u32, tier: u8) -> (u64, u64) {
+        let Some(meta) = self.metas.get(slot as usize).filter(|m| m.live) else {
+            return (0, 0);
+        };
+        let split = |(held, elsewhere): (u64, u64), h: super::run::Holder| match h.tier == tier {
+            true => (held | h.mask, elsewhere),
+            false => (held, elsewhere | h.mask),
+        };
+        if meta.dirty != CLEAN {
+            let holders = &self.dirty[meta.dirty as usize].1.holders;
+            let from = holders.partition_point(|h| h.rank < rank);
+            return holders[from..]
+                .iter()
+                .take_while(|h| h.rank == rank)
+                .copied()
+                .fold((0, 0), split);
+        }
+        let Some(run) = self.published(slot) else {
+            return (0, 0);
+        };
+        let n = run.holders.len() / 2;
+        let (mut lo, mut hi) = (0, n);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if rank_at(run.holders, mid) < rank {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        holders_of(&run.holders[2 * lo..])
+            .take_while(|h| h.rank == rank)
+            .fold((0, 0), split)
     }
 
     /// Whether (rank, tier) holds `pos` in the writer's current view (any tier when `None`).
