@@ -42,7 +42,7 @@ use arc_swap::ArcSwap;
 pub use self::depths::{Depth, RankDepths};
 use self::mix::{set_bytes, MixState};
 use self::names::NameMap;
-use self::shard::{DroppedHold, Pos, ShardShared, ShardWriter};
+use self::shard::{DroppedHold, Placed, Pos, ShardShared, ShardWriter};
 use crate::event::{
     BlockHash, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock, WorkerId,
     WorkerRank,
@@ -412,7 +412,7 @@ pub struct PrefixIndex {
     events: EventCounts,
     dropped: Vec<DroppedHold>,
     /// Scratch: where a Stored event's blocks landed.
-    placed: Vec<(Pos, bool)>,
+    placed: Vec<Placed>,
 }
 
 impl std::fmt::Debug for PrefixIndex {
@@ -819,18 +819,32 @@ impl PrefixIndex {
         for b in blocks.iter().take(PREFETCH_AHEAD) {
             names.prefetch(b.block_hash.0);
         }
-        for (i, (b, &(pos, already))) in blocks.iter().zip(&placed).enumerate() {
-            if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
-                names.prefetch(ahead.block_hash.0);
+        // Each stretch's blocks are consecutive offsets of one run and of the event.
+        let mut at = 0;
+        for st in &placed {
+            let base = pack(
+                shard,
+                Pos {
+                    slot: st.slot,
+                    off: 0,
+                },
+            );
+            let n = st.n as usize;
+            for (k, b) in blocks[at..at + n].iter().enumerate() {
+                if let Some(ahead) = blocks.get(at + k + PREFETCH_AHEAD) {
+                    names.prefetch(ahead.block_hash.0);
+                }
+                names.insert(b.block_hash.0, base | (st.first as u32 + k as u32));
             }
-            let loc = pack(shard, pos);
-            if already {
+            at += n;
+            self.stored_pairs += (n - st.held.count_ones() as usize) as u64;
+            let mut held = st.held;
+            while held != 0 {
+                let loc = base | held.trailing_zeros();
                 *self.copies.entry((rank, tier, loc)).or_insert(0) += 1;
                 self.duplicate_copies += 1;
-            } else {
-                self.stored_pairs += 1;
+                held &= held - 1;
             }
-            names.insert(b.block_hash.0, loc);
         }
         self.placed = placed;
         self.shards[shard].commit();

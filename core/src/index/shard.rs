@@ -35,6 +35,16 @@ pub(crate) struct Pos {
     pub off: u8,
 }
 
+/// A stretch of a stored chain placed in one run: offsets `first..first + n` of run `slot`,
+/// and the bits of those the holder already held.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Placed {
+    pub slot: u32,
+    pub first: u8,
+    pub n: u8,
+    pub held: u64,
+}
+
 const CLEAN: u32 = u32::MAX;
 
 /// Run slots a shard can have: positions pack the slot into 22 bits.
@@ -343,8 +353,8 @@ impl ShardWriter {
 
     /// Stores a chain for (rank, tier) after `start` (the root when `None`). Each block is found
     /// where the chain already has it, or created: appended to a run that ends there and has
-    /// room, else in a new child run. Pushes each block's position, and whether (rank, tier)
-    /// already held it, to `placed`.
+    /// room, else in a new child run. Pushes each stretch of the chain that went into one run,
+    /// and the blocks of it (rank, tier) already held, to `placed`.
     ///
     /// The work is per stretch of a run, not per block: the hashes a run already has are
     /// compared in one loop, new ones are appended in one copy, and the hold of each stretch is
@@ -355,7 +365,7 @@ impl ShardWriter {
         blocks: &[StoredBlock],
         holder: (u32, u8),
         tick: u64,
-        placed: &mut Vec<(Pos, bool)>,
+        placed: &mut Vec<Placed>,
     ) {
         let (rank, tier) = holder;
         let mut cur = start;
@@ -382,13 +392,12 @@ impl ShardWriter {
                     }
                 }
             }
-            placed.extend((first..first + n).map(|off| {
-                let pos = Pos {
-                    slot,
-                    off: off as u8,
-                };
-                (pos, held & (1u64 << off) != 0)
-            }));
+            placed.push(Placed {
+                slot,
+                first: first as u8,
+                n: n as u8,
+                held,
+            });
             cur = Some(Pos {
                 slot,
                 off: (first + n - 1) as u8,
