@@ -54,10 +54,12 @@ fn join(lo: u32, hi: u32) -> u64 {
     lo as u64 | (hi as u64) << 32
 }
 
+/// The name's high half folded into its low half, times an odd constant (Fibonacci hashing):
+/// every bit of the name moves the product's high bits, which choose the group, and its bits 32
+/// to 38, which make the tag.
 #[inline]
 fn mix(name: u64) -> u64 {
-    let x = (name ^ (name >> 31)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    x ^ (x >> 29)
+    (name ^ (name >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 /// Tags of `word` equal to `tag` (with rare false positives above a true match, which the name
@@ -154,7 +156,7 @@ impl NameMap {
         let h = mix(name);
         // Lemire's reduction of the high bits: any number of groups, no modulo.
         let g = ((h as u128 * self.groups() as u128) >> 64) as usize;
-        (g, (h & 0x7F) as u8)
+        (g, ((h >> 32) & 0x7F) as u8)
     }
 
     #[inline]
