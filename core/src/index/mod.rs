@@ -771,6 +771,18 @@ impl PrefixIndex {
         for b in blocks.iter().step_by(4) {
             mix::prefetch_read(b);
         }
+        // The parent is looked up first, so that its misses (its name, then its run) overlap
+        // with the fetches of the event's lines; what it found is acted on after the checks.
+        let found = match parent {
+            None => Ok((shard_of(first.local_hash, self.shards.len()), None)),
+            Some(p) => match self.lookup(rank, p.0) {
+                Some(loc) if self.holds(loc, rank, None) => {
+                    let (s, pos) = unpack(loc);
+                    Ok((s, Some(pos)))
+                }
+                _ => Err(p),
+            },
+        };
         // The first block that names itself as the chain's parent, or repeats its predecessor.
         let invalid = blocks.iter().enumerate().find(|(i, b)| {
             Some(b.block_hash) == parent || (*i > 0 && blocks[i - 1].block_hash == b.block_hash)
@@ -782,22 +794,16 @@ impl PrefixIndex {
                 block: bad.block_hash,
             });
         }
-        let (shard, start) = match parent {
-            None => (shard_of(first.local_hash, self.shards.len()), None),
-            Some(p) => match self.lookup(rank, p.0) {
-                Some(loc) if self.holds(loc, rank, None) => {
-                    let (s, pos) = unpack(loc);
-                    (s, Some(pos))
-                }
-                _ => {
-                    self.errors.unknown_parent += 1;
-                    self.flag_resync(rank);
-                    return Err(IndexError::UnknownParent {
-                        rank: header.source,
-                        parent: p,
-                    });
-                }
-            },
+        let (shard, start) = match found {
+            Ok(at) => at,
+            Err(p) => {
+                self.errors.unknown_parent += 1;
+                self.flag_resync(rank);
+                return Err(IndexError::UnknownParent {
+                    rank: header.source,
+                    parent: p,
+                });
+            }
         };
         // A store creates at most one run per block: refuse it whole if that could not fit.
         if !self.shards[shard].has_room_for(blocks.len()) {
