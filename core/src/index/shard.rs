@@ -599,7 +599,8 @@ impl ShardWriter {
         }
         pending.clear();
         self.prune_pending = pending;
-        let shared = Arc::clone(&self.shared);
+        // Borrowed, not cloned: an `Arc` clone and drop are two locked instructions.
+        let shared = &*self.shared;
         let guard = crossbeam_epoch::pin();
         let mut dirty = std::mem::take(&mut self.dirty);
         for (slot, buf) in dirty.drain(..) {

@@ -6,7 +6,7 @@
 //!
 //! Each slot is an epoch-protected pointer (`crossbeam_epoch::Atomic`) to an array of words (a
 //! run's published form, see `run.rs`), allocated with its length in one block. The writer
-//! publishes a new array with one `Release` swap and retires the old one to the epoch
+//! publishes a new array with one `Release` store and retires the old one to the epoch
 //! collector; a reader pins the epoch once per walk and then reads any number of slots with
 //! plain `Acquire` loads, so a walk pays one fence in all instead of reference-count traffic
 //! on every run it visits.
@@ -169,8 +169,13 @@ impl Slots {
 
     #[allow(unsafe_code)]
     fn swap(&self, i: u32, new: Shared<'_, Words>, guard: &Guard) {
+        let cell = self.ensure(i);
+        // A load and a store, not an atomic swap: only this writer stores here, and a swap is
+        // a locked instruction that waits for every store before it (the new array's words)
+        // to drain. Relaxed: the writer stored the old pointer itself.
+        let old = cell.run.load(Ordering::Relaxed, guard);
         // Release: readers that load the new pointer see its words.
-        let old = self.ensure(i).run.swap(new, Ordering::Release, guard);
+        cell.run.store(new, Ordering::Release);
         if !old.is_null() {
             // SAFETY:
             // - `old` is no longer reachable from the slot, and no other slot holds it (each
