@@ -8,8 +8,10 @@
 //! the event touches.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
+
+use super::mix::{set_bytes, MixState};
 
 use super::run::{holders_of, rank_at, run_bytes, Run, RunBuf, RUN_CAP};
 use super::slots::Slots;
@@ -50,66 +52,41 @@ const CLEAN: u32 = u32::MAX;
 /// Run slots a shard can have: positions pack the slot into 22 bits.
 pub(crate) const MAX_SLOTS: u32 = 1 << 22;
 
-/// Writer-only facts about a live run.
+/// Writer-only facts about a live run: 24 bytes, so that the ones an event touches share few
+/// cache lines. What only a memory budget needs lives beside them (`ShardWriter::ehs`).
 #[derive(Debug)]
 struct SlotMeta {
-    /// Index of the run's working copy in the transaction, or `CLEAN`.
-    dirty: u32,
-    /// The engine hash each block was first stored under, kept only under a memory budget
-    /// (eviction uses it to forget the evicted block's names).
-    ehs: Vec<u64>,
-    /// Some rank named a block of this run other than it was first stored under.
-    renamed: bool,
-    /// Offsets that have children, with how many.
-    child_offs: Vec<(u8, u32)>,
     /// Last event that stored into the run.
     touch: u64,
+    /// Offsets that have children (bit = offset); the children beyond the first at an offset
+    /// are counted in `ShardWriter::more_children`.
+    child_mask: u64,
+    /// Index of the run's working copy in the transaction, or `CLEAN`.
+    dirty: u32,
     live: bool,
     /// Queued in `prune_pending`.
     prune_queued: bool,
+    /// Some rank named a block of this run other than it was first stored under.
+    renamed: bool,
 }
 
 impl Default for SlotMeta {
     fn default() -> Self {
         SlotMeta {
-            dirty: CLEAN,
-            ehs: Vec::new(),
-            renamed: false,
-            child_offs: Vec::new(),
             touch: 0,
+            child_mask: 0,
+            dirty: CLEAN,
             live: false,
             prune_queued: false,
+            renamed: false,
         }
     }
 }
 
 impl SlotMeta {
-    fn heap_bytes(&self) -> usize {
-        self.ehs.capacity() * std::mem::size_of::<u64>()
-            + self.child_offs.capacity() * std::mem::size_of::<(u8, u32)>()
-    }
-
-    fn children_at(&self, off: u8) -> u32 {
-        self.child_offs
-            .iter()
-            .find(|(o, _)| *o == off)
-            .map_or(0, |(_, n)| *n)
-    }
-
-    fn add_child(&mut self, off: u8) {
-        match self.child_offs.iter_mut().find(|(o, _)| *o == off) {
-            Some((_, n)) => *n += 1,
-            None => self.child_offs.push((off, 1)),
-        }
-    }
-
-    fn remove_child(&mut self, off: u8) {
-        if let Some(i) = self.child_offs.iter().position(|(o, _)| *o == off) {
-            self.child_offs[i].1 -= 1;
-            if self.child_offs[i].1 == 0 {
-                self.child_offs.swap_remove(i);
-            }
-        }
+    #[inline]
+    fn has_children(&self, off: u8) -> bool {
+        self.child_mask & (1u64 << off) != 0
     }
 }
 
@@ -138,8 +115,13 @@ pub(crate) struct ShardWriter {
     positions: usize,
     live_runs: usize,
     lru: Option<BinaryHeap<Reverse<(u64, u32)>>>,
-    /// Heap bytes of the metas' vectors.
-    meta_heap: usize,
+    /// Per slot, under a memory budget only: the engine hash each block was first stored under
+    /// (eviction uses it to forget the evicted block's names).
+    ehs: Vec<Vec<u64>>,
+    /// Heap bytes of `ehs`'s vectors.
+    ehs_heap: usize,
+    /// (slot, offset) -> children beyond the first at that offset.
+    more_children: HashMap<(u32, u8), u32, MixState>,
     // Transaction state.
     dirty: Vec<(u32, RunBuf)>,
     /// Working copies of earlier transactions, for the next ones: a run copied for an event
@@ -172,7 +154,9 @@ impl ShardWriter {
             positions: 0,
             live_runs: 0,
             lru: track_lru.then(BinaryHeap::new),
-            meta_heap: 0,
+            ehs: Vec::new(),
+            ehs_heap: 0,
+            more_children: HashMap::default(),
             dirty: Vec::new(),
             spare: Vec::new(),
             spare_bytes: 0,
@@ -194,7 +178,10 @@ impl ShardWriter {
 
     /// Heap bytes of everything this shard owns.
     pub(crate) fn bytes(&self) -> usize {
-        let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>() + self.meta_heap;
+        let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>()
+            + self.ehs.capacity() * std::mem::size_of::<Vec<u64>>()
+            + self.ehs_heap
+            + set_bytes::<((u32, u8), u32)>(self.more_children.capacity());
         let lru = self.lru.as_ref().map_or(0, |h| {
             h.capacity() * std::mem::size_of::<Reverse<(u64, u32)>>()
         });
@@ -211,13 +198,34 @@ impl ShardWriter {
             + self.spare.capacity() * std::mem::size_of::<RunBuf>()
     }
 
-    /// Changes the writer-only facts of a slot, keeping the byte count.
-    fn meta_mut<R>(&mut self, slot: u32, f: impl FnOnce(&mut SlotMeta) -> R) -> R {
-        let meta = &mut self.metas[slot as usize];
-        let before = meta.heap_bytes();
-        let r = f(meta);
-        self.meta_heap = self.meta_heap + meta.heap_bytes() - before;
+    /// Changes the first-stored names of a slot (kept under a budget), keeping the byte count.
+    fn ehs_mut<R>(&mut self, slot: u32, f: impl FnOnce(&mut Vec<u64>) -> R) -> R {
+        let ehs = &mut self.ehs[slot as usize];
+        let before = ehs.capacity();
+        let r = f(ehs);
+        self.ehs_heap = self.ehs_heap + ehs.capacity() * 8 - before * 8;
         r
+    }
+
+    /// Counts a child of `slot` at offset `off`.
+    fn add_child(&mut self, slot: u32, off: u8) {
+        let meta = &mut self.metas[slot as usize];
+        if meta.has_children(off) {
+            *self.more_children.entry((slot, off)).or_insert(0) += 1;
+        } else {
+            meta.child_mask |= 1u64 << off;
+        }
+    }
+
+    /// Forgets a child of `slot` at offset `off`.
+    fn remove_child(&mut self, slot: u32, off: u8) {
+        match self.more_children.get_mut(&(slot, off)) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.more_children.remove(&(slot, off));
+            }
+            None => self.metas[slot as usize].child_mask &= !(1u64 << off),
+        }
     }
 
     // ---- reading the writer's current view (working copies first) ----
@@ -339,14 +347,19 @@ impl ShardWriter {
         let slot = self.free.pop().unwrap_or_else(|| {
             let s = self.metas.len() as u32;
             self.metas.push(SlotMeta::default());
+            if self.lru.is_some() {
+                self.ehs.push(Vec::new());
+            }
             s
         });
         self.shared.slots.reserve(slot);
         let meta = &mut self.metas[slot as usize];
         meta.live = true;
         meta.renamed = false;
-        meta.ehs.clear();
-        meta.child_offs.clear();
+        meta.child_mask = 0;
+        if self.lru.is_some() {
+            self.ehs_mut(slot, |e| e.clear());
+        }
         self.live_runs += 1;
         slot
     }
@@ -383,12 +396,13 @@ impl ShardWriter {
             if self.lru.is_some() {
                 let names = rest[..n].iter().map(|b| b.block_hash.0);
                 if created {
-                    self.meta_mut(slot, |m| m.ehs.extend(names));
+                    self.ehs_mut(slot, |e| e.extend(names));
                 } else {
-                    let meta = &mut self.metas[slot as usize];
-                    let known = meta.ehs.get(first..first + n).unwrap_or_default();
+                    let known = self.ehs[slot as usize]
+                        .get(first..first + n)
+                        .unwrap_or_default();
                     if !names.eq(known.iter().copied()) {
-                        meta.renamed = true;
+                        self.metas[slot as usize].renamed = true;
                     }
                 }
             }
@@ -444,7 +458,7 @@ impl ShardWriter {
         };
         // Only look for a child where the run has one (the root always may).
         let may_branch =
-            key.parent == ROOT || self.metas[key.parent as usize].children_at(key.off) > 0;
+            key.parent == ROOT || self.metas[key.parent as usize].has_children(key.off);
         if may_branch {
             if let Some(child) = self.link(key) {
                 // The link names the child's first block; compare the rest.
@@ -463,7 +477,7 @@ impl ShardWriter {
                 hashes.extend(blocks[..n].iter().map(|b| b.local_hash.0));
                 return (p.slot, len, n, true);
             }
-            self.meta_mut(p.slot, |m| m.add_child(p.off));
+            self.add_child(p.slot, p.off);
         }
         let n = RUN_CAP.min(blocks.len());
         self.positions += n;
@@ -541,7 +555,7 @@ impl ShardWriter {
     /// the run when it empties, walking up to the parent.
     fn prune(&mut self, mut slot: u32) {
         loop {
-            let meta_children = |s: &Self, off: u8| s.metas[slot as usize].children_at(off);
+            let meta_children = |s: &Self, off: u8| s.metas[slot as usize].has_children(off);
             let buf = self.run_mut(slot);
             let held = buf.held_mask();
             let mut len = buf.hashes.len();
@@ -549,7 +563,7 @@ impl ShardWriter {
             let (parent, parent_off) = (buf.parent, buf.parent_off);
             while len > 0
                 && held & (1u64 << (len - 1)) == 0
-                && meta_children(self, (len - 1) as u8) == 0
+                && !meta_children(self, (len - 1) as u8)
             {
                 len -= 1;
                 self.positions -= 1;
@@ -559,7 +573,9 @@ impl ShardWriter {
                 return;
             }
             buf.hashes.truncate(len);
-            self.meta_mut(slot, |m| m.ehs.truncate(len));
+            if self.lru.is_some() {
+                self.ehs_mut(slot, |e| e.truncate(len));
+            }
             if len > 0 {
                 return;
             }
@@ -577,7 +593,7 @@ impl ShardWriter {
             if parent == ROOT {
                 return;
             }
-            self.meta_mut(parent, |m| m.remove_child(parent_off));
+            self.remove_child(parent, parent_off);
             // The parent's last block may have just become a leaf.
             let touch = self.metas[parent as usize].touch;
             if let Some(lru) = &mut self.lru {
@@ -679,12 +695,15 @@ impl ShardWriter {
                 continue;
             }
             let len = self.with_run(slot, |_, _, h| h.len()).unwrap_or(0);
-            if len == 0 || meta.children_at((len - 1) as u8) > 0 {
+            if len == 0 || meta.has_children((len - 1) as u8) {
                 continue;
             }
             let off = (len - 1) as u8;
             let shard = self.index;
-            let eh = meta.ehs.get(off as usize).copied().unwrap_or(0);
+            let eh = self.ehs[slot as usize]
+                .get(off as usize)
+                .copied()
+                .unwrap_or(0);
             let renamed = meta.renamed;
             let buf = self.run_mut(slot);
             let bit = 1u64 << off;
