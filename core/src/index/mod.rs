@@ -827,6 +827,9 @@ impl PrefixIndex {
         }
         // Each stretch's blocks are consecutive offsets of one run and of the event.
         let mut at = 0;
+        // Whether the map takes all of the event's names without a rebuild: then each insert
+        // skips the check.
+        let room = names.has_room_for(blocks.len());
         for st in &placed {
             let base = pack(
                 shard,
@@ -840,7 +843,12 @@ impl PrefixIndex {
                 if let Some(ahead) = blocks.get(at + k + PREFETCH_AHEAD) {
                     names.prefetch(ahead.block_hash.0);
                 }
-                names.insert(b.block_hash.0, base | (st.first as u32 + k as u32));
+                let pos = base | (st.first as u32 + k as u32);
+                if room {
+                    names.insert_with_room(b.block_hash.0, pos);
+                } else {
+                    names.insert(b.block_hash.0, pos);
+                }
             }
             at += n;
             self.stored_pairs += (n - st.held.count_ones() as usize) as u64;

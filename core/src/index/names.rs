@@ -270,6 +270,21 @@ impl NameMap {
             }
             self.resize(self.target_groups(self.len + 1));
         }
+        self.insert_with_room(name, pos)
+    }
+
+    /// Whether `n` more names fit without a rebuild, so that each may be inserted with
+    /// [`NameMap::insert_with_room`] (the check made once for a batch, not per name).
+    #[inline]
+    pub(crate) fn has_room_for(&self, n: usize) -> bool {
+        !self.due_to_grow_by(n)
+    }
+
+    /// [`NameMap::insert`] into a table known to have room for the name
+    /// ([`NameMap::has_room_for`]).
+    #[inline(always)]
+    pub(crate) fn insert_with_room(&mut self, name: u64, pos: u32) -> Option<u32> {
+        debug_assert!(!self.ctrl.is_empty());
         match self.probe(name) {
             Ok(h) => {
                 let entry = &mut self.entries[entry_at(h)];
@@ -288,8 +303,15 @@ impl NameMap {
     /// room past its quarter of slack.
     #[inline]
     fn due_to_grow(&self) -> bool {
-        (self.len + 1) * 10 > self.groups() * GROUP * 7
-            && (self.groups() > self.floor() || self.len + 1 > self.reserved + self.reserved / 4)
+        self.due_to_grow_by(1)
+    }
+
+    /// Whether `n` more names would take the table over 70% full, or a table at its reserved
+    /// room past its quarter of slack.
+    #[inline]
+    fn due_to_grow_by(&self, n: usize) -> bool {
+        (self.len + n) * 10 > self.groups() * GROUP * 7
+            && (self.groups() > self.floor() || self.len + n > self.reserved + self.reserved / 4)
     }
 
     /// Writes a new name (home group `home`, tag `tag`) into group `to`, which has room, and
