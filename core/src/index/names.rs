@@ -554,6 +554,30 @@ mod tests {
     }
 
     #[test]
+    fn room_checked_for_a_batch_is_room_for_each_of_its_inserts() {
+        let mut m = NameMap::default();
+        assert!(!m.has_room_for(1), "an empty table has no groups yet");
+        m.reserve(1_000);
+        let groups = m.groups();
+        // Room for the reservation and its quarter of slack, and not one name more.
+        assert!(m.has_room_for(1_250));
+        assert!(!m.has_room_for(1_251));
+        for n in 0..1_250u64 {
+            assert_eq!(
+                m.insert_with_room(n.wrapping_mul(0x9E37_79B9_7F4A_7C15), 1),
+                None
+            );
+        }
+        assert_eq!((m.groups(), m.len()), (groups, 1_250));
+        assert!(!m.has_room_for(1));
+        // A replacement needs no room, and `insert` grows the table once it is due.
+        assert_eq!(m.insert_with_room(0, 2), Some(1));
+        assert_eq!(m.insert(u64::MAX, 3), None);
+        assert!(m.groups() > groups);
+        assert_eq!(m.get(0), Some(2));
+    }
+
+    #[test]
     fn replacing_a_name_when_the_table_is_due_to_grow_keeps_one_entry() {
         let mut m = NameMap::default();
         let mut n = 0u64;

@@ -12,8 +12,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 
 use super::mix::{set_bytes, MixState};
-
-use super::run::{holders_of, rank_at, run_bytes, Run, RunBuf, RUN_CAP};
+use super::run::{holders_of, run_bytes, Run, RunBuf, RUN_CAP};
 use super::slots::Slots;
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use crate::event::StoredBlock;
@@ -305,19 +304,12 @@ impl ShardWriter {
         let Some(run) = self.published(slot) else {
             return (0, 0);
         };
-        let n = run.holders.len() / 2;
-        let (mut lo, mut hi) = (0, n);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if rank_at(run.holders, mid) < rank {
-                lo = mid + 1;
-            } else {
-                hi = mid;
+        match super::read::find_group(run.holders, rank) {
+            Some((start, end, _)) => {
+                holders_of(&run.holders[2 * start..2 * end]).fold((0, 0), split)
             }
+            None => (0, 0),
         }
-        holders_of(&run.holders[2 * lo..])
-            .take_while(|h| h.rank == rank)
-            .fold((0, 0), split)
     }
 
     /// Whether (rank, tier) holds `pos` in the writer's current view (any tier when `None`).

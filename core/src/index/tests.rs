@@ -925,3 +925,49 @@ fn every_child_is_found_whichever_one_the_walk_is_hinted() {
     let s = ix.find_matches(&inner, MatchOptions::default());
     assert_eq!((s.blocks(r(1)), s.blocks(r(7))), (30, 90));
 }
+
+#[test]
+fn a_run_keeps_the_block_its_last_child_branches_from_and_no_longer() {
+    let mut ix = idx();
+    // Rank 1 holds one full run; ranks 2, 3 and 4 each branch a chain of their own off its last
+    // block, so that block has three children (one counted in the slot's mask, two aside).
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 64, 0))
+        .unwrap();
+    for w in 2..5u64 {
+        ix.apply_stored(hdr(w, 0, 0, device()), None, &chain(0, 64, 0))
+            .unwrap();
+        ix.apply_stored(
+            hdr(w, 0, 1, device()),
+            Some(BlockHash(1063)),
+            &fork(w, 64, 70),
+        )
+        .unwrap();
+        let shared: Vec<BlockHash> = (0..64).map(|i| BlockHash(1000 + i)).collect();
+        ix.apply_removed(hdr(w, 0, 2, device()), &shared).unwrap();
+    }
+    assert_eq!(ix.stats().runs, 4);
+    ix.apply_removed(
+        hdr(1, 0, 1, device()),
+        &(0..64).map(|i| BlockHash(1000 + i)).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    // Nobody holds the first run, but its blocks stay: chains still go on from them.
+    assert_eq!(ix.stats().blocks, 64 + 3 * 6);
+    for w in 2..5u64 {
+        let gone: Vec<BlockHash> = (64..70).map(|i| BlockHash(100_000 * w + i)).collect();
+        ix.apply_removed(hdr(w, 0, 3, device()), &gone).unwrap();
+        let children_left = 4 - w;
+        if children_left > 0 {
+            assert_eq!(
+                ix.stats().blocks as u64,
+                64 + 6 * children_left,
+                "after fork {w}"
+            );
+        }
+    }
+    // The last child gone, the unheld run goes too.
+    let s = ix.stats();
+    assert_eq!((s.runs, s.blocks, s.stored_pairs), (0, 0, 0));
+    let left = ix.find_matches(&query(64), MatchOptions::default());
+    assert!(left.scores.is_empty());
+}
