@@ -100,7 +100,8 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// A rank's name for the block at the end of `prefix`: the chained hash of the prefix, salted
-/// for ranks of odd workers so that ranks name the same block differently.
+/// for some ranks so that ranks name the same block differently: for ranks of odd workers
+/// in both halves, for ranks of workers 2, 6, 10... in the low half only.
 fn name(rank: WorkerRank, prefix: &[LocalHash]) -> BlockHash {
     let mut h = SeqHash(0);
     for (i, l) in prefix.iter().enumerate() {
@@ -110,10 +111,10 @@ fn name(rank: WorkerRank, prefix: &[LocalHash]) -> BlockHash {
             next_seq_hash(h, *l)
         };
     }
-    let salt = if rank.worker.0 % 2 == 1 {
-        0x5bd1_e995 * (rank.worker.0 * 8 + rank.dp_rank.0 as u64 + 1)
-    } else {
-        0
+    let salt = match rank.worker.0 % 4 {
+        1 | 3 => 0x5bd1_e995 * (rank.worker.0 * 8 + rank.dp_rank.0 as u64 + 1),
+        2 => (0x9e37_79b9 * (rank.dp_rank.0 as u64 + 1)) & 0xFFFF_FFFF,
+        _ => 0,
     };
     BlockHash(h.0 ^ salt)
 }

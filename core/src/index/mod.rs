@@ -41,7 +41,7 @@ use arc_swap::ArcSwap;
 
 pub use self::depths::{Depth, RankDepths};
 use self::mix::{set_bytes, MixState};
-use self::names::NameMap;
+use self::names::{HighHalves, NameMap};
 use self::shard::{DroppedHold, Placed, Pos, ShardShared, ShardWriter};
 use crate::event::{
     BlockHash, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock, WorkerId,
@@ -434,8 +434,10 @@ pub const MAX_SHARDS: usize = 16;
 /// 370 MB of map): a capacity past it, from a worker's report, is taken as this.
 pub const MAX_RESERVED_BLOCKS: u64 = 1 << 24;
 
-/// Bytes a reserved name takes in a map at 60% load (92-byte groups of seven), rounded up.
-const RESERVED_NAME_BYTES: u64 = 22;
+/// Bytes a reserved name takes in its map (64-byte groups of seven at
+/// [`names::RESERVED_LOAD_PCT`]), rounded up.
+const RESERVED_NAME_BYTES: u64 =
+    (names::GROUP_BYTES * 100).div_ceil(7 * names::RESERVED_LOAD_PCT) as u64;
 
 /// A block's position in 32 bits: shard (4 bits), run slot (22 bits), offset (6 bits). Names
 /// map to it, so its size is most of a name's cost.
@@ -453,6 +455,14 @@ fn unpack(loc: u32) -> (usize, Pos) {
             off: (loc & 63) as u8,
         },
     )
+}
+
+impl HighHalves for Vec<ShardWriter> {
+    #[inline]
+    fn high(&self, loc: u32) -> u32 {
+        let (shard, pos) = unpack(loc);
+        self[shard].high(pos)
+    }
 }
 
 /// What a Removed event did, block by block.
@@ -608,7 +618,7 @@ impl PrefixIndex {
             cap = cap.min(room / RESERVED_NAME_BYTES);
         }
         if let Some(Some(state)) = self.ranks.get_mut(id as usize) {
-            state.names.reserve(blocks.min(cap) as usize);
+            state.names.reserve(blocks.min(cap) as usize, &self.shards);
         }
         self.enforce_budget();
         Ok(())
@@ -736,15 +746,12 @@ impl PrefixIndex {
         ApplyEvents::apply_event(self, event)
     }
 
-    fn names(&mut self, rank: u32) -> &mut NameMap {
-        &mut self.ranks[rank as usize]
-            .as_mut()
-            .expect("event_rank returned a live rank id")
-            .names
-    }
-
     fn lookup(&self, rank: u32, eh: u64) -> Option<u32> {
-        self.ranks.get(rank as usize)?.as_ref()?.names.get(eh)
+        self.ranks
+            .get(rank as usize)?
+            .as_ref()?
+            .names
+            .get(eh, &self.shards)
     }
 
     fn holds(&self, loc: u32, rank: u32, tier: Option<u8>) -> bool {
@@ -845,9 +852,9 @@ impl PrefixIndex {
                 }
                 let pos = base | (st.first as u32 + k as u32);
                 if room {
-                    names.insert_with_room(b.block_hash.0, pos);
+                    names.insert_with_room(b.block_hash.0, pos, &self.shards);
                 } else {
-                    names.insert(b.block_hash.0, pos);
+                    names.insert(b.block_hash.0, pos, &self.shards);
                 }
             }
             at += n;
@@ -892,7 +899,7 @@ impl PrefixIndex {
             if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
                 names.prefetch(ahead.0);
             }
-            let Some((entry, loc)) = names.find(b.0) else {
+            let Some((entry, loc)) = names.find(b.0, &*shards) else {
                 tally.unknown(i);
                 continue;
             };
@@ -923,11 +930,11 @@ impl PrefixIndex {
             run.bits |= bit;
             tally.removed += 1;
             if run.elsewhere & bit == 0 {
-                names.vacate(entry);
+                names.vacate(entry, b.0);
             }
         }
         run.clear(shards, (rank, tier), &mut tally);
-        names.settle();
+        names.settle(&*shards);
         self.stored_pairs -= tally.removed;
         self.commit_touched(tally.touched);
         self.enforce_budget();
@@ -1067,11 +1074,14 @@ impl PrefixIndex {
                 if self.shards[d.shard].holds(d.pos, d.rank, None) {
                     continue;
                 }
-                let names = self.names(d.rank);
-                if names.get(d.eh) == Some(loc) {
-                    names.remove(d.eh);
+                let Some(Some(state)) = self.ranks.get_mut(d.rank as usize) else {
+                    continue;
+                };
+                let names = &mut state.names;
+                if names.get(d.eh, &self.shards) == Some(loc) {
+                    names.remove(d.eh, &self.shards);
                 } else if d.renamed {
-                    names.retain(|_, l| l != loc);
+                    names.retain(|_, l| l != loc, &self.shards);
                 }
             }
             self.dropped = dropped;
@@ -1080,7 +1090,7 @@ impl PrefixIndex {
         if nothing_left && self.memory_bytes() > budget {
             // Nothing left to evict: the budget comes before the room reserved for names.
             for state in self.ranks.iter_mut().flatten() {
-                state.names.release();
+                state.names.release(&self.shards);
             }
         }
     }

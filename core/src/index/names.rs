@@ -1,12 +1,19 @@
 //! One rank's block names: a map from the engine's block hash to the block's packed 32-bit
 //! position.
 //!
-//! A Swiss table whose groups count overflow instead of keeping tombstones. Entries sit in
-//! groups of seven, each group with one 64-bit control word: seven tag bytes (seven bits of the
-//! name's hash, or empty) and an overflow count.
+//! A name is split in two halves. The high half of every block's name is kept once, by
+//! position, beside the runs ([`HighHalves`]): ranks that name a block alike (engines hash the
+//! same tokens the same way) share it. A rank's map keeps the low half and the position, 8
+//! bytes a name, so that a group of seven entries and its control word fill one 64-byte cache
+//! line: one line to fetch per name. A candidate whose low half matches is checked against the
+//! high half kept at its position, so every answer is exact. A rank that names a block
+//! otherwise than the high half kept for it (another hash seed, a salt) keeps that name whole
+//! in a small side map, which stays empty when ranks agree.
+//!
+//! The main map is a Swiss table whose groups count overflow instead of keeping tombstones.
 //!
 //! ```text
-//!  control word  [t0 t1 t2 t3 t4 t5 t6 | overflow]     entries  [name, position] x 7
+//!  group (64 bytes)  [t0 t1 t2 t3 t4 t5 t6 | overflow] [low half, position] x 7
 //! ```
 //!
 //! A lookup compares the seven tags of the name's home group at once, checks the names of the
@@ -16,15 +23,20 @@
 //! group. A removal empties its entry and lowers the counts its name raised, so nothing goes
 //! stale however long an engine stores and evicts, and the table is rebuilt only to grow or
 //! shrink. A count that reaches 255 stays there until the next rebuild (lookups through it
-//! probe one group further). The table holds at most 70% of its entries and is rebuilt at
-//! 50%: measured on steady churn, that costs 22 bytes a name against 19 at 70-87%, and makes
-//! inserts and removals together about 1.4x faster.
+//! probe one group further). An unreserved table holds at most 70% of its entries and is
+//! rebuilt at 50%; a reserved one is sized for its names at [`RESERVED_LOAD_PCT`].
+//!
+//! The entry for a name stays valid only while the high half kept at its position does not
+//! change: the index changes a position's high half only while no rank holds the block, and a
+//! rank's name for a block lives only while the rank holds it.
 //!
 //! The caller can [`NameMap::prefetch`] the home group of a name a few names ahead: an event's
 //! names land on random groups, and overlapping those cache misses is most of the speed of
 //! applying events.
 
-use super::mix::prefetch_addr;
+use std::collections::HashMap;
+
+use super::mix::{prefetch_addr, set_bytes, MixState};
 
 /// Entries per group.
 const GROUP: usize = 7;
@@ -36,22 +48,51 @@ const EMPTY_GROUP: u64 = LOW * EMPTY as u64;
 const COUNT_SHIFT: u32 = 56;
 const ONE: u64 = 1 << COUNT_SHIFT;
 const MIN_GROUPS: usize = 2;
+/// How full a table sized for its reserved names is once they are all in: the time a lookup
+/// takes grows steeply with the load (see docs/ARCHITECTURE.md, "Measurements that chose").
+pub(crate) const RESERVED_LOAD_PCT: usize = 45;
+/// Bytes of a group.
+pub(crate) const GROUP_BYTES: usize = std::mem::size_of::<Group>();
+/// The handle of an entry in the side map.
+const SIDE: usize = usize::MAX;
+
+/// Where the high halves of block names are kept: one per position, the half of the name the
+/// block was stored under while no rank held it.
+pub(crate) trait HighHalves {
+    /// The high half of the name kept for the block at `pos`.
+    fn high(&self, pos: u32) -> u32;
+}
+
+/// Seven entries and their control word: one cache line.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+struct Group {
+    /// Seven tag bytes (seven bits of the name's hash, or [`EMPTY`]) and the overflow count.
+    ctrl: u64,
+    /// `[low half of the name, position]` per place.
+    entries: [[u32; 2]; GROUP],
+}
+
+const EMPTY_GROUP_LINE: Group = Group {
+    ctrl: EMPTY_GROUP,
+    entries: [[u32::MAX; 2]; GROUP],
+};
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct NameMap {
-    /// One control word per group.
-    ctrl: Vec<u64>,
-    /// `[name low, name high, position]` per entry: 12 bytes.
-    entries: Vec<[u32; 3]>,
+    groups: Vec<Group>,
+    /// Names in `groups`.
     len: usize,
+    /// Names whose high half differs from the one kept at their position, whole.
+    side: HashMap<u64, u32, MixState>,
     /// Names the rank is expected to hold ([`NameMap::reserve`]): the table keeps room for them
     /// (its [`NameMap::floor`]).
     reserved: usize,
 }
 
 #[inline]
-fn join(lo: u32, hi: u32) -> u64 {
-    lo as u64 | (hi as u64) << 32
+fn high_half(name: u64) -> u32 {
+    (name >> 32) as u32
 }
 
 /// The name's high half folded into its low half, times an odd constant (Fibonacci hashing):
@@ -82,72 +123,70 @@ fn overflow(word: u64) -> u8 {
 }
 
 /// An entry's handle: its group times 16, 8 if the group is the name's home group, and its
-/// place in the group, so that nothing needs a division by seven and a removal from the home
-/// group (the common case) need not find the home again.
+/// place in the group, so that a removal from the home group (the common case) need not find
+/// the home again. [`SIDE`] for the side map.
 #[inline]
 fn handle(g: usize, s: usize, home: bool) -> usize {
     g << 4 | (home as usize) << 3 | s
 }
 
-/// The group and place of an entry's handle.
-#[inline]
-fn entry_at(h: usize) -> usize {
-    (h >> 4) * GROUP + (h & 7)
-}
-
 impl NameMap {
     /// Makes room for `names` names at once, and keeps it: the table is not rebuilt while it
-    /// fills up to them (60% full then), nor shrunk below them when names leave. It takes up to
-    /// a quarter more before it grows (75% full): a rank may store a batch before it evicts
-    /// to make room.
-    pub(crate) fn reserve(&mut self, names: usize) {
+    /// fills up to them ([`RESERVED_LOAD_PCT`] full then), nor shrunk below them when names
+    /// leave. It takes half as many again before it grows (70% full): a rank may store a
+    /// batch before it evicts to make room.
+    pub(crate) fn reserve(&mut self, names: usize, highs: &impl HighHalves) {
         self.reserved = names;
         if self.groups() < self.floor() {
-            self.resize(self.floor());
+            self.resize(self.floor(), highs);
         }
     }
 
-    /// Groups the table never shrinks below: room for the reserved names at 60%.
+    /// Groups the table never shrinks below: room for the reserved names at
+    /// [`RESERVED_LOAD_PCT`].
     #[inline]
     fn floor(&self) -> usize {
         match self.reserved {
             0 => 0,
-            n => (n * 100).div_ceil(GROUP * 60).max(MIN_GROUPS),
+            n => (n * 100)
+                .div_ceil(GROUP * RESERVED_LOAD_PCT)
+                .max(MIN_GROUPS),
         }
     }
 
     /// Gives the reserved room back: the table shrinks to what its names need.
-    pub(crate) fn release(&mut self) {
+    pub(crate) fn release(&mut self, highs: &impl HighHalves) {
         self.reserved = 0;
         if self.groups() > self.target_groups(self.len) {
-            self.resize(self.target_groups(self.len));
+            self.resize(self.target_groups(self.len), highs);
         }
     }
 
     /// Heap bytes of the reserved room.
     pub(crate) fn reserved_bytes(&self) -> usize {
-        self.floor() * (8 + GROUP * 12)
+        self.floor() * GROUP_BYTES
     }
 
-    /// Forgets every name and keeps the reserved room.
+    /// Forgets every name and keeps the reserved room. (An empty table needs no high halves.)
     pub(crate) fn clear(&mut self) {
         let reserved = self.reserved;
         *self = NameMap::default();
-        self.reserve(reserved);
+        self.reserved = reserved;
+        self.resize_empty(self.floor());
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.len
+        self.len + self.side.len()
     }
 
     /// Heap bytes.
     pub(crate) fn bytes(&self) -> usize {
-        self.ctrl.capacity() * 8 + self.entries.capacity() * std::mem::size_of::<[u32; 3]>()
+        self.groups.capacity() * GROUP_BYTES + set_bytes::<(u64, u32)>(self.side.capacity())
     }
 
     #[inline]
     fn groups(&self) -> usize {
-        self.ctrl.len()
+        self.groups.len()
     }
 
     /// Home group and tag of a name.
@@ -171,52 +210,60 @@ impl NameMap {
     /// Hints the CPU to fetch the group `name` starts probing at.
     #[inline]
     pub(crate) fn prefetch(&self, name: u64) {
-        // Addresses only, never dereferenced: `g` is below `groups()` (or the table is empty,
-        // and the hints point nowhere), so no bounds are checked.
+        // An address only, never dereferenced: `g` is below `groups()` (or the table is empty,
+        // and the hint points nowhere), so no bounds are checked.
         let (g, _) = self.place(name);
-        prefetch_addr(self.ctrl.as_ptr().wrapping_add(g));
-        // A group's 84 bytes span up to three cache lines; bytes 0, 36 and 80 of it fall in
-        // each of them, wherever the group starts in its first line.
-        let group = self.entries.as_ptr().wrapping_add(g * GROUP).cast::<u8>();
-        prefetch_addr(group);
-        prefetch_addr(group.wrapping_add(36));
-        prefetch_addr(group.wrapping_add(80));
+        prefetch_addr(self.groups.as_ptr().wrapping_add(g));
     }
 
     #[inline]
-    pub(crate) fn get(&self, name: u64) -> Option<u32> {
-        self.find(name).map(|(_, pos)| pos)
+    pub(crate) fn get(&self, name: u64, highs: &impl HighHalves) -> Option<u32> {
+        self.find(name, highs).map(|(_, pos)| pos)
     }
 
-    /// The place in group `g` (control word `word`) that holds `name`, if any.
+    /// The place in group `g` (control word `word`) that holds `name`, and its position.
     #[inline(always)]
-    fn find_in(&self, g: usize, word: u64, tag: u8, name: u64) -> Option<usize> {
+    fn find_in(
+        &self,
+        g: usize,
+        word: u64,
+        tag: u8,
+        name: u64,
+        highs: &impl HighHalves,
+    ) -> Option<(usize, u32)> {
         let mut m = matches(word, tag);
         while m != 0 {
             // Entries are read only for matching tags: a new name, the common insert, reads
             // none of them.
             let s = (m.trailing_zeros() / 8) as usize;
-            let [lo, hi, _] = self.entries[g * GROUP + s];
+            let [low, pos] = self.groups[g].entries[s];
             // Bytes above a true match can match falsely, and an emptied entry keeps its old
-            // name: the tag must match too.
-            if join(lo, hi) == name && (word >> (s * 8)) as u8 == tag {
-                return Some(s);
+            // contents: the tag must match too, before the position is trusted.
+            if (word >> (s * 8)) as u8 == tag
+                && low == name as u32
+                && highs.high(pos) == high_half(name)
+            {
+                return Some((s, pos));
             }
             m &= m - 1;
         }
         None
     }
 
-    /// Probes for `name` in a table with groups: `Ok(handle)` of the entry holding it, or
-    /// `Err((room, home, tag))`: the first group with room on its path, its home group and
-    /// its tag.
+    /// Probes for `name` in a table with groups: `Ok((handle, position))` of the entry
+    /// holding it, or `Err((room, home, tag))`: the first group with room on its path, its
+    /// home group and its tag.
     #[inline(always)]
-    fn probe(&self, name: u64) -> Result<usize, (usize, usize, u8)> {
+    fn probe(
+        &self,
+        name: u64,
+        highs: &impl HighHalves,
+    ) -> Result<(usize, u32), (usize, usize, u8)> {
         let (home, tag) = self.place(name);
         let mut g = home;
-        let word = self.ctrl[g];
-        if let Some(s) = self.find_in(g, word, tag, name) {
-            return Ok(handle(g, s, true));
+        let word = self.groups[g].ctrl;
+        if let Some((s, pos)) = self.find_in(g, word, tag, name, highs) {
+            return Ok((handle(g, s, true), pos));
         }
         if overflow(word) == 0 && empties(word) != 0 {
             // The common case: an absent name whose home group has room.
@@ -229,9 +276,9 @@ impl NameMap {
                 break;
             }
             g = self.next(g);
-            word = self.ctrl[g];
-            if let Some(s) = self.find_in(g, word, tag, name) {
-                return Ok(handle(g, s, false));
+            word = self.groups[g].ctrl;
+            if let Some((s, pos)) = self.find_in(g, word, tag, name, highs) {
+                return Ok((handle(g, s, false), pos));
             }
             if room.is_none() && empties(word) != 0 {
                 room = Some(g);
@@ -243,34 +290,48 @@ impl NameMap {
     /// The first group with room from `g` on (the load bound guarantees one).
     #[inline]
     fn room_from(&self, mut g: usize) -> usize {
-        while empties(self.ctrl[g]) == 0 {
+        while empties(self.groups[g].ctrl) == 0 {
             g = self.next(g);
         }
         g
     }
 
-    /// The entry handle and position of a name, for [`NameMap::vacate`].
+    /// The entry in the table proper, if the name is there.
     #[inline(always)]
-    pub(crate) fn find(&self, name: u64) -> Option<(usize, u32)> {
-        if self.ctrl.is_empty() {
+    fn find_main(&self, name: u64, highs: &impl HighHalves) -> Option<(usize, u32)> {
+        if self.groups.is_empty() {
             return None;
         }
-        let h = self.probe(name).ok()?;
-        Some((h, self.entries[entry_at(h)][2]))
+        self.probe(name, highs).ok()
     }
 
-    /// Inserts or replaces; returns the previous position. One probe serves both outcomes: a
-    /// new name (the common case: a stored block is new to its rank) lands in the first group
-    /// with room that the search passed.
-    pub(crate) fn insert(&mut self, name: u64, pos: u32) -> Option<u32> {
+    /// The entry handle and position of a name, for [`NameMap::vacate`].
+    #[inline(always)]
+    pub(crate) fn find(&self, name: u64, highs: &impl HighHalves) -> Option<(usize, u32)> {
+        if let Some(found) = self.find_main(name, highs) {
+            return Some(found);
+        }
+        if self.side.is_empty() {
+            return None;
+        }
+        self.side.get(&name).map(|&pos| (SIDE, pos))
+    }
+
+    /// Inserts or replaces; returns the previous position. The high half kept at `pos` must be
+    /// set. One probe serves both outcomes: a new name (the common case: a stored block is new
+    /// to its rank) lands in the first group with room that the search passed.
+    pub(crate) fn insert(&mut self, name: u64, pos: u32, highs: &impl HighHalves) -> Option<u32> {
+        if highs.high(pos) != high_half(name) {
+            return self.insert_side(name, pos, highs);
+        }
         if self.due_to_grow() {
-            if let Some((h, old)) = self.find(name) {
-                self.entries[entry_at(h)][2] = pos;
+            if let Some((h, old)) = self.find_main(name, highs) {
+                self.set_pos(h, pos);
                 return Some(old);
             }
-            self.resize(self.target_groups(self.len + 1));
+            self.resize(self.target_groups(self.len + 1), highs);
         }
-        self.insert_with_room(name, pos)
+        self.insert_main(name, pos, highs)
     }
 
     /// Whether `n` more names fit without a rebuild, so that each may be inserted with
@@ -283,35 +344,65 @@ impl NameMap {
     /// [`NameMap::insert`] into a table known to have room for the name
     /// ([`NameMap::has_room_for`]).
     #[inline(always)]
-    pub(crate) fn insert_with_room(&mut self, name: u64, pos: u32) -> Option<u32> {
-        debug_assert!(!self.ctrl.is_empty());
-        match self.probe(name) {
-            Ok(h) => {
-                let entry = &mut self.entries[entry_at(h)];
-                let old = entry[2];
-                entry[2] = pos;
+    pub(crate) fn insert_with_room(
+        &mut self,
+        name: u64,
+        pos: u32,
+        highs: &impl HighHalves,
+    ) -> Option<u32> {
+        debug_assert!(!self.groups.is_empty());
+        if highs.high(pos) != high_half(name) {
+            return self.insert_side(name, pos, highs);
+        }
+        self.insert_main(name, pos, highs)
+    }
+
+    /// Inserts a name whose high half is the one kept at `pos` into a table with room.
+    #[inline(always)]
+    fn insert_main(&mut self, name: u64, pos: u32, highs: &impl HighHalves) -> Option<u32> {
+        match self.probe(name, highs) {
+            Ok((h, old)) => {
+                self.set_pos(h, pos);
                 Some(old)
             }
             Err((to, home, tag)) => {
                 self.fill(name, pos, to, home, tag);
-                None
+                if self.side.is_empty() {
+                    None
+                } else {
+                    self.side.remove(&name)
+                }
             }
         }
     }
 
-    /// Whether one more name would take the table over 70% full, or a table at its reserved
-    /// room past its quarter of slack.
+    /// Inserts a name whose high half differs from the one kept at `pos`: whole, in the side
+    /// map.
+    #[cold]
+    fn insert_side(&mut self, name: u64, pos: u32, highs: &impl HighHalves) -> Option<u32> {
+        let old = self.find_main(name, highs).map(|(h, old)| {
+            self.vacate(h, name);
+            old
+        });
+        self.side.insert(name, pos).or(old)
+    }
+
+    #[inline]
+    fn set_pos(&mut self, h: usize, pos: u32) {
+        self.groups[h >> 4].entries[h & 7][1] = pos;
+    }
+
+    /// Whether one more name would take the table over 70% full.
     #[inline]
     fn due_to_grow(&self) -> bool {
         self.due_to_grow_by(1)
     }
 
-    /// Whether `n` more names would take the table over 70% full, or a table at its reserved
-    /// room past its quarter of slack.
+    /// Whether `n` more names would take the table over 70% full (a table sized for its
+    /// reserved names takes half as many again before that).
     #[inline]
     fn due_to_grow_by(&self, n: usize) -> bool {
         (self.len + n) * 10 > self.groups() * GROUP * 7
-            && (self.groups() > self.floor() || self.len + n > self.reserved + self.reserved / 4)
     }
 
     /// Writes a new name (home group `home`, tag `tag`) into group `to`, which has room, and
@@ -320,52 +411,55 @@ impl NameMap {
     fn fill(&mut self, name: u64, pos: u32, to: usize, home: usize, tag: u8) {
         let mut g = home;
         while g != to {
-            if overflow(self.ctrl[g]) != u8::MAX {
-                self.ctrl[g] += ONE;
+            if overflow(self.groups[g].ctrl) != u8::MAX {
+                self.groups[g].ctrl += ONE;
             }
             g = self.next(g);
         }
-        let word = &mut self.ctrl[to];
-        let s = (empties(*word).trailing_zeros() / 8) as usize;
+        let group = &mut self.groups[to];
+        let s = (empties(group.ctrl).trailing_zeros() / 8) as usize;
         // The byte was EMPTY: flipping EMPTY's bit and the tag's bits leaves the tag.
-        *word ^= ((EMPTY ^ tag) as u64) << (s * 8);
-        self.entries[to * GROUP + s] = [name as u32, (name >> 32) as u32, pos];
+        group.ctrl ^= ((EMPTY ^ tag) as u64) << (s * 8);
+        group.entries[s] = [name as u32, pos];
         self.len += 1;
     }
 
     /// Removes a name; returns its position.
-    pub(crate) fn remove(&mut self, name: u64) -> Option<u32> {
-        let (h, pos) = self.find(name)?;
-        self.vacate(h);
-        self.settle();
+    pub(crate) fn remove(&mut self, name: u64, highs: &impl HighHalves) -> Option<u32> {
+        let (h, pos) = self.find(name, highs)?;
+        self.vacate(h, name);
+        self.settle(highs);
         Some(pos)
     }
 
-    /// Removes the entry `find` returned without resizing, so that the entries other finds
-    /// returned stay where they are; [`NameMap::settle`] afterwards.
+    /// Removes the entry `find` returned for `name` without resizing, so that the entries
+    /// other finds returned stay where they are; [`NameMap::settle`] afterwards.
     #[inline(always)]
-    pub(crate) fn vacate(&mut self, h: usize) {
+    pub(crate) fn vacate(&mut self, h: usize, name: u64) {
+        if h == SIDE {
+            self.side.remove(&name);
+            return;
+        }
         let (to, s) = (h >> 4, h & 7);
         if h & 8 == 0 {
             // Away from home: lower the counts of the groups it passed.
-            let [lo, hi, _] = self.entries[entry_at(h)];
-            let (mut g, _) = self.place(join(lo, hi));
+            let (mut g, _) = self.place(name);
             while g != to {
                 // A saturated count no longer knows how many it stands for: it stays.
-                if overflow(self.ctrl[g]) != u8::MAX {
-                    self.ctrl[g] -= ONE;
+                if overflow(self.groups[g].ctrl) != u8::MAX {
+                    self.groups[g].ctrl -= ONE;
                 }
                 g = self.next(g);
             }
         }
-        Self::empty(&mut self.ctrl[to], s);
+        Self::empty(&mut self.groups[to].ctrl, s);
         self.len -= 1;
     }
 
     /// Shrinks the table when removals left it under a quarter full, down to its reserved room.
-    pub(crate) fn settle(&mut self) {
+    pub(crate) fn settle(&mut self, highs: &impl HighHalves) {
         if self.len * 4 < self.groups() * GROUP && self.groups() > MIN_GROUPS.max(self.floor()) {
-            self.resize(self.target_groups(self.len));
+            self.resize(self.target_groups(self.len), highs);
         }
     }
 
@@ -375,25 +469,41 @@ impl NameMap {
         *word = (*word & !(0xFF << (s * 8))) | (EMPTY as u64) << (s * 8);
     }
 
-    /// Whether entry `i` (in `ctrl`'s numbering by groups of seven) is live.
-    #[inline]
-    fn live(ctrl: &[u64], i: usize) -> bool {
-        (ctrl[i / GROUP] >> ((i % GROUP) * 8)) as u8 & EMPTY == 0
+    /// The live entries of the table proper: (name, position).
+    fn live<'a>(
+        groups: &'a [Group],
+        highs: &'a impl HighHalves,
+    ) -> impl Iterator<Item = (u64, u32)> + 'a {
+        groups.iter().flat_map(move |group| {
+            // The places whose tag is not EMPTY, one high bit each.
+            let mut live = !group.ctrl & HIGH;
+            std::iter::from_fn(move || {
+                if live == 0 {
+                    return None;
+                }
+                let [low, pos] = group.entries[(live.trailing_zeros() / 8) as usize];
+                live &= live - 1;
+                Some((u64::from(highs.high(pos)) << 32 | u64::from(low), pos))
+            })
+        })
     }
 
     /// Keeps the entries for which `keep(name, position)` holds.
-    pub(crate) fn retain(&mut self, mut keep: impl FnMut(u64, u32) -> bool) {
-        for i in 0..self.entries.len() {
-            if Self::live(&self.ctrl, i) {
-                let [lo, hi, v] = self.entries[i];
-                if !keep(join(lo, hi), v) {
-                    // Emptied in place: the rebuild below places the survivors afresh.
-                    Self::empty(&mut self.ctrl[i / GROUP], i % GROUP);
-                    self.len -= 1;
-                }
-            }
+    pub(crate) fn retain(
+        &mut self,
+        mut keep: impl FnMut(u64, u32) -> bool,
+        highs: &impl HighHalves,
+    ) {
+        self.side.retain(|&name, &mut pos| keep(name, pos));
+        let old = std::mem::take(&mut self.groups);
+        let kept: Vec<(u64, u32)> = Self::live(&old, highs)
+            .filter(|&(name, pos)| keep(name, pos))
+            .collect();
+        self.len = 0;
+        self.resize_empty(self.target_groups(kept.len()));
+        for (name, pos) in kept {
+            self.refill(name, pos);
         }
-        self.resize(self.target_groups(self.len));
     }
 
     /// Groups for `len` live names at 50% load, or the reserved room if that is more.
@@ -401,25 +511,27 @@ impl NameMap {
         (len * 2).div_ceil(GROUP).max(MIN_GROUPS).max(self.floor())
     }
 
-    fn resize(&mut self, groups: usize) {
-        let old_ctrl = std::mem::replace(&mut self.ctrl, vec![EMPTY_GROUP; groups]);
-        // Written, not left to a zeroing allocation: the pages are taken now, while the table
-        // is built (or reserved), instead of one fault at a time under the events that fill it.
-        let mut entries = Vec::with_capacity(groups * GROUP);
-        entries.resize(groups * GROUP, [u32::MAX; 3]);
-        let old = std::mem::replace(&mut self.entries, entries);
+    /// Replaces the table with `groups` empty groups. Written, not left to a zeroing
+    /// allocation: the pages are taken now, while the table is built (or reserved), instead of
+    /// one fault at a time under the events that fill it.
+    fn resize_empty(&mut self, groups: usize) -> Vec<Group> {
+        let mut fresh = Vec::with_capacity(groups);
+        fresh.resize(groups, EMPTY_GROUP_LINE);
         self.len = 0;
-        for (word, group) in old_ctrl.iter().zip(old.chunks_exact(GROUP)) {
-            // The places whose tag is not EMPTY, one high bit each.
-            let mut live = !word & HIGH;
-            while live != 0 {
-                let [lo, hi, pos] = group[(live.trailing_zeros() / 8) as usize];
-                live &= live - 1;
-                let name = join(lo, hi);
-                let (home, tag) = self.place(name);
-                let to = self.room_from(home);
-                self.fill(name, pos, to, home, tag);
-            }
+        std::mem::replace(&mut self.groups, fresh)
+    }
+
+    /// Places a name known to be absent, into a table with room.
+    fn refill(&mut self, name: u64, pos: u32) {
+        let (home, tag) = self.place(name);
+        let to = self.room_from(home);
+        self.fill(name, pos, to, home, tag);
+    }
+
+    fn resize(&mut self, groups: usize, highs: &impl HighHalves) {
+        let old = self.resize_empty(groups);
+        for (name, pos) in Self::live(&old, highs) {
+            self.refill(name, pos);
         }
     }
 }
@@ -429,36 +541,129 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// High halves by position, as a test sets them.
+    #[derive(Default)]
+    struct Highs(HashMap<u32, u32>);
+
+    impl HighHalves for Highs {
+        fn high(&self, pos: u32) -> u32 {
+            self.0[&pos]
+        }
+    }
+
+    /// High halves that are the position itself.
+    struct Same;
+
+    impl HighHalves for Same {
+        fn high(&self, pos: u32) -> u32 {
+            pos
+        }
+    }
+
     #[test]
     fn name_map_matches_a_hashmap() {
         let mut m = NameMap::default();
+        let mut highs = Highs::default();
         let mut model = HashMap::new();
         let mut x = 0x2545_f491_4f6c_dd1d_u64;
         for step in 0..300_000u64 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            // Small names collide often; some are 0; the size swings up and down.
+            // Small names collide often; some are 0; the size swings up and down. Low halves
+            // repeat across names (97 of them), so that a matching low half alone proves
+            // nothing.
             let range = if (step / 50_000) % 2 == 0 { 5_000 } else { 300 };
-            let name = x % range;
+            let k = x % range;
+            let name = (k % 97) | (k / 97) << 32;
+            let pos = step as u32;
             match x % 7 {
-                0..=3 => assert_eq!(m.insert(name, step as u32), model.insert(name, step as u32)),
-                4 | 5 => assert_eq!(m.remove(name), model.remove(&name)),
-                _ => assert_eq!(m.get(name), model.get(&name).copied()),
+                0..=3 => {
+                    // Most positions keep the name's high half; one in five another, so that
+                    // the name goes to the side map.
+                    let high = match (x >> 20) % 5 {
+                        0 => (name >> 32) as u32 ^ 0x55,
+                        _ => (name >> 32) as u32,
+                    };
+                    highs.0.insert(pos, high);
+                    assert_eq!(m.insert(name, pos, &highs), model.insert(name, pos));
+                }
+                4 | 5 => assert_eq!(m.remove(name, &highs), model.remove(&name)),
+                _ => assert_eq!(m.get(name, &highs), model.get(&name).copied()),
             }
             assert_eq!(m.len(), model.len());
         }
+        assert!(!m.side.is_empty() && m.len > 0, "both maps in use");
         for (k, v) in &model {
-            assert_eq!(m.get(*k), Some(*v));
+            assert_eq!(m.get(*k, &highs), Some(*v));
         }
-        m.retain(|k, _| k % 2 == 0);
+        m.retain(|k, _| k % 2 == 0, &highs);
         model.retain(|k, _| k % 2 == 0);
         assert_eq!(m.len(), model.len());
         for (k, v) in &model {
-            assert_eq!(m.get(*k), Some(*v));
+            assert_eq!(m.get(*k, &highs), Some(*v));
             m.prefetch(*k);
         }
-        assert_eq!(m.get(1), None);
+        assert_eq!(m.get(1, &highs), None);
+    }
+
+    #[test]
+    fn a_low_half_that_matches_is_not_a_match_without_its_high_half() {
+        let mut m = NameMap::default();
+        m.reserve(10, &Same);
+        // Two names with one low half, one home group and one tag: only the high half kept
+        // at the entry's position tells them apart.
+        let names: Vec<u64> = (1..1_000u64).map(|h| h << 32 | 7).collect();
+        let (a, b) = names
+            .iter()
+            .enumerate()
+            .find_map(|(i, &a)| {
+                let twin = names[i + 1..].iter().find(|&&b| m.place(b) == m.place(a))?;
+                Some((a, *twin))
+            })
+            .expect("a pair in a few groups");
+        let pos = |n: u64| (n >> 32) as u32;
+        assert_eq!(m.insert(a, pos(a), &Same), None);
+        assert_eq!(m.get(b, &Same), None, "b is not a");
+        assert_eq!(m.remove(b, &Same), None);
+        assert_eq!(m.insert(b, pos(b), &Same), None, "b is new beside a");
+        assert_eq!(
+            (m.get(a, &Same), m.get(b, &Same)),
+            (Some(pos(a)), Some(pos(b)))
+        );
+        assert_eq!(m.remove(a, &Same), Some(pos(a)));
+        assert_eq!((m.get(a, &Same), m.get(b, &Same)), (None, Some(pos(b))));
+        assert!(m.side.is_empty());
+    }
+
+    #[test]
+    fn a_name_the_position_does_not_know_is_kept_whole_and_moves_back() {
+        let mut m = NameMap::default();
+        let mut highs = Highs::default();
+        m.reserve(10, &highs);
+        let name = 0x1234_5678_9abc_def0u64;
+        highs.0.insert(1, 0x1111);
+        highs.0.insert(2, 0x1234_5678);
+        // Position 1 keeps another high half: the name goes to the side map.
+        assert_eq!(m.insert(name, 1, &highs), None);
+        assert_eq!((m.len, m.side.len()), (0, 1));
+        assert_eq!(m.find(name, &highs), Some((SIDE, 1)));
+        // Stored again where its high half is kept: back in the table, once.
+        assert_eq!(m.insert(name, 2, &highs), Some(1));
+        assert_eq!((m.len, m.side.len()), (1, 0));
+        assert_eq!(m.get(name, &highs), Some(2));
+        // And out again.
+        assert_eq!(m.insert(name, 1, &highs), Some(2));
+        assert_eq!((m.len, m.side.len()), (0, 1));
+        assert_eq!(m.remove(name, &highs), Some(1));
+        assert_eq!(m.len(), 0);
+        assert!(m.bytes() >= m.reserved_bytes());
+    }
+
+    #[test]
+    fn a_group_is_one_cache_line() {
+        assert_eq!(GROUP_BYTES, 64);
+        assert_eq!(std::mem::align_of::<Group>(), 64);
     }
 
     #[test]
@@ -477,104 +682,111 @@ mod tests {
     #[test]
     fn overflow_counts_return_to_zero_when_the_names_that_raised_them_leave() {
         let mut m = NameMap::default();
-        m.resize(8);
+        m.resize(8, &Same);
         // Ten names with one home group: seven fill it, three go on.
         let home: Vec<u64> = (0..u64::MAX)
+            .map(|n| n << 32 | 9)
             .filter(|&n| m.place(n).0 == 3)
             .take(10)
             .collect();
-        for (i, &n) in home.iter().enumerate() {
-            assert_eq!(m.insert(n, i as u32), None);
+        for &n in &home {
+            assert_eq!(m.insert(n, (n >> 32) as u32, &Same), None);
         }
         assert_eq!(m.groups(), 8, "no rebuild in between");
-        assert_eq!(overflow(m.ctrl[3]), 3);
-        for (i, &n) in home.iter().enumerate() {
-            assert_eq!(m.get(n), Some(i as u32));
+        assert_eq!(overflow(m.groups[3].ctrl), 3);
+        for &n in &home {
+            assert_eq!(m.get(n, &Same), Some((n >> 32) as u32));
         }
         // Emptying the home group leaves the count: the three beyond must stay reachable.
         for &n in &home[..7] {
-            let (i, _) = m.find(n).unwrap();
-            m.vacate(i);
+            let (i, _) = m.find(n, &Same).unwrap();
+            m.vacate(i, n);
         }
-        assert_eq!(overflow(m.ctrl[3]), 3);
-        for (i, &n) in home.iter().enumerate().skip(7) {
-            assert_eq!(m.get(n), Some(i as u32));
+        assert_eq!(overflow(m.groups[3].ctrl), 3);
+        for &n in &home[7..] {
+            assert_eq!(m.get(n, &Same), Some((n >> 32) as u32));
         }
         for &n in &home[7..] {
-            let (i, _) = m.find(n).unwrap();
-            m.vacate(i);
+            let (i, _) = m.find(n, &Same).unwrap();
+            m.vacate(i, n);
         }
-        assert!(m.ctrl.iter().all(|&w| overflow(w) == 0));
+        assert!(m.groups.iter().all(|g| overflow(g.ctrl) == 0));
         assert_eq!(m.len(), 0);
     }
 
     #[test]
     fn reserved_room_is_neither_rebuilt_while_filling_nor_given_back() {
         let mut m = NameMap::default();
-        m.reserve(10_000);
+        m.reserve(10_000, &Same);
         let groups = m.groups();
         assert!(
-            groups * GROUP * 65 >= 10_000 * 100,
-            "room for 10,000 at 65%"
+            groups * GROUP * RESERVED_LOAD_PCT >= 10_000 * 100,
+            "room for 10,000 at the reserved load"
         );
+        // Names whose high half is their position, so that `Same` keeps it.
+        let name = |n: u64| n << 32 | (n.wrapping_mul(0x9E37_79B9) & 0xFFFF_FFFF);
+        let pos = |n: u64| n as u32;
         let mut model = HashMap::new();
         for n in 0..10_000u64 {
-            let name = n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5555;
-            assert_eq!(m.insert(name, n as u32), None);
-            model.insert(name, n as u32);
+            assert_eq!(m.insert(name(n), pos(n), &Same), None);
+            model.insert(name(n), pos(n));
         }
         assert_eq!(m.groups(), groups, "not rebuilt while it filled");
-        // A quarter more fits before it grows.
-        for n in 0..2_400u64 {
-            assert_eq!(m.insert(!n, 7), None);
+        // Half as many again fit before it grows.
+        for n in 10_000..15_000u64 {
+            assert_eq!(m.insert(name(n), pos(n), &Same), None);
         }
         assert_eq!(m.groups(), groups, "not rebuilt within the slack");
-        for n in 0..2_400u64 {
-            assert_eq!(m.remove(!n), Some(7));
+        for n in 10_000..15_000u64 {
+            assert_eq!(m.remove(name(n), &Same), Some(pos(n)));
         }
         // Removals that leave it nearly empty do not shrink it below the reservation.
         let names: Vec<u64> = model.keys().copied().collect();
-        for &name in &names[..9_990] {
-            assert_eq!(m.remove(name), model.remove(&name));
+        for &n in &names[..9_990] {
+            assert_eq!(m.remove(n, &Same), model.remove(&n));
         }
         assert_eq!(m.groups(), groups);
         for (k, v) in &model {
-            assert_eq!(m.get(*k), Some(*v));
+            assert_eq!(m.get(*k, &Same), Some(*v));
         }
         // Past the reservation it grows as an unreserved map would.
-        for n in 0..20_000u64 {
-            m.insert(n, 1);
+        for n in 20_000..40_000u64 {
+            m.insert(name(n), pos(n), &Same);
         }
         assert!(m.groups() > groups);
         assert_eq!(m.len(), 20_010);
+        for (k, v) in &model {
+            assert_eq!(m.get(*k, &Same), Some(*v), "kept through the rebuilds");
+        }
         // Clearing forgets the names and keeps the reserved room (not the growth past it).
         m.clear();
         assert_eq!((m.len(), m.groups()), (0, groups));
-        assert_eq!(m.get(5), None);
+        assert_eq!(m.get(name(5), &Same), None);
     }
 
     #[test]
     fn room_checked_for_a_batch_is_room_for_each_of_its_inserts() {
         let mut m = NameMap::default();
         assert!(!m.has_room_for(1), "an empty table has no groups yet");
-        m.reserve(1_000);
+        m.reserve(1_000, &Same);
         let groups = m.groups();
-        // Room for the reservation and its quarter of slack, and not one name more.
-        assert!(m.has_room_for(1_250));
-        assert!(!m.has_room_for(1_251));
-        for n in 0..1_250u64 {
-            assert_eq!(
-                m.insert_with_room(n.wrapping_mul(0x9E37_79B9_7F4A_7C15), 1),
-                None
-            );
+        // Room up to 70% full, and not one name more.
+        let fit = groups * GROUP * 7 / 10;
+        assert!(fit >= 1_500, "half as many again as reserved");
+        assert!(m.has_room_for(fit));
+        assert!(!m.has_room_for(fit + 1));
+        let name = |n: u64| n << 32 | (n.wrapping_mul(0x9E37_79B9) & 0xFFFF_FFFF);
+        for n in 0..fit as u64 {
+            assert_eq!(m.insert_with_room(name(n), n as u32, &Same), None);
         }
-        assert_eq!((m.groups(), m.len()), (groups, 1_250));
+        assert_eq!((m.groups(), m.len()), (groups, fit));
         assert!(!m.has_room_for(1));
-        // A replacement needs no room, and `insert` grows the table once it is due.
-        assert_eq!(m.insert_with_room(0, 2), Some(1));
-        assert_eq!(m.insert(u64::MAX, 3), None);
+        // A replacement needs no room, and `insert` grows the table once it is due. (Position
+        // 0's high half is 0: the name stays in the table.)
+        assert_eq!(m.insert_with_room(name(0), 0, &Same), Some(0));
+        assert_eq!(m.insert(name(9_000), 9_000, &Same), None);
         assert!(m.groups() > groups);
-        assert_eq!(m.get(0), Some(2));
+        assert_eq!(m.get(name(0), &Same), Some(0));
     }
 
     #[test]
@@ -583,12 +795,12 @@ mod tests {
         let mut n = 0u64;
         while (m.len() + 1) * 10 <= m.groups() * GROUP * 7 || m.len() == 0 {
             n += 1;
-            m.insert(n, n as u32);
+            m.insert(n << 32 | 3, n as u32, &Same);
         }
         let len = m.len();
-        assert_eq!(m.insert(1, 99), Some(1));
+        assert_eq!(m.insert(1 << 32 | 3, 1, &Same), Some(1));
         assert_eq!(m.len(), len);
-        assert_eq!(m.remove(1), Some(99));
-        assert_eq!(m.get(1), None);
+        assert_eq!(m.remove(1 << 32 | 3, &Same), Some(1));
+        assert_eq!(m.get(1 << 32 | 3, &Same), None);
     }
 }

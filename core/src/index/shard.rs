@@ -119,6 +119,10 @@ pub(crate) struct ShardWriter {
     ehs: Vec<Vec<u64>>,
     /// Heap bytes of `ehs`'s vectors.
     ehs_heap: usize,
+    /// Per position (slot * 64 + offset): the high half of the name the block was stored under
+    /// while no rank held it, which every rank's name map checks its entries against
+    /// ([`super::names::HighHalves`]).
+    highs: Vec<u32>,
     /// (slot, offset) -> children beyond the first at that offset.
     more_children: HashMap<(u32, u8), u32, MixState>,
     // Transaction state.
@@ -155,6 +159,7 @@ impl ShardWriter {
             lru: track_lru.then(BinaryHeap::new),
             ehs: Vec::new(),
             ehs_heap: 0,
+            highs: Vec::new(),
             more_children: HashMap::default(),
             dirty: Vec::new(),
             spare: Vec::new(),
@@ -180,6 +185,7 @@ impl ShardWriter {
         let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>()
             + self.ehs.capacity() * std::mem::size_of::<Vec<u64>>()
             + self.ehs_heap
+            + self.highs.capacity() * 4
             + set_bytes::<((u32, u8), u32)>(self.more_children.capacity());
         let lru = self.lru.as_ref().map_or(0, |h| {
             h.capacity() * std::mem::size_of::<Reverse<(u64, u32)>>()
@@ -204,6 +210,35 @@ impl ShardWriter {
         let r = f(ehs);
         self.ehs_heap = self.ehs_heap + ehs.capacity() * 8 - before * 8;
         r
+    }
+
+    /// Makes room for the high halves of one more slot. Grown by an eighth, not doubled: they
+    /// are a quarter KiB per slot.
+    fn grow_highs(&mut self) {
+        let need = self.metas.len() * RUN_CAP;
+        if self.highs.capacity() < need {
+            self.highs
+                .reserve_exact((need / 8).max(64 * RUN_CAP) + need - self.highs.len());
+        }
+        self.highs.resize(need, 0);
+    }
+
+    /// Keeps the high halves of the names of the blocks `fresh` of the stretch `first..` of
+    /// `slot`, stored as `blocks`.
+    fn set_highs(&mut self, slot: u32, first: usize, blocks: &[StoredBlock], fresh: u64) {
+        let base = slot as usize * RUN_CAP + first;
+        let highs = &mut self.highs[base..base + blocks.len()];
+        for (k, (h, b)) in highs.iter_mut().zip(blocks).enumerate() {
+            if fresh >> (first + k) & 1 != 0 {
+                *h = (b.block_hash.0 >> 32) as u32;
+            }
+        }
+    }
+
+    /// The high half kept for the block at `pos`.
+    #[inline]
+    pub(crate) fn high(&self, pos: Pos) -> u32 {
+        self.highs[pos.slot as usize * RUN_CAP + pos.off as usize]
     }
 
     /// Counts a child of `slot` at offset `off`.
@@ -339,6 +374,7 @@ impl ShardWriter {
         let slot = self.free.pop().unwrap_or_else(|| {
             let s = self.metas.len() as u32;
             self.metas.push(SlotMeta::default());
+            self.grow_highs();
             if self.lru.is_some() {
                 self.ehs.push(Vec::new());
             }
@@ -383,7 +419,17 @@ impl ShardWriter {
             } else {
                 ((1u64 << n) - 1) << first
             };
-            let held = self.run_mut(slot).hold(rank, tier, bits);
+            let run = self.run_mut(slot);
+            // Blocks no rank held: no name refers to them, so they take this event's names.
+            let fresh = if created {
+                bits
+            } else {
+                bits & !run.held_mask()
+            };
+            let held = run.hold(rank, tier, bits);
+            if fresh != 0 {
+                self.set_highs(slot, first, &rest[..n], fresh);
+            }
             self.touch(slot, tick);
             if self.lru.is_some() {
                 let names = rest[..n].iter().map(|b| b.block_hash.0);
