@@ -850,12 +850,9 @@ impl PrefixIndex {
                 if let Some(ahead) = blocks.get(at + k + PREFETCH_AHEAD) {
                     names.prefetch(ahead.block_hash.0);
                 }
-                let pos = base | (st.first as u32 + k as u32);
-                if room {
-                    names.insert_with_room(b.block_hash.0, pos, &self.shards);
-                } else {
-                    names.insert(b.block_hash.0, pos, &self.shards);
-                }
+                let off = st.first as u32 + k as u32;
+                let kept = st.side >> off & 1 == 0;
+                names.insert_compared(b.block_hash.0, base | off, kept, room, &self.shards);
             }
             at += n;
             self.stored_pairs += (n - st.held.count_ones() as usize) as u64;

@@ -318,41 +318,44 @@ impl NameMap {
     }
 
     /// Inserts or replaces; returns the previous position. The high half kept at `pos` must be
-    /// set. One probe serves both outcomes: a new name (the common case: a stored block is new
-    /// to its rank) lands in the first group with room that the search passed.
+    /// set.
+    #[cfg(test)]
     pub(crate) fn insert(&mut self, name: u64, pos: u32, highs: &impl HighHalves) -> Option<u32> {
-        if highs.high(pos) != high_half(name) {
-            return self.insert_side(name, pos, highs);
-        }
-        if self.due_to_grow() {
-            if let Some((h, old)) = self.find_main(name, highs) {
-                self.set_pos(h, pos);
-                return Some(old);
-            }
-            self.resize(self.target_groups(self.len + 1), highs);
-        }
-        self.insert_main(name, pos, highs)
+        let kept = highs.high(pos) == high_half(name);
+        self.insert_compared(name, pos, kept, false, highs)
     }
 
     /// Whether `n` more names fit without a rebuild, so that each may be inserted with
-    /// [`NameMap::insert_with_room`] (the check made once for a batch, not per name).
+    /// `room` set (the check made once for a batch, not per name).
     #[inline]
     pub(crate) fn has_room_for(&self, n: usize) -> bool {
         !self.due_to_grow_by(n)
     }
 
-    /// [`NameMap::insert`] into a table known to have room for the name
-    /// ([`NameMap::has_room_for`]).
+    /// Inserts or replaces a name the caller compared with the high half kept at `pos`
+    /// (`kept`: they are equal), into a table known to have room for it when `room`
+    /// ([`NameMap::has_room_for`]); returns the previous position. One probe serves both
+    /// outcomes: a new name (the common case: a stored block is new to its rank) lands in the
+    /// first group with room that the search passed.
     #[inline(always)]
-    pub(crate) fn insert_with_room(
+    pub(crate) fn insert_compared(
         &mut self,
         name: u64,
         pos: u32,
+        kept: bool,
+        room: bool,
         highs: &impl HighHalves,
     ) -> Option<u32> {
-        debug_assert!(!self.groups.is_empty());
-        if highs.high(pos) != high_half(name) {
+        debug_assert_eq!(kept, highs.high(pos) == high_half(name));
+        if !kept {
             return self.insert_side(name, pos, highs);
+        }
+        if !room && self.due_to_grow() {
+            if let Some((h, old)) = self.find_main(name, highs) {
+                self.set_pos(h, pos);
+                return Some(old);
+            }
+            self.resize(self.target_groups(self.len + 1), highs);
         }
         self.insert_main(name, pos, highs)
     }
@@ -777,13 +780,16 @@ mod tests {
         assert!(!m.has_room_for(fit + 1));
         let name = |n: u64| n << 32 | (n.wrapping_mul(0x9E37_79B9) & 0xFFFF_FFFF);
         for n in 0..fit as u64 {
-            assert_eq!(m.insert_with_room(name(n), n as u32, &Same), None);
+            assert_eq!(
+                m.insert_compared(name(n), n as u32, true, true, &Same),
+                None
+            );
         }
         assert_eq!((m.groups(), m.len()), (groups, fit));
         assert!(!m.has_room_for(1));
         // A replacement needs no room, and `insert` grows the table once it is due. (Position
         // 0's high half is 0: the name stays in the table.)
-        assert_eq!(m.insert_with_room(name(0), 0, &Same), Some(0));
+        assert_eq!(m.insert_compared(name(0), 0, true, true, &Same), Some(0));
         assert_eq!(m.insert(name(9_000), 9_000, &Same), None);
         assert!(m.groups() > groups);
         assert_eq!(m.get(name(0), &Same), Some(0));

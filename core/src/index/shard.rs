@@ -44,9 +44,18 @@ pub(crate) struct Placed {
     pub first: u8,
     pub n: u8,
     pub held: u64,
+    /// The bits of those whose names differ in their high half from the name the block is
+    /// kept under (another rank stored it first, under another name).
+    pub side: u64,
 }
 
 const CLEAN: u32 = u32::MAX;
+
+/// Slots per segment of high halves (16 KiB).
+const HIGH_SLOTS: usize = 64;
+
+/// The high halves of [`HIGH_SLOTS`] slots' blocks.
+type HighSegment = [u32; HIGH_SLOTS * RUN_CAP];
 
 /// Run slots a shard can have: positions pack the slot into 22 bits.
 pub(crate) const MAX_SLOTS: u32 = 1 << 22;
@@ -119,10 +128,10 @@ pub(crate) struct ShardWriter {
     ehs: Vec<Vec<u64>>,
     /// Heap bytes of `ehs`'s vectors.
     ehs_heap: usize,
-    /// Per position (slot * 64 + offset): the high half of the name the block was stored under
-    /// while no rank held it, which every rank's name map checks its entries against
-    /// ([`super::names::HighHalves`]).
-    highs: Vec<u32>,
+    /// Per position, in segments of [`HIGH_SLOTS`] slots: the high half of the name the block
+    /// was stored under while no rank held it, which every rank's name map checks its entries
+    /// against ([`super::names::HighHalves`]). Segments, so that growing never copies them.
+    highs: Vec<Box<HighSegment>>,
     /// (slot, offset) -> children beyond the first at that offset.
     more_children: HashMap<(u32, u8), u32, MixState>,
     // Transaction state.
@@ -185,7 +194,8 @@ impl ShardWriter {
         let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>()
             + self.ehs.capacity() * std::mem::size_of::<Vec<u64>>()
             + self.ehs_heap
-            + self.highs.capacity() * 4
+            + self.highs.capacity() * std::mem::size_of::<Box<HighSegment>>()
+            + self.highs.len() * std::mem::size_of::<HighSegment>()
             + set_bytes::<((u32, u8), u32)>(self.more_children.capacity());
         let lru = self.lru.as_ref().map_or(0, |h| {
             h.capacity() * std::mem::size_of::<Reverse<(u64, u32)>>()
@@ -212,33 +222,67 @@ impl ShardWriter {
         r
     }
 
-    /// Makes room for the high halves of one more slot. Grown by an eighth, not doubled: they
-    /// are a quarter KiB per slot.
+    /// Makes room for the high halves of slots up to the last one allocated.
     fn grow_highs(&mut self) {
-        let need = self.metas.len() * RUN_CAP;
-        if self.highs.capacity() < need {
-            self.highs
-                .reserve_exact((need / 8).max(64 * RUN_CAP) + need - self.highs.len());
+        if self.highs.len() * HIGH_SLOTS < self.metas.len() {
+            let segment: Box<HighSegment> = vec![0; HIGH_SLOTS * RUN_CAP]
+                .into_boxed_slice()
+                .try_into()
+                .expect("a segment's length");
+            self.highs.push(segment);
         }
-        self.highs.resize(need, 0);
     }
 
-    /// Keeps the high halves of the names of the blocks `fresh` of the stretch `first..` of
-    /// `slot`, stored as `blocks`.
-    fn set_highs(&mut self, slot: u32, first: usize, blocks: &[StoredBlock], fresh: u64) {
-        let base = slot as usize * RUN_CAP + first;
-        let highs = &mut self.highs[base..base + blocks.len()];
-        for (k, (h, b)) in highs.iter_mut().zip(blocks).enumerate() {
-            if fresh >> (first + k) & 1 != 0 {
-                *h = (b.block_hash.0 >> 32) as u32;
-            }
-        }
+    #[inline]
+    fn highs_of_mut(&mut self, slot: u32) -> &mut [u32] {
+        let (seg, at) = (slot as usize / HIGH_SLOTS, slot as usize % HIGH_SLOTS);
+        &mut self.highs[seg][at * RUN_CAP..(at + 1) * RUN_CAP]
     }
 
     /// The high half kept for the block at `pos`.
     #[inline]
     pub(crate) fn high(&self, pos: Pos) -> u32 {
-        self.highs[pos.slot as usize * RUN_CAP + pos.off as usize]
+        let slot = pos.slot as usize;
+        // In bounds by construction: the offset is below 64 = RUN_CAP.
+        self.highs[slot / HIGH_SLOTS][slot % HIGH_SLOTS * RUN_CAP + (pos.off as usize & 63)]
+    }
+
+    /// Keeps the high halves of the names of a stretch stored at offsets `first..` of `slot`
+    /// as `blocks` (`created`: blocks new to the run). Returns the stretch's blocks whose
+    /// names go to the side map: the blocks some rank holds under a name with another high
+    /// half. A block no rank holds takes the new name's half (no name refers to it).
+    fn keep_highs(
+        &mut self,
+        slot: u32,
+        first: usize,
+        blocks: &[StoredBlock],
+        created: bool,
+    ) -> u64 {
+        let half = |b: &StoredBlock| (b.block_hash.0 >> 32) as u32;
+        let highs = &mut self.highs_of_mut(slot)[first..first + blocks.len()];
+        if created {
+            for (h, b) in highs.iter_mut().zip(blocks) {
+                *h = half(b);
+            }
+            return 0;
+        }
+        let mut differs = 0u64;
+        for (k, (h, b)) in highs.iter().zip(blocks).enumerate() {
+            differs |= ((*h != half(b)) as u64) << k;
+        }
+        let differs = differs << first;
+        if differs == 0 {
+            return 0;
+        }
+        // Rare: another name for blocks already in the run.
+        let held = self.run_mut(slot).held_mask();
+        let highs = &mut self.highs_of_mut(slot)[first..first + blocks.len()];
+        for (k, (h, b)) in highs.iter_mut().zip(blocks).enumerate() {
+            if (differs & !held) >> (first + k) & 1 != 0 {
+                *h = half(b);
+            }
+        }
+        differs & held
     }
 
     /// Counts a child of `slot` at offset `off`.
@@ -419,17 +463,9 @@ impl ShardWriter {
             } else {
                 ((1u64 << n) - 1) << first
             };
-            let run = self.run_mut(slot);
-            // Blocks no rank held: no name refers to them, so they take this event's names.
-            let fresh = if created {
-                bits
-            } else {
-                bits & !run.held_mask()
-            };
-            let held = run.hold(rank, tier, bits);
-            if fresh != 0 {
-                self.set_highs(slot, first, &rest[..n], fresh);
-            }
+            // Before the hold: what other ranks held decides whose names the blocks keep.
+            let side = self.keep_highs(slot, first, &rest[..n], created);
+            let held = self.run_mut(slot).hold(rank, tier, bits);
             self.touch(slot, tick);
             if self.lru.is_some() {
                 let names = rest[..n].iter().map(|b| b.block_hash.0);
@@ -449,6 +485,7 @@ impl ShardWriter {
                 first: first as u8,
                 n: n as u8,
                 held,
+                side,
             });
             cur = Some(Pos {
                 slot,
