@@ -490,6 +490,8 @@ impl Removal {
 struct RunHold {
     shard: usize,
     slot: u32,
+    /// The run's packed position without an offset: `pack(shard, slot, 0) >> 6`.
+    run: u32,
     /// Blocks (rank, tier) holds in the run.
     held: u64,
     /// Blocks the rank holds in the run in another tier.
@@ -502,6 +504,7 @@ impl RunHold {
     const NONE: RunHold = RunHold {
         shard: usize::MAX,
         slot: u32::MAX,
+        run: u32::MAX,
         held: 0,
         elsewhere: 0,
         bits: 0,
@@ -515,6 +518,7 @@ impl RunHold {
         RunHold {
             shard,
             slot,
+            run: pack(shard, Pos { slot, off: 0 }) >> 6,
             held,
             elsewhere,
             bits: 0,
@@ -913,12 +917,13 @@ impl PrefixIndex {
                 self.duplicate_copies -= 1;
                 continue;
             }
-            let (shard, pos) = unpack(loc);
-            if (shard, pos.slot) != (run.shard, run.slot) {
+            // The run's shard and slot are the position's bits above its offset.
+            if loc >> 6 != run.run {
                 run.clear(shards, (rank, tier), &mut tally);
+                let (shard, pos) = unpack(loc);
                 run = RunHold::read(shards, shard, pos.slot, (rank, tier));
             }
-            let bit = 1u64 << pos.off;
+            let bit = 1u64 << (loc & 63);
             // Not held in this tier, or already cleared by another name for the same block.
             if (run.held & !run.bits) & bit == 0 {
                 tally.unknown(i);
