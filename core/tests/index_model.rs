@@ -127,6 +127,7 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
     let reader = index.reader();
     // One table reused across every query, as a router thread keeps it.
     let mut depths = kvroute_core::RankDepths::default();
+    let mut reused = kvroute_core::OverlapScores::default();
     let mut model = ReferenceIndex::new();
     let mut next_id = std::collections::HashMap::new();
     let mut header = |rank: (u64, u32), t: u8| {
@@ -227,6 +228,17 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                 got.sort();
                 let want = model.find_matches(q);
                 assert_eq!(got, want, "step {step}: query of {} blocks", q.len());
+                // The same through one result reused across all queries, which keeps the
+                // scoring of recent first runs.
+                reader.find_matches_into(q, MatchOptions::default(), &mut reused);
+                let mut again = reused.scores.clone();
+                again.sort();
+                assert_eq!(
+                    again,
+                    want,
+                    "step {step}: reused, query of {} blocks",
+                    q.len()
+                );
                 reader.find_depths_into(q, MatchOptions::default(), &mut depths);
                 let mut dense = depths.to_scores(&reader);
                 dense.sort();

@@ -718,8 +718,8 @@ mod tests {
         both[1].set_eager(true);
         for d in &mut both {
             d.begin(3, 0);
-            let ranks = [None; 4];
-            super::super::read::Sink::first_run(d, &words, m, &ranks);
+            let ranks = std::sync::Arc::new(vec![None; 4]);
+            super::super::read::Sink::first_run(d, 0, &words, m, &ranks);
             // Rank 3 is past the table of 3; a record then raises rank 4, growing it.
             d.raise(key(4, 0), 2);
         }

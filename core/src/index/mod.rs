@@ -103,6 +103,27 @@ pub struct OverlapScores {
     ids: Vec<u32>,
     /// Ranks still holding every block so far: (rank id, index in `scores`).
     active: Vec<(u32, u32)>,
+    /// First runs of recent matches and how they scored, for the next matches that start in
+    /// them (a few: most matches start in one of a few shared system prompts).
+    firsts: Vec<FirstRun>,
+    /// The entry of `firsts` replaced last.
+    next_first: usize,
+}
+
+/// First runs an [`OverlapScores`] keeps the scoring of.
+const KEPT_FIRST_RUNS: usize = 4;
+
+/// A walk's first run as it was scored: its slot, its holder words, the blocks matched in it
+/// and the table of ranks read, and the scores, ids and active ranks that gave.
+#[derive(Clone, Debug, Default)]
+struct FirstRun {
+    slot: u32,
+    m: usize,
+    ranks: Option<std::sync::Arc<Vec<Option<WorkerRank>>>>,
+    holders: Vec<u64>,
+    scores: Vec<RankScore>,
+    ids: Vec<u32>,
+    active: Vec<(u32, u32)>,
 }
 
 impl OverlapScores {

@@ -20,7 +20,7 @@ use super::run::{holders_of, rank_at, Run};
 use super::shard::ShardShared;
 use super::slots::NO_NEXT;
 use super::table::{ChildKey, ROOT};
-use super::{OverlapScores, RankDepths, RankScore};
+use super::{FirstRun, OverlapScores, RankDepths, RankScore, KEPT_FIRST_RUNS};
 use crate::event::{StorageTier, WorkerRank};
 use crate::hash::{common_prefix, LocalHash};
 
@@ -54,8 +54,9 @@ pub(super) trait Sink {
     fn first(&mut self, id: u32, rank: WorkerRank, group: &[u64], lead: usize) -> u32;
     /// Adds the first `lead` (≥ 1) blocks of `group` to the score under `key`.
     fn add(&mut self, key: u32, group: &[u64], lead: usize);
-    /// Scores the ranks holding the first `m` matched blocks of the walk's first run.
-    fn first_run(&mut self, holders: &[u64], m: usize, ranks: &[Option<WorkerRank>])
+    /// Scores the ranks holding the first `m` matched blocks of the walk's first run (in
+    /// `slot`, holder words `holders`).
+    fn first_run(&mut self, _slot: u32, holders: &[u64], m: usize, ranks: &Ranks)
     where
         Self: Sized,
     {
@@ -85,10 +86,50 @@ pub(super) trait Sink {
     }
 }
 
+/// The table of ranks by id that a walk reads.
+pub(super) type Ranks = Arc<Vec<Option<WorkerRank>>>;
+
 impl Sink for OverlapScores {
     #[inline(always)]
     fn active(&mut self) -> &mut Vec<(u32, u32)> {
         &mut self.active
+    }
+
+    /// A first run scored by a recent match is not scored again: the same holder words,
+    /// matched as far, with the same table of ranks, score the same. Most matches start in a
+    /// run that most ranks share (a system prompt), whose scoring is most of a short match.
+    fn first_run(&mut self, slot: u32, holders: &[u64], m: usize, ranks: &Ranks) {
+        debug_assert!(self.scores.is_empty() && self.ids.is_empty() && self.active.is_empty());
+        let kept = self.firsts.iter().position(|f| {
+            f.slot == slot
+                && f.m == m
+                && f.ranks.as_ref().is_some_and(|r| Arc::ptr_eq(r, ranks))
+                && f.holders == holders
+        });
+        if let Some(i) = kept {
+            let f = &self.firsts[i];
+            self.scores.extend_from_slice(&f.scores);
+            self.ids.extend_from_slice(&f.ids);
+            self.active.extend_from_slice(&f.active);
+            return;
+        }
+        score_first(holders, m, ranks, self);
+        let i = if self.firsts.len() < KEPT_FIRST_RUNS {
+            self.firsts.push(FirstRun::default());
+            self.firsts.len() - 1
+        } else {
+            self.next_first = (self.next_first + 1) % KEPT_FIRST_RUNS;
+            self.next_first
+        };
+        let f = &mut self.firsts[i];
+        f.slot = slot;
+        f.m = m;
+        f.ranks = Some(Arc::clone(ranks));
+        f.holders.clear();
+        f.holders.extend_from_slice(holders);
+        f.scores.clone_from(&self.scores);
+        f.ids.clone_from(&self.ids);
+        f.active.clone_from(&self.active);
     }
 
     #[inline(always)]
@@ -143,7 +184,7 @@ impl Sink for RankDepths {
     /// read when asked for ([`RankDepths::set_eager`]). Ids are not checked against the table
     /// of ranks: a reader of this table keeps ids by [`super::RankKey`], which answers only
     /// for ids given out before the match began, and an id beyond the table is left out.
-    fn first_run(&mut self, holders: &[u64], m: usize, _ranks: &[Option<WorkerRank>]) {
+    fn first_run(&mut self, _slot: u32, holders: &[u64], m: usize, _ranks: &Ranks) {
         let n = holders.len() / 2;
         let holders = &holders[..2 * n];
         if let Some(id) = self.only {
@@ -446,7 +487,7 @@ pub(crate) fn walk(
         let m = common_prefix(run.hashes, rest);
         if !started {
             started = true;
-            out.first_run(run.holders, m, ranks);
+            out.first_run(slot, run.holders, m, ranks);
         } else if out.narrow_implicit(run.holders, m) {
             // The first run's ranks, narrowed where they were kept.
         } else if run.holders.len() / 2 * 4 < out.active().len() {

@@ -971,3 +971,33 @@ fn a_run_keeps_the_block_its_last_child_branches_from_and_no_longer() {
     let left = ix.find_matches(&query(64), MatchOptions::default());
     assert!(left.scores.is_empty());
 }
+
+#[test]
+fn a_reused_result_scores_a_first_run_again_when_its_ranks_change() {
+    let mut ix = idx();
+    let reader = ix.reader();
+    let query = query(40);
+    let mut out = OverlapScores::default();
+    let ranks = |out: &OverlapScores| -> Vec<(WorkerRank, u32)> {
+        out.scores.iter().map(|s| (s.rank, s.blocks)).collect()
+    };
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 40, 0))
+        .unwrap();
+    reader.find_matches_into(&query, MatchOptions::default(), &mut out);
+    assert_eq!(ranks(&out), [(WorkerRank::new(1, 0), 40)]);
+    // Kept and reused while nothing changes.
+    reader.find_matches_into(&query, MatchOptions::default(), &mut out);
+    assert_eq!(ranks(&out), [(WorkerRank::new(1, 0), 40)]);
+    // Another rank takes the freed id and stores the same blocks: the run's holder words are
+    // the same as before, but the rank they name is not.
+    ix.remove_worker(WorkerId(1)).unwrap();
+    ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 40, 0))
+        .unwrap();
+    reader.find_matches_into(&query, MatchOptions::default(), &mut out);
+    assert_eq!(ranks(&out), [(WorkerRank::new(2, 0), 40)]);
+    // And a change of holds is scored afresh too.
+    ix.apply_removed(hdr(2, 0, 1, device()), &[BlockHash(1039)])
+        .unwrap();
+    reader.find_matches_into(&query, MatchOptions::default(), &mut out);
+    assert_eq!(ranks(&out), [(WorkerRank::new(2, 0), 39)]);
+}
