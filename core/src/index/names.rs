@@ -104,10 +104,11 @@ fn mix(name: u64) -> u64 {
 }
 
 /// Tags of `word` equal to `tag` (with rare false positives above a true match, which the name
-/// comparison weeds out).
+/// comparison weeds out). The overflow count needs no masking: `HIGH` leaves its byte out, and
+/// a borrow only ever runs upwards, from the tags into it.
 #[inline]
 fn matches(word: u64, tag: u8) -> u64 {
-    let x = (word & !(0xFF << COUNT_SHIFT)) ^ (LOW * tag as u64);
+    let x = word ^ (LOW * tag as u64);
     x.wrapping_sub(LOW) & !x & HIGH
 }
 
