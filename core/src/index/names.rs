@@ -4,16 +4,19 @@
 //! A name is split in two halves. The high half of every block's name is kept once, by
 //! position, beside the runs ([`HighHalves`]): ranks that name a block alike (engines hash the
 //! same tokens the same way) share it. A rank's map keeps the low half and the position, 8
-//! bytes a name, so that a group of seven entries and its control word fill one 64-byte cache
-//! line: one line to fetch per name. A candidate whose low half matches is checked against the
-//! high half kept at its position, so every answer is exact. A rank that names a block
-//! otherwise than the high half kept for it (another hash seed, a salt) keeps that name whole
-//! in a small side map, which stays empty when ranks agree.
+//! bytes a name, 64 bytes a group of seven with its control word. A candidate whose low half
+//! matches is checked against the high half kept at its position, so every answer is exact. A
+//! rank that names a block otherwise than the high half kept for it (another hash seed, a
+//! salt) keeps that name whole in a small side map, which stays empty when ranks agree.
 //!
 //! The main map is a Swiss table whose groups count overflow instead of keeping tombstones.
+//! The control words are kept apart from the entries, an eighth of the table, so that most of
+//! them stay in cache: an insert then mostly writes an entry line (a write does not hold up
+//! what follows it) rather than reading one first.
 //!
 //! ```text
-//!  group (64 bytes)  [t0 t1 t2 t3 t4 t5 t6 | overflow] [low half, position] x 7
+//!  control words  [t0 t1 t2 t3 t4 t5 t6 | overflow] per group
+//!  entries        [low half, position] x 7 per group (56 bytes)
 //! ```
 //!
 //! A lookup compares the seven tags of the name's home group at once, checks the names of the
@@ -51,8 +54,8 @@ const MIN_GROUPS: usize = 2;
 /// How full a table sized for its reserved names is once they are all in: the time a lookup
 /// takes grows steeply with the load (see docs/ARCHITECTURE.md, "Measurements that chose").
 pub(crate) const RESERVED_LOAD_PCT: usize = 45;
-/// Bytes of a group.
-pub(crate) const GROUP_BYTES: usize = std::mem::size_of::<Group>();
+/// Bytes of a group: its control word and its entries.
+pub(crate) const GROUP_BYTES: usize = 8 + std::mem::size_of::<Entries>();
 /// The handle of an entry in the side map.
 const SIDE: usize = usize::MAX;
 
@@ -63,25 +66,20 @@ pub(crate) trait HighHalves {
     fn high(&self, pos: u32) -> u32;
 }
 
-/// Seven entries and their control word: one cache line.
-#[derive(Clone, Copy, Debug)]
-#[repr(C, align(64))]
-struct Group {
-    /// Seven tag bytes (seven bits of the name's hash, or [`EMPTY`]) and the overflow count.
-    ctrl: u64,
-    /// `[low half of the name, position]` per place.
-    entries: [[u32; 2]; GROUP],
-}
+/// A group's entries: `[low half of the name, position]` per place.
+type Entries = [[u32; 2]; GROUP];
 
-const EMPTY_GROUP_LINE: Group = Group {
-    ctrl: EMPTY_GROUP,
-    entries: [[u32::MAX; 2]; GROUP],
-};
+const EMPTY_ENTRIES: Entries = [[u32::MAX; 2]; GROUP];
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct NameMap {
-    groups: Vec<Group>,
-    /// Names in `groups`.
+    /// One control word per group: seven tag bytes (seven bits of the name's hash, or
+    /// [`EMPTY`]) and the overflow count. Apart from the entries, so that the words of all
+    /// groups (an eighth of the table) stay in cache.
+    ctrl: Vec<u64>,
+    /// Each group's entries.
+    entries: Vec<Entries>,
+    /// Names in the table proper.
     len: usize,
     /// Names whose high half differs from the one kept at their position, whole.
     side: HashMap<u64, u32, MixState>,
@@ -182,12 +180,14 @@ impl NameMap {
 
     /// Heap bytes.
     pub(crate) fn bytes(&self) -> usize {
-        self.groups.capacity() * GROUP_BYTES + set_bytes::<(u64, u32)>(self.side.capacity())
+        self.ctrl.capacity() * 8
+            + self.entries.capacity() * std::mem::size_of::<Entries>()
+            + set_bytes::<(u64, u32)>(self.side.capacity())
     }
 
     #[inline]
     fn groups(&self) -> usize {
-        self.groups.len()
+        self.ctrl.len()
     }
 
     /// Home group and tag of a name.
@@ -214,7 +214,12 @@ impl NameMap {
         // An address only, never dereferenced: `g` is below `groups()` (or the table is empty,
         // and the hint points nowhere), so no bounds are checked.
         let (g, _) = self.place(name);
-        prefetch_addr(self.groups.as_ptr().wrapping_add(g));
+        prefetch_addr(self.ctrl.as_ptr().wrapping_add(g));
+        // A group's 56 bytes of entries span one or two cache lines: their first and last
+        // bytes fall in each.
+        let entries = self.entries.as_ptr().wrapping_add(g).cast::<u8>();
+        prefetch_addr(entries);
+        prefetch_addr(entries.wrapping_add(std::mem::size_of::<Entries>() - 1));
     }
 
     #[inline]
@@ -237,7 +242,7 @@ impl NameMap {
             // Entries are read only for matching tags: a new name, the common insert, reads
             // none of them.
             let s = (m.trailing_zeros() / 8) as usize;
-            let [low, pos] = self.groups[g].entries[s];
+            let [low, pos] = self.entries[g][s];
             // Bytes above a true match can match falsely, and an emptied entry keeps its old
             // contents: the tag must match too, before the position is trusted.
             if (word >> (s * 8)) as u8 == tag
@@ -262,7 +267,7 @@ impl NameMap {
     ) -> Result<(usize, u32), (usize, usize, u8)> {
         let (home, tag) = self.place(name);
         let mut g = home;
-        let word = self.groups[g].ctrl;
+        let word = self.ctrl[g];
         if let Some((s, pos)) = self.find_in(g, word, tag, name, highs) {
             return Ok((handle(g, s, true), pos));
         }
@@ -277,7 +282,7 @@ impl NameMap {
                 break;
             }
             g = self.next(g);
-            word = self.groups[g].ctrl;
+            word = self.ctrl[g];
             if let Some((s, pos)) = self.find_in(g, word, tag, name, highs) {
                 return Ok((handle(g, s, false), pos));
             }
@@ -291,7 +296,7 @@ impl NameMap {
     /// The first group with room from `g` on (the load bound guarantees one).
     #[inline]
     fn room_from(&self, mut g: usize) -> usize {
-        while empties(self.groups[g].ctrl) == 0 {
+        while empties(self.ctrl[g]) == 0 {
             g = self.next(g);
         }
         g
@@ -300,7 +305,7 @@ impl NameMap {
     /// The entry in the table proper, if the name is there.
     #[inline(always)]
     fn find_main(&self, name: u64, highs: &impl HighHalves) -> Option<(usize, u32)> {
-        if self.groups.is_empty() {
+        if self.ctrl.is_empty() {
             return None;
         }
         self.probe(name, highs).ok()
@@ -393,7 +398,7 @@ impl NameMap {
 
     #[inline]
     fn set_pos(&mut self, h: usize, pos: u32) {
-        self.groups[h >> 4].entries[h & 7][1] = pos;
+        self.entries[h >> 4][h & 7][1] = pos;
     }
 
     /// Whether one more name would take the table over 70% full.
@@ -415,16 +420,16 @@ impl NameMap {
     fn fill(&mut self, name: u64, pos: u32, to: usize, home: usize, tag: u8) {
         let mut g = home;
         while g != to {
-            if overflow(self.groups[g].ctrl) != u8::MAX {
-                self.groups[g].ctrl += ONE;
+            if overflow(self.ctrl[g]) != u8::MAX {
+                self.ctrl[g] += ONE;
             }
             g = self.next(g);
         }
-        let group = &mut self.groups[to];
-        let s = (empties(group.ctrl).trailing_zeros() / 8) as usize;
+        let word = &mut self.ctrl[to];
+        let s = (empties(*word).trailing_zeros() / 8) as usize;
         // The byte was EMPTY: flipping EMPTY's bit and the tag's bits leaves the tag.
-        group.ctrl ^= ((EMPTY ^ tag) as u64) << (s * 8);
-        group.entries[s] = [name as u32, pos];
+        *word ^= ((EMPTY ^ tag) as u64) << (s * 8);
+        self.entries[to][s] = [name as u32, pos];
         self.len += 1;
     }
 
@@ -450,13 +455,13 @@ impl NameMap {
             let (mut g, _) = self.place(name);
             while g != to {
                 // A saturated count no longer knows how many it stands for: it stays.
-                if overflow(self.groups[g].ctrl) != u8::MAX {
-                    self.groups[g].ctrl -= ONE;
+                if overflow(self.ctrl[g]) != u8::MAX {
+                    self.ctrl[g] -= ONE;
                 }
                 g = self.next(g);
             }
         }
-        Self::empty(&mut self.groups[to].ctrl, s);
+        Self::empty(&mut self.ctrl[to], s);
         self.len -= 1;
     }
 
@@ -473,19 +478,19 @@ impl NameMap {
         *word = (*word & !(0xFF << (s * 8))) | (EMPTY as u64) << (s * 8);
     }
 
-    /// The live entries of the table proper: (name, position).
+    /// The live entries of a table's groups: (name, position).
     fn live<'a>(
-        groups: &'a [Group],
+        (ctrl, entries): &'a (Vec<u64>, Vec<Entries>),
         highs: &'a impl HighHalves,
     ) -> impl Iterator<Item = (u64, u32)> + 'a {
-        groups.iter().flat_map(move |group| {
+        ctrl.iter().zip(entries).flat_map(move |(word, group)| {
             // The places whose tag is not EMPTY, one high bit each.
-            let mut live = !group.ctrl & HIGH;
+            let mut live = !word & HIGH;
             std::iter::from_fn(move || {
                 if live == 0 {
                     return None;
                 }
-                let [low, pos] = group.entries[(live.trailing_zeros() / 8) as usize];
+                let [low, pos] = group[(live.trailing_zeros() / 8) as usize];
                 live &= live - 1;
                 Some((u64::from(highs.high(pos)) << 32 | u64::from(low), pos))
             })
@@ -499,11 +504,11 @@ impl NameMap {
         highs: &impl HighHalves,
     ) {
         self.side.retain(|&name, &mut pos| keep(name, pos));
-        let old = std::mem::take(&mut self.groups);
+        let old = self.resize_empty(0);
         let kept: Vec<(u64, u32)> = Self::live(&old, highs)
             .filter(|&(name, pos)| keep(name, pos))
             .collect();
-        self.len = 0;
+        drop(old);
         self.resize_empty(self.target_groups(kept.len()));
         for (name, pos) in kept {
             self.refill(name, pos);
@@ -515,14 +520,19 @@ impl NameMap {
         (len * 2).div_ceil(GROUP).max(MIN_GROUPS).max(self.floor())
     }
 
-    /// Replaces the table with `groups` empty groups. Written, not left to a zeroing
-    /// allocation: the pages are taken now, while the table is built (or reserved), instead of
-    /// one fault at a time under the events that fill it.
-    fn resize_empty(&mut self, groups: usize) -> Vec<Group> {
-        let mut fresh = Vec::with_capacity(groups);
-        fresh.resize(groups, EMPTY_GROUP_LINE);
+    /// Replaces the table with `groups` empty groups; returns the old one. Written, not left
+    /// to a zeroing allocation: the pages are taken now, while the table is built (or
+    /// reserved), instead of one fault at a time under the events that fill it.
+    fn resize_empty(&mut self, groups: usize) -> (Vec<u64>, Vec<Entries>) {
+        let mut ctrl = Vec::with_capacity(groups);
+        ctrl.resize(groups, EMPTY_GROUP);
+        let mut entries = Vec::with_capacity(groups);
+        entries.resize(groups, EMPTY_ENTRIES);
         self.len = 0;
-        std::mem::replace(&mut self.groups, fresh)
+        (
+            std::mem::replace(&mut self.ctrl, ctrl),
+            std::mem::replace(&mut self.entries, entries),
+        )
     }
 
     /// Places a name known to be absent, into a table with room.
@@ -665,9 +675,8 @@ mod tests {
     }
 
     #[test]
-    fn a_group_is_one_cache_line() {
+    fn a_group_takes_64_bytes() {
         assert_eq!(GROUP_BYTES, 64);
-        assert_eq!(std::mem::align_of::<Group>(), 64);
     }
 
     #[test]
@@ -697,7 +706,7 @@ mod tests {
             assert_eq!(m.insert(n, (n >> 32) as u32, &Same), None);
         }
         assert_eq!(m.groups(), 8, "no rebuild in between");
-        assert_eq!(overflow(m.groups[3].ctrl), 3);
+        assert_eq!(overflow(m.ctrl[3]), 3);
         for &n in &home {
             assert_eq!(m.get(n, &Same), Some((n >> 32) as u32));
         }
@@ -706,7 +715,7 @@ mod tests {
             let (i, _) = m.find(n, &Same).unwrap();
             m.vacate(i, n);
         }
-        assert_eq!(overflow(m.groups[3].ctrl), 3);
+        assert_eq!(overflow(m.ctrl[3]), 3);
         for &n in &home[7..] {
             assert_eq!(m.get(n, &Same), Some((n >> 32) as u32));
         }
@@ -714,7 +723,7 @@ mod tests {
             let (i, _) = m.find(n, &Same).unwrap();
             m.vacate(i, n);
         }
-        assert!(m.groups.iter().all(|g| overflow(g.ctrl) == 0));
+        assert!(m.ctrl.iter().all(|&w| overflow(w) == 0));
         assert_eq!(m.len(), 0);
     }
 
