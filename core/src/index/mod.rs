@@ -119,7 +119,7 @@ const KEPT_FIRST_RUNS: usize = 4;
 struct FirstRun {
     slot: u32,
     m: usize,
-    ranks: Option<std::sync::Arc<Vec<Option<WorkerRank>>>>,
+    ranks: Option<read::Ranks>,
     holders: Vec<u64>,
     scores: Vec<RankScore>,
     ids: Vec<u32>,
@@ -458,7 +458,7 @@ pub const MAX_RESERVED_BLOCKS: u64 = 1 << 24;
 /// Bytes a reserved name takes in its map (64-byte groups of seven at
 /// [`names::RESERVED_LOAD_PCT`]), rounded up.
 const RESERVED_NAME_BYTES: u64 =
-    (names::GROUP_BYTES * 100).div_ceil(7 * names::RESERVED_LOAD_PCT) as u64;
+    (names::GROUP_BYTES * 100).div_ceil(names::GROUP * names::RESERVED_LOAD_PCT) as u64;
 
 /// A block's position in 32 bits: shard (4 bits), run slot (22 bits), offset (6 bits). Names
 /// map to it, so its size is most of a name's cost.

@@ -42,7 +42,7 @@ use std::collections::HashMap;
 use super::mix::{prefetch_addr, set_bytes, MixState};
 
 /// Entries per group.
-const GROUP: usize = 7;
+pub(crate) const GROUP: usize = 7;
 const EMPTY: u8 = 0x80;
 const LOW: u64 = 0x0001_0101_0101_0101;
 const HIGH: u64 = 0x0080_8080_8080_8080;
