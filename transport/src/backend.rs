@@ -18,10 +18,18 @@
 //! Both backends run the same code: one current-thread runtime per thread, tasks spawned with
 //! `spawn_local`, so a connection never moves between threads. [`block_on`] builds that
 //! runtime for either backend.
+//!
+//! An io_uring runtime submits its ring's work with one system call when it has nothing left
+//! to run, so every read or write waits for the runtime to go idle first. With
+//! [`UringSubmit::KernelPoll`] (set once per process, [`set_uring_submit`]) a kernel thread
+//! polls the submission queues instead: one thread for every ring of the process (the rings
+//! share it), asleep after `idle` without work. It answers sooner and takes a core while the
+//! rings are busy; see docs/ARCHITECTURE.md for what each mode measured.
 
 use std::future::Future;
 use std::io;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 /// The I/O engine in use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -73,6 +81,55 @@ impl std::str::FromStr for BackendChoice {
             }),
         }
     }
+}
+
+/// How the submissions of an io_uring ring reach the kernel. One mode for the whole process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum UringSubmit {
+    /// With a system call when the runtime has nothing left to run (tokio-uring's way): no
+    /// CPU spent waiting, but each submission waits for the runtime to go idle.
+    #[default]
+    OnIdle,
+    /// Through one kernel thread, shared by every ring of the process, that polls their
+    /// submission queues and sleeps after `idle` without work (rounded to milliseconds, at
+    /// least one). It takes a core while the rings are busy.
+    KernelPoll { idle: Duration },
+}
+
+impl UringSubmit {
+    /// The poller's idle time in whole milliseconds, as the kernel takes it.
+    fn idle_ms(idle: Duration) -> u32 {
+        u32::try_from(idle.as_millis()).unwrap_or(u32::MAX).max(1)
+    }
+}
+
+impl std::fmt::Display for UringSubmit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UringSubmit::OnIdle => f.write_str("submit on idle"),
+            UringSubmit::KernelPoll { idle } => {
+                write!(f, "kernel-polled, idle after {} ms", Self::idle_ms(*idle))
+            }
+        }
+    }
+}
+
+static SUBMIT: OnceLock<UringSubmit> = OnceLock::new();
+
+/// Sets how every io_uring ring of this process submits. It can be set once, before the first
+/// io_uring runtime (which fixes the default otherwise); a later call changes nothing and
+/// returns the mode in force.
+pub fn set_uring_submit(mode: UringSubmit) -> Result<(), UringSubmit> {
+    match SUBMIT.set(mode) {
+        Ok(()) => Ok(()),
+        Err(_) if uring_submit() == mode => Ok(()),
+        Err(_) => Err(uring_submit()),
+    }
+}
+
+/// How this process's io_uring rings submit (the default until [`set_uring_submit`]).
+pub fn uring_submit() -> UringSubmit {
+    *SUBMIT.get_or_init(UringSubmit::default)
 }
 
 /// Why io_uring cannot be used here.
@@ -197,6 +254,49 @@ fn probe_uring() -> Result<(), UringUnavailable> {
     }
 }
 
+/// A tokio-uring runtime whose ring submits as [`uring_submit`] says.
+#[cfg(target_os = "linux")]
+fn uring_runtime() -> io::Result<tokio_uring::Runtime> {
+    let mut builder = tokio_uring::builder();
+    if let UringSubmit::KernelPoll { idle } = uring_submit() {
+        let idle = UringSubmit::idle_ms(idle);
+        let mut ring = tokio_uring::uring_builder();
+        ring.setup_sqpoll(idle)
+            .setup_attach_wq(kernel_poller(idle)?);
+        builder.uring_builder(&ring);
+    }
+    tokio_uring::Runtime::new(&builder)
+}
+
+/// The descriptor of the ring whose kernel thread polls every ring of the process: a small
+/// ring of its own, set up with the first runtime and kept for the life of the process, so
+/// that runtimes come and go without taking the poller with them.
+#[cfg(target_os = "linux")]
+fn kernel_poller(idle_ms: u32) -> io::Result<std::os::fd::RawFd> {
+    use std::os::fd::AsRawFd;
+    type Ring = Box<dyn AsRawFd + Send + Sync>;
+    static POLLER: OnceLock<Result<Ring, (io::ErrorKind, Option<i32>)>> = OnceLock::new();
+    let ring = POLLER.get_or_init(|| {
+        let mut ring = tokio_uring::uring_builder();
+        ring.setup_sqpoll(idle_ms);
+        match ring.build(4) {
+            Ok(ring) => {
+                tracing::info!(idle_ms, "io_uring: one kernel thread polls every ring");
+                Ok(Box::new(ring) as Ring)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "io_uring: the kernel-polled ring could not be set up");
+                Err((e.kind(), e.raw_os_error()))
+            }
+        }
+    });
+    match ring {
+        Ok(ring) => Ok(ring.as_raw_fd()),
+        Err((_, Some(errno))) => Err(io::Error::from_raw_os_error(*errno)),
+        Err((kind, None)) => Err(io::Error::from(*kind)),
+    }
+}
+
 /// Runs `future` to completion on a new current-thread runtime of `backend`, inside a
 /// `LocalSet` (so `tokio::task::spawn_local` works on both).
 pub fn block_on<F: Future>(backend: Backend, future: F) -> Result<F::Output, BackendError> {
@@ -208,8 +308,7 @@ pub fn block_on<F: Future>(backend: Backend, future: F) -> Result<F::Output, Bac
         }),
         #[cfg(target_os = "linux")]
         Backend::IoUring => {
-            let rt = tokio_uring::Runtime::new(&tokio_uring::builder())
-                .map_err(|source| BackendError::Runtime { backend, source })?;
+            let rt = uring_runtime().map_err(|source| BackendError::Runtime { backend, source })?;
             Ok(rt.block_on(future))
         }
         Backend::Epoll => {

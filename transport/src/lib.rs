@@ -33,7 +33,7 @@ pub mod wire;
 pub mod worker;
 
 pub use apply::{apply_event_batch, BatchApplier, BatchOutcome, EventRejection};
-pub use backend::{Backend, BackendChoice, BackendError};
+pub use backend::{Backend, BackendChoice, BackendError, UringSubmit};
 pub use client::{ClientError, IngestClient};
 pub use conn::Backoff;
 pub use dispatch::{

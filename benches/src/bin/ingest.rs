@@ -6,6 +6,7 @@
 //! cargo run --release -p kvroute-benches --bin ingest -- --batches 40000 --rounds 5
 //! cargo run --release -p kvroute-benches --bin ingest -- --client epoll   # server side only
 //! cargo run --release -p kvroute-benches --bin ingest -- --write coalesced
+//! cargo run --release -p kvroute-benches --bin ingest -- --sqpoll-idle 50  # polled rings
 //! ```
 //!
 //! One server (one runtime thread, the index writer on its own thread) and one client thread
@@ -35,7 +36,9 @@ use kvroute_core::{
     BlockHash, DpRank, EventHeader, EventId, IndexConfig, KvEvent, KvEventData, LocalHash,
     PrefixIndex, StorageTier, StoredBlock, WorkerId, WorkerRank,
 };
-use kvroute_transport::backend::{self, uring_support, Backend, BackendChoice};
+use kvroute_transport::backend::{
+    self, set_uring_submit, uring_submit, uring_support, Backend, BackendChoice, UringSubmit,
+};
 use kvroute_transport::frame::{encode_to_bytes, FrameDecoder};
 use kvroute_transport::wire::{KvEventBatch, Message, MessageRef};
 use kvroute_transport::{BatchApplier, IngestClient, IngestConfig, IngestServer};
@@ -86,6 +89,8 @@ struct Args {
     writes: Vec<Write>,
     /// The client's backend: `None`, the server's.
     client: Option<Backend>,
+    /// io_uring submissions polled by a kernel thread that sleeps after this long idle.
+    sqpoll_idle: Option<Duration>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -95,6 +100,7 @@ fn parse_args() -> Result<Args> {
         shapes: SHAPES.to_vec(),
         writes: vec![Write::PerFrame, Write::Coalesced],
         client: None,
+        sqpoll_idle: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -117,6 +123,10 @@ fn parse_args() -> Result<Args> {
                     v => bail!("--write is both, per-frame or coalesced, not {v}"),
                 }
             }
+            "--sqpoll-idle" => {
+                let ms: u64 = value()?.parse().context("--sqpoll-idle")?;
+                args.sqpoll_idle = (ms > 0).then(|| Duration::from_millis(ms));
+            }
             "--client" => {
                 args.client = match value()?.as_str() {
                     "same" => None,
@@ -128,7 +138,8 @@ fn parse_args() -> Result<Args> {
             "--help" | "-h" => {
                 println!(
                     "ingest [--batches N (20000)] [--rounds R (3)] [--shape burst|step (both)] \
-                     [--write both|per-frame|coalesced (both)] [--client same|epoll|io_uring (same)]"
+                     [--write both|per-frame|coalesced (both)] [--client same|epoll|io_uring (same)] \
+                     [--sqpoll-idle MS (0: off)]"
                 );
                 std::process::exit(0);
             }
@@ -316,6 +327,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     let args = parse_args()?;
+    if let Some(idle) = args.sqpoll_idle {
+        if let Err(mode) = set_uring_submit(UringSubmit::KernelPoll { idle }) {
+            bail!("io_uring submission already fixed: {mode}");
+        }
+    }
     let uring = uring_support();
     let mut backends = Vec::new();
     match &uring {
@@ -325,10 +341,12 @@ fn main() -> Result<()> {
     backends.push(Backend::Epoll);
 
     println!(
-        "{} batches per run, {} rounds, median events/s (one connection, loopback, client on {})",
+        "{} batches per run, {} rounds, median events/s (one connection, loopback, client on {}); \
+         io_uring {}",
         args.batches,
         args.rounds,
-        args.client.map_or("the server's backend", Backend::name)
+        args.client.map_or("the server's backend", Backend::name),
+        uring_submit()
     );
     println!(
         "{:<6} {:>7} {:<10} {:>14} {:>14} {:>14} {:>8}",
