@@ -397,7 +397,7 @@ impl ShardWriter {
         let test = |h: &super::run::Holder| {
             h.rank == rank && tier.is_none_or(|t| t == h.tier) && h.mask & bit != 0
         };
-        let Some(meta) = self.metas.get(pos.slot as usize) else {
+        let Some(meta) = self.metas.get(pos.slot as usize).filter(|m| m.live) else {
             return false;
         };
         if meta.dirty != CLEAN {
@@ -580,8 +580,13 @@ impl ShardWriter {
     /// elsewhere)`: the blocks it held, and those of them the rank still holds in another tier.
     /// Emptied blocks are pruned at commit.
     pub(crate) fn unhold(&mut self, slot: u32, rank: u32, tier: u8, bits: u64) -> (u64, u64) {
-        if self.metas.get(slot as usize).is_none_or(|m| !m.live) {
+        let Some(meta) = self.metas.get(slot as usize).filter(|m| m.live) else {
             return (0, 0);
+        };
+        if meta.dirty == CLEAN && meta.child_mask == 0 {
+            if let Some(freed) = self.unhold_last(slot, rank, tier, bits) {
+                return freed;
+            }
         }
         let (cleared, elsewhere) = self.run_mut(slot).unhold(rank, tier, bits);
         let meta = &mut self.metas[slot as usize];
@@ -590,6 +595,40 @@ impl ShardWriter {
             self.prune_pending.push(slot);
         }
         (cleared, elsewhere)
+    }
+
+    /// [`ShardWriter::unhold`] of a published run without children whose only holder is
+    /// (rank, tier) and which these bits empty: the run is freed as it is, without a working
+    /// copy. `None` for any other run.
+    fn unhold_last(&mut self, slot: u32, rank: u32, tier: u8, bits: u64) -> Option<(u64, u64)> {
+        let run = self.published(slot)?;
+        // One holder: one pair of words.
+        if run.holders.len() != 2 {
+            return None;
+        }
+        let holder = holders_of(run.holders).next()?;
+        if (holder.rank, holder.tier) != (rank, tier) || holder.mask & !bits != 0 {
+            return None;
+        }
+        let (len, first, parent, parent_off) = (
+            run.hashes.len(),
+            run.hashes.first().copied(),
+            run.parent,
+            run.parent_off,
+        );
+        self.positions -= len;
+        if self.lru.is_some() {
+            self.ehs_mut(slot, |e| e.clear());
+        }
+        if let Some(parent) = self.free_run(slot, first, parent, parent_off) {
+            // The parent may end in blocks nobody holds now: pruned at commit.
+            let meta = &mut self.metas[parent as usize];
+            if !meta.prune_queued {
+                meta.prune_queued = true;
+                self.prune_pending.push(parent);
+            }
+        }
+        Some((holder.mask, 0))
     }
 
     /// Drops every hold of `rank` (all tiers) in this shard. Returns the holds dropped.
@@ -630,52 +669,91 @@ impl ShardWriter {
     /// the run when it empties, walking up to the parent.
     fn prune(&mut self, mut slot: u32) {
         loop {
-            let meta_children = |s: &Self, off: u8| s.metas[slot as usize].has_children(off);
-            let buf = self.run_mut(slot);
-            let held = buf.held_mask();
-            let mut len = buf.hashes.len();
-            let first = buf.hashes.first().copied();
-            let (parent, parent_off) = (buf.parent, buf.parent_off);
-            while len > 0
-                && held & (1u64 << (len - 1)) == 0
-                && !meta_children(self, (len - 1) as u8)
+            // Judged on the writer's view as it is: a run that keeps its blocks (the parent
+            // of a freed child, mostly) is not copied.
+            let Some((len, held, first, parent, parent_off)) = self.prune_view(slot) else {
+                return;
+            };
+            let meta = &self.metas[slot as usize];
+            let mut keep = len;
+            while keep > 0
+                && held & (1u64 << (keep - 1)) == 0
+                && !meta.has_children((keep - 1) as u8)
             {
-                len -= 1;
-                self.positions -= 1;
+                keep -= 1;
             }
-            let buf = self.run_mut(slot);
-            if len == buf.hashes.len() {
+            if keep == len {
                 return;
             }
-            buf.hashes.truncate(len);
+            self.positions -= len - keep;
             if self.lru.is_some() {
-                self.ehs_mut(slot, |e| e.truncate(len));
+                self.ehs_mut(slot, |e| e.truncate(keep));
             }
-            if len > 0 {
+            if keep > 0 {
+                self.run_mut(slot).hashes.truncate(keep);
                 return;
             }
-            // The run is empty: unlink it and free the slot.
-            if let Some(first) = first {
-                self.dead_links.push(ChildKey {
-                    parent,
-                    off: parent_off,
-                    hash: first,
-                });
+            match self.free_run(slot, first, parent, parent_off) {
+                Some(p) => slot = p,
+                None => return,
             }
-            self.metas[slot as usize].live = false;
-            self.dead_slots.push(slot);
-            self.live_runs -= 1;
-            if parent == ROOT {
-                return;
-            }
-            self.remove_child(parent, parent_off);
-            // The parent's last block may have just become a leaf.
-            let touch = self.metas[parent as usize].touch;
-            if let Some(lru) = &mut self.lru {
-                lru.push(Reverse((touch, parent)));
-            }
-            slot = parent;
         }
+    }
+
+    /// What pruning a run needs of the writer's current view: its length, the union of its
+    /// holders' masks, its first hash and its parent.
+    fn prune_view(&self, slot: u32) -> Option<(usize, u64, Option<u64>, u32, u8)> {
+        let meta = self.metas.get(slot as usize)?;
+        if meta.dirty != CLEAN {
+            let b = &self.dirty[meta.dirty as usize].1;
+            return Some((
+                b.hashes.len(),
+                b.held_mask(),
+                b.hashes.first().copied(),
+                b.parent,
+                b.parent_off,
+            ));
+        }
+        let run = self.published(slot)?;
+        let held = holders_of(run.holders).fold(0, |m, h| m | h.mask);
+        Some((
+            run.hashes.len(),
+            held,
+            run.hashes.first().copied(),
+            run.parent,
+            run.parent_off,
+        ))
+    }
+
+    /// Unlinks an emptied run and frees its slot at commit (readers see it until then).
+    /// Returns its parent, whose last block may have just become a leaf, unless it hangs from
+    /// the root.
+    fn free_run(
+        &mut self,
+        slot: u32,
+        first: Option<u64>,
+        parent: u32,
+        parent_off: u8,
+    ) -> Option<u32> {
+        if let Some(first) = first {
+            self.dead_links.push(ChildKey {
+                parent,
+                off: parent_off,
+                hash: first,
+            });
+        }
+        self.metas[slot as usize].live = false;
+        self.dead_slots.push(slot);
+        self.live_runs -= 1;
+        if parent == ROOT {
+            return None;
+        }
+        self.remove_child(parent, parent_off);
+        let touch = self.metas[parent as usize].touch;
+        if let Some(lru) = &mut self.lru {
+            lru.push(Reverse((touch, parent)));
+        }
+        Some(parent)
     }
 
     /// Publishes the transaction.

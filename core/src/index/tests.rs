@@ -331,6 +331,71 @@ fn cleared_and_remove_worker_drop_everything_of_the_rank() {
     assert_eq!(ix.stats().errors.unknown_worker, 1);
 }
 
+/// Names `from..to` of [`chain`].
+fn names(from: u64, to: u64) -> Vec<BlockHash> {
+    (from..to).map(|i| BlockHash(1000 + i)).collect()
+}
+
+#[test]
+fn emptied_runs_are_freed_and_their_parents_trimmed() {
+    let mut ix = idx();
+    let shape = |ix: &PrefixIndex| {
+        let st = ix.stats();
+        (st.blocks, st.runs, st.stored_pairs)
+    };
+    let depth = |ix: &PrefixIndex, w: u64| {
+        ix.find_matches(&query(100), MatchOptions::default())
+            .scores
+            .iter()
+            .find(|s| s.rank == WorkerRank::new(w, 0))
+            .map_or(0, |s| s.blocks)
+    };
+    // Worker 1 holds 0..100 (a run of 64 and a child of 36), worker 2 the first 30.
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 100, 0))
+        .unwrap();
+    ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 30, 0))
+        .unwrap();
+    assert_eq!(shape(&ix), (100, 2, 130));
+    // The child, held by worker 1 alone, goes whole; its parent keeps every block.
+    ix.apply_removed(hdr(1, 0, 1, device()), &names(64, 100))
+        .unwrap();
+    assert_eq!(shape(&ix), (64, 1, 94));
+    assert_eq!(depth(&ix, 1), 64);
+    // The parent's tail, beyond what anyone still holds, is trimmed.
+    ix.apply_removed(hdr(1, 0, 2, device()), &names(20, 64))
+        .unwrap();
+    assert_eq!(shape(&ix), (30, 1, 50));
+    ix.apply_removed(hdr(2, 0, 1, device()), &names(0, 30))
+        .unwrap();
+    assert_eq!(shape(&ix), (20, 1, 20));
+    assert_eq!((depth(&ix, 1), depth(&ix, 2)), (20, 0));
+    // Its last holder leaving empties the index.
+    ix.apply_removed(hdr(1, 0, 3, device()), &names(0, 20))
+        .unwrap();
+    assert_eq!(shape(&ix), (0, 0, 0));
+    assert!(ix
+        .find_matches(&query(100), MatchOptions::default())
+        .scores
+        .is_empty());
+
+    // A child freed whole lets its parent give up the blocks it kept only for the child.
+    ix.apply_stored(hdr(1, 0, 4, device()), None, &chain(0, 100, 0))
+        .unwrap();
+    ix.apply_removed(hdr(1, 0, 5, device()), &names(40, 64))
+        .unwrap();
+    assert_eq!(shape(&ix), (100, 2, 76), "blocks 40..64 lead to the child");
+    assert_eq!(depth(&ix, 1), 40);
+    ix.apply_removed(hdr(1, 0, 6, device()), &names(64, 100))
+        .unwrap();
+    assert_eq!(shape(&ix), (40, 1, 40));
+    // The freed slots are taken again.
+    ix.apply_stored(hdr(3, 0, 0, device()), None, &chain(0, 70, 0))
+        .unwrap();
+    assert_eq!((depth(&ix, 1), depth(&ix, 3)), (40, 70));
+    assert_eq!(shape(&ix), (70, 2, 110));
+    assert_eq!(ix.stats().errors, ErrorCounts::default());
+}
+
 #[test]
 fn ranks_that_name_one_block_differently_share_it() {
     let mut ix = idx();
