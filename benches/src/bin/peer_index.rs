@@ -14,13 +14,12 @@ use kvroute_benches::alloc::CountingAlloc;
 use kvroute_benches::peers::{Kind, PeerConfig};
 use kvroute_benches::replay::{replay, Measurement};
 use kvroute_benches::trace::{read_trace, trace_stream};
-use kvroute_benches::workload::{builtin_stream, OpStream, Placement, SimConfig, WorkloadConfig};
+use kvroute_benches::workload::{
+    builtin_stream, OpStream, Placement, SimConfig, WorkloadConfig, PLACEMENT_SEED_MIX,
+};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
-
-/// Seeds the placement's tie-breaking generator apart from the workload's.
-const PLACEMENT_SEED_MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 
 #[derive(Debug)]
 struct Args {
