@@ -578,7 +578,8 @@ impl ShardWriter {
 
     /// Clears (rank, tier)'s hold of the blocks `bits` of run `slot`. Returns `(cleared,
     /// elsewhere)`: the blocks it held, and those of them the rank still holds in another tier.
-    /// Emptied blocks are pruned at commit.
+    /// A run these bits leave without holders or children is freed as it is
+    /// ([`ShardWriter::unhold_last`]); otherwise emptied blocks are pruned at commit.
     pub(crate) fn unhold(&mut self, slot: u32, rank: u32, tier: u8, bits: u64) -> (u64, u64) {
         let Some(meta) = self.metas.get(slot as usize).filter(|m| m.live) else {
             return (0, 0);
