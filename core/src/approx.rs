@@ -667,7 +667,7 @@ fn digest(run: &[LocalHash]) -> u64 {
 /// Continues `marks` (the checkpoint keys of the prompt `locals`, in checkpoint order) up to
 /// checkpoint `upto` (exclusive; at most the prompt's checkpoints). The key of a checkpoint
 /// chains the previous one with its run of blocks: the block itself in the dense part, a
-/// [`digest`] of the blocks since the previous checkpoint past it. It names the prefix up to
+/// digest of the blocks since the previous checkpoint past it. It names the prefix up to
 /// that block: two prompts share it exactly when they share the prefix (a 2⁻⁶⁴ accident
 /// aside), whatever their lengths, as the runs before a prompt's last block do not depend on
 /// its length.

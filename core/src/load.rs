@@ -115,7 +115,7 @@ fn prefix_step(k: u64, l: LocalHash) -> u64 {
     (k ^ l.0).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
-/// The prefix key of each block of `locals` ([`prefix_step`] from a constant seed).
+/// The prefix key of each block of `locals` (each chained to the last from a constant seed).
 /// Replaces `out`'s contents; allocation-free when `out` has the capacity. Internal to the
 /// router (never compared with engine hashes), so it need only be cheap and collision-free.
 pub fn prefix_keys_into(locals: &[LocalHash], out: &mut Vec<u64>) {

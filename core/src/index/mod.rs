@@ -366,7 +366,7 @@ impl IndexReader {
 
     /// [`IndexReader::find_matches_into`] by rank id: the same overlaps, left in a table keyed
     /// by the index's dense rank ids, for a caller that visits its own ranks by id
-    /// ([`PrefixIndex::rank_id`]). Lock-free; allocates nothing once `out` has grown to the
+    /// ([`PrefixIndex::rank_key`]). Lock-free; allocates nothing once `out` has grown to the
     /// number of ranks.
     pub fn find_depths_into(&self, query: &[LocalHash], opts: MatchOptions, out: &mut RankDepths) {
         // The count first: the table loaded after it has freed at least that many ids.
