@@ -803,22 +803,18 @@ impl PrefixIndex {
         for b in blocks.iter().step_by(4) {
             mix::prefetch_read(b);
         }
-        // The parent is looked up first, so that its misses overlap with the fetches of the
-        // event's lines; what it found is acted on after the checks. A rank keeps a name only
-        // while it holds the block in some tier (removals, evictions and clears forget it
-        // otherwise), so a name found is a parent held, without reading its run here.
+        // The parent is looked up first, so that its misses (its name, then its run) overlap
+        // with the fetches of the event's lines; what it found is acted on after the checks.
+        // The hold is checked, not assumed from the name: a rank that named one block twice
+        // keeps the other name when one is removed.
         let found = match parent {
             None => Ok((shard_of(first.local_hash, self.shards.len()), None)),
             Some(p) => match self.lookup(rank, p.0) {
-                Some(loc) => {
-                    debug_assert!(
-                        self.holds(loc, rank, None),
-                        "a rank's names are of blocks it holds"
-                    );
+                Some(loc) if self.holds(loc, rank, None) => {
                     let (s, pos) = unpack(loc);
                     Ok((s, Some(pos)))
                 }
-                None => Err(p),
+                _ => Err(p),
             },
         };
         // The first block that names itself as the chain's parent, or repeats its predecessor.

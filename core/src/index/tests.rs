@@ -397,6 +397,38 @@ fn emptied_runs_are_freed_and_their_parents_trimmed() {
 }
 
 #[test]
+fn a_name_left_for_a_block_no_longer_held_is_not_a_parent() {
+    let mut ix = idx();
+    // One worker names the same three blocks twice (a second copy of each), then removes
+    // them under both names: the first removal takes the copies, the second the holds.
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 3, 0))
+        .unwrap();
+    ix.apply_stored(hdr(1, 0, 1, device()), None, &chain(0, 3, 500))
+        .unwrap();
+    ix.apply_removed(hdr(1, 0, 2, device()), &names(0, 3))
+        .unwrap();
+    ix.apply_removed(
+        hdr(1, 0, 3, device()),
+        &(500..503).map(|i| BlockHash(1000 + i)).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    assert_eq!(ix.stats().stored_pairs, 0);
+    // The first names may still be in the worker's map; they name nothing it holds.
+    let child = [StoredBlock {
+        block_hash: BlockHash(9),
+        local_hash: LocalHash(9),
+    }];
+    assert_eq!(
+        ix.apply_stored(hdr(1, 0, 4, device()), Some(BlockHash(1002)), &child),
+        Err(IndexError::UnknownParent {
+            rank: WorkerRank::new(1, 0),
+            parent: BlockHash(1002),
+        })
+    );
+    assert_eq!(ix.stats().blocks, 0);
+}
+
+#[test]
 fn ranks_that_name_one_block_differently_share_it() {
     let mut ix = idx();
     ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 5, 0))
