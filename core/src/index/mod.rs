@@ -34,7 +34,7 @@ mod shard;
 mod slots;
 mod table;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -241,6 +241,12 @@ struct RankState {
     epoch: u32,
     /// The rank's block names -> packed position.
     names: NameMap,
+    /// Positions of blocks the rank stored again under another name while it held them: when
+    /// its hold of one ends, every name it has for the block goes, not only the one the event
+    /// named (engines name a block one way; this is for those that do not).
+    aliased: HashSet<u32, MixState>,
+    /// Tiers the rank has stored blocks in (bit = tier).
+    tiers: u8,
     last_event: Option<u64>,
     needs_resync: bool,
     gaps: u64,
@@ -486,6 +492,50 @@ impl HighHalves for Vec<ShardWriter> {
     }
 }
 
+/// One stretch of a Stored event's blocks, placed in one run.
+#[derive(Clone, Copy)]
+struct Stretch<'a> {
+    blocks: &'a [StoredBlock],
+    /// Index in `blocks` of the stretch's first block.
+    at: usize,
+    placed: &'a Placed,
+    /// The packed position of the run's offset 0.
+    base: u32,
+    /// Whether the map takes every name of the event without a rebuild.
+    room: bool,
+}
+
+/// Names the blocks of `stretch` in a rank's map, prefetching names ahead. With `ALIASES`,
+/// a block the rank held before the event (`before`, bit = offset) that gets a name new to
+/// the map has another name already: its position goes into `aliased`.
+#[inline(always)]
+fn insert_names<const ALIASES: bool>(
+    names: &mut NameMap,
+    aliased: &mut HashSet<u32, MixState>,
+    stretch: Stretch<'_>,
+    before: u64,
+    highs: &impl HighHalves,
+) {
+    let Stretch {
+        blocks,
+        at,
+        placed: st,
+        base,
+        room,
+    } = stretch;
+    for (k, b) in blocks[at..at + st.n as usize].iter().enumerate() {
+        if let Some(ahead) = blocks.get(at + k + PREFETCH_AHEAD) {
+            names.prefetch(ahead.block_hash.0);
+        }
+        let off = st.first as u32 + k as u32;
+        let kept = st.side >> off & 1 == 0;
+        let was = names.insert_compared(b.block_hash.0, base | off, kept, room, highs);
+        if ALIASES && before >> off & 1 != 0 && was.is_none() {
+            aliased.insert(base | off);
+        }
+    }
+}
+
 /// What a Removed event did, block by block.
 #[derive(Default)]
 struct Removal {
@@ -676,6 +726,8 @@ impl PrefixIndex {
             rank,
             epoch: self.reader.shared.frees.load(primitive::Ordering::Relaxed),
             names: NameMap::default(),
+            aliased: HashSet::default(),
+            tiers: 0,
             last_event: None,
             needs_resync: false,
             gaps: 0,
@@ -855,6 +907,10 @@ impl PrefixIndex {
         let Some(Some(state)) = self.ranks.get_mut(rank as usize) else {
             unreachable!("event_rank returned a live rank id");
         };
+        // Whether the rank may hold a block in another tier: only then are its stretches'
+        // holds there read, to tell a block stored again under another name.
+        let other_tiers = state.tiers & !(1 << tier) != 0;
+        state.tiers |= 1 << tier;
         let names = &mut state.names;
         for b in blocks.iter().take(PREFETCH_AHEAD) {
             names.prefetch(b.block_hash.0);
@@ -873,13 +929,23 @@ impl PrefixIndex {
                 },
             );
             let n = st.n as usize;
-            for (k, b) in blocks[at..at + n].iter().enumerate() {
-                if let Some(ahead) = blocks.get(at + k + PREFETCH_AHEAD) {
-                    names.prefetch(ahead.block_hash.0);
-                }
-                let off = st.first as u32 + k as u32;
-                let kept = st.side >> off & 1 == 0;
-                names.insert_compared(b.block_hash.0, base | off, kept, room, &self.shards);
+            // Blocks of the stretch the rank held before this event, in any tier.
+            let mut before = st.held;
+            if other_tiers {
+                before |= self.shards[shard].rank_masks(st.slot, rank, tier).1;
+            }
+            let stretch = Stretch {
+                blocks,
+                at,
+                placed: st,
+                base,
+                room,
+            };
+            // Blocks new to the rank (the common case) need no check for a second name.
+            if before == 0 {
+                insert_names::<false>(names, &mut state.aliased, stretch, 0, &self.shards);
+            } else {
+                insert_names::<true>(names, &mut state.aliased, stretch, before, &self.shards);
             }
             at += n;
             self.stored_pairs += (n - st.held.count_ones() as usize) as u64;
@@ -910,6 +976,9 @@ impl PrefixIndex {
             return Ok(());
         };
         let names = &mut state.names;
+        let aliased = &mut state.aliased;
+        // Blocks whose hold ended that the rank also named otherwise.
+        let mut unnamed = Vec::new();
         let shards = &mut self.shards;
         let mut tally = Removal::default();
         // The blocks of one run are cleared together, with one holder update. The run's masks
@@ -956,9 +1025,15 @@ impl PrefixIndex {
             tally.removed += 1;
             if run.elsewhere & bit == 0 {
                 names.vacate(entry, b.0);
+                if !aliased.is_empty() && aliased.remove(&loc) {
+                    unnamed.push(loc);
+                }
             }
         }
         run.clear(shards, (rank, tier), &mut tally);
+        for &loc in &unnamed {
+            names.retain(|_, l| l != loc, &*shards);
+        }
         names.settle(&*shards);
         self.stored_pairs -= tally.removed;
         self.commit_touched(tally.touched);
@@ -1003,6 +1078,7 @@ impl PrefixIndex {
         self.duplicate_copies -= copies_gone;
         if let Some(Some(state)) = self.ranks.get_mut(rank as usize) {
             state.names.clear();
+            state.aliased.clear();
         }
         self.dropped = dropped;
         self.commit_touched(u64::MAX);
@@ -1048,7 +1124,12 @@ impl PrefixIndex {
     /// Bytes the index accounts for itself: runs, tables, maps and bookkeeping, by capacity.
     pub fn memory_bytes(&self) -> usize {
         let shards: usize = self.shards.iter().map(|s| s.bytes()).sum();
-        let names: usize = self.ranks.iter().flatten().map(|r| r.names.bytes()).sum();
+        let names: usize = self
+            .ranks
+            .iter()
+            .flatten()
+            .map(|r| r.names.bytes() + set_bytes::<u32>(r.aliased.capacity()))
+            .sum();
         shards
             + names
             + set_bytes::<((u32, u8, u32), u32)>(self.copies.capacity())
@@ -1103,7 +1184,9 @@ impl PrefixIndex {
                     continue;
                 };
                 let names = &mut state.names;
-                if names.get(d.eh, &self.shards) == Some(loc) {
+                if state.aliased.remove(&loc) {
+                    names.retain(|_, l| l != loc, &self.shards);
+                } else if names.get(d.eh, &self.shards) == Some(loc) {
                     names.remove(d.eh, &self.shards);
                 } else if d.renamed {
                     names.retain(|_, l| l != loc, &self.shards);

@@ -429,6 +429,79 @@ fn a_name_left_for_a_block_no_longer_held_is_not_a_parent() {
 }
 
 #[test]
+fn a_second_name_for_a_block_goes_with_its_hold() {
+    let mut ix = PrefixIndex::new(IndexConfig {
+        shards: 1,
+        ..IndexConfig::default()
+    });
+    let high = 0x1234_5678u64 << 32;
+    let block = |name: u64, local: u64| StoredBlock {
+        block_hash: BlockHash(high | name),
+        local_hash: LocalHash(local),
+    };
+    let w = WorkerRank::new(1, 0);
+    // One worker names block X twice (a second copy under another name), then removes it
+    // under both names: the first removal takes the copy, the second the hold.
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &[block(1, 1)])
+        .unwrap();
+    ix.apply_stored(hdr(1, 0, 1, device()), None, &[block(2, 1)])
+        .unwrap();
+    ix.apply_removed(hdr(1, 0, 2, device()), &[BlockHash(high | 2)])
+        .unwrap();
+    ix.apply_removed(hdr(1, 0, 3, device()), &[BlockHash(high | 1)])
+        .unwrap();
+    assert_eq!(ix.stats().blocks, 0, "X is gone");
+    // Block Y takes X's place (its run's slot, offset 0), under a name with the same high half.
+    ix.apply_stored(hdr(1, 0, 4, device()), None, &[block(3, 7)])
+        .unwrap();
+    assert_eq!(
+        ix.find_matches(&[LocalHash(7)], MatchOptions::default())
+            .blocks(w),
+        1
+    );
+    // X's second name names nothing the worker holds now: removing it is an error, and Y
+    // stays.
+    assert_eq!(
+        ix.apply_removed(hdr(1, 0, 5, device()), &[BlockHash(high | 2)]),
+        Err(IndexError::UnknownBlocks {
+            rank: w,
+            count: 1,
+            first: BlockHash(high | 2),
+        })
+    );
+    assert_eq!(
+        ix.find_matches(&[LocalHash(7)], MatchOptions::default())
+            .blocks(w),
+        1
+    );
+    assert_eq!(ix.stats().stored_pairs, 1);
+
+    // The same across tiers: block Z in device memory under one name, in host memory under
+    // another. Removing the device copy keeps the first name (Z is still held); removing the
+    // host copy ends the hold, and both names go.
+    let host = StorageTier::HostPinned;
+    ix.apply_stored(hdr(1, 0, 6, device()), None, &[block(4, 9)])
+        .unwrap();
+    ix.apply_stored(hdr(1, 0, 7, host), None, &[block(5, 9)])
+        .unwrap();
+    ix.apply_removed(hdr(1, 0, 8, device()), &[BlockHash(high | 4)])
+        .unwrap();
+    ix.apply_removed(hdr(1, 0, 9, host), &[BlockHash(high | 5)])
+        .unwrap();
+    let depth = ix.find_matches(&[LocalHash(9)], MatchOptions::default());
+    assert_eq!(depth.blocks(w), 0);
+    // Block V takes Z's place; Z's first name does not reach it.
+    ix.apply_stored(hdr(1, 0, 10, device()), None, &[block(6, 11)])
+        .unwrap();
+    assert!(ix
+        .apply_removed(hdr(1, 0, 11, device()), &[BlockHash(high | 4)])
+        .is_err());
+    let depth = ix.find_matches(&[LocalHash(11)], MatchOptions::default());
+    assert_eq!(depth.blocks(w), 1);
+    assert_eq!(ix.stats().stored_pairs, 2, "Y and V");
+}
+
+#[test]
 fn ranks_that_name_one_block_differently_share_it() {
     let mut ix = idx();
     ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 5, 0))
