@@ -1031,8 +1031,10 @@ impl PrefixIndex {
             }
         }
         run.clear(shards, (rank, tier), &mut tally);
-        for &loc in &unnamed {
-            names.retain(|_, l| l != loc, &*shards);
+        if !unnamed.is_empty() {
+            // One pass over the map for all of them.
+            unnamed.sort_unstable();
+            names.retain(|_, l| unnamed.binary_search(&l).is_err(), &*shards);
         }
         names.settle(&*shards);
         self.stored_pairs -= tally.removed;
