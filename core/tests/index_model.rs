@@ -255,6 +255,9 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
             model.stored_pairs(),
             "step {step}: pair count after {op:?}"
         );
+        if let Err(e) = index.check_links() {
+            panic!("step {step}: after {op:?}: {e}");
+        }
     }
     // Every prompt, every length, at the end.
     for p in prompts {

@@ -18,6 +18,8 @@
 //! - event ids: events, gaps, missing ids, reorders, each rank's last id and its resync flag
 //!   follow the rules `EventCounts` and `RankStatus` document;
 //! - after a store of blocks the index is within its budget, or has nothing left to evict;
+//! - before every query, the child table names each run's current array, and every run with
+//!   a child has a hint (`PrefixIndex::check_links`);
 //! - with every worker removed, the index is empty.
 
 #![no_main]
@@ -553,6 +555,9 @@ impl Harness {
     }
 
     fn query(&mut self, q: &[LocalHash], early_exit: bool) {
+        if let Err(e) = self.index.check_links() {
+            panic!("links out of step with the runs: {e}");
+        }
         let reader = self.index.reader();
         let mut exact = std::mem::take(&mut self.out);
         reader.find_matches_into(q, MatchOptions::default(), &mut exact);

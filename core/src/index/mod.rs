@@ -1207,6 +1207,13 @@ impl PrefixIndex {
 
     // ---- statistics ----
 
+    /// Checks the shards' links (child table, array addresses, hints) against their runs;
+    /// for tests and fuzzing. A description of the first inconsistency, if any.
+    #[doc(hidden)]
+    pub fn check_links(&self) -> Result<(), String> {
+        self.shards.iter().try_for_each(|s| s.check_links())
+    }
+
     pub fn stats(&self) -> IndexStats {
         IndexStats {
             shards: self.shards.len(),

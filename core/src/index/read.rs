@@ -7,7 +7,9 @@
 //! the number of leading blocks it holds, split by the fastest tier it holds each in. The
 //! child comes from the run's slot hint when the hinted run is the one the table would give
 //! (same parent, offset and first hash), fetched while the run before it was compared; from
-//! the table otherwise.
+//! the table otherwise. The slot two runs ahead is fetched a run earlier still, so that the
+//! hint is read from a line already in. A run whose slot never had a child linked has no
+//! children, and the walk ends there without a table lookup.
 //!
 //! Nothing here locks or writes shared memory: runs are loaded under one epoch pin per walk, and
 //! every child found is checked against the position it was looked up from, so a walk that
@@ -422,9 +424,11 @@ pub(crate) fn walk(
         return;
     };
     prefetch_query(query);
-    let table = shard.children.load();
-    // One pin for the whole walk: every run loaded below stays valid until it ends.
+    // One pin for the whole walk: every run loaded below stays valid until it ends. Taken
+    // before the table is loaded, so that the arrays its entries name are covered (see
+    // `TableInner::get`).
     let guard = crossbeam_epoch::pin();
+    let table = shard.children.load();
     let mut key = ChildKey {
         parent: ROOT,
         off: 0,
@@ -438,12 +442,24 @@ pub(crate) fn walk(
         let (slot, words, next) = match hinted.take().filter(|&(_, w, _)| leads_from(w, key)) {
             Some(h) => h,
             None => {
-                let Some(slot) = table.get(key) else {
+                let Some((slot, address)) = table.get(key) else {
                     break;
                 };
-                let Some((words, next)) = shard.slots.load_with_next(slot, &guard) else {
+                // The array comes from the entry, and the slot's hints from its cell: two
+                // loads that wait on the entry alone, not on each other.
+                // SAFETY: `address` was read from the table, loaded after `guard` was pinned;
+                // the writer updates an entry's address before it retires the array.
+                #[allow(unsafe_code)]
+                let words = unsafe { shard.slots.words_at(address, &guard) };
+                let Some(words) = words else {
                     break;
                 };
+                let (next, next2) = shard.slots.hints(slot);
+                // The slot two runs ahead, so that its line is in when the run after this one
+                // reads it.
+                if next2 != NO_NEXT {
+                    shard.slots.prefetch(next2);
+                }
                 (slot, words, next)
             }
         };
@@ -459,18 +475,22 @@ pub(crate) fn walk(
         }
         let mut ahead = None;
         if rest.len() > 1 && next != NO_NEXT {
-            ahead = shard
-                .slots
-                .load_with_next(next, &guard)
-                .map(|(w, n)| (next, w, n));
+            ahead = shard.slots.load_with_hints(next, &guard).map(|(w, n, n2)| {
+                if n2 != NO_NEXT {
+                    shard.slots.prefetch(n2);
+                }
+                (next, w, n)
+            });
             if let Some((_, w, _)) = ahead {
                 prefetch_words(w);
             }
         }
+        // A slot no child was ever linked to has none: the walk ends with this run.
+        let childless = next == NO_NEXT;
         if let (Some(last), Some(next_hash)) =
             (run.hashes.len().checked_sub(1), rest.get(run.hashes.len()))
         {
-            if ahead.is_none() {
+            if ahead.is_none() && !childless {
                 table.prefetch(ChildKey {
                     parent: slot,
                     off: last as u8,
@@ -497,7 +517,7 @@ pub(crate) fn walk(
         }
         pos += m;
         let active = out.active_len();
-        if active == 0 || pos >= query.len() || (early_exit && active == 1) {
+        if childless || active == 0 || pos >= query.len() || (early_exit && active == 1) {
             break;
         }
         key = ChildKey {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use super::mix::{set_bytes, MixState};
 use super::run::{holders_of, run_bytes, Run, RunBuf, RUN_CAP};
-use super::slots::Slots;
+use super::slots::{Slots, NO_NEXT};
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use crate::event::StoredBlock;
 
@@ -325,6 +325,38 @@ impl ShardWriter {
         // (so no run returned here is alive), publishes into the slots or clears them.
         let words = unsafe { self.shared.slots.current(slot) }?;
         Run::parse(words)
+    }
+
+    /// Checks what walks rely on beyond the runs themselves: every live run is its link's
+    /// child in the table, every table entry names its slot's current array, and every run
+    /// with a child has a hint. A description of the first thing wrong, if any.
+    pub(crate) fn check_links(&self) -> Result<(), String> {
+        let slots = &self.shared.slots;
+        for (key, slot, address) in self.table.entries() {
+            if address != slots.address(slot) {
+                return Err(format!("entry {key:?} names slot {slot} but not its array"));
+            }
+            if key.parent != ROOT && slots.hints(key.parent).0 == NO_NEXT {
+                return Err(format!("slot {} has child {slot} but no hint", key.parent));
+            }
+        }
+        for (slot, meta) in self.metas.iter().enumerate() {
+            let slot = slot as u32;
+            let Some(run) = self.published(slot).filter(|_| meta.live) else {
+                continue;
+            };
+            let key = ChildKey {
+                parent: run.parent,
+                off: run.parent_off,
+                hash: run.hashes.first().copied().unwrap_or_default(),
+            };
+            if self.table.get(key) != Some(slot) {
+                return Err(format!(
+                    "run in slot {slot} is not its link {key:?}'s child"
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn run_mut(&mut self, slot: u32) -> &mut RunBuf {
@@ -783,9 +815,14 @@ impl ShardWriter {
                 self.run_bytes -= run_bytes(old.words());
             }
             self.run_bytes += run_bytes(buf.words());
-            shared
-                .slots
-                .publish(slot, buf.words(), |out| buf.write(out), &guard);
+            let table = &self.table;
+            shared.slots.publish(
+                slot,
+                buf.words(),
+                |out| buf.write(out),
+                |address| table.set_run(slot, address),
+                &guard,
+            );
             if self.spare.len() < SPARE_BUFS {
                 self.spare_bytes += buf.heap_bytes();
                 self.spare.push(buf);
@@ -796,10 +833,15 @@ impl ShardWriter {
         let mut new_links = std::mem::take(&mut self.new_links);
         for &(key, slot) in &new_links {
             if self.metas[slot as usize].live {
-                self.table.insert(&shared.children, key, slot);
+                let address = shared.slots.address(slot);
+                self.table.insert(&shared.children, key, slot, address);
                 // The newest child is where the next walk through its parent likely goes on.
                 if key.parent != ROOT {
-                    shared.slots.set_next(key.parent, slot);
+                    let grandparent = self
+                        .published(key.parent)
+                        .map(|r| r.parent)
+                        .filter(|&g| g != ROOT);
+                    shared.slots.set_next(key.parent, slot, grandparent);
                 }
             }
         }
@@ -812,7 +854,11 @@ impl ShardWriter {
         for &slot in &dead_slots {
             if let Some(old) = self.published(slot) {
                 self.run_bytes -= run_bytes(old.words());
-                shared.slots.clear(slot, &guard);
+                // Its link is gone already; should an entry still name it, it names no array.
+                let table = &self.table;
+                shared
+                    .slots
+                    .clear(slot, |address| table.set_run(slot, address), &guard);
             }
             self.free.push(slot);
         }

@@ -15,7 +15,11 @@
 //! run. A conversation's chain grows turn by turn, each turn a child of the last, so a walk
 //! reads the next run's slot from the line it already has and fetches that run while it
 //! compares the current one, instead of after a child-table lookup. The hint is never
-//! trusted: the walk checks the run it names as it checks any child it finds.
+//! trusted: the walk checks the run it names as it checks any child it finds. A second hint
+//! names the slot after that (the hinted slot's own hint when it was linked, kept up when the
+//! hinted slot gets a child), so that a walk fetches the slot two runs ahead while the next
+//! one's line is already on its way. A slot no child was ever linked to (since it was last
+//! cleared) has no hint, and its run no children: every child link sets the hint.
 //!
 //! All of the module's `unsafe` rests on two rules: only the single writer calls
 //! [`Slots::publish`] and [`Slots::clear`], and a published array has every word written.
@@ -24,7 +28,7 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
 
-use crossbeam_epoch::{Atomic, Guard, Owned, Shared};
+use crossbeam_epoch::{Atomic, Guard, Owned, Pointer, Shared};
 
 const FIRST_BITS: u32 = 10;
 const SEGMENTS: usize = 22;
@@ -38,9 +42,12 @@ pub(crate) const NO_NEXT: u32 = u32::MAX;
 /// A slot: its run, and a hint of the slot a walk through the run most likely goes on to.
 struct Cell {
     run: Atomic<Words>,
-    /// The child most recently linked to the run, or [`NO_NEXT`]. Only a hint: a reader
-    /// checks the run it leads to as it checks every child it finds.
+    /// The child most recently linked to the run, or [`NO_NEXT`] when no child was linked
+    /// since the slot was last cleared (the run has none). Only a hint: a reader checks the
+    /// run it leads to as it checks every child it finds.
     next: AtomicU32,
+    /// The hinted slot's own hint, or [`NO_NEXT`]; a hint too.
+    next2: AtomicU32,
 }
 
 impl Cell {
@@ -48,6 +55,7 @@ impl Cell {
         Cell {
             run: Atomic::null(),
             next: AtomicU32::new(NO_NEXT),
+            next2: AtomicU32::new(NO_NEXT),
         }
     }
 }
@@ -99,28 +107,53 @@ impl Slots {
     /// The words in slot `i`, for as long as `guard` stays pinned. Any thread.
     #[cfg(test)]
     pub(crate) fn load<'g>(&self, i: u32, guard: &'g Guard) -> Option<&'g [u64]> {
-        self.load_with_next(i, guard).map(|(w, _)| w)
+        self.load_with_hints(i, guard).map(|(w, _, _)| w)
     }
 
-    /// The words in slot `i` and its next-slot hint ([`NO_NEXT`] for none), for as long as
-    /// `guard` stays pinned. Any thread.
+    /// The words in slot `i`, its hint and its second hint ([`NO_NEXT`] for none), for as long
+    /// as `guard` stays pinned. Any thread.
     #[inline]
     #[allow(unsafe_code)]
-    pub(crate) fn load_with_next<'g>(&self, i: u32, guard: &'g Guard) -> Option<(&'g [u64], u32)> {
+    pub(crate) fn load_with_hints<'g>(
+        &self,
+        i: u32,
+        guard: &'g Guard,
+    ) -> Option<(&'g [u64], u32, u32)> {
         let cell = self.cell(i)?;
         // Acquire: pairs with the Release swap in `publish`, so the words are visible.
         let p = cell.run.load(Ordering::Acquire, guard);
         // Relaxed: the hint only names a slot, which is then loaded with Acquire.
         let next = cell.next.load(Ordering::Relaxed);
+        let next2 = cell.next2.load(Ordering::Relaxed);
         // SAFETY: an array is freed only after `publish` or `clear` unlinks it and retires it
         // with `defer_destroy`, which waits until every guard pinned before the unlink is
         // gone; `guard` is one of them for as long as the returned slice lives ('g).
-        unsafe { words(p) }.map(|w| (w, next))
+        unsafe { words(p) }.map(|w| (w, next, next2))
     }
 
-    /// Hints that walks through slot `i`'s run go on to slot `next`. Writer only.
-    pub(crate) fn set_next(&self, i: u32, next: u32) {
-        self.ensure(i).next.store(next, Ordering::Relaxed);
+    /// Hints the CPU to fetch slot `i`'s cell.
+    #[inline]
+    pub(crate) fn prefetch(&self, i: u32) {
+        if let Some(cell) = self.cell(i) {
+            super::mix::prefetch_read(cell);
+        }
+    }
+
+    /// Hints that walks through slot `i`'s run go on to slot `next`, and then to `next`'s own
+    /// hint; `grandparent`, the slot of the run before `i`'s, if any, is told of `next` as its
+    /// second hint when its first is `i`. Writer only; every child linked to a run must be
+    /// hinted here (a slot without a hint is read as having no children).
+    pub(crate) fn set_next(&self, i: u32, next: u32, grandparent: Option<u32>) {
+        let after = self.ensure(next).next.load(Ordering::Relaxed);
+        let cell = self.ensure(i);
+        cell.next.store(next, Ordering::Relaxed);
+        cell.next2.store(after, Ordering::Relaxed);
+        if let Some(g) = grandparent {
+            let gc = self.ensure(g);
+            if gc.next.load(Ordering::Relaxed) == i {
+                gc.next2.store(next, Ordering::Relaxed);
+            }
+        }
     }
 
     /// The words in slot `i`, as the writer sees them.
@@ -141,13 +174,15 @@ impl Slots {
     }
 
     /// Publishes in slot `i` (allocating its segment if needed) an array of `len` words whose
-    /// first words `fill` writes (it returns how many), and retires the previous array, which
-    /// is freed once every reader pinned before now has moved on. Writer only.
+    /// first words `fill` writes (it returns how many), tells `link` the new array's address
+    /// (for the other places that name the slot's array), and then retires the previous
+    /// array, which is freed once every reader pinned before now has moved on. Writer only.
     pub(crate) fn publish(
         &self,
         i: u32,
         len: usize,
         fill: impl FnOnce(&mut [MaybeUninit<u64>]) -> usize,
+        link: impl FnOnce(u64),
         guard: &Guard,
     ) {
         let mut array = Owned::<Words>::init(len);
@@ -156,19 +191,59 @@ impl Slots {
         for w in &mut array[written..] {
             w.write(0);
         }
-        self.swap(i, array.into_shared(guard), guard);
+        let new = array.into_shared(guard);
+        self.swap(i, new, || link(new.into_usize() as u64), guard);
     }
 
-    /// Empties slot `i`, forgets its hint and retires its array. Writer only.
-    pub(crate) fn clear(&self, i: u32, guard: &Guard) {
+    /// The address of slot `i`'s array, as [`Slots::publish`] tells it (0 for none). Writer
+    /// only.
+    #[allow(unsafe_code)]
+    pub(crate) fn address(&self, i: u32) -> u64 {
+        self.cell(i).map_or(0, |cell| {
+            // SAFETY: only the pointer's bits are read, nothing behind it.
+            let guard = unsafe { crossbeam_epoch::unprotected() };
+            cell.run.load(Ordering::Relaxed, guard).into_usize() as u64
+        })
+    }
+
+    /// The words of the array at `address`, as [`Slots::publish`] told it, for as long as
+    /// `guard` stays pinned.
+    ///
+    /// # Safety
+    /// `address` is 0 or was read under `guard` from a place the writer updates before it
+    /// retires an array (as it updates the slot), and that place was reached after `guard`
+    /// was pinned.
+    #[inline]
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn words_at<'g>(&self, address: u64, _guard: &'g Guard) -> Option<&'g [u64]> {
+        // SAFETY: the caller vouches that the address names an array that is alive while
+        // `guard` stays pinned (or is 0, which `words` reads as none).
+        unsafe { words(Shared::<'g, Words>::from_usize(address as usize)) }
+    }
+
+    /// The hints of slot `i` (see [`Slots::load_with_hints`]). Any thread.
+    #[inline]
+    pub(crate) fn hints(&self, i: u32) -> (u32, u32) {
+        self.cell(i).map_or((NO_NEXT, NO_NEXT), |cell| {
+            (
+                cell.next.load(Ordering::Relaxed),
+                cell.next2.load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    /// Empties slot `i`, forgets its hints and retires its array, after `link` has been told
+    /// (address 0). Writer only.
+    pub(crate) fn clear(&self, i: u32, link: impl FnOnce(u64), guard: &Guard) {
         if let Some(cell) = self.cell(i) {
             cell.next.store(NO_NEXT, Ordering::Relaxed);
-            self.swap(i, Shared::null(), guard);
+            cell.next2.store(NO_NEXT, Ordering::Relaxed);
+            self.swap(i, Shared::null(), || link(0), guard);
         }
     }
 
     #[allow(unsafe_code)]
-    fn swap(&self, i: u32, new: Shared<'_, Words>, guard: &Guard) {
+    fn swap(&self, i: u32, new: Shared<'_, Words>, link: impl FnOnce(), guard: &Guard) {
         let cell = self.ensure(i);
         // A load and a store, not an atomic swap: only this writer stores here, and a swap is
         // a locked instruction that waits for every store before it (the new array's words)
@@ -176,6 +251,7 @@ impl Slots {
         let old = cell.run.load(Ordering::Relaxed, guard);
         // Release: readers that load the new pointer see its words.
         cell.run.store(new, Ordering::Release);
+        link();
         if !old.is_null() {
             // SAFETY:
             // - `old` is no longer reachable from the slot, and no other slot holds it (each
@@ -264,6 +340,7 @@ mod tests {
                 }
                 words.len()
             },
+            |_| {},
             guard,
         );
     }
@@ -280,7 +357,7 @@ mod tests {
             assert_eq!(s.load(i, &guard), Some(&[i as u64, 7, 9][..]));
         }
         assert!(s.load(2, &guard).is_none());
-        s.clear(5000, &guard);
+        s.clear(5000, |_| {}, &guard);
         assert!(s.load(5000, &guard).is_none());
         // A word the filler leaves reads as zero.
         s.publish(
@@ -290,6 +367,7 @@ mod tests {
                 out[0].write(5);
                 1
             },
+            |_| {},
             &guard,
         );
         assert_eq!(s.load(9, &guard), Some(&[5, 0][..]));
@@ -302,7 +380,7 @@ mod tests {
             let guard = crossbeam_epoch::pin();
             publish(&s, round % 7, &vec![round as u64; 64], &guard);
             if round % 5 == 0 {
-                s.clear(round % 3, &guard);
+                s.clear(round % 3, |_| {}, &guard);
             }
         }
         let guard = crossbeam_epoch::pin();

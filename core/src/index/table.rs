@@ -5,7 +5,9 @@
 //! children (a system prompt followed by many conversations) costs one probe per lookup and one
 //! entry per child, with nothing copied when a child is added.
 //!
-//! Entries are three atomic words `[meta, hash, value]` in open addressing with linear probing.
+//! Entries are four atomic words `[meta, hash, value, run]` in open addressing with linear
+//! probing; `run` is the address of the child's current array, so that a walk reaches the run
+//! without first loading its slot.
 //! `meta` packs the parent position, a 16-bit version and a state (empty, tombstone, busy,
 //! live). Each entry is a small seqlock: the writer marks it busy, writes `hash` and `value`,
 //! then publishes the new `meta` with `Release`; a reader loads `meta` with `Acquire`, reads
@@ -64,9 +66,31 @@ fn home(meta: u64, hash: u64, mask: usize) -> usize {
     ((x ^ (x >> 32)) as usize) & mask
 }
 
+/// One entry: `meta`, the key's hash and the child's slot (the seqlocked words), and the
+/// child run's current array (see [`TableInner::get`]). Four words, aligned so that an
+/// entry never straddles two cache lines.
+#[repr(C, align(32))]
+struct Entry {
+    meta: AtomicU64,
+    hash: AtomicU64,
+    value: AtomicU64,
+    run: AtomicU64,
+}
+
+impl Entry {
+    fn empty() -> Self {
+        Entry {
+            meta: AtomicU64::new(EMPTY),
+            hash: AtomicU64::new(0),
+            value: AtomicU64::new(0),
+            run: AtomicU64::new(0),
+        }
+    }
+}
+
 pub(crate) struct TableInner {
     mask: usize,
-    words: Box<[AtomicU64]>,
+    entries: Box<[Entry]>,
 }
 
 impl TableInner {
@@ -74,7 +98,7 @@ impl TableInner {
         let cap = cap.next_power_of_two().max(MIN_CAPACITY);
         TableInner {
             mask: cap - 1,
-            words: (0..cap * 3).map(|_| AtomicU64::new(EMPTY)).collect(),
+            entries: (0..cap).map(|_| Entry::empty()).collect(),
         }
     }
 
@@ -86,34 +110,42 @@ impl TableInner {
     #[inline]
     pub(crate) fn prefetch(&self, key: ChildKey) {
         let i = home(key.meta(), key.hash, self.mask);
-        super::mix::prefetch_read(&self.words[i * 3]);
+        super::mix::prefetch_read(&self.entries[i]);
     }
 
-    /// Looks a key up. Any thread.
+    /// Looks a key up. Any thread. Returns the child's slot and the address of the array its
+    /// slot held when the lookup read the entry (0 if none), which the writer keeps equal to
+    /// the slot's: it stores a new array's address here before it retires the old one, and
+    /// removes the entry before it retires the array of a slot it clears. An address read
+    /// under an epoch pin taken before the table was loaded is therefore alive until the pin
+    /// ends, as the slot's own pointer would be.
     #[inline]
-    pub(crate) fn get(&self, key: ChildKey) -> Option<u32> {
+    pub(crate) fn get(&self, key: ChildKey) -> Option<(u32, u64)> {
         let meta = key.meta();
         let mut i = home(meta, key.hash, self.mask);
         let mut probes = 0;
         while probes <= self.mask {
-            let w = &self.words[i * 3..i * 3 + 3];
+            let e = &self.entries[i];
             // Acquire: pairs with the writer's Release store of meta, so that the hash and
             // value written before it are visible.
-            let m1 = w[0].load(Ordering::Acquire);
+            let m1 = e.meta.load(Ordering::Acquire);
             if m1 == EMPTY {
                 return None;
             }
             if m1 & STATE == LIVE && m1 & KEY == meta {
-                let hash = w[1].load(Ordering::Relaxed);
-                let value = w[2].load(Ordering::Relaxed);
+                let hash = e.hash.load(Ordering::Relaxed);
+                let value = e.value.load(Ordering::Relaxed);
+                // Acquire: pairs with the Release store of a new array's address, so that its
+                // words are visible.
+                let run = e.run.load(Ordering::Acquire);
                 // Acquire fence: if either load saw a later write, the writer's Release fence
                 // before that write makes its busy mark visible to the re-check below.
                 fence(Ordering::Acquire);
-                if w[0].load(Ordering::Relaxed) != m1 {
+                if e.meta.load(Ordering::Relaxed) != m1 {
                     continue; // rewritten while read: look at the same entry again
                 }
                 if hash == key.hash {
-                    return Some(value as u32);
+                    return Some((value as u32, run));
                 }
             }
             i = (i + 1) & self.mask;
@@ -122,56 +154,63 @@ impl TableInner {
         None
     }
 
-    /// Inserts a key known to be absent. Writer only. Returns whether a tombstone was reused.
-    fn insert(&self, key: ChildKey, value: u32) -> bool {
+    /// Inserts a key known to be absent, with the child's slot and array address. Writer
+    /// only. Returns the entry's index and whether a tombstone was reused.
+    fn insert(&self, key: ChildKey, value: u32, run: u64) -> (usize, bool) {
         let meta = key.meta();
         let mut i = home(meta, key.hash, self.mask);
         loop {
-            let w = &self.words[i * 3..i * 3 + 3];
-            let m = w[0].load(Ordering::Relaxed);
+            let e = &self.entries[i];
+            let m = e.meta.load(Ordering::Relaxed);
             if m == EMPTY || m & STATE == TOMB {
                 let busy = next_meta(m, m & KEY, BUSY);
-                w[0].store(busy, Ordering::Relaxed);
-                // Release fence: a reader that sees either write below also sees `busy`.
+                e.meta.store(busy, Ordering::Relaxed);
+                // Release fence: a reader that sees any write below also sees `busy`.
                 fence(Ordering::Release);
-                w[1].store(key.hash, Ordering::Relaxed);
-                w[2].store(value as u64, Ordering::Relaxed);
+                e.hash.store(key.hash, Ordering::Relaxed);
+                e.value.store(value as u64, Ordering::Relaxed);
+                e.run.store(run, Ordering::Release);
                 // Release: publishes hash and value together with the key.
-                w[0].store(next_meta(busy, meta, LIVE), Ordering::Release);
-                return m != EMPTY;
+                e.meta.store(next_meta(busy, meta, LIVE), Ordering::Release);
+                return (i, m != EMPTY);
             }
             i = (i + 1) & self.mask;
         }
     }
 
-    /// Tombstones a key. Writer only. Returns whether it was present.
-    fn remove(&self, key: ChildKey) -> bool {
+    /// Tombstones a key. Writer only. Returns its entry's index and slot if it was present.
+    fn remove(&self, key: ChildKey) -> Option<(usize, u32)> {
         let meta = key.meta();
         let mut i = home(meta, key.hash, self.mask);
         for _ in 0..=self.mask {
-            let w = &self.words[i * 3..i * 3 + 3];
-            let m = w[0].load(Ordering::Relaxed);
+            let e = &self.entries[i];
+            let m = e.meta.load(Ordering::Relaxed);
             if m == EMPTY {
-                return false;
+                return None;
             }
-            if m & STATE == LIVE && m & KEY == meta && w[1].load(Ordering::Relaxed) == key.hash {
+            if m & STATE == LIVE && m & KEY == meta && e.hash.load(Ordering::Relaxed) == key.hash {
                 // Release: orders the tombstone after everything the writer did before it.
-                w[0].store(next_meta(m, m & KEY, TOMB), Ordering::Release);
-                return true;
+                e.meta.store(next_meta(m, m & KEY, TOMB), Ordering::Release);
+                return Some((i, e.value.load(Ordering::Relaxed) as u32));
             }
             i = (i + 1) & self.mask;
         }
-        false
+        None
     }
 
-    fn live_entries(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
-        self.words.chunks_exact(3).filter_map(|w| {
-            let m = w[0].load(Ordering::Relaxed);
+    /// The live entries: (index, (meta, hash, value, run)).
+    fn live_entries(&self) -> impl Iterator<Item = (usize, (u64, u64, u64, u64))> + '_ {
+        self.entries.iter().enumerate().filter_map(|(i, e)| {
+            let m = e.meta.load(Ordering::Relaxed);
             (m & STATE == LIVE).then(|| {
                 (
-                    m,
-                    w[1].load(Ordering::Relaxed),
-                    w[2].load(Ordering::Relaxed),
+                    i,
+                    (
+                        m,
+                        e.hash.load(Ordering::Relaxed),
+                        e.value.load(Ordering::Relaxed),
+                        e.run.load(Ordering::Relaxed),
+                    ),
                 )
             })
         })
@@ -198,12 +237,17 @@ impl ChildTable {
 }
 
 /// The writer's side of one [`ChildTable`]: the current table, held directly so that the
-/// writer's own lookups cost no atomic read-modify-write, and the fill counts.
+/// writer's own lookups cost no atomic read-modify-write, the fill counts, and where each
+/// slot's entry is, so that a slot's new array reaches its entry without a lookup.
 pub(crate) struct ChildTableWriter {
     current: Arc<TableInner>,
     live: usize,
     tombs: usize,
+    /// Per slot, the index of the live entry that names it, or `NOWHERE`.
+    at: Vec<u32>,
 }
+
+const NOWHERE: u32 = u32::MAX;
 
 impl ChildTableWriter {
     pub(crate) fn new(table: &ChildTable) -> Self {
@@ -211,6 +255,7 @@ impl ChildTableWriter {
             current: table.inner.load_full(),
             live: 0,
             tombs: 0,
+            at: Vec::new(),
         }
     }
 
@@ -221,42 +266,77 @@ impl ChildTableWriter {
 
     #[inline]
     pub(crate) fn get(&self, key: ChildKey) -> Option<u32> {
-        self.current.get(key)
+        self.current.get(key).map(|(slot, _)| slot)
     }
 
-    /// Inserts `key`, which must be absent.
-    pub(crate) fn insert(&mut self, table: &ChildTable, key: ChildKey, value: u32) {
+    fn place(&mut self, slot: u32, entry: usize) {
+        let slot = slot as usize;
+        if self.at.len() <= slot {
+            self.at.resize(slot + 1, NOWHERE);
+        }
+        self.at[slot] = entry as u32;
+    }
+
+    /// Inserts `key`, which must be absent, naming slot `value`, whose array is at `run`.
+    pub(crate) fn insert(&mut self, table: &ChildTable, key: ChildKey, value: u32, run: u64) {
         // Keep live + tombstones under 3/4 of the slots so that probes stay short and every
         // probe sequence meets an empty slot.
         if (self.live + self.tombs + 1) * 4 > self.current.capacity() * 3 {
             self.rebuild(table, (self.live + 1) * 2);
         }
-        if self.current.insert(key, value) {
+        let (entry, reused) = self.current.insert(key, value, run);
+        if reused {
             self.tombs -= 1;
         }
         self.live += 1;
+        self.place(value, entry);
     }
 
     pub(crate) fn remove(&mut self, key: ChildKey) -> bool {
-        let removed = self.current.remove(key);
-        if removed {
-            self.live -= 1;
-            self.tombs += 1;
+        let Some((entry, slot)) = self.current.remove(key) else {
+            return false;
+        };
+        self.live -= 1;
+        self.tombs += 1;
+        if let Some(at) = self
+            .at
+            .get_mut(slot as usize)
+            .filter(|at| **at == entry as u32)
+        {
+            *at = NOWHERE;
         }
-        removed
+        true
+    }
+
+    /// Records that slot `slot` now holds the array at `run`. Called before the old array is
+    /// retired.
+    #[inline]
+    pub(crate) fn set_run(&self, slot: u32, run: u64) {
+        if let Some(&at) = self.at.get(slot as usize).filter(|at| **at != NOWHERE) {
+            // Release: a reader that loads the address sees the array's words.
+            self.current.entries[at as usize]
+                .run
+                .store(run, Ordering::Release);
+        }
     }
 
     fn rebuild(&mut self, table: &ChildTable, want: usize) {
         let cap = want.max(self.current.capacity() / 2).max(MIN_CAPACITY);
         let new = TableInner::with_capacity(cap);
         let mut n = 0;
-        for (m, h, v) in self.current.live_entries() {
+        // A slot relinked in the commit under way has two live entries until its old link is
+        // removed; the one recorded for it (the newer) stays recorded.
+        let old = Arc::clone(&self.current);
+        for (i, (m, h, v, run)) in old.live_entries() {
             let key = ChildKey {
                 parent: (m >> 32) as u32,
                 off: (m >> 24) as u8,
                 hash: h,
             };
-            new.insert(key, v as u32);
+            let (entry, _) = new.insert(key, v as u32, run);
+            if self.at.get(v as usize) == Some(&(i as u32)) {
+                self.at[v as usize] = entry as u32;
+            }
             n += 1;
         }
         self.live = n;
@@ -265,8 +345,22 @@ impl ChildTableWriter {
         table.inner.store(Arc::clone(&self.current));
     }
 
+    /// The live entries: (key, slot, array address).
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (ChildKey, u32, u64)> + '_ {
+        self.current.live_entries().map(|(_, (m, h, v, run))| {
+            let key = ChildKey {
+                parent: (m >> 32) as u32,
+                off: (m >> 24) as u8,
+                hash: h,
+            };
+            (key, v as u32, run)
+        })
+    }
+
     pub(crate) fn bytes(&self) -> usize {
-        self.current.capacity() * 3 * 8 + std::mem::size_of::<TableInner>()
+        self.current.capacity() * std::mem::size_of::<Entry>()
+            + std::mem::size_of::<TableInner>()
+            + self.at.capacity() * 4
     }
 }
 
@@ -293,13 +387,13 @@ mod tests {
             if model.remove(&key).is_some() {
                 assert!(w.remove(key));
             } else {
-                w.insert(&t, key, i);
+                w.insert(&t, key, i, u64::from(i) * 8);
                 model.insert(key, i);
             }
             assert_eq!(w.len(), model.len());
         }
         for (k, v) in &model {
-            assert_eq!(t.load().get(*k), Some(*v));
+            assert_eq!(t.load().get(*k), Some((*v, u64::from(*v) * 8)));
         }
         let absent = ChildKey {
             parent: 1000,
@@ -307,6 +401,51 @@ mod tests {
             hash: 1,
         };
         assert_eq!(t.load().get(absent), None);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod address_tests {
+    use super::*;
+
+    fn key(i: u32) -> ChildKey {
+        ChildKey {
+            parent: i / 3,
+            off: (i % 3) as u8,
+            hash: u64::from(i).wrapping_mul(0x9E37_79B9),
+        }
+    }
+
+    #[test]
+    fn an_entry_follows_its_slots_array_across_relinks_and_rebuilds() {
+        let t = ChildTable::new();
+        let mut w = ChildTableWriter::new(&t);
+        for i in 0..100 {
+            w.insert(&t, key(i), i, 1);
+        }
+        // Slot 5 relinked as a commit does it: the new link first, the old one removed after,
+        // with enough inserts between to rebuild the table.
+        let relinked = ChildKey {
+            parent: 77,
+            off: 9,
+            hash: 5,
+        };
+        w.insert(&t, relinked, 5, 2);
+        for i in 100..2000 {
+            w.insert(&t, key(i), i, 1);
+        }
+        assert!(w.remove(key(5)));
+        w.set_run(5, 3);
+        w.set_run(7, 4);
+        let table = t.load();
+        assert_eq!(table.get(relinked), Some((5, 3)));
+        assert_eq!(table.get(key(5)), None);
+        assert_eq!(table.get(key(7)), Some((7, 4)));
+        assert_eq!(table.get(key(1999)), Some((1999, 1)));
+        // A slot whose entry is gone takes no address.
+        assert!(w.remove(key(8)));
+        w.set_run(8, 6);
+        assert!(w.entries().all(|(_, slot, run)| slot != 8 && run != 6));
     }
 }
 
@@ -338,14 +477,14 @@ mod loom_tests {
                 let table = Arc::clone(&table);
                 loom::thread::spawn(move || (table.get(k1), table.get(k2)))
             };
-            table.insert(k1, 11);
+            table.insert(k1, 11, 0);
             table.remove(k1);
-            table.insert(k2, 22);
+            table.insert(k2, 22, 0);
             let (got1, got2) = reader.join().expect("reader");
-            assert!(got1.is_none() || got1 == Some(11), "k1 -> {got1:?}");
-            assert!(got2.is_none() || got2 == Some(22), "k2 -> {got2:?}");
+            assert!(got1.is_none() || got1 == Some((11, 0)), "k1 -> {got1:?}");
+            assert!(got2.is_none() || got2 == Some((22, 0)), "k2 -> {got2:?}");
             assert_eq!(table.get(k1), None);
-            assert_eq!(table.get(k2), Some(22));
+            assert_eq!(table.get(k2), Some((22, 0)));
         });
     }
 }
