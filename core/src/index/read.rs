@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::mix::prefetch_read;
+use super::mix::{prefetch_addr, prefetch_read};
 use super::run::{holders_of, rank_at, Run};
 use super::shard::ShardShared;
 use super::slots::NO_NEXT;
@@ -391,6 +391,10 @@ fn prefetch_words(w: &[u64]) {
     }
 }
 
+/// Words of a hinted run fetched by address before its length is known (eight lines: the
+/// header and 55 or more hashes); the rest are fetched when the run is read.
+const AHEAD_WORDS: usize = 64;
+
 /// Lines of a query's hashes fetched when its walk starts: 1,024 blocks.
 const QUERY_LINES: usize = 128;
 
@@ -436,10 +440,20 @@ pub(crate) fn walk(
     };
     let mut pos = 0usize;
     let mut started = false;
-    // The next run when a hint named it (checked like any child): (slot, its words, its hint).
-    let mut hinted: Option<(u32, &[u64], u32)> = None;
+    // The next run when a hint named it (checked like any child): (slot, its array's address,
+    // its hint). The array is read only here, a run after its lines were fetched.
+    let mut hinted: Option<(u32, u64, u32)> = None;
     loop {
-        let (slot, words, next) = match hinted.take().filter(|&(_, w, _)| leads_from(w, key)) {
+        let from_hint = hinted.take().and_then(|(slot, address, next)| {
+            // SAFETY: `address` was read from the slot under `guard`, which was pinned before.
+            #[allow(unsafe_code)]
+            let words = unsafe { shard.slots.words_at(address, &guard) }?;
+            if let Some(rest) = words.get(AHEAD_WORDS..) {
+                prefetch_words(rest);
+            }
+            leads_from(words, key).then_some((slot, words, next))
+        });
+        let (slot, words, next) = match from_hint {
             Some(h) => h,
             None => {
                 let Some((slot, address)) = table.get(key) else {
@@ -475,14 +489,17 @@ pub(crate) fn walk(
         }
         let mut ahead = None;
         if rest.len() > 1 && next != NO_NEXT {
-            ahead = shard.slots.load_with_hints(next, &guard).map(|(w, n, n2)| {
+            let (address, n, n2) = shard.slots.address_with_hints(next, &guard);
+            if address != 0 {
                 if n2 != NO_NEXT {
                     shard.slots.prefetch(n2);
                 }
-                (next, w, n)
-            });
-            if let Some((_, w, _)) = ahead {
-                prefetch_words(w);
+                // The array's first lines by address, its length unknown until it arrives:
+                // reading the length here would hold the walk up until it did.
+                for line in 0..AHEAD_WORDS / 8 {
+                    prefetch_addr((address as usize + 64 * line) as *const u8);
+                }
+                ahead = Some((next, address, n));
             }
         }
         // A slot no child was ever linked to has none: the walk ends with this run.

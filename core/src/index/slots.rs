@@ -106,29 +106,29 @@ impl Slots {
 
     /// The words in slot `i`, for as long as `guard` stays pinned. Any thread.
     #[cfg(test)]
+    #[allow(unsafe_code)]
     pub(crate) fn load<'g>(&self, i: u32, guard: &'g Guard) -> Option<&'g [u64]> {
-        self.load_with_hints(i, guard).map(|(w, _, _)| w)
+        let (address, _, _) = self.address_with_hints(i, guard);
+        // SAFETY: the address was read from the slot under `guard`.
+        unsafe { self.words_at(address, guard) }
     }
 
-    /// The words in slot `i`, its hint and its second hint ([`NO_NEXT`] for none), for as long
-    /// as `guard` stays pinned. Any thread.
+    /// The address of slot `i`'s array (0 for none, see [`Slots::words_at`]) and its two
+    /// hints, without reading the array: a walk fetches the array's lines by address and reads
+    /// them a run later. Any thread.
     #[inline]
-    #[allow(unsafe_code)]
-    pub(crate) fn load_with_hints<'g>(
-        &self,
-        i: u32,
-        guard: &'g Guard,
-    ) -> Option<(&'g [u64], u32, u32)> {
-        let cell = self.cell(i)?;
-        // Acquire: pairs with the Release swap in `publish`, so the words are visible.
-        let p = cell.run.load(Ordering::Acquire, guard);
-        // Relaxed: the hint only names a slot, which is then loaded with Acquire.
-        let next = cell.next.load(Ordering::Relaxed);
-        let next2 = cell.next2.load(Ordering::Relaxed);
-        // SAFETY: an array is freed only after `publish` or `clear` unlinks it and retires it
-        // with `defer_destroy`, which waits until every guard pinned before the unlink is
-        // gone; `guard` is one of them for as long as the returned slice lives ('g).
-        unsafe { words(p) }.map(|w| (w, next, next2))
+    pub(crate) fn address_with_hints(&self, i: u32, guard: &Guard) -> (u64, u32, u32) {
+        self.cell(i).map_or((0, NO_NEXT, NO_NEXT), |cell| {
+            // Acquire: pairs with the Release store in `publish`, so that the words are visible
+            // to whoever reads them through this address. Relaxed for the hints: a hint only
+            // names a slot, which is then loaded with Acquire.
+            let p = cell.run.load(Ordering::Acquire, guard);
+            (
+                p.into_usize() as u64,
+                cell.next.load(Ordering::Relaxed),
+                cell.next2.load(Ordering::Relaxed),
+            )
+        })
     }
 
     /// Hints the CPU to fetch slot `i`'s cell.
@@ -216,12 +216,16 @@ impl Slots {
     #[inline]
     #[allow(unsafe_code)]
     pub(crate) unsafe fn words_at<'g>(&self, address: u64, _guard: &'g Guard) -> Option<&'g [u64]> {
-        // SAFETY: the caller vouches that the address names an array that is alive while
-        // `guard` stays pinned (or is 0, which `words` reads as none).
+        // SAFETY: an array is freed only after `publish` or `clear` has unlinked it from its
+        // slot and told `link` (which unlinks it from the child table), and has retired it
+        // with `defer_destroy`, which waits until every guard pinned before the unlink is
+        // gone. The caller read the address after pinning `guard`, from one of those places,
+        // so the array is alive while `guard` is (or the address is 0, which `words` reads
+        // as none).
         unsafe { words(Shared::<'g, Words>::from_usize(address as usize)) }
     }
 
-    /// The hints of slot `i` (see [`Slots::load_with_hints`]). Any thread.
+    /// The hints of slot `i` (see [`Slots::address_with_hints`]). Any thread.
     #[inline]
     pub(crate) fn hints(&self, i: u32) -> (u32, u32) {
         self.cell(i).map_or((NO_NEXT, NO_NEXT), |cell| {
