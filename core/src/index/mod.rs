@@ -95,7 +95,7 @@ pub struct RankScore {
 
 /// Result of a match: one entry per rank holding at least the first block. Reuse one value
 /// across calls to [`IndexReader::find_matches_into`] to match without allocating.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct OverlapScores {
     pub scores: Vec<RankScore>,
     /// The index's dense id of each score's rank, as the walk left them (`ids[i]` belongs to
@@ -103,11 +103,32 @@ pub struct OverlapScores {
     ids: Vec<u32>,
     /// Ranks still holding every block so far: (rank id, index in `scores`).
     active: Vec<(u32, u32)>,
+    /// The same ranks as a mask of ids, kept instead of `active` after the first run when
+    /// every id is below 64 (`by_mask`): a later run is then narrowed by its holders alone.
+    active_mask: u64,
+    by_mask: bool,
+    /// Index in `scores` of each rank id of `active_mask`.
+    key_of: [u32; 64],
     /// First runs of recent matches and how they scored, for the next matches that start in
     /// them (a few: most matches start in one of a few shared system prompts).
     firsts: Vec<FirstRun>,
     /// The entry of `firsts` replaced last.
     next_first: usize,
+}
+
+impl Default for OverlapScores {
+    fn default() -> Self {
+        OverlapScores {
+            scores: Vec::new(),
+            ids: Vec::new(),
+            active: Vec::new(),
+            active_mask: 0,
+            by_mask: false,
+            key_of: [0; 64],
+            firsts: Vec::new(),
+            next_first: 0,
+        }
+    }
 }
 
 /// First runs an [`OverlapScores`] keeps the scoring of.

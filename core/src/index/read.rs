@@ -97,41 +97,58 @@ impl Sink for OverlapScores {
         &mut self.active
     }
 
-    /// A first run scored by a recent match is not scored again: the same holder words,
-    /// matched as far, with the same table of ranks, score the same. Most matches start in a
-    /// run that most ranks share (a system prompt), whose scoring is most of a short match.
+    /// Scores the first run (see [`OverlapScores::score_first_run`]); later runs narrow a
+    /// mask of rank ids when every active id fits one.
     fn first_run(&mut self, slot: u32, holders: &[u64], m: usize, ranks: &Ranks) {
-        debug_assert!(self.scores.is_empty() && self.ids.is_empty() && self.active.is_empty());
-        let kept = self.firsts.iter().position(|f| {
-            f.slot == slot
-                && f.m == m
-                && f.ranks.as_ref().is_some_and(|r| Arc::ptr_eq(r, ranks))
-                && f.holders == holders
-        });
-        if let Some(i) = kept {
-            let f = &self.firsts[i];
-            self.scores.extend_from_slice(&f.scores);
-            self.ids.extend_from_slice(&f.ids);
-            self.active.extend_from_slice(&f.active);
-            return;
+        self.score_first_run(slot, holders, m, ranks);
+        self.by_mask = self.active.iter().all(|&(id, _)| id < 64);
+        if self.by_mask {
+            self.active_mask = 0;
+            for &(id, key) in &self.active {
+                self.active_mask |= 1 << id;
+                self.key_of[id as usize] = key;
+            }
         }
-        score_first(holders, m, ranks, self);
-        let i = if self.firsts.len() < KEPT_FIRST_RUNS {
-            self.firsts.push(FirstRun::default());
-            self.firsts.len() - 1
+    }
+
+    #[inline(always)]
+    fn active_len(&mut self) -> usize {
+        if self.by_mask {
+            self.active_mask.count_ones() as usize
         } else {
-            self.next_first = (self.next_first + 1) % KEPT_FIRST_RUNS;
-            self.next_first
-        };
-        let f = &mut self.firsts[i];
-        f.slot = slot;
-        f.m = m;
-        f.ranks = Some(Arc::clone(ranks));
-        f.holders.clear();
-        f.holders.extend_from_slice(holders);
-        f.scores.clone_from(&self.scores);
-        f.ids.clone_from(&self.ids);
-        f.active.clone_from(&self.active);
+            self.active.len()
+        }
+    }
+
+    /// One pass over the run's holders: a rank in the mask scores the blocks it holds from
+    /// the run's start and stays if it holds all `m`; a rank that holds none of the run
+    /// leaves without being looked at.
+    fn narrow_implicit(&mut self, holders: &[u64], m: usize) -> bool {
+        if !self.by_mask {
+            return false;
+        }
+        let n = holders.len() / 2;
+        let mut kept = 0u64;
+        let mut h = 0;
+        while h < n {
+            let id = rank_at(holders, h);
+            if id >= 64 || self.active_mask & (1 << id) == 0 {
+                h += 1;
+                continue;
+            }
+            let (end, union) = group_of(holders, h, n);
+            let lead = leading(union, m);
+            if lead > 0 {
+                let key = self.key_of[id as usize];
+                self.add(key, &holders[2 * h..2 * end], lead);
+            }
+            if lead == m {
+                kept |= 1 << id;
+            }
+            h = end;
+        }
+        self.active_mask = kept;
+        true
     }
 
     #[inline(always)]
@@ -172,6 +189,45 @@ impl Sink for OverlapScores {
             add_tiers(&mut score.per_tier, group, lead);
         }
         score.blocks += lead as u32;
+    }
+}
+
+impl OverlapScores {
+    /// Scores a walk's first run, unless a recent match scored it: the same holder words,
+    /// matched as far, with the same table of ranks, score the same. Most matches start in
+    /// a run that most ranks share (a system prompt), whose scoring is most of a short match.
+    fn score_first_run(&mut self, slot: u32, holders: &[u64], m: usize, ranks: &Ranks) {
+        debug_assert!(self.scores.is_empty() && self.ids.is_empty() && self.active.is_empty());
+        let kept = self.firsts.iter().position(|f| {
+            f.slot == slot
+                && f.m == m
+                && f.ranks.as_ref().is_some_and(|r| Arc::ptr_eq(r, ranks))
+                && f.holders == holders
+        });
+        if let Some(i) = kept {
+            let f = &self.firsts[i];
+            self.scores.extend_from_slice(&f.scores);
+            self.ids.extend_from_slice(&f.ids);
+            self.active.extend_from_slice(&f.active);
+            return;
+        }
+        score_first(holders, m, ranks, self);
+        let i = if self.firsts.len() < KEPT_FIRST_RUNS {
+            self.firsts.push(FirstRun::default());
+            self.firsts.len() - 1
+        } else {
+            self.next_first = (self.next_first + 1) % KEPT_FIRST_RUNS;
+            self.next_first
+        };
+        let f = &mut self.firsts[i];
+        f.slot = slot;
+        f.m = m;
+        f.ranks = Some(Arc::clone(ranks));
+        f.holders.clear();
+        f.holders.extend_from_slice(holders);
+        f.scores.clone_from(&self.scores);
+        f.ids.clone_from(&self.ids);
+        f.active.clone_from(&self.active);
     }
 }
 
