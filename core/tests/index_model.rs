@@ -84,7 +84,10 @@ fn prompts() -> impl Strategy<Value = Vec<Vec<LocalHash>>> {
 fn op() -> impl Strategy<Value = Op> {
     let rank = (0..WORKERS, 0..RANKS);
     prop_oneof![
-        6 => (rank.clone(), any::<u8>(), any::<usize>(), any::<usize>(), 1usize..100).prop_map(
+        // Half of the stores start at a prompt's first block, so that long chains (more than
+        // one run of 64 blocks) and holes in them are common; the rest start anywhere and
+        // mostly continue a chain or name an unknown parent.
+        6 => (rank.clone(), any::<u8>(), any::<usize>(), prop_oneof![Just(0usize), any::<usize>()], 1usize..200).prop_map(
             |(rank, tier, prompt, from, len)| Op::Store { rank, tier, prompt, from, len }
         ),
         3 => (rank.clone(), any::<u8>(), any::<usize>(), prop::collection::vec(any::<usize>(), 1..20))
