@@ -8,7 +8,9 @@
 //! child comes from the run's slot hint when the hinted run is the one the table would give
 //! (same parent, offset and first hash), fetched while the run before it was compared; from
 //! the table otherwise. The slot two runs ahead is fetched a run earlier still, so that the
-//! hint is read from a line already in. A run whose slot never had a child linked has no
+//! hint is read from a line already in, and so is the array two runs ahead, whose address the
+//! run's array carries in its first line: on a long chain each run's lines are asked for two
+//! compares before they are needed, not one. A run whose slot never had a child linked has no
 //! children, and the walk ends there without a table lookup.
 //!
 //! Nothing here locks or writes shared memory: runs are loaded under one epoch pin per walk, and
@@ -507,9 +509,9 @@ pub(crate) fn walk(
             if let Some(rest) = words.get(AHEAD_WORDS..) {
                 prefetch_words(rest);
             }
-            leads_from(words, key).then_some((slot, words, next))
+            leads_from(words, key).then_some((slot, address, words, next))
         });
-        let (slot, words, next) = match from_hint {
+        let (slot, address, words, next) = match from_hint {
             Some(h) => h,
             None => {
                 let Some((slot, address)) = table.get(key) else {
@@ -530,13 +532,26 @@ pub(crate) fn walk(
                 if next2 != NO_NEXT {
                     shard.slots.prefetch(next2);
                 }
-                (slot, words, next)
+                (slot, address, words, next)
             }
         };
         let Some(run) = Run::parse(words) else {
             break;
         };
         let rest = &query[pos..];
+        // The array two runs ahead on the hinted path, named in this one's first line: its
+        // first lines are fetched now, two runs before they are compared (the next run's were
+        // fetched a run ago, or are fetched below).
+        if next != NO_NEXT && rest.len() > run.hashes.len() + 1 {
+            // SAFETY: `address` was read under `guard`, from the slot or the table.
+            #[allow(unsafe_code)]
+            let two = unsafe { shard.slots.ahead_at(address, &guard) };
+            if two != 0 {
+                for line in 0..AHEAD_WORDS / 8 {
+                    prefetch_addr((two as usize + 64 * line) as *const u8);
+                }
+            }
+        }
         // While the hashes are compared, fetch what likely comes next: the holders, and the
         // run the slot's hint names (checked before it is used, like any child found), else
         // the child-table entry of a query that runs past this run's end.

@@ -234,9 +234,10 @@ impl RunBuf {
     }
 }
 
-/// Heap bytes of a published run of `words` words, its length header included.
+/// Heap bytes of a published run of `words` words, with the array's length and the address of
+/// the array two runs ahead (see `slots.rs`).
 pub(crate) fn run_bytes(words: usize) -> usize {
-    (words + 1) * std::mem::size_of::<u64>()
+    (words + 2) * std::mem::size_of::<u64>()
 }
 
 #[cfg(test)]

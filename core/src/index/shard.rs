@@ -60,7 +60,7 @@ type HighSegment = [u32; HIGH_SLOTS * RUN_CAP];
 /// Run slots a shard can have: positions pack the slot into 22 bits.
 pub(crate) const MAX_SLOTS: u32 = 1 << 22;
 
-/// Writer-only facts about a live run: 24 bytes, so that the ones an event touches share few
+/// Writer-only facts about a live run: 32 bytes, so that the ones an event touches share few
 /// cache lines. What only a memory budget needs lives beside them (`ShardWriter::ehs`).
 #[derive(Debug)]
 struct SlotMeta {
@@ -76,6 +76,8 @@ struct SlotMeta {
     prune_queued: bool,
     /// Some rank named a block of this run other than it was first stored under.
     renamed: bool,
+    /// The parent run's slot, or `ROOT`.
+    parent: u32,
 }
 
 impl Default for SlotMeta {
@@ -87,6 +89,7 @@ impl Default for SlotMeta {
             live: false,
             prune_queued: false,
             renamed: false,
+            parent: ROOT,
         }
     }
 }
@@ -144,6 +147,8 @@ pub(crate) struct ShardWriter {
     /// Commits since the retired runs were last handed to the collector.
     unflushed: u32,
     new_links: Vec<(ChildKey, u32)>,
+    /// Slots published by the commit under way.
+    fresh: Vec<u32>,
     dead_links: Vec<ChildKey>,
     dead_slots: Vec<u32>,
     /// Runs that lost holds in this transaction.
@@ -175,6 +180,7 @@ impl ShardWriter {
             spare_bytes: 0,
             unflushed: 0,
             new_links: Vec::new(),
+            fresh: Vec::new(),
             dead_links: Vec::new(),
             dead_slots: Vec::new(),
             prune_pending: Vec::new(),
@@ -354,6 +360,28 @@ impl ShardWriter {
                 return Err(format!(
                     "run in slot {slot} is not its link {key:?}'s child"
                 ));
+            }
+            if meta.parent != run.parent {
+                return Err(format!("slot {slot}'s facts name another parent"));
+            }
+            // The word two runs ahead names the array of the slot the second hint names: none
+            // without one, and the current one when that slot's run is this run's grandchild.
+            let ahead = slots.ahead(slot);
+            match slots.hints(slot).1 {
+                NO_NEXT if ahead != 0 => {
+                    return Err(format!("slot {slot} has no second hint but an array ahead"));
+                }
+                NO_NEXT => {}
+                n2 => {
+                    let grandchild = self.metas.get(n2 as usize).is_some_and(|m| {
+                        m.live && m.parent != ROOT && self.metas[m.parent as usize].parent == slot
+                    });
+                    if grandchild && ahead != slots.address(n2) {
+                        return Err(format!(
+                            "slot {slot}'s array ahead is not its grandchild {n2}'s"
+                        ));
+                    }
+                }
             }
         }
         Ok(())
@@ -589,6 +617,7 @@ impl ShardWriter {
         let n = RUN_CAP.min(blocks.len());
         self.positions += n;
         let slot = self.alloc_slot();
+        self.metas[slot as usize].parent = key.parent;
         let buf = self.run_mut(slot);
         buf.parent = key.parent;
         buf.parent_off = key.off;
@@ -819,10 +848,12 @@ impl ShardWriter {
             shared.slots.publish(
                 slot,
                 buf.words(),
+                shared.slots.address_of_next2(slot),
                 |out| buf.write(out),
                 |address| table.set_run(slot, address),
                 &guard,
             );
+            self.fresh.push(slot);
             if self.spare.len() < SPARE_BUFS {
                 self.spare_bytes += buf.heap_bytes();
                 self.spare.push(buf);
@@ -837,16 +868,34 @@ impl ShardWriter {
                 self.table.insert(&shared.children, key, slot, address);
                 // The newest child is where the next walk through its parent likely goes on.
                 if key.parent != ROOT {
-                    let grandparent = self
-                        .published(key.parent)
-                        .map(|r| r.parent)
-                        .filter(|&g| g != ROOT);
+                    let grandparent =
+                        Some(self.metas[key.parent as usize].parent).filter(|&g| g != ROOT);
                     shared.slots.set_next(key.parent, slot, grandparent);
+                    // The parent's second hint changed. (The grandparent's, when it did, names
+                    // the new child, which was just published: see below.)
+                    shared
+                        .slots
+                        .set_ahead(key.parent, shared.slots.address_of_next2(key.parent));
                 }
             }
         }
         new_links.clear();
         self.new_links = new_links;
+        // A run with a new array is two ahead of its grandparent's: tell the grandparent, when
+        // its second hint names the run.
+        for &slot in &self.fresh {
+            let parent = self.metas[slot as usize].parent;
+            if parent == ROOT {
+                continue;
+            }
+            let grandparent = self.metas[parent as usize].parent;
+            if grandparent != ROOT && shared.slots.hints(grandparent).1 == slot {
+                shared
+                    .slots
+                    .set_ahead(grandparent, shared.slots.address(slot));
+            }
+        }
+        self.fresh.clear();
         for key in self.dead_links.drain(..) {
             self.table.remove(key);
         }

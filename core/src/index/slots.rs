@@ -21,11 +21,19 @@
 //! one's line is already on its way. A slot no child was ever linked to (since it was last
 //! cleared) has no hint, and its run no children: every child link sets the hint.
 //!
+//! An array also carries, in a word before the run, the address of the array two runs ahead
+//! on the hinted path (the array in the slot's second hint): a walk reads it from the line it
+//! already has and fetches that array while the next one is still on its way, so that on a
+//! long chain each run's lines are asked for two runs before they are compared. It is the
+//! one word of a published array that changes: the writer stores it in place when the run two
+//! ahead gets a new array, or the hints change, and everyone reads it atomically.
+//!
 //! All of the module's `unsafe` rests on two rules: only the single writer calls
-//! [`Slots::publish`] and [`Slots::clear`], and a published array has every word written.
+//! [`Slots::publish`], [`Slots::clear`] and [`Slots::set_ahead`], and a published array has
+//! every word written.
 
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use crossbeam_epoch::{Atomic, Guard, Owned, Pointer, Shared};
@@ -33,7 +41,9 @@ use crossbeam_epoch::{Atomic, Guard, Owned, Pointer, Shared};
 const FIRST_BITS: u32 = 10;
 const SEGMENTS: usize = 22;
 
-type Words = [MaybeUninit<u64>];
+/// A published array: the address of the array two runs ahead (atomic: the writer updates it
+/// in place), then the run's words, which never change once published.
+type Words = [MaybeUninit<AtomicU64>];
 type Segment = OnceLock<Box<[Cell]>>;
 
 /// No next slot hinted.
@@ -73,7 +83,7 @@ fn locate(i: u32) -> (usize, usize) {
     (k, (i as u64 - start) as usize)
 }
 
-/// The words of a published array.
+/// The run's words of a published array (all but the first word).
 ///
 /// # Safety
 /// `p` is null or points to an array that `publish` filled, and stays allocated for `'a`.
@@ -82,9 +92,24 @@ fn locate(i: u32) -> (usize, usize) {
 unsafe fn words<'a>(p: Shared<'a, Words>) -> Option<&'a [u64]> {
     // SAFETY: the caller vouches that the array is alive for 'a.
     let w: &'a Words = unsafe { p.as_ref() }?;
-    // SAFETY: `MaybeUninit<u64>` has the layout of `u64`, and `publish` wrote every word
-    // before the array became reachable.
-    Some(unsafe { &*(w as *const Words as *const [u64]) })
+    let run = w.get(1..)?;
+    // SAFETY: `MaybeUninit<AtomicU64>` has the layout of `u64`; `publish` wrote every word
+    // before the array became reachable, and nothing writes these words (all but the first)
+    // after that, so plain shared reads of them race with nothing.
+    Some(unsafe { &*(run as *const Words as *const [u64]) })
+}
+
+/// The first word of a published array: the address of the array two runs ahead.
+///
+/// # Safety
+/// As for [`words`].
+#[inline]
+#[allow(unsafe_code)]
+unsafe fn ahead_word<'a>(p: Shared<'a, Words>) -> Option<&'a AtomicU64> {
+    // SAFETY: the caller vouches that the array is alive for 'a.
+    let w: &'a Words = unsafe { p.as_ref() }?;
+    // SAFETY: `publish` wrote the word before the array became reachable.
+    w.first().map(|x| unsafe { x.assume_init_ref() })
 }
 
 impl Slots {
@@ -174,21 +199,29 @@ impl Slots {
     }
 
     /// Publishes in slot `i` (allocating its segment if needed) an array of `len` words whose
-    /// first words `fill` writes (it returns how many), tells `link` the new array's address
+    /// first words `fill` writes (it returns how many), behind the address `ahead` of the
+    /// array two runs ahead (see [`Slots::set_ahead`]), tells `link` the new array's address
     /// (for the other places that name the slot's array), and then retires the previous
     /// array, which is freed once every reader pinned before now has moved on. Writer only.
     pub(crate) fn publish(
         &self,
         i: u32,
         len: usize,
+        ahead: u64,
         fill: impl FnOnce(&mut [MaybeUninit<u64>]) -> usize,
         link: impl FnOnce(u64),
         guard: &Guard,
     ) {
-        let mut array = Owned::<Words>::init(len);
-        let written = fill(&mut array).min(len);
+        let mut array = Owned::<Words>::init(len + 1);
+        let (first, run) = array.split_at_mut(1);
+        first[0].write(AtomicU64::new(ahead));
+        // SAFETY: `MaybeUninit<AtomicU64>` has the layout of `MaybeUninit<u64>`, and the
+        // array is not shared yet.
+        #[allow(unsafe_code)]
+        let run = unsafe { &mut *(run as *mut Words as *mut [MaybeUninit<u64>]) };
+        let written = fill(run).min(len);
         // Words `fill` left would be read as garbage: zeros instead.
-        for w in &mut array[written..] {
+        for w in &mut run[written..] {
             w.write(0);
         }
         let new = array.into_shared(guard);
@@ -204,6 +237,59 @@ impl Slots {
             let guard = unsafe { crossbeam_epoch::unprotected() };
             cell.run.load(Ordering::Relaxed, guard).into_usize() as u64
         })
+    }
+
+    /// The address of the array in the slot that slot `i`'s second hint names (0 for none).
+    /// Writer only.
+    pub(crate) fn address_of_next2(&self, i: u32) -> u64 {
+        match self.hints(i).1 {
+            NO_NEXT => 0,
+            n2 => self.address(n2),
+        }
+    }
+
+    /// The address of the array two runs ahead of slot `i`'s on the hinted path: the array
+    /// of the slot its second hint names (0 for none). Stored into slot `i`'s current array,
+    /// in place; a walk through slot `i`'s run fetches that array's first lines. Only a hint
+    /// of where to fetch: a walk reads nothing through it. Writer only.
+    #[allow(unsafe_code)]
+    pub(crate) fn set_ahead(&self, i: u32, address: u64) {
+        let Some(cell) = self.cell(i) else {
+            return;
+        };
+        // SAFETY: only the writer frees arrays, so the slot's array outlives this call.
+        let guard = unsafe { crossbeam_epoch::unprotected() };
+        // SAFETY: as above.
+        if let Some(word) = unsafe { ahead_word(cell.run.load(Ordering::Relaxed, guard)) } {
+            word.store(address, Ordering::Relaxed);
+        }
+    }
+
+    /// The address [`Slots::set_ahead`] last stored into slot `i`'s array (0 for none).
+    /// Writer only.
+    #[allow(unsafe_code)]
+    pub(crate) fn ahead(&self, i: u32) -> u64 {
+        let Some(cell) = self.cell(i) else {
+            return 0;
+        };
+        // SAFETY: only the writer frees arrays, so the slot's array outlives this call.
+        let guard = unsafe { crossbeam_epoch::unprotected() };
+        // SAFETY: as above.
+        let word = unsafe { ahead_word(cell.run.load(Ordering::Relaxed, guard)) };
+        word.map_or(0, |w| w.load(Ordering::Relaxed))
+    }
+
+    /// The address stored by [`Slots::set_ahead`] into the array at `address` (0 for none).
+    ///
+    /// # Safety
+    /// As for [`Slots::words_at`].
+    #[inline]
+    #[allow(unsafe_code)]
+    pub(crate) unsafe fn ahead_at(&self, address: u64, _guard: &Guard) -> u64 {
+        // SAFETY: as for `words_at`.
+        let word = unsafe { ahead_word(Shared::<'_, Words>::from_usize(address as usize)) };
+        // Relaxed: the value is only an address to fetch, never read through.
+        word.map_or(0, |w| w.load(Ordering::Relaxed))
     }
 
     /// The words of the array at `address`, as [`Slots::publish`] told it, for as long as
@@ -338,6 +424,7 @@ mod tests {
         s.publish(
             i,
             words.len(),
+            0,
             |out| {
                 for (o, w) in out.iter_mut().zip(words) {
                     o.write(*w);
@@ -367,6 +454,7 @@ mod tests {
         s.publish(
             9,
             2,
+            0,
             |out| {
                 out[0].write(5);
                 1
@@ -375,6 +463,55 @@ mod tests {
             &guard,
         );
         assert_eq!(s.load(9, &guard), Some(&[5, 0][..]));
+    }
+
+    #[test]
+    fn the_word_ahead_is_kept_apart_from_the_run() {
+        let s = Slots::new();
+        let guard = crossbeam_epoch::pin();
+        s.publish(
+            3,
+            2,
+            77,
+            |out| {
+                out[0].write(5);
+                out[1].write(6);
+                2
+            },
+            |_| {},
+            &guard,
+        );
+        let address = s.address(3);
+        assert_eq!(s.load(3, &guard), Some(&[5, 6][..]));
+        assert_eq!(s.ahead(3), 77);
+        // SAFETY: the address was read from the slot while `guard` was pinned.
+        #[allow(unsafe_code)]
+        let read = unsafe { s.ahead_at(address, &guard) };
+        assert_eq!(read, 77);
+        s.set_ahead(3, 99);
+        assert_eq!(s.ahead(3), 99);
+        assert_eq!(s.load(3, &guard), Some(&[5, 6][..]));
+        // A slot without an array has no word to set, and reads as none.
+        s.set_ahead(4, 1);
+        assert_eq!(s.ahead(4), 0);
+        // SAFETY: 0 names no array.
+        #[allow(unsafe_code)]
+        let none = unsafe { s.ahead_at(0, &guard) };
+        assert_eq!(none, 0);
+        // A new array takes the word it is published with.
+        s.publish(
+            3,
+            1,
+            0,
+            |out| {
+                out[0].write(8);
+                1
+            },
+            |_| {},
+            &guard,
+        );
+        assert_eq!(s.ahead(3), 0);
+        assert_eq!(s.address_of_next2(3), 0);
     }
 
     #[test]
