@@ -60,12 +60,10 @@ type HighSegment = [u32; HIGH_SLOTS * RUN_CAP];
 /// Run slots a shard can have: positions pack the slot into 22 bits.
 pub(crate) const MAX_SLOTS: u32 = 1 << 22;
 
-/// Writer-only facts about a live run: 32 bytes, so that the ones an event touches share few
+/// Writer-only facts about a live run: 24 bytes, so that the ones an event touches share few
 /// cache lines. What only a memory budget needs lives beside them (`ShardWriter::ehs`).
 #[derive(Debug)]
 struct SlotMeta {
-    /// Last event that stored into the run.
-    touch: u64,
     /// Offsets that have children (bit = offset); the children beyond the first at an offset
     /// are counted in `ShardWriter::more_children`.
     child_mask: u64,
@@ -83,7 +81,6 @@ struct SlotMeta {
 impl Default for SlotMeta {
     fn default() -> Self {
         SlotMeta {
-            touch: 0,
             child_mask: 0,
             dirty: CLEAN,
             live: false,
@@ -129,6 +126,8 @@ pub(crate) struct ShardWriter {
     /// Per slot, under a memory budget only: the engine hash each block was first stored under
     /// (eviction uses it to forget the evicted block's names).
     ehs: Vec<Vec<u64>>,
+    /// Per slot, under a memory budget only: the last event that stored into the run.
+    touches: Vec<u64>,
     /// Heap bytes of `ehs`'s vectors.
     ehs_heap: usize,
     /// Per position, in segments of [`HIGH_SLOTS`] slots: the high half of the name the block
@@ -172,6 +171,7 @@ impl ShardWriter {
             live_runs: 0,
             lru: track_lru.then(BinaryHeap::new),
             ehs: Vec::new(),
+            touches: Vec::new(),
             ehs_heap: 0,
             highs: Vec::new(),
             more_children: HashMap::default(),
@@ -199,6 +199,7 @@ impl ShardWriter {
     pub(crate) fn bytes(&self) -> usize {
         let metas = self.metas.capacity() * std::mem::size_of::<SlotMeta>()
             + self.ehs.capacity() * std::mem::size_of::<Vec<u64>>()
+            + self.touches.capacity() * std::mem::size_of::<u64>()
             + self.ehs_heap
             + self.highs.capacity() * std::mem::size_of::<Box<HighSegment>>()
             + self.highs.len() * std::mem::size_of::<HighSegment>()
@@ -481,6 +482,7 @@ impl ShardWriter {
             self.grow_highs();
             if self.lru.is_some() {
                 self.ehs.push(Vec::new());
+                self.touches.push(0);
             }
             s
         });
@@ -628,10 +630,10 @@ impl ShardWriter {
     }
 
     fn touch(&mut self, slot: u32, tick: u64) {
-        let meta = &mut self.metas[slot as usize];
-        if meta.touch != tick {
-            meta.touch = tick;
-            if let Some(lru) = &mut self.lru {
+        if let Some(lru) = &mut self.lru {
+            let touch = &mut self.touches[slot as usize];
+            if *touch != tick {
+                *touch = tick;
                 lru.push(Reverse((tick, slot)));
             }
         }
@@ -811,9 +813,8 @@ impl ShardWriter {
             return None;
         }
         self.remove_child(parent, parent_off);
-        let touch = self.metas[parent as usize].touch;
         if let Some(lru) = &mut self.lru {
-            lru.push(Reverse((touch, parent)));
+            lru.push(Reverse((self.touches[parent as usize], parent)));
         }
         Some(parent)
     }
@@ -923,11 +924,8 @@ impl ShardWriter {
         }
         if let Some(lru) = &mut self.lru {
             if lru.len() > 4 * self.live_runs + 1024 {
-                let metas = &self.metas;
-                lru.retain(|Reverse((t, s))| {
-                    let m = &metas[*s as usize];
-                    m.live && m.touch == *t
-                });
+                let (metas, touches) = (&self.metas, &self.touches);
+                lru.retain(|Reverse((t, s))| metas[*s as usize].live && touches[*s as usize] == *t);
             }
         }
     }
@@ -940,7 +938,7 @@ impl ShardWriter {
                 return false;
             };
             let meta = &self.metas[slot as usize];
-            if !meta.live || meta.touch != tick {
+            if !meta.live || self.touches[slot as usize] != tick {
                 continue;
             }
             let len = self.with_run(slot, |_, _, h| h.len()).unwrap_or(0);
@@ -983,6 +981,11 @@ impl ShardWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runs_writer_side_facts_take_24_bytes() {
+        assert_eq!(std::mem::size_of::<SlotMeta>(), 24);
+    }
 
     #[test]
     fn room_is_counted_against_the_slot_limit() {
