@@ -61,7 +61,8 @@ type HighSegment = [u32; HIGH_SLOTS * RUN_CAP];
 pub(crate) const MAX_SLOTS: u32 = 1 << 22;
 
 /// Writer-only facts about a live run: 24 bytes, so that the ones an event touches share few
-/// cache lines. What only a memory budget needs lives beside them (`ShardWriter::ehs`).
+/// cache lines. What only a memory budget needs lives beside them (`ShardWriter::ehs`,
+/// `ShardWriter::touches`).
 #[derive(Debug)]
 struct SlotMeta {
     /// Offsets that have children (bit = offset); the children beyond the first at an offset
