@@ -224,7 +224,10 @@ impl OverlapScores {
         let f = &mut self.firsts[i];
         f.slot = slot;
         f.m = m;
-        f.ranks = Some(Arc::clone(ranks));
+        // The same table as before, mostly: a clone and a drop are two locked instructions.
+        if !f.ranks.as_ref().is_some_and(|r| Arc::ptr_eq(r, ranks)) {
+            f.ranks = Some(Arc::clone(ranks));
+        }
         f.holders.clear();
         f.holders.extend_from_slice(holders);
         f.scores.clone_from(&self.scores);
