@@ -1035,6 +1035,8 @@ impl PrefixIndex {
                 run.clear(shards, (rank, tier), &mut tally);
                 let (shard, pos) = unpack(loc);
                 run = RunHold::read(shards, shard, pos.slot, (rank, tier));
+                // Where the event likely goes on once it is done with this run.
+                shards[shard].prefetch_parent(pos.slot);
             }
             let bit = 1u64 << (loc & 63);
             // Not held in this tier, or already cleared by another name for the same block.
