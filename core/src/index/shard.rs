@@ -369,6 +369,11 @@ impl ShardWriter {
             if meta.parent != run.parent {
                 return Err(format!("slot {slot}'s facts name another parent"));
             }
+            // The size a removal fetches the run by (see `prefetch_parent`).
+            let words = run_bytes(run.words()) / std::mem::size_of::<u64>();
+            if usize::from(meta.words) != words.min(usize::from(u16::MAX)) {
+                return Err(format!("slot {slot}'s facts give its array another size"));
+            }
             // The word two runs ahead names the array of the slot the second hint names: none
             // without one, and the current one when that slot's run is this run's grandchild.
             let ahead = slots.ahead(slot);
