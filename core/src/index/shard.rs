@@ -431,8 +431,13 @@ impl ShardWriter {
             .is_some_and(|r| holders_of(r.holders).any(|h| h.rank == rank))
     }
 
+    /// Lines of a parent's array [`ShardWriter::prefetch_parent`] fetches at most: the header,
+    /// 64 hashes and 30 holders.
+    const PARENT_LINES: usize = 16;
+
     /// Hints the CPU to fetch what a removal reads and copies when it reaches the parent of
-    /// run `slot`: the parent's high halves and its published array, whole. Engines evict a
+    /// run `slot`: the parent's high halves and its published array, whole (up to
+    /// [`ShardWriter::PARENT_LINES`]). Engines evict a
     /// chain from its tail, so a Removed event that leaves a run mostly goes on in its parent
     /// (7 in 10 of the trace's moves from one run to another within an event): fetched when
     /// the event reaches the run, the parent's lines arrive while the run's blocks are
@@ -453,10 +458,12 @@ impl ShardWriter {
                 mix::prefetch_addr(first.wrapping_add(16 * line));
             }
         }
-        // A run changed in this transaction is read from its working copy instead.
+        // A run changed in this transaction is read from its working copy instead. A run
+        // held by a great many ranks is fetched in part.
         if meta.dirty == CLEAN {
             let address = self.shared.slots.address(parent) as usize;
-            let bytes = meta.words as usize * std::mem::size_of::<u64>();
+            let bytes =
+                (meta.words as usize * std::mem::size_of::<u64>()).min(Self::PARENT_LINES * 64);
             if address != 0 && bytes != 0 {
                 let mut at = address & !63;
                 while at < address + bytes {
