@@ -21,3 +21,22 @@ pub mod peers;
 pub mod replay;
 pub mod trace;
 pub mod workload;
+
+/// The median of `values` (the upper of the middle two for an even count); `None` for none.
+pub fn median(mut values: Vec<f64>) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    Some(values[values.len() / 2])
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_median_of_an_even_count_is_the_upper_middle() {
+        assert_eq!(super::median(vec![4.0, 1.0, 3.0, 2.0]), Some(3.0));
+        assert_eq!(super::median(vec![2.0, 9.0, 1.0]), Some(2.0));
+        assert_eq!(super::median(vec![]), None);
+    }
+}

@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+use kvroute_benches::median;
 
 /// The figures one replay line gives.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -81,14 +82,6 @@ fn parse(output: &str) -> Result<Vec<Replay>> {
         bail!("no replay lines in the output");
     }
     Ok(replays)
-}
-
-fn median(mut values: Vec<f64>) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
-    values.sort_by(f64::total_cmp);
-    Some(values[values.len() / 2])
 }
 
 /// One run's figure: the median over its replays after the first (all of them if only one).
@@ -206,11 +199,5 @@ mod tests {
         assert_eq!(figure(&replays, |r| r.stored_ms), None);
         assert!(parse("no replays here").is_err());
         assert!(parse("replay  1:   x ms  p99 3 ns").is_err());
-    }
-
-    #[test]
-    fn the_median_of_an_even_count_is_the_upper_middle() {
-        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), Some(3.0));
-        assert_eq!(median(vec![]), None);
     }
 }

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bytes::BytesMut;
+use kvroute_benches::median;
 use kvroute_core::{
     BlockHash, DpRank, EventHeader, EventId, IndexConfig, KvEvent, KvEventData, LocalHash,
     PrefixIndex, StorageTier, StoredBlock, WorkerId, WorkerRank,
@@ -320,11 +321,6 @@ fn run_in_process(frames: &[Vec<u8>], batches: u64) -> Result<f64> {
     Ok(started.elapsed().as_secs_f64())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() -> Result<()> {
     let args = parse_args()?;
     if let Some(idle) = args.sqpoll_idle {
@@ -368,7 +364,8 @@ fn main() -> Result<()> {
                 }
             }
         }
-        let rate = |t: Vec<f64>| events / median(t);
+        // At least one round ran (`--rounds` is positive).
+        let rate = |t: Vec<f64>| events / median(t).unwrap_or(f64::NAN);
         let local = rate(local);
         for (w, write) in args.writes.iter().enumerate() {
             let rates: Vec<f64> = times[w].drain(..).map(rate).collect();
