@@ -94,3 +94,20 @@ pub(crate) fn prefetch_addr<T>(p: *const T) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
+
+/// [`prefetch_addr`] into the second-level cache only. A first-level miss waits in one of the
+/// few buffers the core has for them, and a fetch that holds one stalls every later miss when
+/// they run out; a line fetched into the second level holds one of its many more, and costs a
+/// few cycles more when it is read. For bursts of fetches (an event's names, a run's lines)
+/// issued well before they are read.
+#[inline]
+#[allow(unsafe_code)]
+pub(crate) fn prefetch_addr_l2<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as for `prefetch_addr`: SSE only, and a hint never faults, whatever the address.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T1 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}

@@ -472,8 +472,13 @@ impl std::fmt::Debug for PrefixIndex {
     }
 }
 
-/// How many names ahead the apply loops prefetch.
+/// How many names ahead a Removed event's loop prefetches (into the first-level cache: each
+/// lookup reads its entry, then the high half it names, at once).
 const PREFETCH_AHEAD: usize = 16;
+
+/// How many names ahead a Stored event's loop prefetches (into the second-level cache, which
+/// can wait on more lines at once: an insert writes its entry and reads nothing from it).
+const INSERT_AHEAD: usize = 32;
 
 /// Most shards an index has: a position packs its shard into 4 bits.
 pub const MAX_SHARDS: usize = 16;
@@ -545,8 +550,8 @@ fn insert_names<const ALIASES: bool>(
         room,
     } = stretch;
     for (k, b) in blocks[at..at + st.n as usize].iter().enumerate() {
-        if let Some(ahead) = blocks.get(at + k + PREFETCH_AHEAD) {
-            names.prefetch(ahead.block_hash.0);
+        if let Some(ahead) = blocks.get(at + k + INSERT_AHEAD) {
+            names.prefetch(ahead.block_hash.0, true);
         }
         let off = st.first as u32 + k as u32;
         let kept = st.side >> off & 1 == 0;
@@ -933,8 +938,8 @@ impl PrefixIndex {
         let other_tiers = state.tiers & !(1 << tier) != 0;
         state.tiers |= 1 << tier;
         let names = &mut state.names;
-        for b in blocks.iter().take(PREFETCH_AHEAD) {
-            names.prefetch(b.block_hash.0);
+        for b in blocks.iter().take(INSERT_AHEAD) {
+            names.prefetch(b.block_hash.0, true);
         }
         // Each stretch's blocks are consecutive offsets of one run and of the event.
         let mut at = 0;
@@ -1006,12 +1011,14 @@ impl PrefixIndex {
         // are read when the walk reaches it, so that each block is judged (held, held in
         // another tier too) and its name forgotten at once.
         let mut run = RunHold::NONE;
+        // The first names at once, into the second level: a burst the first level has too
+        // few miss buffers for; the later ones one at a time, into the first.
         for b in blocks.iter().take(PREFETCH_AHEAD) {
-            names.prefetch(b.0);
+            names.prefetch(b.0, true);
         }
         for (i, b) in blocks.iter().enumerate() {
             if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
-                names.prefetch(ahead.0);
+                names.prefetch(ahead.0, false);
             }
             let Some((entry, loc)) = names.find(b.0, &*shards) else {
                 tally.unknown(i);

@@ -39,7 +39,7 @@
 
 use std::collections::HashMap;
 
-use super::mix::{prefetch_addr, set_bytes, MixState};
+use super::mix::{prefetch_addr, prefetch_addr_l2, set_bytes, MixState};
 
 /// Entries per group.
 pub(crate) const GROUP: usize = 7;
@@ -208,9 +208,13 @@ impl NameMap {
         }
     }
 
-    /// Hints the CPU to fetch the group `name` starts probing at.
+    /// Hints the CPU to fetch the group `name` starts probing at: its control word into the
+    /// first-level cache, and its entries there too, or with `to_l2` into the second level
+    /// only (see [`super::mix::prefetch_addr_l2`]; an insert writes its entry, which waits
+    /// on nothing, and a burst of lookups at an event's start fetches more names at once than
+    /// the first level has room to wait on).
     #[inline]
-    pub(crate) fn prefetch(&self, name: u64) {
+    pub(crate) fn prefetch(&self, name: u64, to_l2: bool) {
         // An address only, never dereferenced: `g` is below `groups()` (or the table is empty,
         // and the hint points nowhere), so no bounds are checked.
         let (g, _) = self.place(name);
@@ -218,8 +222,14 @@ impl NameMap {
         // A group's 56 bytes of entries span one or two cache lines: their first and last
         // bytes fall in each.
         let entries = self.entries.as_ptr().wrapping_add(g).cast::<u8>();
-        prefetch_addr(entries);
-        prefetch_addr(entries.wrapping_add(std::mem::size_of::<Entries>() - 1));
+        let last = entries.wrapping_add(std::mem::size_of::<Entries>() - 1);
+        if to_l2 {
+            prefetch_addr_l2(entries);
+            prefetch_addr_l2(last);
+        } else {
+            prefetch_addr(entries);
+            prefetch_addr(last);
+        }
     }
 
     #[inline]
@@ -616,7 +626,7 @@ mod tests {
         assert_eq!(m.len(), model.len());
         for (k, v) in &model {
             assert_eq!(m.get(*k, &highs), Some(*v));
-            m.prefetch(*k);
+            m.prefetch(*k, false);
         }
         assert_eq!(m.get(1, &highs), None);
     }
