@@ -1042,7 +1042,10 @@ impl PrefixIndex {
                 run.clear(shards, (rank, tier), &mut tally);
                 let (shard, pos) = unpack(loc);
                 run = RunHold::read(shards, shard, pos.slot, (rank, tier));
-                // Where the event likely goes on once it is done with this run.
+                // The high halves the next names of this run are checked against (an event
+                // goes down a run's offsets), and where the event likely goes on once it is
+                // done with the run.
+                shards[shard].prefetch_highs_below(pos);
                 shards[shard].prefetch_parent(pos.slot);
             }
             let bit = 1u64 << (loc & 63);

@@ -476,6 +476,22 @@ impl ShardWriter {
         }
     }
 
+    /// Hints the CPU to fetch the high halves kept for the blocks of `pos`'s run below
+    /// `pos`: a Removed event that reaches a run at `pos` mostly goes on down its offsets
+    /// (engines evict a chain from its tail), checking each name against the high half kept
+    /// for it.
+    #[inline]
+    pub(crate) fn prefetch_highs_below(&self, pos: Pos) {
+        let p = pos.slot as usize;
+        if let Some(seg) = self.highs.get(p / HIGH_SLOTS) {
+            let first = seg[p % HIGH_SLOTS * RUN_CAP..].as_ptr();
+            // Sixteen high halves to a line; the line of `pos` itself is being read.
+            for line in 0..(pos.off as usize & 63) / 16 {
+                mix::prefetch_addr(first.wrapping_add(16 * line));
+            }
+        }
+    }
+
     /// (rank, tier)'s mask of run `slot` and the union of the rank's masks in its other tiers,
     /// in the writer's current view (nothing for a run that is not live).
     pub(crate) fn rank_masks(&self, slot: u32, rank: u32, tier: u8) -> (u64, u64) {
