@@ -81,18 +81,8 @@ pub(crate) fn prefetch_read<T>(x: &T) {
 /// prefetch never faults, so a caller may aim it at a computed address without proving it in
 /// bounds (one that is not is a wasted hint).
 #[inline]
-#[allow(unsafe_code)]
 pub(crate) fn prefetch_addr<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY:
-    // - `_mm_prefetch` only needs SSE, which every x86_64 target has.
-    // - A prefetch is a hint: it reads nothing into the program and never faults, whatever
-    //   the address, so `p` need not be valid.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+    prefetch_hinted::<T, { HINT_L1 }>(p);
 }
 
 /// [`prefetch_addr`] into the second-level cache only. A first-level miss waits in one of the
@@ -101,12 +91,29 @@ pub(crate) fn prefetch_addr<T>(p: *const T) {
 /// few cycles more when it is read. For bursts of fetches (an event's names, a run's lines)
 /// issued well before they are read.
 #[inline]
-#[allow(unsafe_code)]
 pub(crate) fn prefetch_addr_l2<T>(p: *const T) {
+    prefetch_hinted::<T, { HINT_L2 }>(p);
+}
+
+#[cfg(target_arch = "x86_64")]
+const HINT_L1: i32 = core::arch::x86_64::_MM_HINT_T0;
+#[cfg(target_arch = "x86_64")]
+const HINT_L2: i32 = core::arch::x86_64::_MM_HINT_T1;
+#[cfg(not(target_arch = "x86_64"))]
+const HINT_L1: i32 = 0;
+#[cfg(not(target_arch = "x86_64"))]
+const HINT_L2: i32 = 0;
+
+#[inline(always)]
+#[allow(unsafe_code)]
+fn prefetch_hinted<T, const HINT: i32>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: as for `prefetch_addr`: SSE only, and a hint never faults, whatever the address.
+    // SAFETY:
+    // - `_mm_prefetch` only needs SSE, which every x86_64 target has.
+    // - A prefetch is a hint: it reads nothing into the program and never faults, whatever
+    //   the address, so `p` need not be valid.
     unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T1 }>(p.cast());
+        core::arch::x86_64::_mm_prefetch::<HINT>(p.cast());
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
