@@ -453,9 +453,7 @@ impl ShardWriter {
         let Some(meta) = self.metas.get(parent as usize).filter(|m| m.live) else {
             return; // the root, or a run freed in this transaction
         };
-        let p = parent as usize;
-        if let Some(seg) = self.highs.get(p / HIGH_SLOTS) {
-            let first = seg[p % HIGH_SLOTS * RUN_CAP..].as_ptr();
+        if let Some(first) = self.highs_ptr(parent) {
             for line in 0..RUN_CAP / 16 {
                 mix::prefetch_addr_l2(first.wrapping_add(16 * line));
             }
@@ -482,14 +480,20 @@ impl ShardWriter {
     /// for it.
     #[inline]
     pub(crate) fn prefetch_highs_below(&self, pos: Pos) {
-        let p = pos.slot as usize;
-        if let Some(seg) = self.highs.get(p / HIGH_SLOTS) {
-            let first = seg[p % HIGH_SLOTS * RUN_CAP..].as_ptr();
+        if let Some(first) = self.highs_ptr(pos.slot) {
             // Sixteen high halves to a line; the line of `pos` itself is being read.
             for line in 0..(pos.off as usize & 63) / 16 {
                 mix::prefetch_addr(first.wrapping_add(16 * line));
             }
         }
+    }
+
+    /// Where the high halves of slot `slot`'s blocks start, for fetching them.
+    #[inline]
+    fn highs_ptr(&self, slot: u32) -> Option<*const u32> {
+        let p = slot as usize;
+        let seg = self.highs.get(p / HIGH_SLOTS)?;
+        Some(seg[p % HIGH_SLOTS * RUN_CAP..].as_ptr())
     }
 
     /// (rank, tier)'s mask of run `slot` and the union of the rank's masks in its other tiers,
