@@ -103,14 +103,6 @@ impl Sink for OverlapScores {
     /// mask of rank ids when every active id fits one.
     fn first_run(&mut self, slot: u32, holders: &[u64], m: usize, ranks: &Ranks) {
         self.score_first_run(slot, holders, m, ranks);
-        self.by_mask = self.active.iter().all(|&(id, _)| id < 64);
-        if self.by_mask {
-            self.active_mask = 0;
-            for &(id, key) in &self.active {
-                self.active_mask |= 1 << id;
-                self.key_of[id as usize] = key;
-            }
-        }
     }
 
     #[inline(always)]
@@ -211,9 +203,26 @@ impl OverlapScores {
             self.scores.extend_from_slice(&f.scores);
             self.ids.extend_from_slice(&f.ids);
             self.active.extend_from_slice(&f.active);
+            self.by_mask = f.by_mask;
+            if f.by_mask {
+                // The ids of the mask, and only they, are read from `key_of`.
+                self.active_mask = f.active_mask;
+                for &(id, key) in &f.active {
+                    self.key_of[id as usize] = key;
+                }
+            }
             return;
         }
         score_first(holders, m, ranks, self);
+        self.by_mask = self.active.iter().all(|&(id, _)| id < 64);
+        if self.by_mask {
+            let mut mask = 0u64;
+            for &(id, key) in &self.active {
+                mask |= 1 << id;
+                self.key_of[id as usize] = key;
+            }
+            self.active_mask = mask;
+        }
         let i = if self.firsts.len() < KEPT_FIRST_RUNS {
             self.firsts.push(FirstRun::default());
             self.firsts.len() - 1
@@ -233,6 +242,8 @@ impl OverlapScores {
         f.scores.clone_from(&self.scores);
         f.ids.clone_from(&self.ids);
         f.active.clone_from(&self.active);
+        f.by_mask = self.by_mask;
+        f.active_mask = self.active_mask;
     }
 }
 

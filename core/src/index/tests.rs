@@ -1179,3 +1179,77 @@ fn a_reused_result_scores_a_first_run_again_when_its_ranks_change() {
     reader.find_matches_into(&query, MatchOptions::default(), &mut out);
     assert_eq!(ranks(&out), [(WorkerRank::new(2, 0), 39)]);
 }
+
+/// One reused result alternating between a first run whose ranks fit a mask of ids and one
+/// held by a rank whose id does not: each reuse of a kept first run answers as a fresh result
+/// does, the later runs narrowed the way that run's ranks allow.
+#[test]
+fn a_reused_result_keeps_how_each_first_run_narrows() {
+    let mut ix = idx();
+    for w in 0..70 {
+        ix.register_rank(WorkerRank::new(w, 0)).unwrap();
+    }
+    let other = |from: u64, to: u64| -> Vec<StoredBlock> {
+        (from..to)
+            .map(|i| StoredBlock {
+                block_hash: BlockHash(900_000 + i),
+                local_hash: LocalHash(500_000 + i),
+            })
+            .collect()
+    };
+    let mut id = 0;
+    let mut store = |ix: &mut PrefixIndex, w: u64, blocks: &[StoredBlock]| {
+        id += 1;
+        let parent = None;
+        ix.apply_stored(hdr(w, 0, id, device()), parent, blocks)
+            .unwrap();
+    };
+    // Chain A: three low ids share its first run, two go on into a second run, one of them
+    // only part of the way.
+    for w in [0, 1, 2] {
+        store(&mut ix, w, &chain(0, 64, 0));
+    }
+    let a = chain(0, 100, 0);
+    store(&mut ix, 0, &a);
+    store(&mut ix, 1, &a[..80]);
+    // Chain B: held by the rank with id 69 and a low one, into a second run as well.
+    let b = other(0, 100);
+    store(&mut ix, 69, &b);
+    store(&mut ix, 2, &b[..70]);
+    let qa = query(100);
+    let qb: Vec<LocalHash> = b.iter().map(|s| s.local_hash).collect();
+    let reader = ix.reader();
+    let mut reused = OverlapScores::default();
+    let sorted = |out: &OverlapScores| {
+        let mut s = out.scores.clone();
+        s.sort();
+        s
+    };
+    // Every order of the two: each kept first run reused right after the other one and
+    // right after itself.
+    for (step, q) in [&qb, &qa, &qb, &qa, &qa, &qb, &qb, &qa]
+        .into_iter()
+        .enumerate()
+    {
+        let mut fresh = OverlapScores::default();
+        reader.find_matches_into(q, MatchOptions::default(), &mut fresh);
+        reader.find_matches_into(q, MatchOptions::default(), &mut reused);
+        assert_eq!(sorted(&reused), sorted(&fresh), "step {step}");
+        assert!(fresh.scores.len() >= 2);
+    }
+    let mut out = OverlapScores::default();
+    reader.find_matches_into(&qa, MatchOptions::default(), &mut out);
+    let blocks: Vec<(u64, u32)> = sorted(&out)
+        .iter()
+        .map(|s| (s.rank.worker.0, s.blocks))
+        .collect();
+    assert_eq!(blocks, [(0, 100), (1, 80), (2, 64)]);
+    reader.find_matches_into(&qb, MatchOptions::default(), &mut out);
+    let mut blocks: Vec<(u64, u32)> = out
+        .scores
+        .iter()
+        .map(|s| (s.rank.worker.0, s.blocks))
+        .collect();
+    blocks.sort();
+    assert_eq!(blocks, [(2, 70), (69, 100)]);
+}
