@@ -15,12 +15,24 @@
 //! The fleet and workload are the peer benchmark's defaults (16 workers of 16,384 blocks,
 //! 64-token blocks, seed 42); `--unsized` replays into an index whose ranks are not registered
 //! with their capacity (the benchmark's `kvroute-unsized`).
+//!
+//! `--versus NAME` replays one of the peer benchmark's other indexers too, in turn with
+//! kvroute (the order swapped from replay to replay), and ends with the medians of the ratios
+//! NAME / kvroute taken within each pair of replays: with `--split`, where the lead is made and
+//! where it is not. `--hot` runs each query a second time at once and reports the second run's
+//! latencies too: a query whose every line is in cache, the part of a match that is work, not
+//! waiting.
+//!
+//! ```text
+//! cargo run --release -p kvroute-benches --example replay -- \
+//!     --versus kv-index-chain --split --hot --replays 7
+//! ```
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use kvroute_benches::peers::{Indexer, Kvroute};
+use kvroute_benches::peers::{Indexer, Kind, Kvroute, PeerConfig};
 use kvroute_benches::trace::{read_trace, trace_stream};
 use kvroute_benches::workload::{
     builtin_stream, Op, OpStream, Overlap, Placement, SimConfig, WorkloadConfig, PLACEMENT_SEED_MIX,
@@ -37,6 +49,8 @@ struct Args {
     replays: usize,
     split: bool,
     sized: bool,
+    versus: Option<Kind>,
+    hot: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -45,6 +59,8 @@ fn parse_args() -> Result<Args> {
         replays: 5,
         split: false,
         sized: true,
+        versus: None,
+        hot: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -59,8 +75,18 @@ fn parse_args() -> Result<Args> {
             }
             "--split" => args.split = true,
             "--unsized" => args.sized = false,
+            "--hot" => args.hot = true,
+            "--versus" => {
+                let name = it.next().context("--versus needs an indexer's name")?;
+                let kind = Kind::from_name(&name)
+                    .with_context(|| format!("unknown indexer {name} (see peer-index --help)"))?;
+                args.versus = Some(kind);
+            }
             "--help" | "-h" => {
-                println!("replay [--trace FILE] [--replays N (5)] [--split] [--unsized]");
+                println!(
+                    "replay [--trace FILE] [--replays N (5)] [--split] [--unsized] [--hot] \
+                     [--versus NAME]"
+                );
                 std::process::exit(0);
             }
             _ => bail!("unknown flag {flag} (try --help)"),
@@ -80,16 +106,49 @@ struct Replay {
     stored: u64,
     removed: u64,
     queries: u64,
+    /// With `--hot`: each query's second run, at once after the first (its time, clock reads
+    /// included, is left out of `wall`).
+    hot_p50: u64,
+    hot_p99: u64,
 }
 
-fn replay(stream: &OpStream, args: &Args) -> Replay {
-    let mut index = if args.sized {
-        Kvroute::sized(WORKERS, CAPACITY)
-    } else {
-        Kvroute::with_config(IndexConfig::default())
-    };
+impl Replay {
+    /// The line the `ab` binary reads (its first fields must keep their form).
+    fn line(&self, label: &str, args: &Args) -> String {
+        let mut line = format!(
+            "{label}: {:>8.2} ms  p50 {:>5} ns  p99 {:>6} ns",
+            self.wall as f64 / 1e6,
+            self.p50,
+            self.p99
+        );
+        if args.split {
+            line += &format!(
+                "  stored {:.2} ms  removed {:.2} ms  queries {:.2} ms",
+                self.stored as f64 / 1e6,
+                self.removed as f64 / 1e6,
+                self.queries as f64 / 1e6
+            );
+        }
+        if args.hot {
+            line += &format!("  hot p50 {} ns  hot p99 {} ns", self.hot_p50, self.hot_p99);
+        }
+        line
+    }
+}
+
+/// The `p` quantile of `sorted`, 0 when it is empty.
+fn quantile(sorted: &[u64], p: f64) -> u64 {
+    sorted
+        .get((sorted.len() as f64 * p) as usize)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// One timed replay of `stream` into `index` (the clock stops after its `flush`).
+fn replay(stream: &OpStream, args: &Args, mut index: Box<dyn Indexer>) -> Replay {
     let mut answer: Vec<Overlap> = Vec::new();
     let mut latencies = Vec::with_capacity(stream.ops.len());
+    let mut hot = Vec::new();
     let (mut stored, mut removed) = (0u64, 0u64);
     let start = Instant::now();
     for op in &stream.ops {
@@ -110,26 +169,71 @@ fn replay(stream: &OpStream, args: &Args) -> Replay {
                 let t = Instant::now();
                 index.query(&q.hashes, &mut answer);
                 latencies.push(t.elapsed().as_nanos() as u64);
+                if args.hot {
+                    let t = Instant::now();
+                    index.query(&q.hashes, &mut answer);
+                    hot.push(t.elapsed().as_nanos() as u64);
+                }
             }
         }
     }
-    let wall = start.elapsed().as_nanos() as u64;
-    assert_eq!(index.apply_errors(), 0, "the op stream is valid");
+    index.flush();
+    // The second runs of `--hot` are not part of the replay.
+    let wall = start.elapsed().as_nanos() as u64 - hot.iter().sum::<u64>();
+    if index.apply_errors() != 0 {
+        eprintln!(
+            "{} events of a valid op stream were rejected",
+            index.apply_errors()
+        );
+    }
     let queries = latencies.iter().sum();
     latencies.sort_unstable();
-    let at = |q: f64| {
-        latencies
-            .get((latencies.len() as f64 * q) as usize)
-            .copied()
-    };
+    hot.sort_unstable();
     Replay {
         wall,
-        p50: at(0.5).unwrap_or(0),
-        p99: at(0.99).unwrap_or(0),
+        p50: quantile(&latencies, 0.5),
+        p99: quantile(&latencies, 0.99),
         stored,
         removed,
         queries,
+        hot_p50: quantile(&hot, 0.5),
+        hot_p99: quantile(&hot, 0.99),
     }
+}
+
+/// Medians over the pairs of the ratios peer / kvroute within each pair.
+fn print_ratios(name: &str, pairs: &[(Replay, Replay)], args: &Args) {
+    let median = |f: fn(&Replay) -> u64| {
+        let mut r: Vec<f64> = pairs
+            .iter()
+            .map(|(ours, theirs)| f(theirs) as f64 / f(ours).max(1) as f64)
+            .collect();
+        r.sort_by(f64::total_cmp);
+        r[r.len() / 2]
+    };
+    let mut line = format!(
+        "median ratio {name} / kvroute over {} pairs: wall {:.3}  match p50 {:.3}  p99 {:.3}",
+        pairs.len(),
+        median(|r| r.wall),
+        median(|r| r.p50),
+        median(|r| r.p99)
+    );
+    if args.split {
+        line += &format!(
+            "  stored {:.3}  removed {:.3}  queries {:.3}",
+            median(|r| r.stored),
+            median(|r| r.removed),
+            median(|r| r.queries)
+        );
+    }
+    if args.hot {
+        line += &format!(
+            "  hot p50 {:.3}  hot p99 {:.3}",
+            median(|r| r.hot_p50),
+            median(|r| r.hot_p99)
+        );
+    }
+    println!("{line}");
 }
 
 fn main() -> Result<()> {
@@ -155,32 +259,54 @@ fn main() -> Result<()> {
         ),
     };
     println!(
-        "{} ops, {} block ops; kvroute{}, {} replays",
+        "{} ops, {} block ops; kvroute{}{}, {} replays",
         stream.ops.len(),
         stream.stats.block_ops(),
         if args.sized { "" } else { "-unsized" },
+        args.versus
+            .map_or(String::new(), |kind| format!(" and {kind} in turn")),
         args.replays
     );
-    let mut walls = Vec::with_capacity(args.replays);
-    for i in 0..args.replays {
-        let r = replay(&stream, &args);
-        let mut line = format!(
-            "replay {:>2}: {:>8.2} ms  p50 {:>5} ns  p99 {:>6} ns",
-            i + 1,
-            r.wall as f64 / 1e6,
-            r.p50,
-            r.p99
-        );
-        if args.split {
-            line += &format!(
-                "  stored {:.2} ms  removed {:.2} ms  queries {:.2} ms",
-                r.stored as f64 / 1e6,
-                r.removed as f64 / 1e6,
-                r.queries as f64 / 1e6
-            );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .context("cannot start the tokio runtime the thread-pool peers flush on")?;
+    let config = PeerConfig {
+        workers: WORKERS,
+        capacity: CAPACITY,
+        block_size: BLOCK_SIZE,
+        runtime: runtime.handle().clone(),
+    };
+    let ours = || -> Box<dyn Indexer> {
+        if args.sized {
+            Box::new(Kvroute::sized(WORKERS, CAPACITY))
+        } else {
+            Box::new(Kvroute::with_config(IndexConfig::default()))
         }
-        println!("{line}");
+    };
+    let mut walls = Vec::with_capacity(args.replays);
+    let mut pairs = Vec::new();
+    for i in 0..args.replays {
+        let Some(kind) = args.versus else {
+            let r = replay(&stream, &args, ours());
+            println!("{}", r.line(&format!("replay {:>2}", i + 1), &args));
+            walls.push(r.wall);
+            continue;
+        };
+        // The order swapped from pair to pair, so that drift touches both alike.
+        let (r, theirs) = if i % 2 == 0 {
+            let r = replay(&stream, &args, ours());
+            (r, replay(&stream, &args, kind.build(&config)))
+        } else {
+            let theirs = replay(&stream, &args, kind.build(&config));
+            (replay(&stream, &args, ours()), theirs)
+        };
+        println!("{}", r.line(&format!("replay {:>2}", i + 1), &args));
+        println!("{}", theirs.line(&format!("{kind} {:>2}", i + 1), &args));
         walls.push(r.wall);
+        pairs.push((r, theirs));
+    }
+    if let Some(kind) = args.versus {
+        print_ratios(kind.name(), &pairs, &args);
     }
     walls.sort_unstable();
     println!(
