@@ -425,8 +425,10 @@ impl NameMap {
     }
 
     /// Writes a new name (home group `home`, tag `tag`) into group `to`, which has room, and
-    /// counts it in the overflow of every group it passed.
-    #[inline]
+    /// counts it in the overflow of every group it passed. Always inlined: with the call
+    /// kept, Stored events took about 1.05× the time (the entry's store usually waits for
+    /// its line, and the call's register saves are likely more stores queued behind it).
+    #[inline(always)]
     fn fill(&mut self, name: u64, pos: u32, to: usize, home: usize, tag: u8) {
         let mut g = home;
         while g != to {
