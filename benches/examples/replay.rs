@@ -203,35 +203,28 @@ fn replay(stream: &OpStream, args: &Args, mut index: Box<dyn Indexer>) -> Replay
 
 /// Medians over the pairs of the ratios peer / kvroute within each pair.
 fn print_ratios(name: &str, pairs: &[(Replay, Replay)], args: &Args) {
-    let median = |f: fn(&Replay) -> u64| {
+    type Figure = (&'static str, fn(&Replay) -> u64, bool);
+    let figures: [Figure; 8] = [
+        ("wall", |r| r.wall, true),
+        ("match p50", |r| r.p50, true),
+        ("p99", |r| r.p99, true),
+        ("stored", |r| r.stored, args.split),
+        ("removed", |r| r.removed, args.split),
+        ("queries", |r| r.queries, args.split),
+        ("hot p50", |r| r.hot_p50, args.hot),
+        ("hot p99", |r| r.hot_p99, args.hot),
+    ];
+    let mut line = format!("median ratio {name} / kvroute over {} pairs:", pairs.len());
+    for (label, figure, shown) in figures {
+        if !shown {
+            continue;
+        }
         let mut r: Vec<f64> = pairs
             .iter()
-            .map(|(ours, theirs)| f(theirs) as f64 / f(ours).max(1) as f64)
+            .map(|(ours, theirs)| figure(theirs) as f64 / figure(ours).max(1) as f64)
             .collect();
         r.sort_by(f64::total_cmp);
-        r[r.len() / 2]
-    };
-    let mut line = format!(
-        "median ratio {name} / kvroute over {} pairs: wall {:.3}  match p50 {:.3}  p99 {:.3}",
-        pairs.len(),
-        median(|r| r.wall),
-        median(|r| r.p50),
-        median(|r| r.p99)
-    );
-    if args.split {
-        line += &format!(
-            "  stored {:.3}  removed {:.3}  queries {:.3}",
-            median(|r| r.stored),
-            median(|r| r.removed),
-            median(|r| r.queries)
-        );
-    }
-    if args.hot {
-        line += &format!(
-            "  hot p50 {:.3}  hot p99 {:.3}",
-            median(|r| r.hot_p50),
-            median(|r| r.hot_p99)
-        );
+        line += &format!("  {label} {:.3}", r[r.len() / 2]);
     }
     println!("{line}");
 }
