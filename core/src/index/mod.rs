@@ -145,9 +145,8 @@ struct FirstRun {
     scores: Vec<RankScore>,
     ids: Vec<u32>,
     active: Vec<(u32, u32)>,
-    /// Whether every active id is below 64, and those ids as a mask.
+    /// Whether every active id is below 64 (the later runs then narrow a mask of them).
     by_mask: bool,
-    active_mask: u64,
 }
 
 impl OverlapScores {

@@ -204,25 +204,12 @@ impl OverlapScores {
             self.ids.extend_from_slice(&f.ids);
             self.active.extend_from_slice(&f.active);
             self.by_mask = f.by_mask;
-            if f.by_mask {
-                // The ids of the mask, and only they, are read from `key_of`.
-                self.active_mask = f.active_mask;
-                for &(id, key) in &f.active {
-                    self.key_of[id as usize] = key;
-                }
-            }
+            self.mask_active();
             return;
         }
         score_first(holders, m, ranks, self);
         self.by_mask = self.active.iter().all(|&(id, _)| id < 64);
-        if self.by_mask {
-            let mut mask = 0u64;
-            for &(id, key) in &self.active {
-                mask |= 1 << id;
-                self.key_of[id as usize] = key;
-            }
-            self.active_mask = mask;
-        }
+        self.mask_active();
         let i = if self.firsts.len() < KEPT_FIRST_RUNS {
             self.firsts.push(FirstRun::default());
             self.firsts.len() - 1
@@ -243,7 +230,20 @@ impl OverlapScores {
         f.ids.clone_from(&self.ids);
         f.active.clone_from(&self.active);
         f.by_mask = self.by_mask;
-        f.active_mask = self.active_mask;
+    }
+
+    /// With `by_mask`, the active ranks as a mask of ids, and each id's key in `key_of` (the
+    /// ids of the mask, and only they, are read from it).
+    #[inline]
+    fn mask_active(&mut self) {
+        if self.by_mask {
+            let mut mask = 0u64;
+            for &(id, key) in &self.active {
+                mask |= 1 << id;
+                self.key_of[id as usize] = key;
+            }
+            self.active_mask = mask;
+        }
     }
 }
 

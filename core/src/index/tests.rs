@@ -1200,8 +1200,7 @@ fn a_reused_result_keeps_how_each_first_run_narrows() {
     let mut id = 0;
     let mut store = |ix: &mut PrefixIndex, w: u64, blocks: &[StoredBlock]| {
         id += 1;
-        let parent = None;
-        ix.apply_stored(hdr(w, 0, id, device()), parent, blocks)
+        ix.apply_stored(hdr(w, 0, id, device()), None, blocks)
             .unwrap();
     };
     // Chain A: three low ids share its first run, two go on into a second run, one of them
