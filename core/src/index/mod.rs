@@ -33,6 +33,7 @@ mod run;
 mod shard;
 mod slots;
 mod table;
+mod uses;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -55,7 +56,7 @@ pub struct IndexConfig {
     /// Number of shards; 0 means one per available core. At most [`MAX_SHARDS`].
     pub shards: usize,
     /// Upper bound of the index's own memory, in bytes; `None` means unbounded. Over it, the
-    /// least recently stored leaf blocks are evicted.
+    /// least recently used leaf blocks are evicted (used: stored into, or read by a match).
     pub memory_budget: Option<usize>,
     /// Register a rank on its first event. When false, ranks must be registered with
     /// [`PrefixIndex::register_rank`] and events of other ranks are rejected.
@@ -928,6 +929,9 @@ impl PrefixIndex {
             });
         }
         self.tick += 1;
+        if self.config.memory_budget.is_some() {
+            self.publish_clock();
+        }
         let tier = header.tier as u8;
         let mut placed = std::mem::take(&mut self.placed);
         placed.clear();
@@ -1174,6 +1178,16 @@ impl PrefixIndex {
             + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
             + self.ranks.len() * std::mem::size_of::<Option<WorkerRank>>()
             + std::mem::size_of::<Self>()
+    }
+
+    /// Publishes the clock of Stored events to every shard, for walks to mark the runs they
+    /// match with (under a budget only). Out of line: the event loop's code stays as it is
+    /// without a budget.
+    #[inline(never)]
+    fn publish_clock(&self) {
+        for s in &self.shards {
+            s.set_clock(self.tick);
+        }
     }
 
     fn enforce_budget(&mut self) {

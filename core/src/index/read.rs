@@ -13,9 +13,11 @@
 //! compares before they are needed, not one. A run whose slot never had a child linked has no
 //! children, and the walk ends there without a table lookup.
 //!
-//! Nothing here locks or writes shared memory: runs are loaded under one epoch pin per walk, and
-//! every child found is checked against the position it was looked up from, so a walk that
-//! races with the writer sees each run either before or after a change, never torn.
+//! Nothing here locks: runs are loaded under one epoch pin per walk, and every child found is
+//! checked against the position it was looked up from, so a walk that races with the writer
+//! sees each run either before or after a change, never torn. The one shared write is under a
+//! memory budget only: the mark of when each run matched was last used (`uses.rs`), which
+//! eviction reads.
 
 use std::sync::Arc;
 
@@ -505,6 +507,7 @@ pub(crate) fn walk(
     // `TableInner::get`).
     let guard = crossbeam_epoch::pin();
     let table = shard.children.load();
+    let used = shard.used.as_ref().map(|u| (u, u.now()));
     let mut key = ChildKey {
         parent: ROOT,
         off: 0,
@@ -607,6 +610,9 @@ pub(crate) fn walk(
             break; // the slot was reused since the link was read
         }
         let m = common_prefix(run.hashes, rest);
+        if let Some((u, now)) = used {
+            u.mark(slot, now);
+        }
         if !started {
             started = true;
             out.first_run(slot, run.holders, m, ranks);

@@ -15,6 +15,7 @@ use super::mix::{self, set_bytes, MixState};
 use super::run::{holders_of, run_bytes, Run, RunBuf, RUN_CAP};
 use super::slots::{Slots, NO_NEXT};
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
+use super::uses::UseMarks;
 use crate::event::StoredBlock;
 
 /// Commits between hand-overs of retired runs to the epoch collector.
@@ -27,6 +28,8 @@ const SPARE_BUFS: usize = 16;
 pub(crate) struct ShardShared {
     pub slots: Slots,
     pub children: ChildTable,
+    /// Under a memory budget only: when a match last read each run.
+    pub used: Option<UseMarks>,
 }
 
 /// A position: a block of a run.
@@ -163,6 +166,7 @@ impl ShardWriter {
         let shared = Arc::new(ShardShared {
             slots: Slots::new(),
             children: ChildTable::new(),
+            used: track_lru.then(UseMarks::new),
         });
         ShardWriter {
             index,
@@ -211,8 +215,10 @@ impl ShardWriter {
         let lru = self.lru.as_ref().map_or(0, |h| {
             h.capacity() * std::mem::size_of::<Reverse<(u64, u32)>>()
         });
+        let used = self.shared.used.as_ref().map_or(0, UseMarks::bytes);
         self.run_bytes
             + self.shared.slots.bytes()
+            + used
             + self.table.bytes()
             + metas
             + lru
@@ -561,6 +567,9 @@ impl ShardWriter {
             s
         });
         self.shared.slots.reserve(slot);
+        if let Some(used) = &self.shared.used {
+            used.reset(slot);
+        }
         let meta = &mut self.metas[slot as usize];
         meta.live = true;
         meta.renamed = false;
@@ -701,6 +710,15 @@ impl ShardWriter {
             .extend(blocks[..n].iter().map(|b| b.local_hash.0));
         self.new_links.push((key, slot));
         (slot, 0, n, true)
+    }
+
+    /// Publishes the index's clock (its last Stored event) for walks to mark runs with.
+    /// Under a memory budget only.
+    #[inline(never)]
+    pub(crate) fn set_clock(&self, tick: u64) {
+        if let Some(used) = &self.shared.used {
+            used.set_now(tick);
+        }
     }
 
     fn touch(&mut self, slot: u32, tick: u64) {
@@ -1007,8 +1025,9 @@ impl ShardWriter {
         }
     }
 
-    /// Evicts the least recently stored leaf block of this shard, dropping every hold of it.
-    /// Returns false when there is nothing to evict. Commit afterwards.
+    /// Evicts the least recently used leaf block of this shard (the last block of the run
+    /// least recently stored into or matched that nothing branches from), dropping every hold
+    /// of it. Returns false when there is nothing to evict. Commit afterwards.
     pub(crate) fn evict_one(&mut self, dropped: &mut Vec<DroppedHold>) -> bool {
         loop {
             let Some(Reverse((tick, slot))) = self.lru.as_mut().and_then(|l| l.pop()) else {
@@ -1016,6 +1035,19 @@ impl ShardWriter {
             };
             let meta = &self.metas[slot as usize];
             if !meta.live || self.touches[slot as usize] != tick {
+                continue;
+            }
+            // Matched since it was queued: it goes back in line at the time it was used.
+            let used = self
+                .shared
+                .used
+                .as_ref()
+                .map_or(0, |u| u.last_used(slot, u.now()));
+            if used > tick {
+                self.touches[slot as usize] = used;
+                if let Some(lru) = &mut self.lru {
+                    lru.push(Reverse((used, slot)));
+                }
                 continue;
             }
             let len = self.with_run(slot, |_, _, h| h.len()).unwrap_or(0);

@@ -39,7 +39,7 @@ use std::sync::OnceLock;
 use crossbeam_epoch::{Atomic, Guard, Owned, Pointer, Shared};
 
 const FIRST_BITS: u32 = 10;
-const SEGMENTS: usize = 22;
+pub(super) const SEGMENTS: usize = 22;
 
 /// A published array: the address of the array two runs ahead (atomic: the writer updates it
 /// in place), then the run's words, which never change once published.
@@ -76,11 +76,17 @@ pub(crate) struct Slots {
 
 /// Segment and offset of slot `i`: segment k covers `[1024 * (2^k - 1), 1024 * (2^(k+1) - 1))`.
 #[inline]
-fn locate(i: u32) -> (usize, usize) {
+pub(super) fn locate(i: u32) -> (usize, usize) {
     let x = (i as u64 >> FIRST_BITS) + 1;
     let k = 63 - x.leading_zeros() as usize;
     let start = ((1u64 << k) - 1) << FIRST_BITS;
     (k, (i as u64 - start) as usize)
+}
+
+/// Slots in segment `k`.
+#[inline]
+pub(super) fn segment_len(k: usize) -> usize {
+    1usize << (k as u32 + FIRST_BITS)
 }
 
 /// The run's words of a published array (all but the first word).
@@ -356,11 +362,7 @@ impl Slots {
     /// writer; a racing second caller would only allocate a segment that is then dropped).
     fn ensure(&self, i: u32) -> &Cell {
         let (k, off) = locate(i);
-        let seg = self.segs[k].get_or_init(|| {
-            (0..(1usize << (k as u32 + FIRST_BITS)))
-                .map(|_| Cell::empty())
-                .collect()
-        });
+        let seg = self.segs[k].get_or_init(|| (0..segment_len(k)).map(|_| Cell::empty()).collect());
         &seg[off]
     }
 
@@ -376,7 +378,7 @@ impl Slots {
             .iter()
             .enumerate()
             .filter(|(_, s)| s.get().is_some())
-            .map(|(k, _)| (1usize << (k as u32 + FIRST_BITS)) * slot)
+            .map(|(k, _)| segment_len(k) * slot)
             .sum::<usize>()
             + self.segs.len() * std::mem::size_of::<Segment>()
     }

@@ -592,7 +592,7 @@ fn early_exit_stops_when_one_rank_is_left() {
 }
 
 #[test]
-fn memory_budget_evicts_least_recently_stored_leaves() {
+fn memory_budget_evicts_least_recently_stored_leaves_first() {
     let budget = 200_000;
     let mut ix = PrefixIndex::new(IndexConfig {
         shards: 2,
@@ -631,17 +631,71 @@ fn memory_budget_evicts_least_recently_stored_leaves() {
             .max_blocks(),
         0
     );
-    for p in 0..400u64 {
-        let q: Vec<LocalHash> = (0..40u64).map(|i| LocalHash(p * 1000 + i + 1)).collect();
-        let s = ix.find_matches(&q, MatchOptions::default());
-        // Whatever is left of a prompt is a prefix of it.
-        if let Some(score) = s.scores.first() {
-            assert!(score.blocks <= 40);
-        }
-    }
+    // Whatever is left of a prompt is a prefix of it (leaves went first): every pair still
+    // stored is reached by matching its prompt from the start.
+    let reached: u64 = (0..400u64)
+        .map(|p| {
+            let q: Vec<LocalHash> = (0..40u64).map(|i| LocalHash(p * 1000 + i + 1)).collect();
+            ix.find_matches(&q, MatchOptions::default()).max_blocks() as u64
+        })
+        .sum();
+    assert_eq!(reached, ix.stats().stored_pairs);
     // Removing an evicted block is an unknown block, counted, and harmless.
     let err = ix.apply_removed(hdr(0, 0, 100, device()), &[BlockHash(0)]);
     assert!(matches!(err, Err(IndexError::UnknownBlocks { .. })));
+}
+
+#[test]
+fn memory_budget_keeps_leaves_that_matches_keep_reading() {
+    let budget = 200_000;
+    let mut ix = PrefixIndex::new(IndexConfig {
+        shards: 2,
+        memory_budget: Some(budget),
+        ..IndexConfig::default()
+    });
+    let prompt = |p: u64| -> Vec<StoredBlock> {
+        (0..40u64)
+            .map(|i| StoredBlock {
+                block_hash: BlockHash(p * 1000 + i),
+                local_hash: LocalHash(p * 1000 + i + 1),
+            })
+            .collect()
+    };
+    let query =
+        |p: u64| -> Vec<LocalHash> { (0..40u64).map(|i| LocalHash(p * 1000 + i + 1)).collect() };
+    // Prompt 0 is matched after every store, through the scores and through the depth table
+    // by turns; prompt 1, stored just after it, never is.
+    let reader = ix.reader();
+    let mut depths = crate::index::RankDepths::default();
+    for p in 0..400u64 {
+        ix.apply_stored(hdr(p % 4, 0, p / 4, device()), None, &prompt(p))
+            .unwrap();
+        if p % 2 == 0 {
+            assert_eq!(
+                ix.find_matches(&query(0), MatchOptions::default())
+                    .max_blocks(),
+                40
+            );
+        } else {
+            reader.find_depths_into(&query(0), MatchOptions::default(), &mut depths);
+            let id = ix.rank_key(WorkerRank::new(0, 0)).unwrap();
+            assert_eq!(depths.get_for(id).map(|d| d.blocks), Some(40));
+        }
+    }
+    assert!(
+        ix.stats().evicted_blocks > 400,
+        "the budget evicted too little to tell"
+    );
+    assert_eq!(
+        ix.find_matches(&query(1), MatchOptions::default())
+            .max_blocks(),
+        0
+    );
+    assert_eq!(
+        ix.find_matches(&query(399), MatchOptions::default())
+            .max_blocks(),
+        40
+    );
 }
 
 #[test]
