@@ -1,10 +1,14 @@
 //! Random sequences of events and matches, applied to the index and to the reference model;
-//! every answer, every error and the pair count must agree.
+//! every answer, every error and the pair count must agree, and so must the index's books:
+//! its error counters and each rank's event-id status, against the rules written out here.
+
+use std::collections::HashMap;
 
 use kvroute_core::hash::{next_seq_hash, SeqHash};
 use kvroute_core::index::reference::ReferenceIndex;
+use kvroute_core::index::{ErrorCounts, EventCounts, RankScore};
 use kvroute_core::{
-    BlockHash, EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, PrefixIndex,
+    BlockHash, EventHeader, EventId, IndexConfig, IndexError, LocalHash, MatchOptions, PrefixIndex,
     StorageTier, StoredBlock, WorkerId, WorkerRank,
 };
 use proptest::prelude::*;
@@ -51,6 +55,154 @@ enum Op {
         prompt: usize,
         len: usize,
     },
+    /// The rank's next event id jumps ahead: a gap.
+    Skip {
+        rank: (u64, u32),
+        by: u64,
+    },
+    /// The rank's next event repeats its last id: a late arrival.
+    Repeat {
+        rank: (u64, u32),
+    },
+    /// The rank's blocks were re-read: its resync flag goes.
+    Resynced {
+        rank: (u64, u32),
+    },
+}
+
+/// The index's books as its documentation states them, kept beside it. Per rank, event ids
+/// follow one another: a jump ahead is a gap (the ids between are missing) and flags the rank
+/// for resynchronisation, as an unknown parent or a store that does not fit does; an id not
+/// above the last is a late arrival, applied all the same; a Cleared event or
+/// `mark_resynced` lowers the flag; a rank that leaves with its worker forgets its stream.
+/// Every rejection is counted by kind, `unknown_blocks` by block.
+#[derive(Default)]
+struct Books {
+    ranks: HashMap<WorkerRank, RankBook>,
+    events: EventCounts,
+    errors: ErrorCounts,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct RankBook {
+    last: Option<u64>,
+    gaps: u64,
+    resync: bool,
+}
+
+impl Books {
+    fn event(&mut self, h: EventHeader) {
+        self.events.events += 1;
+        let book = self.ranks.entry(h.source).or_default();
+        let id = h.event_id.0;
+        match book.last {
+            Some(last) if id == last + 1 => book.last = Some(id),
+            Some(last) if id > last => {
+                self.events.gaps += 1;
+                self.events.missing += id - last - 1;
+                book.gaps += 1;
+                book.resync = true;
+                book.last = Some(id);
+            }
+            Some(_) => self.events.reordered += 1,
+            None => book.last = Some(id),
+        }
+    }
+
+    fn outcome(&mut self, h: EventHeader, result: &Result<(), IndexError>) {
+        let Err(e) = result else {
+            return;
+        };
+        match e {
+            IndexError::UnknownParent { .. } => {
+                self.errors.unknown_parent += 1;
+                self.ranks.entry(h.source).or_default().resync = true;
+            }
+            IndexError::Full { .. } => {
+                self.errors.full += 1;
+                self.ranks.entry(h.source).or_default().resync = true;
+            }
+            IndexError::UnknownBlocks { count, .. } => self.errors.unknown_blocks += *count as u64,
+            IndexError::InvalidChain { .. } => self.errors.invalid_chain += 1,
+            IndexError::UnknownRank { .. } => self.errors.unknown_rank += 1,
+            IndexError::UnknownWorker { .. } => self.errors.unknown_worker += 1,
+            IndexError::TooManyRanks { .. } => self.errors.too_many_ranks += 1,
+        }
+    }
+
+    fn check(&self, index: &PrefixIndex, step: usize, op: &Op) {
+        let stats = index.stats();
+        assert_eq!(
+            stats.errors, self.errors,
+            "step {step}: error counts after {op:?}"
+        );
+        assert_eq!(
+            stats.events, self.events,
+            "step {step}: event counts after {op:?}"
+        );
+        let mut got: Vec<(WorkerRank, RankBook)> = index
+            .rank_status()
+            .into_iter()
+            .map(|s| {
+                let book = RankBook {
+                    last: s.last_event.map(|e| e.0),
+                    gaps: s.gaps,
+                    resync: s.needs_resync,
+                };
+                (s.rank, book)
+            })
+            .collect();
+        got.sort_by_key(|(r, _)| *r);
+        let mut want: Vec<(WorkerRank, RankBook)> =
+            self.ranks.iter().map(|(r, b)| (*r, *b)).collect();
+        want.sort_by_key(|(r, _)| *r);
+        assert_eq!(got, want, "step {step}: rank status after {op:?}");
+        let flagged: Vec<WorkerRank> = want
+            .iter()
+            .filter(|(_, b)| b.resync)
+            .map(|(r, _)| *r)
+            .collect();
+        let mut needing = index.ranks_needing_resync();
+        needing.sort();
+        assert_eq!(
+            needing, flagged,
+            "step {step}: ranks needing resync after {op:?}"
+        );
+    }
+}
+
+/// An early-exit answer against the full one: the same ranks; every rank but one scored in
+/// full; that one, if any, short of its full score only where no other rank was still
+/// holding every block (its score at least every other's).
+fn check_early_exit(early: &[RankScore], full: &[RankScore], step: usize) {
+    assert_eq!(
+        early.len(),
+        full.len(),
+        "step {step}: early exit changed the ranks"
+    );
+    let short: Vec<(&RankScore, &RankScore)> =
+        early.iter().zip(full).filter(|(e, f)| e != f).collect();
+    assert!(
+        short.len() <= 1,
+        "step {step}: early exit cut {} ranks short",
+        short.len()
+    );
+    if let Some((e, f)) = short.first() {
+        assert_eq!(e.rank, f.rank, "step {step}: early exit changed the ranks");
+        assert!(
+            e.blocks < f.blocks,
+            "step {step}: early exit over-reported {e:?}"
+        );
+        let others = full
+            .iter()
+            .filter(|o| o.rank != f.rank)
+            .map(|o| o.blocks)
+            .max();
+        assert!(
+            e.blocks >= others.unwrap_or(1),
+            "step {step}: early exit stopped {e:?} while another rank held {others:?}"
+        );
+    }
 }
 
 fn tier(t: u8) -> StorageTier {
@@ -99,6 +251,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..WORKERS + 1).prop_map(|worker| Op::RemoveWorker { worker }),
         1 => (rank.clone(), 0u64..2_000).prop_map(|(rank, blocks)| Op::Reserve { rank, blocks }),
         6 => (any::<usize>(), any::<usize>()).prop_map(|(prompt, len)| Op::Query { prompt, len }),
+        1 => (rank.clone(), 1u64..4).prop_map(|(rank, by)| Op::Skip { rank, by }),
+        1 => rank.clone().prop_map(|rank| Op::Repeat { rank }),
+        1 => rank.clone().prop_map(|rank| Op::Resynced { rank }),
     ]
 }
 
@@ -132,18 +287,24 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
     let mut depths = kvroute_core::RankDepths::default();
     let mut reused = kvroute_core::OverlapScores::default();
     let mut model = ReferenceIndex::new();
-    let mut next_id = std::collections::HashMap::new();
-    let mut header = |rank: (u64, u32), t: u8| {
-        let r = WorkerRank::new(rank.0, rank.1);
-        let id = next_id.entry(r).or_insert(0u64);
-        *id += 1;
-        EventHeader {
-            source: r,
-            event_id: EventId(*id),
-            tier: tier(t),
-        }
-    };
+    let mut books = Books::default();
+    // Per rank, the id its next event carries.
+    let mut next_id: HashMap<WorkerRank, u64> = HashMap::new();
+    let rank_of = |rank: (u64, u32)| WorkerRank::new(rank.0, rank.1);
     for (step, op) in ops.iter().enumerate() {
+        // Each op makes at most one event; its header, noted in the books.
+        let mut header = |rank: (u64, u32), t: u8| {
+            let r = rank_of(rank);
+            let id = next_id.entry(r).or_insert(1);
+            let h = EventHeader {
+                source: r,
+                event_id: EventId(*id),
+                tier: tier(t),
+            };
+            *id += 1;
+            books.event(h);
+            h
+        };
         match op {
             Op::Store {
                 rank,
@@ -166,6 +327,7 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                 let a = index.apply_stored(h, parent, &blocks);
                 let b = model.apply_stored(h, parent, &blocks);
                 assert_eq!(a, b, "step {step}: {op:?}");
+                books.outcome(h, &b);
             }
             Op::Remove {
                 rank,
@@ -182,12 +344,14 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                 let a = index.apply_removed(h, &names);
                 let b = model.apply_removed(h, &names);
                 assert_eq!(a, b, "step {step}: {op:?}");
+                books.outcome(h, &b);
             }
             Op::RemoveBogus { rank, name } => {
                 let h = header(*rank, 0);
                 let a = index.apply_removed(h, &[BlockHash(*name)]);
                 let b = model.apply_removed(h, &[BlockHash(*name)]);
                 assert_eq!(a, b, "step {step}: {op:?}");
+                books.outcome(h, &b);
             }
             Op::SelfParent { rank, prompt, at } => {
                 let p = &prompts[prompt % prompts.len()];
@@ -204,6 +368,7 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                     "step {step}: a block that is its own parent was accepted"
                 );
                 assert_eq!(a, b, "step {step}: {op:?}");
+                books.outcome(h, &b);
             }
             Op::Clear { rank } => {
                 let h = header(*rank, 0);
@@ -211,18 +376,38 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                     .apply_cleared(h)
                     .expect("clear never fails for a known rank");
                 model.apply_cleared(h);
+                books.ranks.entry(h.source).or_default().resync = false;
             }
             Op::RemoveWorker { worker } => {
                 let a = index.remove_worker(WorkerId(*worker));
                 let b = model.remove_worker(WorkerId(*worker));
                 assert_eq!(a, b, "step {step}: {op:?}");
+                if let Err(IndexError::UnknownWorker { .. }) = b {
+                    books.errors.unknown_worker += 1;
+                }
+                books.ranks.retain(|r, _| r.worker != WorkerId(*worker));
             }
             Op::Reserve { rank, blocks } => {
-                let r = WorkerRank::new(rank.0, rank.1);
+                let r = rank_of(*rank);
                 index
                     .reserve_blocks(r, *blocks)
                     .expect("the rank limit is far");
                 model.register_rank(r);
+                books.ranks.entry(r).or_default();
+            }
+            Op::Skip { rank, by } => {
+                *next_id.entry(rank_of(*rank)).or_insert(1) += by;
+            }
+            Op::Repeat { rank } => {
+                let id = next_id.entry(rank_of(*rank)).or_insert(1);
+                *id = id.saturating_sub(1).max(1);
+            }
+            Op::Resynced { rank } => {
+                let r = rank_of(*rank);
+                index.mark_resynced(r);
+                if let Some(book) = books.ranks.get_mut(&r) {
+                    book.resync = false;
+                }
             }
             Op::Query { prompt, len } => {
                 let p = &prompts[prompt % prompts.len()];
@@ -251,8 +436,14 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                     "step {step}: by id, query of {} blocks",
                     q.len()
                 );
+                let mut early = reader
+                    .find_matches(q, MatchOptions { early_exit: true })
+                    .scores;
+                early.sort();
+                check_early_exit(&early, &want, step);
             }
         }
+        books.check(&index, step, op);
         assert_eq!(
             index.stats().stored_pairs,
             model.stored_pairs(),
