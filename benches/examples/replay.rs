@@ -14,7 +14,8 @@
 //!
 //! The fleet and workload are the peer benchmark's defaults (16 workers of 16,384 blocks,
 //! 64-token blocks, seed 42); `--unsized` replays into an index whose ranks are not registered
-//! with their capacity (the benchmark's `kvroute-unsized`).
+//! with their capacity (the benchmark's `kvroute-unsized`); `--budget BYTES` replays into an
+//! unsized index with that memory budget, which evicts as it goes.
 //!
 //! `--versus NAME` replays one of the peer benchmark's other indexers too, in turn with
 //! kvroute (the order swapped from replay to replay), and ends with the medians of the ratios
@@ -51,6 +52,7 @@ struct Args {
     sized: bool,
     versus: Option<Kind>,
     hot: bool,
+    budget: Option<usize>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -61,6 +63,7 @@ fn parse_args() -> Result<Args> {
         sized: true,
         versus: None,
         hot: false,
+        budget: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -75,6 +78,11 @@ fn parse_args() -> Result<Args> {
             }
             "--split" => args.split = true,
             "--unsized" => args.sized = false,
+            "--budget" => {
+                let bytes = it.next().context("--budget needs a number of bytes")?;
+                args.budget = Some(bytes.parse().context("--budget")?);
+                args.sized = false;
+            }
             "--hot" => args.hot = true,
             "--versus" => {
                 let name = it.next().context("--versus needs an indexer's name")?;
@@ -84,7 +92,7 @@ fn parse_args() -> Result<Args> {
             }
             "--help" | "-h" => {
                 println!(
-                    "replay [--trace FILE] [--replays N (5)] [--split] [--unsized] [--hot] \
+                    "replay [--trace FILE] [--replays N (5)] [--split] [--unsized] [--budget BYTES] [--hot] \
                      [--versus NAME]"
                 );
                 std::process::exit(0);
@@ -273,7 +281,10 @@ fn main() -> Result<()> {
         if args.sized {
             Box::new(Kvroute::sized(WORKERS, CAPACITY))
         } else {
-            Box::new(Kvroute::with_config(IndexConfig::default()))
+            Box::new(Kvroute::with_config(IndexConfig {
+                memory_budget: args.budget,
+                ..IndexConfig::default()
+            }))
         }
     };
     let mut walls = Vec::with_capacity(args.replays);

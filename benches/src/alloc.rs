@@ -113,3 +113,12 @@ pub fn settle_heap() {
         malloc_trim(0);
     }
 }
+
+/// The process's resident set (`VmRSS` in `/proc/self/status`), in bytes; `None` where the
+/// system does not report it.
+pub fn resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
