@@ -591,54 +591,57 @@ fn early_exit_stops_when_one_rank_is_left() {
     assert_eq!(depths.get_for(id(2)).map(|d| d.blocks), Some(10));
 }
 
+/// An index of two shards under a budget of 200 KB.
+fn budgeted() -> PrefixIndex {
+    PrefixIndex::new(IndexConfig {
+        shards: 2,
+        memory_budget: Some(BUDGET),
+        ..IndexConfig::default()
+    })
+}
+
+const BUDGET: usize = 200_000;
+
+/// Prompt `p` of many distinct 40-block prompts: its blocks, and its query.
+fn distinct_prompt(p: u64) -> (Vec<StoredBlock>, Vec<LocalHash>) {
+    let blocks: Vec<StoredBlock> = (0..40u64)
+        .map(|i| StoredBlock {
+            block_hash: BlockHash(p * 1000 + i),
+            local_hash: LocalHash(p * 1000 + i + 1),
+        })
+        .collect();
+    let query = blocks.iter().map(|b| b.local_hash).collect();
+    (blocks, query)
+}
+
+/// The most blocks any rank holds of prompt `p`.
+fn held_of(ix: &PrefixIndex, p: u64) -> u32 {
+    ix.find_matches(&distinct_prompt(p).1, MatchOptions::default())
+        .max_blocks()
+}
+
 #[test]
 fn memory_budget_evicts_least_recently_stored_leaves_first() {
-    let budget = 200_000;
-    let mut ix = PrefixIndex::new(IndexConfig {
-        shards: 2,
-        memory_budget: Some(budget),
-        ..IndexConfig::default()
-    });
-    // Many distinct prompts, each 40 blocks, on 4 ranks.
+    let mut ix = budgeted();
+    // Many distinct prompts on 4 ranks.
     for p in 0..400u64 {
-        let blocks: Vec<StoredBlock> = (0..40u64)
-            .map(|i| StoredBlock {
-                block_hash: BlockHash(p * 1000 + i),
-                local_hash: LocalHash(p * 1000 + i + 1),
-            })
-            .collect();
-        ix.apply_stored(hdr(p % 4, 0, p / 4, device()), None, &blocks)
+        ix.apply_stored(hdr(p % 4, 0, p / 4, device()), None, &distinct_prompt(p).0)
             .unwrap();
         assert!(
-            ix.memory_bytes() <= budget,
-            "after prompt {p}: {} bytes over a budget of {budget}",
+            ix.memory_bytes() <= BUDGET,
+            "after prompt {p}: {} bytes over a budget of {BUDGET}",
             ix.memory_bytes()
         );
     }
     let st = ix.stats();
     assert!(st.evicted_blocks > 0 && st.evicted_pairs >= st.evicted_blocks);
     assert_eq!(st.stored_pairs + st.evicted_pairs, 400 * 40);
-    // The newest prompt survives whole; the oldest is gone; leaves went before their parents.
-    let newest: Vec<LocalHash> = (0..40u64).map(|i| LocalHash(399_000 + i + 1)).collect();
-    assert_eq!(
-        ix.find_matches(&newest, MatchOptions::default())
-            .max_blocks(),
-        40
-    );
-    let oldest: Vec<LocalHash> = (0..40u64).map(|i| LocalHash(i + 1)).collect();
-    assert_eq!(
-        ix.find_matches(&oldest, MatchOptions::default())
-            .max_blocks(),
-        0
-    );
+    // The newest prompt survives whole; the oldest is gone.
+    assert_eq!(held_of(&ix, 399), 40);
+    assert_eq!(held_of(&ix, 0), 0);
     // Whatever is left of a prompt is a prefix of it (leaves went first): every pair still
     // stored is reached by matching its prompt from the start.
-    let reached: u64 = (0..400u64)
-        .map(|p| {
-            let q: Vec<LocalHash> = (0..40u64).map(|i| LocalHash(p * 1000 + i + 1)).collect();
-            ix.find_matches(&q, MatchOptions::default()).max_blocks() as u64
-        })
-        .sum();
+    let reached: u64 = (0..400u64).map(|p| u64::from(held_of(&ix, p))).sum();
     assert_eq!(reached, ix.stats().stored_pairs);
     // Removing an evicted block is an unknown block, counted, and harmless.
     let err = ix.apply_removed(hdr(0, 0, 100, device()), &[BlockHash(0)]);
@@ -647,37 +650,19 @@ fn memory_budget_evicts_least_recently_stored_leaves_first() {
 
 #[test]
 fn memory_budget_keeps_leaves_that_matches_keep_reading() {
-    let budget = 200_000;
-    let mut ix = PrefixIndex::new(IndexConfig {
-        shards: 2,
-        memory_budget: Some(budget),
-        ..IndexConfig::default()
-    });
-    let prompt = |p: u64| -> Vec<StoredBlock> {
-        (0..40u64)
-            .map(|i| StoredBlock {
-                block_hash: BlockHash(p * 1000 + i),
-                local_hash: LocalHash(p * 1000 + i + 1),
-            })
-            .collect()
-    };
-    let query =
-        |p: u64| -> Vec<LocalHash> { (0..40u64).map(|i| LocalHash(p * 1000 + i + 1)).collect() };
+    let mut ix = budgeted();
     // Prompt 0 is matched after every store, through the scores and through the depth table
     // by turns; prompt 1, stored just after it, never is.
     let reader = ix.reader();
     let mut depths = crate::index::RankDepths::default();
+    let hot = distinct_prompt(0).1;
     for p in 0..400u64 {
-        ix.apply_stored(hdr(p % 4, 0, p / 4, device()), None, &prompt(p))
+        ix.apply_stored(hdr(p % 4, 0, p / 4, device()), None, &distinct_prompt(p).0)
             .unwrap();
         if p % 2 == 0 {
-            assert_eq!(
-                ix.find_matches(&query(0), MatchOptions::default())
-                    .max_blocks(),
-                40
-            );
+            assert_eq!(held_of(&ix, 0), 40);
         } else {
-            reader.find_depths_into(&query(0), MatchOptions::default(), &mut depths);
+            reader.find_depths_into(&hot, MatchOptions::default(), &mut depths);
             let id = ix.rank_key(WorkerRank::new(0, 0)).unwrap();
             assert_eq!(depths.get_for(id).map(|d| d.blocks), Some(40));
         }
@@ -686,16 +671,8 @@ fn memory_budget_keeps_leaves_that_matches_keep_reading() {
         ix.stats().evicted_blocks > 400,
         "the budget evicted too little to tell"
     );
-    assert_eq!(
-        ix.find_matches(&query(1), MatchOptions::default())
-            .max_blocks(),
-        0
-    );
-    assert_eq!(
-        ix.find_matches(&query(399), MatchOptions::default())
-            .max_blocks(),
-        40
-    );
+    assert_eq!(held_of(&ix, 1), 0);
+    assert_eq!(held_of(&ix, 399), 40);
 }
 
 #[test]
