@@ -15,9 +15,9 @@
 //!
 //! Nothing here locks: runs are loaded under one epoch pin per walk, and every child found is
 //! checked against the position it was looked up from, so a walk that races with the writer
-//! sees each run either before or after a change, never torn. The one shared write is under a
-//! memory budget only: the mark of when each run matched was last used (`uses.rs`), which
-//! eviction reads.
+//! sees each run either before or after a change, never torn. The one shared write is made
+//! under a memory budget only: each run the walk matches is marked as used now (`uses.rs`),
+//! for eviction to read.
 
 use std::sync::Arc;
 
