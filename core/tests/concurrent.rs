@@ -1,4 +1,5 @@
-//! Readers on several threads match while one writer applies events.
+//! Readers on several threads match while one writer applies events; with a memory budget,
+//! while it evicts too.
 //!
 //! The writer grows one chain for rank 1 block by block and publishes, after each event, how
 //! long the chain is (and, before each event, how long it is about to be); meanwhile it churns other ranks' chains (stores, removals, clears). Every
@@ -113,5 +114,93 @@ fn readers_see_monotonic_prefixes_while_the_writer_churns() {
             .find_matches(&query, MatchOptions::default())
             .blocks(rank),
         LEN as u32
+    );
+}
+
+/// Prompt `p` of many distinct 40-block prompts, stored by rank `p % 4` alone.
+fn prompt(p: u64) -> Vec<StoredBlock> {
+    (0..40u64)
+        .map(|i| StoredBlock {
+            block_hash: BlockHash(p * 1000 + i),
+            local_hash: LocalHash(p * 1000 + i + 1),
+        })
+        .collect()
+}
+
+#[test]
+fn readers_mark_and_match_while_a_budget_evicts() {
+    const PROMPTS: u64 = 3_000;
+    let budget = 300_000;
+    let mut index = PrefixIndex::new(IndexConfig {
+        shards: 2,
+        memory_budget: Some(budget),
+        ..IndexConfig::default()
+    });
+    let stored = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    // Readers match the prompts stored lately, and prompt 0 throughout, marking the runs they
+    // read while the writer evicts and reuses slots. An answer names the prompt's own rank
+    // alone, with at most its 40 blocks: a walk that read a reused slot's stranger chain would
+    // name another.
+    let readers: Vec<_> = (0..3u64)
+        .map(|t| {
+            let reader = index.reader();
+            let stored = Arc::clone(&stored);
+            let done = Arc::clone(&done);
+            std::thread::spawn(move || {
+                let mut out = OverlapScores::default();
+                let mut depths = kvroute_core::RankDepths::default();
+                let mut matches = 0u64;
+                while !done.load(Ordering::Acquire) {
+                    let n = stored.load(Ordering::Acquire);
+                    let p = if matches % 2 == 0 {
+                        0
+                    } else {
+                        n.saturating_sub(1 + (matches + t) % 64)
+                    };
+                    let query: Vec<LocalHash> = prompt(p).iter().map(|b| b.local_hash).collect();
+                    let owner = WorkerRank::new(p % 4, 0);
+                    if matches % 3 == 0 {
+                        reader.find_depths_into(&query, MatchOptions::default(), &mut depths);
+                        for s in depths.to_scores(&reader) {
+                            assert!(s.rank == owner && s.blocks <= 40, "prompt {p}: {s:?}");
+                        }
+                    } else {
+                        reader.find_matches_into(&query, MatchOptions::default(), &mut out);
+                        for s in &out.scores {
+                            assert!(s.rank == owner && s.blocks <= 40, "prompt {p}: {s:?}");
+                        }
+                    }
+                    matches += 1;
+                }
+                matches
+            })
+        })
+        .collect();
+
+    for p in 0..PROMPTS {
+        index
+            .apply_stored(header(p % 4, p / 4), None, &prompt(p))
+            .expect("distinct prompts store");
+        stored.store(p + 1, Ordering::Release);
+        assert!(index.memory_bytes() <= budget);
+    }
+    done.store(true, Ordering::Release);
+    let total: u64 = readers
+        .into_iter()
+        .map(|r| r.join().expect("reader panicked"))
+        .sum();
+    assert!(total > 0);
+    let stats = index.stats();
+    assert!(stats.evicted_blocks > 0, "the budget was meant to evict");
+    if let Err(e) = index.check_links() {
+        panic!("after the run: {e}");
+    }
+    let newest: Vec<LocalHash> = prompt(PROMPTS - 1).iter().map(|b| b.local_hash).collect();
+    assert_eq!(
+        index
+            .find_matches(&newest, MatchOptions::default())
+            .max_blocks(),
+        40
     );
 }
