@@ -25,6 +25,16 @@ fn header(worker: u64, id: u64) -> EventHeader {
     }
 }
 
+/// Stops the readers and checks that they matched at all (a reader's panic fails the test).
+fn stop(done: &AtomicBool, readers: Vec<std::thread::JoinHandle<u64>>) {
+    done.store(true, Ordering::Release);
+    let total: u64 = readers
+        .into_iter()
+        .map(|r| r.join().expect("reader panicked"))
+        .sum();
+    assert!(total > 0, "no reader matched");
+}
+
 #[test]
 fn readers_see_monotonic_prefixes_while_the_writer_churns() {
     let mut index = PrefixIndex::new(IndexConfig {
@@ -103,12 +113,7 @@ fn readers_see_monotonic_prefixes_while_the_writer_churns() {
             index.apply_cleared(header(w, ids[w as usize])).unwrap();
         }
     }
-    done.store(true, Ordering::Release);
-    let total: u64 = readers
-        .into_iter()
-        .map(|r| r.join().expect("reader panicked"))
-        .sum();
-    assert!(total > 0);
+    stop(&done, readers);
     assert_eq!(
         index
             .find_matches(&query, MatchOptions::default())
@@ -185,12 +190,7 @@ fn readers_mark_and_match_while_a_budget_evicts() {
         stored.store(p + 1, Ordering::Release);
         assert!(index.memory_bytes() <= budget);
     }
-    done.store(true, Ordering::Release);
-    let total: u64 = readers
-        .into_iter()
-        .map(|r| r.join().expect("reader panicked"))
-        .sum();
-    assert!(total > 0);
+    stop(&done, readers);
     let stats = index.stats();
     assert!(stats.evicted_blocks > 0, "the budget was meant to evict");
     if let Err(e) = index.check_links() {
