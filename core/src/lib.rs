@@ -59,16 +59,37 @@ pub mod select;
 pub mod session;
 mod sync;
 
-pub use config::{ConfigError, Policy, PromptDecay, RouterConfig};
+pub use approx::ApproxCounts;
+pub use config::{
+    Approximate, BusyThresholds, ConfigError, Disaggregation, Metrics, Policy, PromptDecay,
+    QueueOrder, Queueing, RouterConfig, Speculative, TierWeights, Timing, WarmUp,
+};
 pub use event::{
     BlockHash, DpRank, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock,
     WorkerId, WorkerRank,
 };
-pub use hash::{LocalHash, SeqHash};
+pub use hash::{BlockHasher, HashSeed, LocalHash, SeqHash};
+pub use health::Health;
 pub use index::{
     ApplyEvents, Depth, IndexConfig, IndexError, IndexReader, IndexStats, MatchOptions,
     OverlapScores, PrefixIndex, RankDepths, RankKey, RankScore,
 };
-pub use load::{LoadView, RequestId};
-pub use registry::{WorkerConfig, WorkerRole};
-pub use router::{Decision, RequestGuard, RouteError, RouteHints, RouteRequest, Router};
+pub use load::{Dispatch, Freed, LedgerCounts, LoadError, LoadView, RequestId};
+pub use queue::PriorityClass;
+pub use registry::{KvEvents, Readiness, RegistryError, WorkerConfig, WorkerRole};
+pub use router::{
+    Admission, Bookkeeping, Cancelled, DecidedBy, Decision, EventSeen, EventWriter, EvidenceLevel,
+    Fallback, Label, Mode, Phase, Pinned, PoolHits, PreferredLabel, Quantiles, QueueStats,
+    Released, RequestGuard, RequestMetrics, RouteError, RouteHints, RouteRequest, Router,
+    RouterCounts, RouterError, SessionCallback, Ticket, TicketState, Timings,
+};
+pub use select::{Busy, Candidate, CostTerms, Overlap, Overrides, PolicyKind};
+pub use session::{SessionClose, SessionEnd, SessionEndReason, SessionId, SessionRouting};
+
+/// Hooks for the project's own tests and benchmarks: not part of the API.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::load::{decayed, output_decay, remaining_fraction};
+    pub use crate::rng::Rng;
+    pub use crate::select::SHARED_PROBES;
+}

@@ -1,0 +1,67 @@
+//! What a route answers: the chosen rank, and the evidence of why.
+
+use crate::event::WorkerRank;
+use crate::load::{LoadView, RequestId};
+use crate::select::{Candidate, CostTerms, Overlap, PolicyKind};
+use crate::session::SessionRouting;
+
+/// Which rule chose the worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecidedBy {
+    /// The KV-aware cost function.
+    Cost,
+    /// Another configured policy.
+    Policy(PolicyKind),
+    /// The caller pinned the worker.
+    Pinned,
+    /// The request's sticky session is bound to the rank.
+    Session,
+    /// Every eligible rank was busy: the least loaded was taken.
+    FallbackAllBusy,
+    /// Every eligible rank's worker is marked unhealthy: the least loaded was taken.
+    FallbackAllUnhealthy,
+    /// A cache miss sent to a warming worker (see [`crate::config::WarmUp`]).
+    WarmUp,
+}
+
+/// A decision that served the request differently from its phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// A prefill-phase request went to an aggregated worker: no prefill worker has joined
+    /// (and disaggregation is not enforced).
+    PrefillToAggregated,
+}
+
+/// Whether the decision booked load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bookkeeping {
+    Booked,
+    /// Query-only: nothing changed.
+    QueryOnly,
+    /// Pinned to a multi-rank worker without a usable dp rank: dispatch without bookkeeping.
+    /// The reported rank is the worker's first.
+    UntrackedDpRankUnresolved,
+}
+
+/// A routing decision and why it was made.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub request: RequestId,
+    pub worker: WorkerRank,
+    /// Predicted cached prefix on the chosen rank.
+    pub overlap: Overlap,
+    /// The chosen rank's cost terms.
+    pub cost: CostTerms,
+    /// Its load just before booking.
+    pub load: LoadView,
+    pub decided_by: DecidedBy,
+    /// Set when the request was served outside its phase.
+    pub fallback: Option<Fallback>,
+    pub bookkeeping: Bookkeeping,
+    pub expected_output_tokens: Option<u32>,
+    /// How a session request's session steered it (`None` without a session, or when an
+    /// explicit pin decided).
+    pub session: Option<SessionRouting>,
+    /// Every candidate considered (busy ones included), when asked for.
+    pub evidence: Option<Vec<Candidate>>,
+}

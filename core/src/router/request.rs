@@ -1,0 +1,205 @@
+//! The request vocabulary: what a caller hands to [`super::Router::route`] (tokens and
+//! hints), and why a request can be refused ([`RouteError`]).
+
+use crate::event::{DpRank, WorkerId};
+use crate::load::{LoadError, RequestId};
+use crate::queue::PriorityClass;
+use crate::select::Overrides;
+use crate::session::{SessionClose, SessionId};
+
+/// The serving phase a request is routed for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Phase {
+    /// Prefill and decode on one worker (aggregated workers).
+    #[default]
+    Aggregated,
+    /// The prefill half of disaggregated serving (prefill workers).
+    Prefill,
+    /// The decode half (decode workers; overlap credit off, no prefill booked).
+    Decode,
+}
+
+/// Whether a decision books load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Mode {
+    /// Decide and book.
+    #[default]
+    Book,
+    /// Decide only; change no state.
+    QueryOnly,
+}
+
+/// Whether the decision carries every candidate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum EvidenceLevel {
+    #[default]
+    Off,
+    /// Every candidate with its load, overlap and cost (allocates).
+    Full,
+}
+
+/// Workers pinned by the caller, per phase. Precedence (the reference's): in prefill, the
+/// prefill worker before the backend instance; in decode, the decode worker before the backend
+/// instance; aggregated uses the backend instance. The dp rank is the phase's own, else the
+/// general one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Pinned {
+    pub backend_instance: Option<WorkerId>,
+    pub prefill_worker: Option<WorkerId>,
+    pub decode_worker: Option<WorkerId>,
+    pub dp_rank: Option<DpRank>,
+    pub prefill_dp_rank: Option<DpRank>,
+    pub decode_dp_rank: Option<DpRank>,
+}
+
+impl Pinned {
+    /// The worker and dp rank pinned for `phase`, if any.
+    pub fn for_phase(&self, phase: Phase) -> Option<(WorkerId, Option<DpRank>)> {
+        let (worker, dp) = match phase {
+            Phase::Prefill => (
+                self.prefill_worker.or(self.backend_instance),
+                self.prefill_dp_rank.or(self.dp_rank),
+            ),
+            Phase::Decode => (
+                self.decode_worker.or(self.backend_instance),
+                self.decode_dp_rank.or(self.dp_rank),
+            ),
+            Phase::Aggregated => (self.backend_instance, self.dp_rank),
+        };
+        worker.map(|w| (w, dp))
+    }
+}
+
+/// What the caller knows about a request besides its tokens.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RouteHints<'a> {
+    pub phase: Phase,
+    pub pinned: Pinned,
+    pub mode: Mode,
+    /// LoRA adapter: changes the block hash seed.
+    pub lora_name: Option<&'a str>,
+    /// Cache isolation salt: changes the block hash seed.
+    pub cache_salt: Option<&'a str>,
+    /// Seconds to move ahead in the admission queue (finite; see [`crate::queue`]); no effect
+    /// on the choice.
+    pub priority_jump: f64,
+    /// Strict priority class in the admission queue: higher classes always go first.
+    pub priority_class: PriorityClass,
+    /// Expected generated tokens, when known: the request's output blocks then weigh what is
+    /// left of it in the rank's decode load (see [`crate::load`]); recorded in the decision.
+    pub expected_output_tokens: Option<u32>,
+    /// Only these workers may serve (`None`: any).
+    pub allowed: Option<&'a [WorkerId]>,
+    /// Labels a worker must carry, every one, to serve ([`RouteError::NoEligibleWorker`] when
+    /// none does).
+    pub required: &'a [Label<'a>],
+    /// Labels that lower the cost of a worker carrying them by their weight, in blocks.
+    pub preferred: &'a [PreferredLabel<'a>],
+    /// The sticky session the request belongs to (see [`crate::session`]); an explicit pin
+    /// takes precedence over it.
+    pub session: Option<SessionId>,
+    /// Whether the session closes when this request ends.
+    pub session_close: SessionClose,
+    /// What the fleet's shared KV pool holds of the prompt.
+    pub pool: PoolHits<'a>,
+    pub overrides: Overrides,
+    pub evidence: EvidenceLevel,
+}
+
+/// The shared KV pool's answer for a request's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PoolHits<'a> {
+    /// No pool, or not asked.
+    #[default]
+    None,
+    /// The pool holds these ranges of block positions (0 = the prompt's first block). Blocks
+    /// beyond a worker's own overlap, contiguous with it, are credited at
+    /// [`RouterConfig::pool_credit`]. Ranges past the prompt are clipped; a range whose start
+    /// exceeds its end makes the whole answer count as failed.
+    Hits(&'a [std::ops::Range<u32>]),
+    /// The pool did not answer (timeout, error): counted and ignored.
+    Failed,
+}
+
+/// A worker label, `key=value`, as a request names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Label<'a> {
+    pub key: &'a str,
+    pub value: &'a str,
+}
+
+/// A label a request prefers, and by how much: a worker carrying it costs `weight` blocks
+/// less (finite, ≥ 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PreferredLabel<'a> {
+    pub label: Label<'a>,
+    pub weight: f64,
+}
+
+/// One request to route.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    pub id: RequestId,
+    pub tokens: &'a [u32],
+    pub hints: RouteHints<'a>,
+}
+
+/// Why a request could not be routed.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum RouteError {
+    #[error("request {request:?} has no tokens")]
+    NoTokens { request: RequestId },
+    #[error("router not ready: {joined} of {needed} workers joined")]
+    NotReady { joined: usize, needed: usize },
+    #[error(
+        "no worker may serve request {request:?} (none joined for its phase, or none allowed)"
+    )]
+    NoWorkers { request: RequestId },
+    #[error("request {request:?} is pinned to unknown worker {worker:?}")]
+    UnknownWorker {
+        request: RequestId,
+        worker: WorkerId,
+    },
+    #[error("no worker carries every label request {request:?} requires")]
+    NoEligibleWorker { request: RequestId },
+    #[error("request {request:?} is pinned to worker {worker:?}, which lacks a required label")]
+    PinnedLacksLabels {
+        request: RequestId,
+        worker: WorkerId,
+    },
+    #[error("request {request:?} is pinned to worker {worker:?}, which its allowed set excludes")]
+    PinnedNotAllowed {
+        request: RequestId,
+        worker: WorkerId,
+    },
+    #[error(
+        "request {request:?} ({request_tokens} prompt tokens) rejected: {queued_tokens} tokens already queued, cap {cap_tokens}; retry later"
+    )]
+    ResourceExhausted {
+        request: RequestId,
+        request_tokens: u64,
+        queued_tokens: u64,
+        cap_tokens: u64,
+    },
+    #[error("request {request:?} is neither queued nor released and untaken")]
+    NotQueued { request: RequestId },
+    #[error("request {request:?} hint `{field}` is invalid: {reason}")]
+    InvalidHint {
+        request: RequestId,
+        field: &'static str,
+        reason: &'static str,
+    },
+    #[error(transparent)]
+    Load(#[from] LoadError),
+}
+
+impl RouteError {
+    /// True when the same request may succeed if retried later unchanged (the queue was full,
+    /// or the fleet not yet ready).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            RouteError::ResourceExhausted { .. } | RouteError::NotReady { .. }
+        )
+    }
+}
