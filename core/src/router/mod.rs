@@ -47,6 +47,8 @@
 //! ([`Router::apply_event`]) and hands out lock-free readers.
 
 mod admission;
+mod book;
+mod choose;
 mod decision;
 mod events;
 mod guard;

@@ -1,12 +1,15 @@
 //! Scoring one request's ranks: each rank's cost from its overlap and load, with the floors
 //! that let selection skip ranks that cannot win.
 
+use crate::config::BusyThresholds;
 use crate::event::{StorageTier, WorkerId};
 use crate::health::Health;
 use crate::index::{RankDepths, RankKey};
 use crate::load::LoadView;
 use crate::registry::{Fleet, RankEntry, WorkerRole};
-use crate::select::{Busy, CostTerms, FloorTerms, ProbeTargets, RequestShape, Scored, Weights};
+use crate::select::{
+    Busy, Candidate, CostTerms, FloorTerms, ProbeTargets, RequestShape, Scored, Weights,
+};
 
 /// The overlap `depths` gives rank `r` under its key, retired or not: at least the overlap
 /// [`rank_depth`] gives it (a floor computed from it is no higher).
@@ -94,6 +97,27 @@ impl CreditBar {
     }
 }
 
+/// What scoring reads of one request besides the match: fixed for the route.
+#[derive(Clone, Copy)]
+pub(crate) struct ScoreInput<'a> {
+    pub(crate) fleet: &'a Fleet,
+    pub(crate) weights: &'a Weights,
+    pub(crate) shape: &'a RequestShape,
+    /// The shared pool's hits, disjoint and sorted (empty: no pool credit).
+    pub(crate) pool: &'a [(u32, u32)],
+    /// Credit per pool block.
+    pub(crate) pool_credit: f64,
+    /// The request's preferred labels, as (label bit, weight in blocks).
+    pub(crate) preferred: &'a [(u64, f64)],
+    pub(crate) busy: &'a BusyThresholds,
+    /// Prefill tokens every rank has booked at least ([`crate::load::Ledger::prefill_floor`]).
+    pub(crate) booked_floor: u64,
+    /// False while no booking's prompt load is decayed.
+    pub(crate) decay_anywhere: bool,
+    /// False when no worker is marked.
+    pub(crate) health_on: bool,
+}
+
 /// Everything one request's ranks are scored against.
 pub(crate) struct Scorer<'a> {
     /// The shared pool's hits, disjoint and sorted (empty: no pool credit).
@@ -126,7 +150,58 @@ pub(crate) struct Scorer<'a> {
     pub(crate) health_on: bool,
 }
 
+impl<'a> Scorer<'a> {
+    /// The scorer of `input`'s request over the match `depths`; a pruning gather scores
+    /// `known_seed` first when given ([`Scorer::least_after_seed`]).
+    pub(crate) fn new(
+        input: ScoreInput<'a>,
+        depths: &'a RankDepths,
+        known_seed: Option<usize>,
+    ) -> Self {
+        let busy = input.busy;
+        Scorer {
+            pool: input.pool,
+            pool_credit: input.pool_credit,
+            preferred: input.preferred,
+            fleet: input.fleet,
+            depths,
+            seed: depths
+                .deepest()
+                .and_then(|rank| input.fleet.rank_index(rank)),
+            known_seed,
+            decay_anywhere: input.decay_anywhere,
+            booked_floor: input.booked_floor,
+            floor_terms: FloorTerms::new(input.weights, input.shape, input.booked_floor),
+            weights: input.weights,
+            shape: input.shape,
+            busy,
+            busy_on: busy.decode_blocks_fraction.is_some()
+                || busy.prefill_tokens_fraction.is_some(),
+            health_on: input.health_on,
+        }
+    }
+}
+
 impl Scorer<'_> {
+    /// The full record of a scored candidate: its tier split, and its cost with the pool's
+    /// credit and its preference applied as the score applied them.
+    pub(crate) fn candidate(&self, c: &Scored) -> Candidate {
+        let i = c.fleet_index as usize;
+        let entry = &self.fleet.ranks[i];
+        let per_tier = self.per_tier(i);
+        let mut c = Candidate::from_scored(c, entry.rank, per_tier, self.weights, self.shape);
+        let (pool_credit, pool_blocks) = self.pool_extension(c.overlap.blocks);
+        if pool_blocks > 0 {
+            c.cost = c
+                .cost
+                .with_pool_credit(self.weights, pool_credit, pool_blocks);
+        }
+        if !self.preferred.is_empty() {
+            c.cost = c.cost.with_preference(self.preference(entry.label_bits));
+        }
+        c
+    }
+
     /// True when pool hits, preferred labels or health marks apply: scoring then does more
     /// than the cost and the busy check.
     pub(crate) fn extras(&self) -> bool {

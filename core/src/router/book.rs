@@ -1,0 +1,97 @@
+//! The route's last step: the decision booked on its rank, recorded as the rank's cache where
+//! the router keeps records, and its session bound.
+
+use std::time::Instant;
+
+use super::route::Prompt;
+use super::{bump, Bookkeeping, Decision, Phase, RouteError, RouteRequest, Router};
+use crate::approx::checkpoint_keys_extend;
+use crate::config::Speculative;
+use crate::event::WorkerRank;
+use crate::load::BookingSpec;
+use crate::registry::{KvEvents, RankEntry};
+use crate::session::SessionRouting;
+
+impl Router {
+    /// Books the decision on its rank (unless query-only or untracked), records it as the
+    /// rank's cache where the router keeps records, and binds the request's session.
+    /// `stamp` is the route's time, read when first needed.
+    #[inline(always)]
+    pub(super) fn book(
+        &self,
+        req: &RouteRequest<'_>,
+        entry: &RankEntry,
+        d: &Decision,
+        prompt: &mut Prompt,
+        stamp: impl Fn() -> Instant,
+    ) -> Result<(), RouteError> {
+        match d.bookkeeping {
+            Bookkeeping::QueryOnly => bump(&self.counters.query_only),
+            Bookkeeping::UntrackedDpRankUnresolved => bump(&self.counters.untracked),
+            Bookkeeping::Booked => {
+                let (hints, bs) = (&req.hints, self.config.block_size);
+                let tokens = req.tokens.len() as u64;
+                let prefill_tokens = match hints.phase {
+                    Phase::Decode => 0,
+                    _ => tokens - d.overlap.cached_tokens,
+                };
+                self.ledger.book(BookingSpec {
+                    request: req.id,
+                    state: &entry.state,
+                    prefill_tokens,
+                    block_hashes: &prompt.locals,
+                    tail_blocks: u64::from(tokens % u64::from(bs) != 0),
+                    prompt_tokens: tokens,
+                    cached_tokens: d.overlap.cached_tokens,
+                    block_size: bs,
+                    expected_output_tokens: hints.expected_output_tokens,
+                    session: hints.session,
+                    now: stamp(),
+                })?;
+                bump(&self.counters.routed);
+                self.record_as_cache(entry, d.worker, prompt, &stamp);
+                if let Some(sid) = hints.session {
+                    let close = hints.session_close;
+                    self.sessions.record(sid, d.worker, req.id, stamp(), close);
+                    match d.session {
+                        Some(SessionRouting::Bound) => bump(&self.counters.sessions_bound),
+                        Some(SessionRouting::Rerouted { .. }) => {
+                            bump(&self.counters.sessions_rerouted)
+                        }
+                        _ => {}
+                    }
+                }
+                if d.fallback.is_some() {
+                    bump(&self.counters.prefill_fallbacks);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a booked prompt as the chosen rank's cache for a TTL: always for a worker that
+    /// publishes no KV events (approximate mode), and for the others while speculation is on.
+    #[inline(always)]
+    fn record_as_cache(
+        &self,
+        entry: &RankEntry,
+        rank: WorkerRank,
+        prompt: &mut Prompt,
+        stamp: &impl Fn() -> Instant,
+    ) {
+        let ttl = match entry.state.kv_events() {
+            KvEvents::Absent => Some(self.config.approximate.ttl),
+            KvEvents::Published => match self.config.approximate.speculative {
+                Speculative::On { ttl } => Some(ttl),
+                Speculative::Off => None,
+            },
+        };
+        if let (Some(ttl), Some(key)) = (ttl, entry.index_key) {
+            checkpoint_keys_extend(&prompt.locals, &mut prompt.marks, usize::MAX);
+            self.approx
+                .record(&prompt.marks, rank, key, stamp() + ttl, || {
+                    !entry.state.is_retired()
+                });
+        }
+    }
+}
