@@ -89,7 +89,7 @@ pub use session::{SessionClose, SessionEnd, SessionEndReason, SessionId, Session
 /// Hooks for the project's own tests and benchmarks: not part of the API.
 #[doc(hidden)]
 pub mod testing {
-    pub use crate::load::{decayed, output_decay, remaining_fraction};
+    pub use crate::load::{decayed, generated_at_block, output_decay, remaining_fraction};
     pub use crate::rng::Rng;
     pub use crate::select::SHARED_PROBES;
 }

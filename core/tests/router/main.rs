@@ -2,8 +2,10 @@
 
 mod approx;
 mod common;
+mod conditions;
 mod constraints;
 mod health;
+mod lifecycle;
 mod pool;
 mod queue;
 mod route;

@@ -13,18 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::config::{
-    Approximate, BusyThresholds, QueueOrder, Queueing, RouterConfig, Speculative, WarmUp,
+use kvroute_core::{
+    Admission, Approximate, BusyThresholds, Cancelled, Health, IndexConfig, KvEvents, Label,
+    LoadError, PrefixIndex, PriorityClass, QueueOrder, Queueing, RequestId, RouteError, RouteHints,
+    RouteRequest, Router, RouterConfig, SessionId, Speculative, TicketState, WarmUp, WorkerConfig,
+    WorkerId,
 };
-use kvroute_core::health::Health;
-use kvroute_core::load::{LoadError, RequestId};
-use kvroute_core::queue::PriorityClass;
-use kvroute_core::registry::{KvEvents, WorkerConfig};
-use kvroute_core::router::{
-    Admission, Cancelled, Label, RouteError, RouteHints, RouteRequest, Router, TicketState,
-};
-use kvroute_core::session::SessionId;
-use kvroute_core::{IndexConfig, PrefixIndex, WorkerId};
 use proptest::prelude::*;
 
 const BS: u32 = 16;

@@ -10,13 +10,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::config::{Metrics, RouterConfig};
-use kvroute_core::load::{
-    decayed, generated_at_block, output_decay, remaining_fraction, LoadError, LoadView, RequestId,
+use kvroute_core::testing::{decayed, generated_at_block, output_decay, remaining_fraction};
+use kvroute_core::{
+    IndexConfig, LoadError, LoadView, Metrics, PrefixIndex, RequestGuard, RequestId, RouteError,
+    RouteHints, RouteRequest, Router, RouterConfig, WorkerConfig, WorkerId, WorkerRank,
 };
-use kvroute_core::registry::WorkerConfig;
-use kvroute_core::router::{RequestGuard, RouteError, RouteHints, RouteRequest, Router};
-use kvroute_core::{IndexConfig, PrefixIndex, WorkerId, WorkerRank};
 use proptest::prelude::*;
 
 const BS: usize = 16;
