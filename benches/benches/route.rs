@@ -143,7 +143,6 @@ fn fleet_with(config: RouterConfig, conditions: Conditions) -> Router {
     let router = Router::new(config, index).unwrap();
     for w in 0..WORKERS {
         let mut c = WorkerConfig::simple(w, 100_000, BS as u32);
-        let mut events = KvEvents::Published;
         if conditions == Conditions::On {
             let zone = if w % 2 == 0 { "a" } else { "b" };
             c.labels = vec![
@@ -151,10 +150,10 @@ fn fleet_with(config: RouterConfig, conditions: Conditions) -> Router {
                 ("gpu".to_string(), format!("g{}", w % 3)),
             ];
             if w == WORKERS - 2 {
-                events = KvEvents::Absent;
+                c.kv_events = KvEvents::Absent;
             }
         }
-        router.join_worker_with(c, events).unwrap();
+        router.join_worker(c).unwrap();
     }
     if conditions == Conditions::On {
         router

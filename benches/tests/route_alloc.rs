@@ -174,16 +174,14 @@ fn route_allocates_nothing_with_every_condition_on() {
             KvEvents::Published
         };
         router
-            .join_worker_with(
-                WorkerConfig {
-                    labels: vec![
-                        ("zone".to_string(), zone.to_string()),
-                        ("gpu".to_string(), format!("g{}", w % 3)),
-                    ],
-                    ..WorkerConfig::simple(w, 100_000, BS as u32)
-                },
-                events,
-            )
+            .join_worker(WorkerConfig {
+                labels: vec![
+                    ("zone".to_string(), zone.to_string()),
+                    ("gpu".to_string(), format!("g{}", w % 3)),
+                ],
+                kv_events: events,
+                ..WorkerConfig::simple(w, 100_000, BS as u32)
+            })
             .unwrap();
     }
     router.set_health(WorkerId(4), Health::Wedged).unwrap();

@@ -45,6 +45,7 @@
 #![deny(unsafe_code)]
 
 pub mod approx;
+mod clock;
 pub mod config;
 pub mod event;
 pub mod hash;
@@ -60,6 +61,7 @@ pub mod session;
 mod sync;
 
 pub use approx::ApproxCounts;
+pub use clock::{Clock, ManualClock};
 pub use config::{
     Approximate, BusyThresholds, ConfigError, Disaggregation, Metrics, Policy, PromptDecay,
     QueueOrder, Queueing, RouterConfig, Speculative, TierWeights, Timing, WarmUp,

@@ -68,6 +68,8 @@ pub struct WorkerConfig {
     pub max_batched_tokens: u64,
     /// Free-form labels (zone, GPU type, ...), for routing constraints.
     pub labels: Vec<(String, String)>,
+    /// Whether it publishes KV events.
+    pub kv_events: KvEvents,
 }
 
 impl WorkerConfig {
@@ -82,6 +84,7 @@ impl WorkerConfig {
             role: WorkerRole::Aggregated,
             max_batched_tokens: 8192,
             labels: Vec::new(),
+            kv_events: KvEvents::Published,
         }
     }
 }

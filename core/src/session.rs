@@ -5,7 +5,7 @@
 //!   route(session s) ──s unbound──▶ choose as usual ──book──▶ bind s → rank      (Bound)
 //!                    ──s bound, rank present and eligible──▶ that rank           (Sticky)
 //!                    ──s bound, rank gone or ineligible──▶ choose, rebind        (Rerouted)
-//!   expire_sessions(now): idle ≥ TTL and its last request ended ──▶ SessionEnd::Expired
+//!   expire_sessions(): idle ≥ TTL and its last request ended ──▶ SessionEnd::Expired
 //!   free(request carrying "close after this request") ──▶ SessionEnd::Closed
 //! ```
 //!

@@ -23,11 +23,11 @@
 //! are plain integers here (an archived `u64` is a little-endian `u64_le`); the conversions at
 //! the bottom of this module put the core's newtypes back.
 
-use kvroute_core::registry::{WorkerConfig, WorkerRole};
 use kvroute_core::{
     BlockHash, DpRank, EventHeader, EventId, KvEvent, KvEventData, LocalHash, StorageTier,
     StoredBlock, WorkerId, WorkerRank,
 };
+use kvroute_core::{KvEvents, WorkerConfig, WorkerRole};
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// The protocol version this build speaks; a frame of any other version is rejected.
@@ -561,6 +561,8 @@ impl From<&Hello> for WorkerConfig {
                 .iter()
                 .map(|l| (l.key.clone(), l.value.clone()))
                 .collect(),
+            // A native worker sends its KV events over its own connection.
+            kv_events: KvEvents::Published,
         }
     }
 }

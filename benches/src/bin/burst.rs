@@ -186,7 +186,7 @@ fn run(order: QueueOrder, zoned: bool) {
         }
         sim.shapes.insert(id, (len, out));
         let t = Instant::now();
-        let outcome = sim.router.submit_at(&q, Instant::now());
+        let outcome = sim.router.submit(&q);
         submit_ns.saturating_record(t.elapsed().as_nanos().max(1) as u64);
         match outcome {
             Ok(Admission::Routed(d)) => {

@@ -344,13 +344,13 @@ impl Router {
     /// behind the requests already waiting, in the configured order. Past the cap of queued
     /// prompt tokens it is rejected with the retryable [`RouteError::ResourceExhausted`].
     pub fn submit(&self, req: &RouteRequest<'_>) -> Result<Admission, RouteError> {
-        self.submit_at(req, Instant::now())
-    }
-
-    /// [`Router::submit`] at a given time.
-    pub fn submit_at(&self, req: &RouteRequest<'_>, now: Instant) -> Result<Admission, RouteError> {
+        let now = self.clock.now();
         let Some(q) = &self.queue else {
-            return self.route_at(req, now).map(Admission::Routed);
+            return match self.route_gated(req, &Now::at(&self.clock, now), Gate::Immediate)? {
+                Routed::Decided(d) => Ok(Admission::Routed(d)),
+                // `Gate::Immediate` always decides.
+                Routed::Wait { .. } => Err(RouteError::NoWorkers { request: req.id }),
+            };
         };
         if !req.hints.priority_jump.is_finite() {
             bump(&self.counters.invalid_hints);
@@ -364,7 +364,7 @@ impl Router {
         // duplicate id is refused by the ledger), and take the lock only to wait.
         let mut waits = None;
         if q.depth.load(Ordering::Relaxed) == 0 && q.untaken.load(Ordering::Relaxed) == 0 {
-            match self.route_gated(req, &Now::at(now), Gate::IfFree)? {
+            match self.route_gated(req, &Now::at(&self.clock, now), Gate::IfFree)? {
                 Routed::Decided(d) => return Ok(Admission::Routed(d)),
                 Routed::Wait { new_prefill_tokens } => waits = Some(new_prefill_tokens),
             }
@@ -387,7 +387,7 @@ impl Router {
                 } else {
                     Gate::Behind
                 };
-                match self.route_gated(req, &Now::at(now), gate)? {
+                match self.route_gated(req, &Now::at(&self.clock, now), gate)? {
                     Routed::Decided(d) => return Ok(Admission::Routed(d)),
                     Routed::Wait { new_prefill_tokens } => new_prefill_tokens,
                 }
@@ -444,11 +444,11 @@ impl Router {
     /// whole phase busy) are passed over untried. Returns how many left the queue. Frees, prefill completions,
     /// joins, leaves and health changes call this themselves; call it to drive the queue from
     /// a timer as well.
-    pub fn release_queued(&self, now: Instant) -> usize {
+    pub fn release_queued(&self) -> usize {
         match &self.queue {
             Some(q) if q.depth.load(Ordering::Relaxed) > 0 => {
                 let mut st = lock(&q.state);
-                self.release_locked(q, &mut st, now)
+                self.release_locked(q, &mut st, self.clock.now())
             }
             _ => 0,
         }
@@ -470,7 +470,7 @@ impl Router {
             let (phase, whole_phase) = (w.item.eligibility.phase, w.item.eligibility.whole_phase());
             let mut bufs = LabelBufs::default();
             let req = w.item.request(w.request, &mut bufs);
-            let outcome = match self.route_gated(&req, &Now::at(now), Gate::IfFree) {
+            let outcome = match self.route_gated(&req, &Now::at(&self.clock, now), Gate::IfFree) {
                 Ok(Routed::Wait { .. }) => {
                     // Every request of a lane whose ranks are all busy waits too; so does
                     // every request of the phase when one that admits all of it waits.
@@ -658,7 +658,7 @@ impl Router {
             .as_ref()
             .is_some_and(|q| q.depth.load(Ordering::Relaxed) > 0)
         {
-            self.release_queued(Instant::now());
+            self.release_queued();
         }
     }
 }

@@ -2,7 +2,6 @@
 //! measure of each worker's cache, speculative records retired on evictions).
 
 use std::sync::MutexGuard;
-use std::time::Instant;
 
 use super::{lock, Router};
 use crate::event::{BlockHash, EventHeader, KvEvent, StorageTier, StoredBlock, WorkerRank};
@@ -115,7 +114,7 @@ impl Router {
             EventSeen::Cleared => {
                 // A restart with an empty cache: warm it again.
                 state.report_blocks(0, 0, true);
-                self.warm(state, Instant::now());
+                self.warm(state, self.clock.now());
             }
         }
     }

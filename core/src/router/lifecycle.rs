@@ -13,7 +13,7 @@ use crate::load::{Freed, Generated, LoadError, RequestId, Step};
 impl Router {
     /// The clock reading lifecycle calls pass on: only when metrics are on.
     pub(super) fn metrics_now(&self) -> Option<Instant> {
-        self.metrics.as_ref().map(|_| Instant::now())
+        self.metrics.as_ref().map(|_| self.clock.now())
     }
 
     /// The request reached its worker: from now on it records metrics and, when freed,
@@ -87,7 +87,7 @@ impl Router {
     /// The request ended (completed, cancelled, failed): its load is released, and when it
     /// had reached its worker, it counts as completed and records its ISL, OSL and hit rate.
     pub fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
-        let now = Instant::now();
+        let now = self.clock.now();
         let freed = self.ledger.free_at(request, now)?;
         if freed.dispatch == Dispatch::Reached {
             bump(&self.counters.completed);
@@ -114,11 +114,12 @@ impl Router {
     /// the cache records that expired, warms ranks whose reported cache fell far below the
     /// fleet's (with warm-up on), and lets queued requests go if that freed room. Call it
     /// periodically (every second or so).
-    pub fn expire(&self, now: Instant) -> usize {
+    pub fn expire(&self) -> usize {
+        let now = self.clock.now();
         let n = self.ledger.expire(now, self.config.request_expiry);
         self.approx.sweep(now);
         self.rewarm_low_ranks(now);
-        self.release_queued(now);
+        self.release_queued();
         n
     }
 }

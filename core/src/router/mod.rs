@@ -71,13 +71,14 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::approx::ApproxCache;
+use crate::clock::Clock;
 use crate::config::{ConfigError, Metrics, Queueing, RouterConfig, Timing};
 use crate::event::{WorkerId, WorkerRank};
 use crate::health::Health;
 use crate::index::{IndexError, IndexReader, PrefixIndex};
 pub use crate::load::Dispatch;
 use crate::load::{Ledger, LoadView};
-use crate::registry::{Fleet, KvEvents, Readiness, Registry, RegistryError, WorkerConfig};
+use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig};
 use crate::rng::SharedRng;
 use crate::select::{selector_for, Selector};
 use crate::session::{SessionEnd, Sessions};
@@ -118,6 +119,8 @@ pub struct Router {
     approx: ApproxCache,
     /// Warm-up deadlines are nanoseconds past this instant.
     epoch: Instant,
+    /// Where the time comes from.
+    clock: Clock,
     /// The latest warm-up deadline of any rank: no rank warms past it.
     warm_horizon_ns: AtomicU64,
     /// Told of every session that ends (expired or closed).
@@ -138,9 +141,20 @@ impl std::fmt::Debug for Router {
 }
 
 impl Router {
-    /// A router over `index` (whose block size must be `config.block_size`).
+    /// A router over `index` (whose block size must be `config.block_size`), on the system's
+    /// clock.
     pub fn new(config: RouterConfig, index: PrefixIndex) -> Result<Self, RouterError> {
+        Self::with_clock(config, index, Clock::System)
+    }
+
+    /// A router over `index` that reads the time from `clock` (a simulation's, a test's).
+    pub fn with_clock(
+        config: RouterConfig,
+        index: PrefixIndex,
+        clock: Clock,
+    ) -> Result<Self, RouterError> {
         config.validate()?;
+        let start = clock.now();
         let reader = index.reader();
         Ok(Router {
             registry: Registry::new(config.block_size, config.min_workers),
@@ -161,14 +175,15 @@ impl Router {
                     state: Mutex::new(QueueState::new(order, max_queued_tokens)),
                     depth: AtomicUsize::new(0),
                     untaken: AtomicUsize::new(0),
-                    epoch: Instant::now(),
+                    epoch: start,
                 }),
             },
             marked_ranks: AtomicUsize::new(0),
             health_writer: Mutex::new(()),
             sessions: Sessions::default(),
             approx: ApproxCache::new(config.approximate.max_records),
-            epoch: Instant::now(),
+            epoch: start,
+            clock,
             warm_horizon_ns: AtomicU64::new(0),
             on_session_end: std::sync::RwLock::new(None),
             config,
@@ -178,6 +193,11 @@ impl Router {
     /// The configuration.
     pub fn config(&self) -> &RouterConfig {
         &self.config
+    }
+
+    /// The clock the router reads.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     /// A lock-free reader of the index.
@@ -217,28 +237,12 @@ impl Router {
         self.registry.readiness()
     }
 
-    /// A worker that publishes KV events joins; its ranks are registered with the index.
+    /// A worker joins; its ranks are registered with the index, and warm up from now (with
+    /// warm-up on). A worker without KV events ([`KvEvents::Absent`] in its config) has the
+    /// router record its own decisions as its cache: approximate mode.
     pub fn join_worker(&self, config: WorkerConfig) -> Result<(), RouterError> {
-        self.join_worker_with(config, KvEvents::Published)
-    }
-
-    /// A worker joins, saying whether it publishes KV events (without them, the router records
-    /// its own decisions as the worker's cache: approximate mode).
-    pub fn join_worker_with(
-        &self,
-        config: WorkerConfig,
-        events: KvEvents,
-    ) -> Result<(), RouterError> {
-        self.join_worker_at(config, events, Instant::now())
-    }
-
-    /// [`Router::join_worker_with`] at a given time (its warm-up starts then).
-    pub fn join_worker_at(
-        &self,
-        config: WorkerConfig,
-        events: KvEvents,
-        now: Instant,
-    ) -> Result<(), RouterError> {
+        let now = self.clock.now();
+        let events = config.kv_events;
         let (id, kv_blocks) = (config.id, config.kv_blocks);
         let fleet = self.registry.join(config)?;
         // Fresh ranks have booked nothing: published first, then the floor follows (see

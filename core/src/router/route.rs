@@ -11,6 +11,7 @@ use super::{
     bump, lock, DecidedBy, Decision, EvidenceLevel, Fallback, Mode, Phase, PoolHits, RouteError,
     RouteHints, RouteRequest, Router,
 };
+use crate::clock::Clock;
 use crate::config::Disaggregation;
 use crate::event::{DpRank, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
@@ -46,26 +47,40 @@ pub(super) enum Routed {
     },
 }
 
-/// The time of one call: the caller's, or the clock's, read once and only when needed.
+/// The time of one call, read from the router's clock once and only when needed.
 #[derive(Debug)]
-pub(super) struct Now(pub(super) std::cell::Cell<Option<Instant>>);
+pub(super) struct Now<'a> {
+    clock: &'a Clock,
+    read: std::cell::Cell<Option<Instant>>,
+}
 
-impl Now {
-    pub(super) fn lazy() -> Self {
-        Now(std::cell::Cell::new(None))
+impl<'a> Now<'a> {
+    /// The time, to be read when first needed.
+    pub(super) fn lazy(clock: &'a Clock) -> Self {
+        Now {
+            clock,
+            read: std::cell::Cell::new(None),
+        }
     }
 
-    pub(super) fn at(t: Instant) -> Self {
-        Now(std::cell::Cell::new(Some(t)))
+    /// The time `t`, already read.
+    pub(super) fn at(clock: &'a Clock, t: Instant) -> Self {
+        Now {
+            clock,
+            read: std::cell::Cell::new(Some(t)),
+        }
     }
 
-    /// The time; a reading the caller already took stands in for the clock.
+    /// The time; on the system clock, a reading the caller already took stands in for it.
     pub(super) fn get_or(&self, reading: Option<Instant>) -> Instant {
-        match self.0.get() {
+        match self.read.get() {
             Some(t) => t,
             None => {
-                let t = reading.unwrap_or_else(Instant::now);
-                self.0.set(Some(t));
+                let t = match (self.clock, reading) {
+                    (Clock::System, Some(r)) => r,
+                    _ => self.clock.now(),
+                };
+                self.read.set(Some(t));
                 t
             }
         }
@@ -150,7 +165,7 @@ pub(super) struct Plan<'a> {
     pub(super) temperature: f64,
     pub(super) evidence: EvidenceLevel,
     pub(super) mode: Mode,
-    pub(super) now: &'a Now,
+    pub(super) now: &'a Now<'a>,
 }
 
 /// A pin before it is checked: the worker, the dp rank if named, and what pinned it.
@@ -182,18 +197,9 @@ impl Router {
     /// every eligible rank is busy the least loaded takes it ([`DecidedBy::FallbackAllBusy`]);
     /// [`Router::submit`] queues instead.
     pub fn route(&self, req: &RouteRequest<'_>) -> Result<Decision, RouteError> {
-        match self.route_gated(req, &Now::lazy(), Gate::Immediate)? {
+        match self.route_gated(req, &Now::lazy(&self.clock), Gate::Immediate)? {
             Routed::Decided(d) => Ok(d),
             // `Gate::Immediate` always decides.
-            Routed::Wait { .. } => Err(RouteError::NoWorkers { request: req.id }),
-        }
-    }
-
-    /// [`Router::route`] at a given time (bookings, sessions and cache records are stamped with
-    /// `now`), for callers that own the clock.
-    pub fn route_at(&self, req: &RouteRequest<'_>, now: Instant) -> Result<Decision, RouteError> {
-        match self.route_gated(req, &Now::at(now), Gate::Immediate)? {
-            Routed::Decided(d) => Ok(d),
             Routed::Wait { .. } => Err(RouteError::NoWorkers { request: req.id }),
         }
     }
@@ -201,7 +207,7 @@ impl Router {
     pub(super) fn route_gated(
         &self,
         req: &RouteRequest<'_>,
-        now: &Now,
+        now: &Now<'_>,
         gate: Gate,
     ) -> Result<Routed, RouteError> {
         SCRATCH.with(|s| match s.try_borrow_mut() {
@@ -218,7 +224,7 @@ impl Router {
         &self,
         req: &RouteRequest<'_>,
         s: &mut Scratch,
-        now: &Now,
+        now: &Now<'_>,
         gate: Gate,
     ) -> Result<Routed, RouteError> {
         let hints = &req.hints;

@@ -1,7 +1,5 @@
 //! Sticky sessions as the router drives them: the end handler, idle expiry and closes.
 
-use std::time::Instant;
-
 use super::{bump, Router};
 use crate::event::WorkerRank;
 use crate::session::{SessionEnd, SessionEndReason, SessionId};
@@ -34,7 +32,8 @@ impl Router {
     /// Ends the sessions idle for `session_idle_ttl` at `now` (whose last request has ended),
     /// and those whose close-after-request is due; tells the session handler of each. Returns
     /// how many ended.
-    pub fn expire_sessions(&self, now: Instant) -> usize {
+    pub fn expire_sessions(&self) -> usize {
+        let now = self.clock.now();
         if self.sessions.is_empty() {
             return 0;
         }

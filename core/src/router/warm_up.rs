@@ -26,7 +26,7 @@ impl Router {
 
     /// True while some rank may still be warming up at `now` (warm-up's pick may then look
     /// at every candidate).
-    pub(super) fn warming(&self, now: &Now) -> bool {
+    pub(super) fn warming(&self, now: &Now<'_>) -> bool {
         matches!(self.config.warm_up, WarmUp::On { .. })
             && self.ns_since_epoch(now.get_or(None)) < self.warm_horizon_ns.load(Ordering::Relaxed)
     }
@@ -37,7 +37,7 @@ impl Router {
         &self,
         fleet: &Fleet,
         candidates: &[Scored],
-        now: &Now,
+        now: &Now<'_>,
         rng: &mut crate::rng::Rng,
     ) -> Option<usize> {
         let WarmUp::On { share, .. } = self.config.warm_up else {

@@ -3,7 +3,7 @@ use crate::common::*;
 const BS: u32 = 16;
 
 fn router(speculative: Speculative) -> Router {
-    Router::new(
+    on_manual_clock(
         RouterConfig {
             approximate: Approximate {
                 speculative,
@@ -13,7 +13,6 @@ fn router(speculative: Speculative) -> Router {
         },
         PrefixIndex::new(IndexConfig::default()),
     )
-    .unwrap()
 }
 
 fn prompt(n: usize) -> Vec<u32> {
@@ -29,7 +28,7 @@ fn overlap_on(r: &Router, tokens: &[u32], rank: WorkerRank, now: Instant) -> u32
     };
     q.hints.mode = Mode::QueryOnly;
     q.hints.evidence = EvidenceLevel::Full;
-    let d = r.route_at(&q, now).unwrap();
+    let d = r.at(now).route(&q).unwrap();
     let ev = d.evidence.unwrap();
     ev.iter()
         .find(|c| c.rank == rank)
@@ -43,14 +42,17 @@ fn pinned(r: &Router, id: u64, tokens: &[u32], worker: u64, now: Instant) {
         hints: RouteHints::default(),
     };
     q.hints.pinned.backend_instance = Some(WorkerId(worker));
-    r.route_at(&q, now).unwrap();
+    r.at(now).route(&q).unwrap();
 }
 
 #[test]
 fn decisions_on_a_worker_without_events_count_as_its_cache_for_the_ttl() {
     let r = router(Speculative::Off);
-    r.join_worker_with(WorkerConfig::simple(1, 1000, BS), KvEvents::Absent)
-        .unwrap();
+    r.join_worker(WorkerConfig {
+        kv_events: KvEvents::Absent,
+        ..WorkerConfig::simple(1, 1000, BS)
+    })
+    .unwrap();
     r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
     let t0 = Instant::now();
     let p = prompt(128); // 8 blocks
@@ -73,7 +75,8 @@ fn decisions_on_a_worker_without_events_count_as_its_cache_for_the_ttl() {
     };
     q.hints.mode = Mode::QueryOnly;
     assert_eq!(
-        r.route_at(&q, t0 + Duration::from_secs(119))
+        r.at(t0 + Duration::from_secs(119))
+            .route(&q)
             .unwrap()
             .worker,
         w1
@@ -83,7 +86,7 @@ fn decisions_on_a_worker_without_events_count_as_its_cache_for_the_ttl() {
         0
     );
     assert!(r.counts().approx_raised >= 2);
-    r.expire(t0 + Duration::from_secs(120));
+    r.at(t0 + Duration::from_secs(120)).expire();
     assert_eq!(r.counts().approx.records, 0);
 }
 
@@ -94,8 +97,11 @@ fn decisions_on_a_worker_without_events_count_as_its_cache_for_the_ttl() {
 fn a_pinned_route_reads_its_ranks_records_beyond_the_index() {
     let r = router(Speculative::Off);
     for w in [1, 2] {
-        r.join_worker_with(WorkerConfig::simple(w, 1000, BS), KvEvents::Absent)
-            .unwrap();
+        r.join_worker(WorkerConfig {
+            kv_events: KvEvents::Absent,
+            ..WorkerConfig::simple(w, 1000, BS)
+        })
+        .unwrap();
     }
     let t0 = Instant::now();
     let long = prompt(256); // 16 blocks
@@ -112,7 +118,7 @@ fn a_pinned_route_reads_its_ranks_records_beyond_the_index() {
         q.hints.mode = Mode::QueryOnly;
         q.hints.evidence = EvidenceLevel::Full;
         q.hints.pinned.backend_instance = Some(WorkerId(worker));
-        let ev = r.route_at(&q, t0).unwrap().evidence.unwrap();
+        let ev = r.at(t0).route(&q).unwrap().evidence.unwrap();
         assert_eq!(ev.len(), 1);
         ev[0].overlap.blocks
     };

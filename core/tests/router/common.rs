@@ -35,3 +35,35 @@ pub use std::time::{Duration, Instant};
 pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// A router on a manual clock: `r.at(t)` moves it.
+pub fn on_manual_clock(config: RouterConfig, index: PrefixIndex) -> Router {
+    Router::with_clock(config, index, Clock::Manual(ManualClock::new())).unwrap()
+}
+
+/// Moving a test router's manual clock.
+pub trait At {
+    /// Sets the router's clock to `t`, and returns the router.
+    fn at(&self, t: Instant) -> &Self;
+
+    /// Moves the router's clock forward by `d`, and returns the router.
+    fn after(&self, d: Duration) -> &Self;
+}
+
+impl At for Router {
+    fn at(&self, t: Instant) -> &Self {
+        match self.clock() {
+            Clock::Manual(m) => m.set(t),
+            Clock::System => panic!("a test that sets the time needs a router on a manual clock"),
+        }
+        self
+    }
+
+    fn after(&self, d: Duration) -> &Self {
+        match self.clock() {
+            Clock::Manual(m) => m.advance(d),
+            Clock::System => panic!("a test that moves the time needs a router on a manual clock"),
+        }
+        self
+    }
+}

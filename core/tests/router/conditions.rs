@@ -21,6 +21,8 @@ use kvroute_core::{
 };
 use proptest::prelude::*;
 
+use crate::common::{on_manual_clock, At};
+
 const BS: u32 = 16;
 const WORKERS: u64 = 4;
 const CAP: u64 = 700;
@@ -70,9 +72,13 @@ fn router(order: QueueOrder) -> Router {
         },
         ..RouterConfig::default()
     };
-    let r = Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap();
+    let r = on_manual_clock(config, PrefixIndex::new(IndexConfig::default()));
     for w in 0..WORKERS {
-        r.join_worker_with(worker(w), events(w)).unwrap();
+        r.join_worker(WorkerConfig {
+            kv_events: events(w),
+            ..worker(w)
+        })
+        .unwrap();
     }
     r
 }
@@ -223,7 +229,7 @@ fn run(order: QueueOrder, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 if zone_a {
                     q.hints.required = &ZONE_A;
                 }
-                match r.submit_at(&q, now) {
+                match r.at(now).submit(&q) {
                     Ok(Admission::Routed(d)) => {
                         prop_assert!(!m.known(id));
                         m.submits.insert(id, nth);
@@ -271,7 +277,7 @@ fn run(order: QueueOrder, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 );
             }
             Op::Release => {
-                r.release_queued(now);
+                r.at(now).release_queued();
             }
             Op::Take(id) => {
                 m.observe(&r)?;
@@ -307,7 +313,7 @@ fn run(order: QueueOrder, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::ExpireSessions => {
                 now += Duration::from_secs(3);
-                r.expire_sessions(now);
+                r.at(now).expire_sessions();
             }
             Op::Health(w, h) => {
                 let h = [Health::Healthy, Health::Unreachable, Health::Wedged][h as usize];
@@ -318,24 +324,25 @@ fn run(order: QueueOrder, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 m.active.retain(|_, worker| *worker != WorkerId(w));
                 m.leaves[w as usize] += 1;
                 r.leave_worker(WorkerId(w)).unwrap();
-                r.join_worker_with(worker(w), events(w)).unwrap();
+                r.join_worker(WorkerConfig {
+                    kv_events: events(w),
+                    ..worker(w)
+                })
+                .unwrap();
             }
             Op::ExpireRequests => {
                 m.observe(&r)?;
-                // Past every booking's stamp: the virtual clock's, the real one's (releases
-                // driven by frees), or an earlier expiry's (releases it drove). The virtual
-                // clock itself stays well within one request expiry of the real one, so that
-                // ticks never expire anything.
-                horizon = horizon.max(now).max(Instant::now())
-                    + r.config().request_expiry
-                    + Duration::from_secs(1);
-                r.expire(horizon);
+                // Past every booking's stamp: the test's time, or an earlier expiry's (the
+                // releases it drove were stamped then). The test's time itself stays well
+                // within one request expiry of its start, so that ticks never expire anything.
+                horizon = horizon.max(now) + r.config().request_expiry + Duration::from_secs(1);
+                r.at(horizon).expire();
                 m.active.clear();
                 m.expiries += 1;
             }
             Op::Tick => {
                 now += Duration::from_millis(700);
-                r.expire(now);
+                r.at(now).expire();
             }
         }
         m.observe(&r)?;
@@ -358,7 +365,7 @@ fn run(order: QueueOrder, ops: Vec<Op>) -> Result<(), TestCaseError> {
         for (id, _) in std::mem::take(&mut m.active) {
             r.free(RequestId(id)).unwrap();
         }
-        r.release_queued(now);
+        r.at(now).release_queued();
         m.observe(&r)?;
         let released: Vec<(u64, ReleasedAt)> = m.released.drain().collect();
         for (id, at) in released {

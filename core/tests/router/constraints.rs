@@ -14,7 +14,7 @@ fn labelled(id: u64, kv_blocks: u64, labels: &[(&str, &str)]) -> WorkerConfig {
 }
 
 fn router(config: RouterConfig, kv_blocks: u64) -> Router {
-    let r = Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap();
+    let r = on_manual_clock(config, PrefixIndex::new(IndexConfig::default()));
     r.join_worker(labelled(1, kv_blocks, &[("zone", "a"), ("gpu", "h100")]))
         .unwrap();
     r.join_worker(labelled(2, kv_blocks, &[("zone", "b"), ("gpu", "h100")]))
@@ -169,21 +169,21 @@ fn a_waiting_head_does_not_block_requests_other_ranks_can_serve() {
     }
     let t0 = Instant::now();
     assert!(matches!(
-        r.submit_at(&q(9, true), t0),
+        r.at(t0).submit(&q(9, true)),
         Ok(Admission::Queued(_))
     ));
     // Queued behind the waiting head, then released by the same call: zone b is free.
     assert!(matches!(
-        r.submit_at(&q(10, false), t0),
+        r.at(t0).submit(&q(10, false)),
         Ok(Admission::Queued(_))
     ));
     let d = r.take_released(RequestId(10)).unwrap().unwrap();
     assert_eq!(d.worker, WorkerRank::new(2, 0));
     assert!(matches!(
-        r.submit_at(&q(11, true), t0),
+        r.at(t0).submit(&q(11, true)),
         Ok(Admission::Queued(_))
     ));
-    assert_eq!(r.release_queued(t0), 0, "zone a is still busy");
+    assert_eq!(r.at(t0).release_queued(), 0, "zone a is still busy");
     assert_eq!(r.ticket_state(RequestId(9)), TicketState::Waiting);
     assert_eq!(r.ticket_state(RequestId(11)), TicketState::Waiting);
     // Zone a frees one worker: the first zone-a request takes it, the second still waits.

@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvroute_core::testing::{decayed, generated_at_block, output_decay, remaining_fraction};
 use kvroute_core::{
@@ -16,6 +16,8 @@ use kvroute_core::{
     RouteHints, RouteRequest, Router, RouterConfig, WorkerConfig, WorkerId, WorkerRank,
 };
 use proptest::prelude::*;
+
+use crate::common::{on_manual_clock, At};
 
 const BS: usize = 16;
 const WORKERS: u64 = 3;
@@ -25,7 +27,7 @@ fn router() -> Router {
         metrics: Metrics::On,
         ..RouterConfig::default()
     };
-    let r = Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap();
+    let r = on_manual_clock(config, PrefixIndex::new(IndexConfig::default()));
     for w in 0..WORKERS {
         r.join_worker(WorkerConfig::simple(w, 10_000, BS as u32))
             .unwrap();
@@ -229,7 +231,8 @@ proptest! {
                     r.join_worker(WorkerConfig::simple(w, 10_000, BS as u32)).unwrap();
                 }
                 Op::Expire => {
-                    let n = r.expire(Instant::now() + r.config().request_expiry + Duration::from_secs(1));
+                    let n = r.after(r.config().request_expiry + Duration::from_secs(1))
+                        .expire();
                     prop_assert_eq!(n, model.len());
                     model.clear();
                 }

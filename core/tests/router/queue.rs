@@ -8,7 +8,7 @@ const BS: u32 = 16;
 /// One worker of 10 blocks, busy over 5 active blocks: a 96-token (6-block) request makes
 /// it busy.
 fn busy_router(order: QueueOrder, cap: u64) -> Router {
-    let r = Router::new(
+    let r = on_manual_clock(
         RouterConfig {
             busy: BusyThresholds {
                 decode_blocks_fraction: Some(0.5),
@@ -21,8 +21,7 @@ fn busy_router(order: QueueOrder, cap: u64) -> Router {
             ..RouterConfig::default()
         },
         PrefixIndex::new(IndexConfig::default()),
-    )
-    .unwrap();
+    );
     r.join_worker(WorkerConfig::simple(1, 10, BS)).unwrap();
     r
 }
@@ -52,17 +51,18 @@ fn submit_queues_while_busy_and_frees_release_in_fcfs_order_with_jumps() {
     let t0 = Instant::now();
     let (a, b, c) = (toks(1, 96), toks(2, 96), toks(3, 96));
     assert!(matches!(
-        r.submit_at(&req(1, &a), t0),
+        r.at(t0).submit(&req(1, &a)),
         Ok(Admission::Routed(_))
     ));
     let tb = queued(
-        r.submit_at(&req(2, &b), t0 + Duration::from_secs(1))
+        r.at(t0 + Duration::from_secs(1))
+            .submit(&req(2, &b))
             .unwrap(),
     );
     // Arrives a second later with a 1.5 s jump: goes ahead of request 2.
     let mut qc = req(3, &c);
     qc.hints.priority_jump = 1.5;
-    let tc = queued(r.submit_at(&qc, t0 + Duration::from_secs(2)).unwrap());
+    let tc = queued(r.at(t0 + Duration::from_secs(2)).submit(&qc).unwrap());
     let st = r.queue_stats().unwrap();
     assert_eq!((st.depth, st.queued_tokens, st.enqueued), (2, 192, 2));
     assert!(r.take_released(tb.request).is_none());
@@ -95,11 +95,10 @@ fn route_never_queues_and_submit_without_a_queue_routes() {
     r.route(&req(1, &toks(1, 96))).unwrap();
     let d = r.route(&req(2, &toks(2, 96))).unwrap();
     assert_eq!(d.decided_by, DecidedBy::FallbackAllBusy);
-    let plain = Router::new(
+    let plain = on_manual_clock(
         RouterConfig::default(),
         PrefixIndex::new(IndexConfig::default()),
-    )
-    .unwrap();
+    );
     plain.join_worker(WorkerConfig::simple(1, 10, BS)).unwrap();
     assert!(matches!(
         plain.submit(&req(1, &toks(1, 96))),
@@ -112,9 +111,9 @@ fn route_never_queues_and_submit_without_a_queue_routes() {
 fn over_the_cap_is_resource_exhausted_with_exact_numbers() {
     let r = busy_router(QueueOrder::Fcfs, 150);
     let t0 = Instant::now();
-    r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
-    queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
-    let e = r.submit_at(&req(3, &toks(3, 80)), t0).unwrap_err();
+    r.at(t0).submit(&req(1, &toks(1, 96))).unwrap();
+    queued(r.at(t0).submit(&req(2, &toks(2, 96))).unwrap());
+    let e = r.at(t0).submit(&req(3, &toks(3, 80))).unwrap_err();
     assert_eq!(
         e,
         RouteError::ResourceExhausted {
@@ -130,7 +129,7 @@ fn over_the_cap_is_resource_exhausted_with_exact_numbers() {
         "{e}"
     );
     // 54 more tokens fit exactly.
-    queued(r.submit_at(&req(4, &toks(4, 54)), t0).unwrap());
+    queued(r.at(t0).submit(&req(4, &toks(4, 54))).unwrap());
     let st = r.queue_stats().unwrap();
     assert_eq!(
         (st.rejected, st.queued_tokens, st.cap_tokens),
@@ -138,7 +137,7 @@ fn over_the_cap_is_resource_exhausted_with_exact_numbers() {
     );
     // A second submit of a waiting id is a duplicate, not a second entry.
     assert!(matches!(
-        r.submit_at(&req(2, &toks(2, 10)), t0),
+        r.at(t0).submit(&req(2, &toks(2, 10))),
         Err(RouteError::Load(LoadError::DuplicateRequest { .. }))
     ));
     assert!(!RouteError::NoTokens {
@@ -153,9 +152,9 @@ fn over_the_cap_is_resource_exhausted_with_exact_numbers() {
 fn submit_of_a_booked_id_is_a_duplicate_not_a_queue_entry() {
     let r = busy_router(QueueOrder::Fcfs, 10_000);
     let t0 = Instant::now();
-    r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
+    r.at(t0).submit(&req(1, &toks(1, 96))).unwrap();
     assert_eq!(
-        r.submit_at(&req(1, &toks(1, 16)), t0).unwrap_err(),
+        r.at(t0).submit(&req(1, &toks(1, 16))).unwrap_err(),
         RouteError::Load(LoadError::DuplicateRequest {
             request: RequestId(1)
         })
@@ -170,8 +169,8 @@ fn submit_of_a_booked_id_is_a_duplicate_not_a_queue_entry() {
 fn cancel_after_the_released_booking_was_purged_still_cancels() {
     let r = busy_router(QueueOrder::Fcfs, 10_000);
     let t0 = Instant::now();
-    r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
-    let t = queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
+    r.at(t0).submit(&req(1, &toks(1, 96))).unwrap();
+    let t = queued(r.at(t0).submit(&req(2, &toks(2, 96))).unwrap());
     r.free(RequestId(1)).unwrap();
     assert_eq!(r.ticket_state(t.request), TicketState::Released);
     r.leave_worker(WorkerId(1)).unwrap();
@@ -184,16 +183,17 @@ fn cancel_after_the_released_booking_was_purged_still_cancels() {
 fn wspt_releases_the_shortest_new_prefill_first() {
     let r = busy_router(QueueOrder::Wspt, 10_000);
     let t0 = Instant::now();
-    r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
-    queued(r.submit_at(&req(2, &toks(2, 160)), t0).unwrap());
+    r.at(t0).submit(&req(1, &toks(1, 96))).unwrap();
+    queued(r.at(t0).submit(&req(2, &toks(2, 160))).unwrap());
     queued(
-        r.submit_at(&req(3, &toks(3, 112)), t0 + Duration::from_secs(5))
+        r.at(t0 + Duration::from_secs(5))
+            .submit(&req(3, &toks(3, 112)))
             .unwrap(),
     );
     let t4 = toks(4, 160);
     let mut q4 = req(4, &t4);
     q4.hints.priority_class = PriorityClass(1);
-    queued(r.submit_at(&q4, t0 + Duration::from_secs(9)).unwrap());
+    queued(r.at(t0 + Duration::from_secs(9)).submit(&q4).unwrap());
     let mut order = Vec::new();
     let mut active = 1u64;
     while order.len() < 3 {
@@ -221,9 +221,9 @@ impl std::task::Wake for CountWake {
 fn cancel_removes_exactly_once_and_the_future_wakes_and_resolves() {
     let r = Arc::new(busy_router(QueueOrder::Fcfs, 10_000));
     let t0 = Instant::now();
-    r.submit_at(&req(1, &toks(1, 96)), t0).unwrap();
-    let t2 = queued(r.submit_at(&req(2, &toks(2, 96)), t0).unwrap());
-    let t3 = queued(r.submit_at(&req(3, &toks(3, 96)), t0).unwrap());
+    r.at(t0).submit(&req(1, &toks(1, 96))).unwrap();
+    let t2 = queued(r.at(t0).submit(&req(2, &toks(2, 96))).unwrap());
+    let t3 = queued(r.at(t0).submit(&req(3, &toks(3, 96))).unwrap());
     // Waiting: leaves the queue once.
     assert_eq!(r.cancel_queued(t2.request), Ok(Cancelled::Waiting));
     assert_eq!(
@@ -247,15 +247,15 @@ fn cancel_removes_exactly_once_and_the_future_wakes_and_resolves() {
     drop(fut);
     assert_eq!(r.active_requests(), 1, "a resolved future cancels nothing");
     // Released but untaken, then cancelled: the booking is freed.
-    let t4 = queued(r.submit_at(&req(4, &toks(4, 96)), t0).unwrap());
+    let t4 = queued(r.at(t0).submit(&req(4, &toks(4, 96))).unwrap());
     r.free(RequestId(3)).unwrap();
     assert_eq!(r.active_requests(), 1);
     assert_eq!(r.cancel_queued(t4.request), Ok(Cancelled::Released));
     assert!(r.total_load().is_idle());
     assert!(r.cancel_queued(t4.request).is_err());
     // A future dropped while waiting cancels its request.
-    r.submit_at(&req(5, &toks(5, 96)), t0).unwrap();
-    let t6 = queued(r.submit_at(&req(6, &toks(6, 96)), t0).unwrap());
+    r.at(t0).submit(&req(5, &toks(5, 96))).unwrap();
+    let t6 = queued(r.at(t0).submit(&req(6, &toks(6, 96))).unwrap());
     let mut fut = Router::wait(Arc::clone(&r), t6);
     assert!(Pin::new(&mut fut).poll(&mut cx).is_pending());
     drop(fut);

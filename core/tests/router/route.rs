@@ -3,7 +3,7 @@ use crate::common::*;
 const BS: u32 = 16;
 
 fn router(config: RouterConfig) -> Router {
-    Router::new(config, PrefixIndex::new(IndexConfig::default())).unwrap()
+    on_manual_clock(config, PrefixIndex::new(IndexConfig::default()))
 }
 
 fn tokens(n: usize) -> Vec<u32> {
@@ -318,7 +318,11 @@ fn selection_from_the_deep_ranks_picks_what_the_full_evidence_says() {
             } else {
                 KvEvents::Published
             };
-            r.join_worker_with(c, events).unwrap();
+            r.join_worker(WorkerConfig {
+                kv_events: events,
+                ..c
+            })
+            .unwrap();
             let depth = rng.below(41) as usize;
             if depth > 0 {
                 let tier = if rng.below(4) == 0 {
@@ -810,9 +814,9 @@ fn expiry_frees_forgotten_requests() {
     let r = router(RouterConfig::default());
     r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
     r.route(&req(1, &tokens(64))).unwrap();
-    assert_eq!(r.expire(Instant::now()), 0);
+    assert_eq!(r.at(Instant::now()).expire(), 0);
     let later = Instant::now() + r.config().request_expiry;
-    assert_eq!(r.expire(later), 1);
+    assert_eq!(r.at(later).expire(), 1);
     assert!(r.total_load().is_idle());
     assert_eq!(r.counts().ledger.expired, 1);
 }
@@ -1199,7 +1203,7 @@ fn request_metrics_record_only_dispatched_requests() {
     // Dispatched but expired: its end records nothing.
     r.route(&req(4, &t)).unwrap();
     r.mark_dispatched(RequestId(4)).unwrap();
-    r.expire(Instant::now() + r.config().request_expiry);
+    r.at(Instant::now() + r.config().request_expiry).expire();
     let m = r.request_metrics().unwrap();
     assert_eq!(m.ttft_us.len(), 2);
     assert_eq!(m.itl_us.len(), 2);

@@ -3,14 +3,13 @@ use crate::common::*;
 const BS: u32 = 16;
 
 fn router() -> Router {
-    let r = Router::new(
+    let r = on_manual_clock(
         RouterConfig {
             session_idle_ttl: Duration::from_secs(30),
             ..RouterConfig::default()
         },
         PrefixIndex::new(IndexConfig::default()),
-    )
-    .unwrap();
+    );
     for w in 1..=4 {
         r.join_worker(WorkerConfig {
             dp_size: 2,
@@ -29,7 +28,7 @@ fn turn(r: &Router, id: u64, session: u64, now: Instant) -> Decision {
         hints: RouteHints::default(),
     };
     q.hints.session = Some(SessionId(session));
-    r.route_at(&q, now).unwrap()
+    r.at(now).route(&q).unwrap()
 }
 
 #[test]
@@ -76,8 +75,8 @@ fn idle_sessions_expire_through_the_callback() {
     r.free(RequestId(2)).unwrap();
     // The frees read the clock (after t0 + 0): session 1 was last used then.
     let late = Instant::now() + Duration::from_secs(60);
-    assert_eq!(r.expire_sessions(t0 + Duration::from_secs(29)), 0);
-    assert_eq!(r.expire_sessions(late), 2);
+    assert_eq!(r.at(t0 + Duration::from_secs(29)).expire_sessions(), 0);
+    assert_eq!(r.at(late).expire_sessions(), 2);
     let got = lock(&ended).clone();
     assert_eq!(got.len(), 2);
     assert!(got.contains(&SessionEnd {
@@ -95,10 +94,10 @@ fn a_running_request_keeps_its_session() {
     let r = router();
     let t0 = Instant::now();
     turn(&r, 1, 1, t0);
-    assert_eq!(r.expire_sessions(t0 + Duration::from_secs(3600)), 0);
+    assert_eq!(r.at(t0 + Duration::from_secs(3600)).expire_sessions(), 0);
     r.free(RequestId(1)).unwrap();
     assert_eq!(
-        r.expire_sessions(Instant::now() + Duration::from_secs(31)),
+        r.at(t0 + Duration::from_secs(3600 + 31)).expire_sessions(),
         1
     );
 }
@@ -119,7 +118,7 @@ fn a_close_with_a_request_is_deferred_until_it_ends() {
     };
     q.hints.session = Some(SessionId(5));
     q.hints.session_close = SessionClose::AfterThisRequest;
-    r.route_at(&q, t0).unwrap();
+    r.at(t0).route(&q).unwrap();
     r.free(RequestId(1)).unwrap();
     assert!(lock(&ended).is_empty(), "request 2 still generates");
     assert_eq!(r.session_rank(SessionId(5)), Some(first.worker));
@@ -135,9 +134,9 @@ fn a_close_with_a_request_is_deferred_until_it_ends() {
     );
     assert_eq!(r.session_rank(SessionId(5)), None);
     // Closed with a request that then expired: the sweep closes it.
-    r.route_at(&q, t0).unwrap();
-    assert_eq!(r.expire(Instant::now() + r.config().request_expiry), 1);
-    assert_eq!(r.expire_sessions(t0), 1);
+    r.at(t0).route(&q).unwrap();
+    assert_eq!(r.at(Instant::now() + r.config().request_expiry).expire(), 1);
+    assert_eq!(r.at(t0).expire_sessions(), 1);
     assert_eq!(lock(&ended).len(), 2);
     assert_eq!(r.counts().sessions_closed, 2);
     assert_eq!(r.close_session(SessionId(5)), None);

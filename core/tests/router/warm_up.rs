@@ -5,7 +5,7 @@ const BS: u32 = 16;
 const MINUTE: Duration = Duration::from_secs(60);
 
 fn router(share: f64, low_share: f64) -> Router {
-    let r = Router::new(
+    let r = on_manual_clock(
         RouterConfig {
             warm_up: WarmUp::On {
                 share,
@@ -15,8 +15,7 @@ fn router(share: f64, low_share: f64) -> Router {
             ..RouterConfig::default()
         },
         PrefixIndex::new(IndexConfig::default()),
-    )
-    .unwrap();
+    );
     r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
     r.join_worker(WorkerConfig::simple(2, 1000, BS)).unwrap();
     r
@@ -30,7 +29,7 @@ fn query(r: &Router, seed: u32, now: Instant) -> Decision {
         hints: RouteHints::default(),
     };
     q.hints.mode = Mode::QueryOnly;
-    r.route_at(&q, now).unwrap()
+    r.at(now).route(&q).unwrap()
 }
 
 fn store(r: &Router, worker: u64, seed: u32, n: usize, id: u64) {
@@ -68,12 +67,12 @@ fn a_new_worker_takes_its_share_of_cache_misses_for_the_duration() {
     for seed in 0..20 {
         assert_eq!(query(&r, seed, settled).decided_by, DecidedBy::Cost);
     }
-    r.join_worker_at(
-        WorkerConfig::simple(3, 1000, BS),
-        KvEvents::Published,
-        settled,
-    )
-    .unwrap();
+    r.at(settled)
+        .join_worker(WorkerConfig {
+            kv_events: KvEvents::Published,
+            ..WorkerConfig::simple(3, 1000, BS)
+        })
+        .unwrap();
     let now = settled + Duration::from_secs(1);
     for seed in 0..20 {
         let d = query(&r, seed, now);
@@ -113,12 +112,12 @@ fn pruning_keeps_warm_ups_misses_and_hits() {
     let r = router(1.0, 0.0);
     let t0 = Instant::now();
     let later = t0 + 3 * MINUTE;
-    r.join_worker_at(
-        WorkerConfig::simple(3, 1000, BS),
-        KvEvents::Published,
-        later,
-    )
-    .unwrap();
+    r.at(later)
+        .join_worker(WorkerConfig {
+            kv_events: KvEvents::Published,
+            ..WorkerConfig::simple(3, 1000, BS)
+        })
+        .unwrap();
     // Worker 3 carries a little load, worker 1 a lot (and one block of query 9's prompt).
     let load = |worker: u64, id: u64, blocks: usize| {
         let t: Vec<u32> = (0..(blocks * BS as usize) as u32)
@@ -130,7 +129,7 @@ fn pruning_keeps_warm_ups_misses_and_hits() {
             hints: RouteHints::default(),
         };
         q.hints.pinned.backend_instance = Some(WorkerId(worker));
-        r.route_at(&q, later).unwrap();
+        r.at(later).route(&q).unwrap();
     };
     load(3, 100, 1);
     load(1, 101, 40);
@@ -163,14 +162,14 @@ fn far_below_the_fleets_share_or_cleared_warms_again() {
     store(&r, 3, 3, 5, 0);
     let later = Instant::now() + 2 * MINUTE;
     assert_eq!(query(&r, 9, later).decided_by, DecidedBy::Cost);
-    r.expire(later);
+    r.at(later).expire();
     assert_eq!(
         r.counts().rewarmed,
         0,
         "5 of a mean 35 blocks is above 10 %"
     );
     store(&r, 1, 11, 200, 1);
-    r.expire(later);
+    r.at(later).expire();
     assert_eq!(r.counts().rewarmed, 1, "5 of a mean 101.7 is below 10 %");
     let d = query(&r, 9, later);
     assert_eq!(
