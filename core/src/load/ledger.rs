@@ -25,14 +25,15 @@ use crate::sync::{fence, AtomicU64, Mutex, Ordering};
 struct Booking {
     state: Arc<RankState>,
     prefill_tokens: u64,
-    /// The request's prompt in its rank's [`PrefixRefs`].
+    /// The request's prompt in its rank's [`PrefixRefs`](super::PrefixRefs).
     slot: u32,
     tail_blocks: u64,
     output_blocks: u64,
     /// Output tokens generated: counted by [`Ledger::tokens_generated`], or at least the
     /// token that opened the latest output block.
     generated: u64,
-    /// What decay took off `output_blocks`, as added to the rank ([`DECAY_SCALE`] units).
+    /// What decay took off `output_blocks`, as added to the rank
+    /// ([`DECAY_SCALE`](super::DECAY_SCALE) units).
     output_decay: u64,
     /// What decay took off the request's unshared prompt blocks, as added to the rank.
     prompt_decay: u64,
@@ -56,7 +57,8 @@ pub struct Ledger {
     shards: [CachePadded<Mutex<HashMap<RequestId, Booking, PassThrough>>>; SHARDS],
     prompt_decay: PromptDecay,
     /// Bookings whose prompt load is decayed now, on any rank: while 0, no rank's
-    /// [`LoadView::prompt_decay`] is either (selection bounds costs tighter then).
+    /// [`LoadView::prompt_decay`](super::LoadView::prompt_decay) is either (selection bounds
+    /// costs tighter then).
     decaying: AtomicU64,
     /// At most every rank's booked prefill tokens ([`Ledger::prefill_floor`]).
     prefill_floor: CachePadded<AtomicU64>,
