@@ -11,8 +11,7 @@
 
 use std::cell::{Cell, RefCell};
 
-use super::read::{add_tiers, find_group, group_of, leading};
-use super::run::rank_at;
+use super::run::{add_tiers, find_group, group_of, leading, rank_at};
 use super::RankKey;
 use crate::event::{StorageTier, WorkerRank};
 
@@ -349,7 +348,7 @@ impl RankDepths {
             self.entry(group[0] as u8, lead as u32)
         } else {
             let mut split = [0; StorageTier::COUNT];
-            super::read::add_tiers(&mut split, group, lead);
+            add_tiers(&mut split, group, lead);
             self.single_or_split(i, split, lead as u32)
         };
         self.note_depth(id, lead as u32);
@@ -500,7 +499,7 @@ impl RankDepths {
         } else {
             one_tier(tier, blocks)
         };
-        super::read::add_tiers(&mut split, group, lead);
+        add_tiers(&mut split, group, lead);
         self.entries[i] = self.single_or_split(i, split, blocks + lead as u32);
     }
 

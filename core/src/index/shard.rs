@@ -12,7 +12,7 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 
 use super::mix::{self, set_bytes, MixState};
-use super::run::{holders_of, run_bytes, Run, RunBuf, RUN_CAP};
+use super::run::{find_group, holders_of, run_bytes, Run, RunBuf, RUN_CAP};
 use super::slots::{Slots, NO_NEXT};
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use super::uses::UseMarks;
@@ -524,7 +524,7 @@ impl ShardWriter {
         let Some(run) = self.published(slot) else {
             return (0, 0);
         };
-        match super::read::find_group(run.holders, rank) {
+        match find_group(run.holders, rank) {
             Some((start, end, _)) => {
                 holders_of(&run.holders[2 * start..2 * end]).fold((0, 0), split)
             }
