@@ -12,8 +12,16 @@
 use std::cell::{Cell, RefCell};
 
 use super::run::{add_tiers, find_group, group_of, leading, rank_at};
-use super::RankKey;
 use crate::event::{StorageTier, WorkerRank};
+
+/// A registered rank's id, with the number of ids the index had freed when it gave the id out:
+/// the key a caller that keeps rank ids reads a [`RankDepths`] by. Two keys of one id differ
+/// in `epoch`, as the id was freed in between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankKey {
+    pub id: u32,
+    pub epoch: u32,
+}
 
 /// The tier byte of a rank whose blocks sit in more than one tier (its split is in the side
 /// table).

@@ -21,12 +21,13 @@
 
 use std::sync::Arc;
 
+use super::depths::RankDepths;
 use super::mix::{prefetch_addr, prefetch_read};
 use super::run::{add_tiers, find_group, group_of, leading, rank_at, Run};
+use super::scores::{FirstRun, OverlapScores, RankScore, Ranks, KEPT_FIRST_RUNS};
 use super::shard::ShardShared;
 use super::slots::NO_NEXT;
 use super::table::{ChildKey, ROOT};
-use super::{FirstRun, OverlapScores, RankDepths, RankScore, KEPT_FIRST_RUNS};
 use crate::event::{StorageTier, WorkerRank};
 use crate::hash::{common_prefix, LocalHash};
 
@@ -70,9 +71,6 @@ pub(super) trait Sink {
         *self.active() = active;
     }
 }
-
-/// The table of ranks by id that a walk reads.
-pub(super) type Ranks = Arc<Vec<Option<WorkerRank>>>;
 
 impl Sink for OverlapScores {
     #[inline(always)]
