@@ -50,7 +50,8 @@
 //! * `names.rs`: each rank's map from engine block names to positions.
 //! * `mix.rs`: hashing and prefetch helpers; `primitive.rs`: std's atomics, or loom's.
 //! * `reference.rs`: a literal reference index the fast one is checked against.
-//! * `tests.rs`, and `tests.rs` inside the folder named for a module: unit tests.
+//! * `tests.rs`: the index's rules, one test each; a module's own unit tests sit in the
+//!   folder named for it (`slots/tests.rs`, `table/loom_tests.rs`, `shard/tests.rs`, ...).
 
 mod budget;
 mod config;
