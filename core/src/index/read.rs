@@ -21,35 +21,15 @@
 
 use std::sync::Arc;
 
+use super::depths::RankDepths;
 use super::mix::{prefetch_addr, prefetch_read};
-use super::run::{holders_of, rank_at, Run};
+use super::run::{add_tiers, find_group, group_of, leading, rank_at, Run};
+use super::scores::{FirstRun, OverlapScores, RankScore, Ranks, KEPT_FIRST_RUNS};
 use super::shard::ShardShared;
 use super::slots::NO_NEXT;
 use super::table::{ChildKey, ROOT};
-use super::{FirstRun, OverlapScores, RankDepths, RankScore, KEPT_FIRST_RUNS};
 use crate::event::{StorageTier, WorkerRank};
 use crate::hash::{common_prefix, LocalHash};
-
-/// Leading blocks of `mask` held from offset 0, at most `limit`.
-#[inline]
-pub(super) fn leading(mask: u64, limit: usize) -> usize {
-    (mask.trailing_ones() as usize).min(limit)
-}
-
-/// Adds the first `lead` blocks of one rank's holders to `per_tier`, each under its fastest
-/// tier.
-#[inline]
-pub(super) fn add_tiers(per_tier: &mut [u32; StorageTier::COUNT], holders: &[u64], lead: usize) {
-    let lead_mask = if lead >= 64 { !0 } else { (1u64 << lead) - 1 };
-    let mut assigned = 0u64;
-    for h in holders_of(holders) {
-        let bits = h.mask & lead_mask & !assigned;
-        if let Some(t) = per_tier.get_mut(h.tier as usize) {
-            *t += bits.count_ones();
-        }
-        assigned |= bits;
-    }
-}
 
 /// Where a walk leaves its scores: per rank, the leading blocks and their tiers.
 pub(super) trait Sink {
@@ -91,9 +71,6 @@ pub(super) trait Sink {
         *self.active() = active;
     }
 }
-
-/// The table of ranks by id that a walk reads.
-pub(super) type Ranks = Arc<Vec<Option<WorkerRank>>>;
 
 impl Sink for OverlapScores {
     #[inline(always)]
@@ -341,42 +318,6 @@ impl Sink for RankDepths {
     #[inline(always)]
     fn add(&mut self, key: u32, group: &[u64], lead: usize) {
         RankDepths::add(self, key, group, lead);
-    }
-}
-
-/// The holders of rank `id` starting at holder `from`: the end of its group and the union of
-/// its masks (a rank's holders, one per tier, are adjacent).
-#[inline(always)]
-pub(super) fn group_of(holders: &[u64], from: usize, n: usize) -> (usize, u64) {
-    let id = rank_at(holders, from);
-    let mut union = holders[2 * from + 1];
-    let mut end = from + 1;
-    while end < n && rank_at(holders, end) == id {
-        union |= holders[2 * end + 1];
-        end += 1;
-    }
-    (end, union)
-}
-
-/// The holders of rank `id` among holder words `holders` (sorted by rank id), by bisection:
-/// where its group starts and ends, and the union of its masks.
-#[inline]
-pub(super) fn find_group(holders: &[u64], id: u32) -> Option<(usize, usize, u64)> {
-    let n = holders.len() / 2;
-    let (mut lo, mut hi) = (0, n);
-    while lo < hi {
-        let mid = lo + (hi - lo) / 2;
-        if rank_at(holders, mid) < id {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    if lo < n && rank_at(holders, lo) == id {
-        let (end, union) = group_of(holders, lo, n);
-        Some((lo, end, union))
-    } else {
-        None
     }
 }
 

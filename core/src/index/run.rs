@@ -22,8 +22,14 @@
 //!
 //! Runs are immutable once published; the writer edits a working copy ([`RunBuf`]) and
 //! publishes it whole.
+//!
+//! The helpers that read holder words (a rank's group of holders, the leading blocks of a
+//! mask, blocks per tier) live here beside the format, for the walk, the depth scorer and the
+//! shard writer alike.
 
 use std::mem::MaybeUninit;
+
+use crate::event::StorageTier;
 
 /// Blocks per run at most: one bit per block in a holder's mask.
 pub(crate) const RUN_CAP: usize = 64;
@@ -63,6 +69,63 @@ pub(crate) fn rank_at(holders: &[u64], i: usize) -> u32 {
 #[inline]
 pub(crate) fn holders_of(words: &[u64]) -> impl Iterator<Item = Holder> + '_ {
     words.chunks_exact(2).map(Holder::from_pair)
+}
+
+/// Leading blocks of `mask` held from offset 0, at most `limit`.
+#[inline]
+pub(super) fn leading(mask: u64, limit: usize) -> usize {
+    (mask.trailing_ones() as usize).min(limit)
+}
+
+/// Adds the first `lead` blocks of one rank's holders to `per_tier`, each under its fastest
+/// tier.
+#[inline]
+pub(super) fn add_tiers(per_tier: &mut [u32; StorageTier::COUNT], holders: &[u64], lead: usize) {
+    let lead_mask = if lead >= 64 { !0 } else { (1u64 << lead) - 1 };
+    let mut assigned = 0u64;
+    for h in holders_of(holders) {
+        let bits = h.mask & lead_mask & !assigned;
+        if let Some(t) = per_tier.get_mut(h.tier as usize) {
+            *t += bits.count_ones();
+        }
+        assigned |= bits;
+    }
+}
+
+/// The holders of rank `id` starting at holder `from`: the end of its group and the union of
+/// its masks (a rank's holders, one per tier, are adjacent).
+#[inline(always)]
+pub(super) fn group_of(holders: &[u64], from: usize, n: usize) -> (usize, u64) {
+    let id = rank_at(holders, from);
+    let mut union = holders[2 * from + 1];
+    let mut end = from + 1;
+    while end < n && rank_at(holders, end) == id {
+        union |= holders[2 * end + 1];
+        end += 1;
+    }
+    (end, union)
+}
+
+/// The holders of rank `id` among holder words `holders` (sorted by rank id), by bisection:
+/// where its group starts and ends, and the union of its masks.
+#[inline]
+pub(super) fn find_group(holders: &[u64], id: u32) -> Option<(usize, usize, u64)> {
+    let n = holders.len() / 2;
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if rank_at(holders, mid) < id {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    if lo < n && rank_at(holders, lo) == id {
+        let (end, union) = group_of(holders, lo, n);
+        Some((lo, end, union))
+    } else {
+        None
+    }
 }
 
 /// A published run, read in place.
@@ -241,75 +304,4 @@ pub(crate) fn run_bytes(words: usize) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hold_and_unhold_track_bits_per_rank_and_tier() {
-        let mut r = RunBuf {
-            parent: 0,
-            parent_off: 0,
-            hashes: vec![1, 2],
-            holders: vec![],
-        };
-        assert_eq!(r.hold(3, 0, 0b01), 0);
-        assert_eq!(r.hold(3, 0, 0b10), 0);
-        assert_eq!(r.hold(3, 0, 0b11), 0b11);
-        assert_eq!(r.hold(1, 1, 0b01), 0);
-        assert_eq!(r.holders.len(), 2);
-        assert_eq!(r.holders[0].rank, 1);
-        assert_eq!(r.held_mask(), 0b11);
-        assert_eq!(r.unhold(3, 0, 0b01), (0b01, 0));
-        assert_eq!(r.unhold(3, 0, 0b01), (0, 0));
-        r.hold(3, 1, 0b10);
-        assert_eq!(r.unhold(3, 0, 0b11), (0b10, 0b10));
-        assert_eq!(r.unhold(3, 1, 0b10), (0b10, 0));
-        assert_eq!(r.unhold(7, 0, 0b10), (0, 0));
-        assert!(!r.has_rank(3));
-        assert!(r.has_rank(1));
-    }
-
-    #[test]
-    fn a_run_reads_back_as_it_was_written() {
-        let buf = RunBuf {
-            parent: 77,
-            parent_off: 63,
-            hashes: (0..64).map(|i| i * 3 + 1).collect(),
-            holders: vec![
-                Holder {
-                    rank: 0,
-                    tier: 0,
-                    mask: !0,
-                },
-                Holder {
-                    rank: u32::MAX >> 8,
-                    tier: 3,
-                    mask: 0b101,
-                },
-            ],
-        };
-        let mut out = vec![MaybeUninit::new(u64::MAX); buf.words() + 1];
-        assert_eq!(buf.write(&mut out), buf.words());
-        assert_eq!(
-            buf.write(&mut out[..10]),
-            10,
-            "a short buffer takes what fits"
-        );
-        assert_eq!(buf.write(&mut out), buf.words());
-        // SAFETY: every element was initialised above.
-        #[allow(unsafe_code)]
-        let words: Vec<u64> = out[..buf.words()]
-            .iter()
-            .map(|w| unsafe { w.assume_init() })
-            .collect();
-        let run = Run::parse(&words).unwrap();
-        assert_eq!((run.parent, run.parent_off), (77, 63));
-        assert_eq!(run.hashes, &buf.hashes[..]);
-        let holders: Vec<Holder> = holders_of(run.holders).collect();
-        assert_eq!(holders, buf.holders);
-        let mut copy = RunBuf::default();
-        copy.copy_run(run);
-        assert_eq!(copy.words(), buf.words());
-        assert!(Run::parse(&words[..words.len() - 1]).is_none());
-    }
-}
+mod tests;

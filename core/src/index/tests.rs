@@ -1,6 +1,9 @@
 //! Rules of the index, one test each.
 
 use super::*;
+use crate::event::{
+    BlockHash, EventHeader, EventId, StorageTier, StoredBlock, WorkerId, WorkerRank,
+};
 use crate::hash::LocalHash;
 
 fn idx() -> PrefixIndex {

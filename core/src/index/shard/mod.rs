@@ -6,17 +6,23 @@
 //! then removes dead links and frees dead slots. Readers therefore never find a link to a run
 //! that is not yet published, and a run is copied once per event however many of its blocks
 //! the event touches.
+//!
+//! `commit.rs` publishes a transaction; `evict.rs` keeps the runs' use order and evicts
+//! under a memory budget; `tests.rs` holds the unit tests.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 
 use super::mix::{self, set_bytes, MixState};
-use super::run::{holders_of, run_bytes, Run, RunBuf, RUN_CAP};
+use super::run::{find_group, holders_of, run_bytes, Run, RunBuf, RUN_CAP};
 use super::slots::{Slots, NO_NEXT};
 use super::table::{ChildKey, ChildTable, ChildTableWriter, ROOT};
 use super::uses::UseMarks;
 use crate::event::StoredBlock;
+
+mod commit;
+mod evict;
 
 /// Commits between hand-overs of retired runs to the epoch collector.
 const FLUSH_EVERY: u32 = 8;
@@ -524,7 +530,7 @@ impl ShardWriter {
         let Some(run) = self.published(slot) else {
             return (0, 0);
         };
-        match super::read::find_group(run.holders, rank) {
+        match find_group(run.holders, rank) {
             Some((start, end, _)) => {
                 holders_of(&run.holders[2 * start..2 * end]).fold((0, 0), split)
             }
@@ -712,25 +718,6 @@ impl ShardWriter {
         (slot, 0, n, true)
     }
 
-    /// Publishes the index's clock (its last Stored event) for walks to mark runs with.
-    /// Under a memory budget only.
-    #[inline(never)]
-    pub(crate) fn set_clock(&self, tick: u64) {
-        if let Some(used) = &self.shared.used {
-            used.set_now(tick);
-        }
-    }
-
-    fn touch(&mut self, slot: u32, tick: u64) {
-        if let Some(lru) = &mut self.lru {
-            let touch = &mut self.touches[slot as usize];
-            if *touch != tick {
-                *touch = tick;
-                lru.push(Reverse((tick, slot)));
-            }
-        }
-    }
-
     /// Clears (rank, tier)'s hold of the blocks `bits` of run `slot`. Returns `(cleared,
     /// elsewhere)`: the blocks it held, and those of them the rank still holds in another tier.
     /// A run these bits leave without holders or children is freed as it is
@@ -910,201 +897,7 @@ impl ShardWriter {
         }
         Some(parent)
     }
-
-    /// Publishes the transaction.
-    pub(crate) fn commit(&mut self) {
-        let mut pending = std::mem::take(&mut self.prune_pending);
-        for &slot in &pending {
-            let meta = &mut self.metas[slot as usize];
-            meta.prune_queued = false;
-            if meta.live {
-                self.prune(slot);
-            }
-        }
-        pending.clear();
-        self.prune_pending = pending;
-        // Borrowed, not cloned: an `Arc` clone and drop are two locked instructions.
-        let shared = &*self.shared;
-        let guard = crossbeam_epoch::pin();
-        let mut dirty = std::mem::take(&mut self.dirty);
-        for (slot, buf) in dirty.drain(..) {
-            let meta = &mut self.metas[slot as usize];
-            meta.dirty = CLEAN;
-            if !meta.live {
-                continue; // freed below
-            }
-            if let Some(old) = self.published(slot) {
-                self.run_bytes -= run_bytes(old.words());
-            }
-            self.run_bytes += run_bytes(buf.words());
-            self.metas[slot as usize].words =
-                u16::try_from(run_bytes(buf.words()) / std::mem::size_of::<u64>())
-                    .unwrap_or(u16::MAX);
-            let table = &self.table;
-            shared.slots.publish(
-                slot,
-                buf.words(),
-                shared.slots.address_of_next2(slot),
-                |out| buf.write(out),
-                |address| table.set_run(slot, address),
-                &guard,
-            );
-            self.fresh.push(slot);
-            if self.spare.len() < SPARE_BUFS {
-                self.spare_bytes += buf.heap_bytes();
-                self.spare.push(buf);
-            }
-        }
-        self.dirty = dirty;
-        // The lists are taken and put back emptied, so that they keep their capacity.
-        let mut new_links = std::mem::take(&mut self.new_links);
-        for &(key, slot) in &new_links {
-            if self.metas[slot as usize].live {
-                let address = shared.slots.address(slot);
-                self.table.insert(&shared.children, key, slot, address);
-                // The newest child is where the next walk through its parent likely goes on.
-                if key.parent != ROOT {
-                    let grandparent =
-                        Some(self.metas[key.parent as usize].parent).filter(|&g| g != ROOT);
-                    shared.slots.set_next(key.parent, slot, grandparent);
-                    // The parent's second hint changed. (The grandparent's, when it did, names
-                    // the new child, which was just published: see below.)
-                    shared
-                        .slots
-                        .set_ahead(key.parent, shared.slots.address_of_next2(key.parent));
-                }
-            }
-        }
-        new_links.clear();
-        self.new_links = new_links;
-        // A run with a new array is two ahead of its grandparent's: tell the grandparent, when
-        // its second hint names the run.
-        for &slot in &self.fresh {
-            let parent = self.metas[slot as usize].parent;
-            if parent == ROOT {
-                continue;
-            }
-            let grandparent = self.metas[parent as usize].parent;
-            if grandparent != ROOT && shared.slots.hints(grandparent).1 == slot {
-                shared
-                    .slots
-                    .set_ahead(grandparent, shared.slots.address(slot));
-            }
-        }
-        self.fresh.clear();
-        for key in self.dead_links.drain(..) {
-            self.table.remove(key);
-        }
-        let mut dead_slots = std::mem::take(&mut self.dead_slots);
-        for &slot in &dead_slots {
-            if let Some(old) = self.published(slot) {
-                self.run_bytes -= run_bytes(old.words());
-                // Its link is gone already; should an entry still name it, it names no array.
-                let table = &self.table;
-                shared
-                    .slots
-                    .clear(slot, |address| table.set_run(slot, address), &guard);
-            }
-            self.free.push(slot);
-        }
-        dead_slots.clear();
-        self.dead_slots = dead_slots;
-        // Hand the retired runs to the collector every few commits, and let this thread, not
-        // a reader, do the freeing that is due (a flush costs about as much as publishing a
-        // run; the thread's own bag holds what waits, at most 64 runs).
-        self.unflushed += 1;
-        if self.unflushed >= FLUSH_EVERY {
-            self.unflushed = 0;
-            guard.flush();
-        }
-        if let Some(lru) = &mut self.lru {
-            if lru.len() > 4 * self.live_runs + 1024 {
-                let (metas, touches) = (&self.metas, &self.touches);
-                lru.retain(|Reverse((t, s))| metas[*s as usize].live && touches[*s as usize] == *t);
-            }
-        }
-    }
-
-    /// Evicts the least recently used leaf block of this shard (the last block of the run
-    /// least recently stored into or matched that nothing branches from), dropping every hold
-    /// of it. Returns false when there is nothing to evict. Commit afterwards.
-    pub(crate) fn evict_one(&mut self, dropped: &mut Vec<DroppedHold>) -> bool {
-        loop {
-            let Some(Reverse((tick, slot))) = self.lru.as_mut().and_then(|l| l.pop()) else {
-                return false;
-            };
-            let meta = &self.metas[slot as usize];
-            if !meta.live || self.touches[slot as usize] != tick {
-                continue;
-            }
-            // Matched since it was queued: it goes back in line at the time it was used.
-            let used = self
-                .shared
-                .used
-                .as_ref()
-                .map_or(0, |u| u.last_used(slot, u.now()));
-            if used > tick {
-                self.touches[slot as usize] = used;
-                if let Some(lru) = &mut self.lru {
-                    lru.push(Reverse((used, slot)));
-                }
-                continue;
-            }
-            let len = self.with_run(slot, |_, _, h| h.len()).unwrap_or(0);
-            if len == 0 || meta.has_children((len - 1) as u8) {
-                continue;
-            }
-            let off = (len - 1) as u8;
-            let shard = self.index;
-            let eh = self.ehs[slot as usize]
-                .get(off as usize)
-                .copied()
-                .unwrap_or(0);
-            let renamed = meta.renamed;
-            let buf = self.run_mut(slot);
-            let bit = 1u64 << off;
-            for h in buf.holders.iter_mut().filter(|h| h.mask & bit != 0) {
-                h.mask &= !bit;
-                dropped.push(DroppedHold {
-                    shard,
-                    pos: Pos { slot, off },
-                    rank: h.rank,
-                    tier: h.tier,
-                    eh,
-                    renamed,
-                });
-            }
-            buf.holders.retain(|h| h.mask != 0);
-            self.prune(slot);
-            // The run may still have older blocks to give up later.
-            if self.metas[slot as usize].live {
-                if let Some(lru) = &mut self.lru {
-                    lru.push(Reverse((tick, slot)));
-                }
-            }
-            return true;
-        }
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_runs_writer_side_facts_take_24_bytes() {
-        assert_eq!(std::mem::size_of::<SlotMeta>(), 24);
-    }
-
-    #[test]
-    fn room_is_counted_against_the_slot_limit() {
-        let mut w = ShardWriter::new(0, false);
-        assert!(w.has_room_for(MAX_SLOTS as usize));
-        assert!(!w.has_room_for(MAX_SLOTS as usize + 1));
-        let slot = w.alloc_slot();
-        assert!(!w.has_room_for(MAX_SLOTS as usize));
-        w.metas[slot as usize].live = false;
-        w.free.push(slot);
-        assert!(w.has_room_for(MAX_SLOTS as usize));
-    }
-}
+mod tests;
