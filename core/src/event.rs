@@ -117,6 +117,18 @@ pub enum KvEventData {
     Cleared,
 }
 
+/// A KV event as the router's own bookkeeping sees it: what happened and to how many blocks
+/// (`Router::note_event`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventSeen {
+    /// Blocks were stored.
+    Stored { blocks: u64 },
+    /// Blocks were evicted.
+    Removed { blocks: u64 },
+    /// The rank dropped its whole cache.
+    Cleared,
+}
+
 /// A KV event: a header and a payload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvEvent {

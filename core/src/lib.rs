@@ -67,8 +67,8 @@ pub use config::{
     QueueOrder, Queueing, RouterConfig, Speculative, TierWeights, Timing, WarmUp,
 };
 pub use event::{
-    BlockHash, DpRank, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock,
-    WorkerId, WorkerRank,
+    BlockHash, DpRank, EventHeader, EventId, EventSeen, KvEvent, KvEventData, StorageTier,
+    StoredBlock, WorkerId, WorkerRank,
 };
 pub use hash::{BlockHasher, HashSeed, LocalHash, SeqHash};
 pub use health::Health;
@@ -76,14 +76,14 @@ pub use index::{
     ApplyEvents, Depth, IndexConfig, IndexError, IndexReader, IndexStats, MatchOptions,
     OverlapScores, PrefixIndex, RankDepths, RankKey, RankScore,
 };
-pub use load::{Dispatch, Freed, LedgerCounts, LoadError, LoadView, RequestId};
+pub use load::{DispatchState, Freed, LedgerCounts, LoadError, LoadView, RequestId};
 pub use queue::PriorityClass;
 pub use registry::{KvEvents, Readiness, RegistryError, WorkerConfig, WorkerRole};
 pub use router::{
-    Admission, Bookkeeping, Cancelled, DecidedBy, Decision, EventSeen, EventWriter, EvidenceLevel,
-    Fallback, Label, Mode, Phase, Pinned, PoolHits, PreferredLabel, Quantiles, QueueStats,
-    Released, RequestGuard, RequestMetrics, RouteError, RouteHints, RouteRequest, Router,
-    RouterCounts, RouterError, SessionCallback, Ticket, TicketState, Timings,
+    Admission, Bookkeeping, Cancelled, DecidedBy, Decision, EventWriter, EvidenceLevel, Fallback,
+    Label, Mode, Phase, Pinned, PoolHits, PreferredLabel, Quantiles, QueueStats, Released,
+    RequestGuard, RequestMetrics, RouteError, RouteHints, RouteRequest, Router, RouterCounts,
+    RouterError, SessionCallback, Ticket, TicketState, Timings,
 };
 pub use select::{Busy, Candidate, CostTerms, Overlap, Overrides, PolicyKind};
 pub use session::{SessionClose, SessionEnd, SessionEndReason, SessionId, SessionRouting};

@@ -47,7 +47,6 @@ pub use frame::{
 pub use ingest::{
     IngestConfig, IngestError, IngestReport, IngestServer, IngestStats, IngestTarget,
 };
-pub use kvroute_core as core;
 pub use wire::{Message, MessageKind, MessageRef, PROTOCOL_VERSION};
 pub use worker::{
     Engine, ResponseSink, SinkClosed, WorkerServer, WorkerServerConfig, WorkerServerError,

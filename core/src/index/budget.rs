@@ -2,7 +2,7 @@
 //! the clock walks mark runs with, and eviction of the least recently used leaf blocks.
 
 use super::mix::set_bytes;
-use super::writer::{pack, PrefixIndex, RankState};
+use super::writer::{pack, PrefixIndex, RankRecord};
 use crate::event::WorkerRank;
 
 impl PrefixIndex {
@@ -19,7 +19,7 @@ impl PrefixIndex {
             + names
             + set_bytes::<((u32, u8, u32), u32)>(self.copies.capacity())
             + set_bytes::<(WorkerRank, u32)>(self.rank_ids.capacity())
-            + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
+            + self.ranks.capacity() * std::mem::size_of::<Option<RankRecord>>()
             + self.ranks.len() * std::mem::size_of::<Option<WorkerRank>>()
             + std::mem::size_of::<Self>()
     }

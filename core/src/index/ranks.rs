@@ -10,7 +10,7 @@ use super::depths::RankKey;
 use super::names::{self, NameMap};
 use super::primitive;
 use super::stats::{IndexError, RankStatus};
-use super::writer::{PrefixIndex, RankState};
+use super::writer::{PrefixIndex, RankRecord};
 use crate::event::{EventHeader, EventId, WorkerId, WorkerRank};
 
 /// Bytes a reserved name takes in its map (64-byte groups of seven at
@@ -79,7 +79,7 @@ impl PrefixIndex {
         if id as usize == self.ranks.len() {
             self.ranks.push(None);
         }
-        self.ranks[id as usize] = Some(RankState {
+        self.ranks[id as usize] = Some(RankRecord {
             rank,
             epoch: self.reader.shared.frees.load(primitive::Ordering::Relaxed),
             names: NameMap::default(),

@@ -21,6 +21,7 @@
 
 use std::sync::Arc;
 
+use super::config::MatchOptions;
 use super::depths::RankDepths;
 use super::mix::{prefetch_addr, prefetch_read};
 use super::run::{add_tiers, find_group, group_of, leading, rank_at, Run};
@@ -436,7 +437,7 @@ pub(crate) fn walk(
     shard: &ShardShared,
     ranks: &Arc<Vec<Option<WorkerRank>>>,
     query: &[LocalHash],
-    early_exit: bool,
+    opts: MatchOptions,
     out: &mut impl Sink,
 ) {
     let Some(first) = query.first() else {
@@ -566,7 +567,7 @@ pub(crate) fn walk(
         }
         pos += m;
         let active = out.active_len();
-        if childless || active == 0 || pos >= query.len() || (early_exit && active == 1) {
+        if childless || active == 0 || pos >= query.len() || (opts.early_exit && active == 1) {
             break;
         }
         key = ChildKey {

@@ -67,7 +67,7 @@ impl IndexReader {
         let shards = &self.shared.shards;
         let shard = &shards[shard_of(*first, shards.len())];
         let ranks = self.shared.ranks.load();
-        read::walk(shard, &ranks, query, opts.early_exit, out);
+        read::walk(shard, &ranks, query, opts, out);
     }
 
     /// [`IndexReader::find_matches_into`] by rank id: the same overlaps, left in a table keyed
@@ -86,22 +86,14 @@ impl IndexReader {
         };
         let shards = &self.shared.shards;
         let shard = &shards[shard_of(*first, shards.len())];
-        read::walk(shard, &ranks, query, opts.early_exit, out);
+        read::walk(shard, &ranks, query, opts, out);
         out.end(&ranks);
     }
 
     /// [`IndexReader::find_depths_into`] for rank id `id` alone: the walk follows that rank
     /// only, and `out` holds nothing for any other (its deepest is that rank, or none). For a
     /// caller that has already chosen its rank (a pinned request) and wants its overlap.
-    /// `opts.early_exit` is ignored: with one rank followed, it would end every walk after
-    /// its first run.
-    pub fn find_depth_of_into(
-        &self,
-        query: &[LocalHash],
-        _opts: MatchOptions,
-        id: u32,
-        out: &mut RankDepths,
-    ) {
+    pub fn find_depth_of_into(&self, query: &[LocalHash], id: u32, out: &mut RankDepths) {
         let epoch = self.shared.frees.load(primitive::Ordering::Acquire);
         let ranks = self.shared.ranks.load();
         out.begin(ranks.len(), epoch);
@@ -111,7 +103,14 @@ impl IndexReader {
         };
         let shards = &self.shared.shards;
         let shard = &shards[shard_of(*first, shards.len())];
-        read::walk(shard, &ranks, query, false, out);
+        // No early exit: with one rank followed, it would end every walk after its first run.
+        read::walk(
+            shard,
+            &ranks,
+            query,
+            MatchOptions { early_exit: false },
+            out,
+        );
         out.end(&ranks);
     }
 

@@ -1032,7 +1032,7 @@ fn wide_fleet_matches_the_reference(workers: u64) {
             let all = depths.clone();
             let mut one = crate::index::RankDepths::default();
             for id in 0..64u32 {
-                reader.find_depth_of_into(q, MatchOptions::default(), id, &mut one);
+                reader.find_depth_of_into(q, id, &mut one);
                 let scored: Vec<u32> = one.ids().collect();
                 match all.get(id) {
                     Some(d) => {

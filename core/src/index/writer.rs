@@ -19,7 +19,7 @@ use crate::event::{BlockHash, EventHeader, KvEvent, KvEventData, StoredBlock, Wo
 use crate::hash::LocalHash;
 
 #[derive(Debug)]
-pub(super) struct RankState {
+pub(super) struct RankRecord {
     pub(super) rank: WorkerRank,
     /// Ids freed before this rank was given its id ([`RankKey::epoch`](super::RankKey::epoch)).
     pub(super) epoch: u32,
@@ -95,7 +95,7 @@ pub struct PrefixIndex {
     pub(super) config: IndexConfig,
     pub(super) reader: IndexReader,
     pub(super) shards: Vec<ShardWriter>,
-    pub(super) ranks: Vec<Option<RankState>>,
+    pub(super) ranks: Vec<Option<RankRecord>>,
     pub(super) rank_ids: HashMap<WorkerRank, u32, MixState>,
     pub(super) free_rank_ids: Vec<u32>,
     /// (rank, tier, position) -> copies beyond the first.

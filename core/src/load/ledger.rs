@@ -12,7 +12,7 @@ use super::decay::{decayed, generated_at_block, remaining_fraction};
 use super::keys::PassThrough;
 use super::rank::{lock, RankState};
 use super::records::{
-    BookingSpec, Dispatch, Freed, Generated, LedgerCounts, LoadError, RequestId, Step,
+    BookingSpec, DispatchState, Freed, Generated, LedgerCounts, LoadError, RequestId, Step,
 };
 use crate::config::PromptDecay;
 use crate::event::{WorkerId, WorkerRank};
@@ -43,7 +43,7 @@ struct Booking {
     expected_output_tokens: Option<u32>,
     booked_at: Instant,
     session: Option<SessionId>,
-    dispatch: Dispatch,
+    dispatch: DispatchState,
     first_token_seen: bool,
     /// The last token event (first token or block boundary) timed by a caller's clock.
     last_token_at: Option<Instant>,
@@ -165,7 +165,7 @@ impl Ledger {
                     expected_output_tokens,
                     booked_at: now,
                     session,
-                    dispatch: Dispatch::NotYet,
+                    dispatch: DispatchState::NotYet,
                     first_token_seen: false,
                     last_token_at: None,
                 },
@@ -238,7 +238,7 @@ impl Ledger {
             drop(shard);
             return Err(self.unknown(request));
         };
-        b.dispatch = Dispatch::Reached;
+        b.dispatch = DispatchState::Reached;
         Ok(b.state.rank)
     }
 

@@ -34,7 +34,7 @@
 //!   and `u − u · r` kept in [`LoadView::prompt_decay`] until the next block or the free.
 //!   Shared prompt blocks always weigh 1.
 //! * **Request timeline.** A booking remembers when it was booked, whether it reached its
-//!   worker ([`Dispatch`]) and, when the caller passes a clock reading, when its last token
+//!   worker ([`DispatchState`]) and, when the caller passes a clock reading, when its last token
 //!   arrived; lifecycle calls hand back what metrics need ([`Step`], [`Freed`]) and the ledger
 //!   itself reads no clock.
 //! * **Exactly once.** A booking lives in exactly one ledger shard; whoever removes it from the
@@ -73,7 +73,7 @@ pub use ledger::Ledger;
 pub use prefix_refs::PrefixRefs;
 pub use rank::{LoadView, RankLoad, RankState};
 pub use records::{
-    BookingSpec, Dispatch, Freed, Generated, LedgerCounts, LoadError, RequestId, Step,
+    BookingSpec, DispatchState, Freed, Generated, LedgerCounts, LoadError, RequestId, Step,
 };
 
 #[cfg(all(test, not(loom)))]

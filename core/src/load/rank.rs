@@ -6,7 +6,7 @@ use crossbeam_utils::CachePadded;
 
 use super::decay::DECAY_SCALE;
 use super::prefix_refs::PrefixRefs;
-use crate::event::WorkerRank;
+use crate::event::{EventSeen, WorkerRank};
 use crate::hash::LocalHash;
 use crate::health::Health;
 use crate::index::RankKey;
@@ -113,7 +113,7 @@ pub struct RankState {
 
 impl RankState {
     /// A fresh, idle rank.
-    pub fn new(rank: WorkerRank) -> Self {
+    pub(crate) fn new(rank: WorkerRank) -> Self {
         RankState {
             rank,
             load: CachePadded::new(RankLoad {
@@ -196,7 +196,7 @@ impl RankState {
     }
 
     /// Sets the health mark; returns the previous one.
-    pub fn set_health(&self, h: Health) -> Health {
+    pub(crate) fn set_health(&self, h: Health) -> Health {
         Health::from_u8(self.health.swap(h.to_u8(), Ordering::Relaxed))
     }
 
@@ -211,7 +211,7 @@ impl RankState {
     }
 
     /// Sets whether the rank's worker publishes KV events.
-    pub fn set_kv_events(&self, events: KvEvents) {
+    pub(crate) fn set_kv_events(&self, events: KvEvents) {
         self.no_events
             .store(events == KvEvents::Absent, Ordering::Relaxed);
     }
@@ -223,7 +223,7 @@ impl RankState {
     }
 
     /// Warms the rank until `until_ns` (past the router's epoch), or longer if already so.
-    pub fn warm_until(&self, until_ns: u64) {
+    pub(crate) fn warm_until(&self, until_ns: u64) {
         self.warm_until_ns.fetch_max(until_ns, Ordering::Relaxed);
     }
 
@@ -232,23 +232,22 @@ impl RankState {
         self.reported_blocks.load(Ordering::Relaxed)
     }
 
-    /// Adjusts the reported blocks: `stored` more, `removed` fewer (never below 0), or all
-    /// gone on a clear.
-    pub fn report_blocks(&self, stored: u64, removed: u64, cleared: bool) {
+    /// Adjusts the reported blocks by a device-tier event: more when stored, fewer (never
+    /// below 0) when removed, none after a clear.
+    pub(crate) fn report(&self, seen: EventSeen) {
         let _ = self
             .reported_blocks
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                Some(if cleared {
-                    0
-                } else {
-                    (b + stored).saturating_sub(removed)
+                Some(match seen {
+                    EventSeen::Stored { blocks } => b + blocks,
+                    EventSeen::Removed { blocks } => b.saturating_sub(blocks),
+                    EventSeen::Cleared => 0,
                 })
             });
     }
 
-    /// Marks the rank as gone (its worker left).
     /// Records the rank's key in the prefix index, once it is registered there.
-    pub fn set_index_key(&self, key: RankKey) {
+    pub(crate) fn set_index_key(&self, key: RankKey) {
         let packed = u64::from(key.epoch) << 32 | u64::from(key.id);
         self.load.index_key.store(packed, Ordering::Relaxed);
     }
@@ -267,7 +266,8 @@ impl RankState {
         }
     }
 
-    pub fn retire(&self) {
+    /// Marks the rank as gone (its worker left).
+    pub(crate) fn retire(&self) {
         // SeqCst: see `is_retired`.
         self.load.retired.store(true, Ordering::SeqCst);
     }

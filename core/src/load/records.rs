@@ -29,7 +29,7 @@ pub enum LoadError {
 
 /// Whether a request reached its worker (only those record metrics and count as completed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Dispatch {
+pub enum DispatchState {
     #[default]
     NotYet,
     Reached,
@@ -64,7 +64,7 @@ pub struct BookingSpec<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Step {
     pub rank: WorkerRank,
-    pub dispatch: Dispatch,
+    pub dispatch: DispatchState,
     /// Time since the previous event: for the first token since booking (TTFT, on the first
     /// call only), for an output block since the previous token event. `None` without a
     /// clock reading or a previous event.
@@ -79,7 +79,7 @@ pub struct Step {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Generated {
     pub rank: WorkerRank,
-    pub dispatch: Dispatch,
+    pub dispatch: DispatchState,
     /// These were the request's first tokens: its prefill tokens were released.
     pub prefill_released: bool,
     /// Time from booking to the first tokens (with a clock reading, on the first call only).
@@ -101,7 +101,7 @@ pub struct Freed {
     pub output_blocks: u64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
-    pub dispatch: Dispatch,
+    pub dispatch: DispatchState,
     pub age: Duration,
     pub session: Option<SessionId>,
 }

@@ -597,7 +597,7 @@ fn the_timeline_reports_ttft_block_intervals_and_dispatch() {
         })
         .unwrap();
     let step = ledger.output_block(RequestId(1), None).unwrap();
-    assert_eq!((step.dispatch, step.elapsed), (Dispatch::NotYet, None));
+    assert_eq!((step.dispatch, step.elapsed), (DispatchState::NotYet, None));
     ledger.free(RequestId(1)).unwrap();
 
     ledger
@@ -609,7 +609,7 @@ fn the_timeline_reports_ttft_block_intervals_and_dispatch() {
     ledger.mark_dispatched(RequestId(2)).unwrap();
     let first = ledger.prefill_done(RequestId(2), Some(at(30))).unwrap();
     assert_eq!(first.elapsed, Some(Duration::from_millis(30)));
-    assert_eq!(first.dispatch, Dispatch::Reached);
+    assert_eq!(first.dispatch, DispatchState::Reached);
     let again = ledger.prefill_done(RequestId(2), Some(at(31))).unwrap();
     assert_eq!(again.elapsed, None, "TTFT once");
     let b1 = ledger.output_block(RequestId(2), Some(at(46))).unwrap();
@@ -630,7 +630,7 @@ fn the_timeline_reports_ttft_block_intervals_and_dispatch() {
             freed.output_blocks,
             freed.dispatch
         ),
-        (40, 16, 2, Dispatch::Reached)
+        (40, 16, 2, DispatchState::Reached)
     );
 }
 

@@ -4,16 +4,10 @@
 use std::sync::MutexGuard;
 
 use super::{lock, Router};
-use crate::event::{BlockHash, EventHeader, KvEvent, StorageTier, StoredBlock, WorkerRank};
+use crate::event::{
+    BlockHash, EventHeader, EventSeen, KvEvent, StorageTier, StoredBlock, WorkerRank,
+};
 use crate::index::{IndexError, PrefixIndex};
-
-/// A KV event as the router's own bookkeeping sees it ([`Router::note_event`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EventSeen {
-    Stored { blocks: u64 },
-    Removed { blocks: u64 },
-    Cleared,
-}
 
 /// KV events into a router's index, each noted ([`Router::event_writer`]).
 pub struct EventWriter<'a> {
@@ -109,11 +103,10 @@ impl Router {
         };
         let state = &fleet.ranks[i].state;
         match seen {
-            EventSeen::Stored { blocks } => state.report_blocks(blocks, 0, false),
-            EventSeen::Removed { blocks } => state.report_blocks(0, blocks, false),
+            EventSeen::Stored { .. } | EventSeen::Removed { .. } => state.report(seen),
             EventSeen::Cleared => {
                 // A restart with an empty cache: warm it again.
-                state.report_blocks(0, 0, true);
+                state.report(seen);
                 self.warm(state, self.clock.now());
             }
         }

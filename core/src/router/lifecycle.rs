@@ -7,7 +7,7 @@ use hdrhistogram::Histogram;
 
 use super::{bump, record, record_n, us_per, RequestMetrics, Router};
 use crate::event::WorkerRank;
-use crate::load::Dispatch;
+use crate::load::DispatchState;
 use crate::load::{Freed, Generated, LoadError, RequestId, Step};
 
 impl Router {
@@ -53,7 +53,7 @@ impl Router {
         let g: Generated = self
             .ledger
             .tokens_generated(request, tokens, self.metrics_now())?;
-        if let (Some(m), Dispatch::Reached) = (&self.metrics, g.dispatch) {
+        if let (Some(m), DispatchState::Reached) = (&self.metrics, g.dispatch) {
             let mut m = m.shard(request);
             if let Some(t) = g.ttft {
                 record(&mut m.ttft_us, us_per(t, 1));
@@ -77,7 +77,7 @@ impl Router {
         histogram: impl FnOnce(&mut RequestMetrics) -> &mut Histogram<u64>,
         per: u64,
     ) {
-        if let (Some(m), Some(elapsed), Dispatch::Reached) =
+        if let (Some(m), Some(elapsed), DispatchState::Reached) =
             (&self.metrics, step.elapsed, step.dispatch)
         {
             record(histogram(&mut m.shard(request)), us_per(elapsed, per));
@@ -89,7 +89,7 @@ impl Router {
     pub fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
         let now = self.clock.now();
         let freed = self.ledger.free_at(request, now)?;
-        if freed.dispatch == Dispatch::Reached {
+        if freed.dispatch == DispatchState::Reached {
             bump(&self.counters.completed);
             if let Some(m) = &self.metrics {
                 let hit_bp = (u128::from(freed.cached_tokens) * 10_000)

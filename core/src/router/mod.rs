@@ -76,7 +76,6 @@ use crate::config::{ConfigError, Metrics, Queueing, RouterConfig, Timing};
 use crate::event::{WorkerId, WorkerRank};
 use crate::health::Health;
 use crate::index::{IndexError, IndexReader, PrefixIndex};
-pub use crate::load::Dispatch;
 use crate::load::{Ledger, LoadView};
 use crate::registry::{Fleet, Readiness, Registry, RegistryError, WorkerConfig};
 use crate::rng::SharedRng;

@@ -542,10 +542,7 @@ impl Router {
             .fold(f64::NEG_INFINITY, f64::max);
         depths.set_eager(!plan.prune || credit.is_nan() || credit <= 0.0);
         match plan.pinned.and_then(|p| fleet.ranks[p.index].index_key) {
-            Some(key) => {
-                self.reader
-                    .find_depth_of_into(locals, MatchOptions::default(), key.id, depths)
-            }
+            Some(key) => self.reader.find_depth_of_into(locals, key.id, depths),
             None => self
                 .reader
                 .find_depths_into(locals, MatchOptions::default(), depths),

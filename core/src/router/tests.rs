@@ -7,7 +7,7 @@ use super::*;
 use crate::event::{BlockHash, EventHeader, EventId, StorageTier, StoredBlock};
 use crate::hash::{BlockHasher, LocalHash};
 use crate::index::{IndexConfig, MatchOptions, RankDepths};
-use crate::load::{Dispatch, RequestId, Step};
+use crate::load::{DispatchState, RequestId, Step};
 use crate::registry::RankEntry;
 use crate::select::rank_depth;
 
@@ -114,13 +114,13 @@ fn itl_is_microseconds_per_token() {
     });
     let step = Step {
         rank: WorkerRank::new(1, 0),
-        dispatch: Dispatch::Reached,
+        dispatch: DispatchState::Reached,
         elapsed: Some(std::time::Duration::from_micros(1_600)),
         tokens: 16,
     };
     r.record_step(RequestId(1), &step, |m| &mut m.itl_us, step.tokens);
     let not_dispatched = Step {
-        dispatch: Dispatch::NotYet,
+        dispatch: DispatchState::NotYet,
         ..step
     };
     r.record_step(RequestId(1), &not_dispatched, |m| &mut m.itl_us, 16);
