@@ -4,7 +4,7 @@
 //! `cargo bench -p kvroute-benches --bench index`
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use kvroute_core::hash::{seq_hashes_into, BlockHasher};
+use kvroute_core::{seq_hashes_into, BlockHasher};
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, OverlapScores,
     PrefixIndex, StorageTier, StoredBlock, WorkerRank,

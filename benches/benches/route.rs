@@ -61,21 +61,21 @@ use dynamo_kv_router::protocols::{RoutingConstraints, WorkerConfigLike, WorkerWi
 use dynamo_kv_router::scheduling::{OverlapSignals, ScheduleMode, SchedulingRequest};
 use dynamo_kv_router::selector::{DefaultWorkerSelector, WorkerSelectionInput, WorkerSelector};
 use dynamo_kv_router::{KvRouterConfig, WorkerLoadProjection};
-use kvroute_core::config::{
+use kvroute_core::BlockHasher;
+use kvroute_core::Health;
+use kvroute_core::KvEvents;
+use kvroute_core::RequestId;
+use kvroute_core::SessionId;
+use kvroute_core::WorkerConfig;
+use kvroute_core::{Admission, Label, PoolHits, PreferredLabel};
+use kvroute_core::{
     Approximate, BusyThresholds, QueueOrder, Queueing, RouterConfig, Speculative, Timing, WarmUp,
 };
-use kvroute_core::hash::BlockHasher;
-use kvroute_core::health::Health;
-use kvroute_core::load::RequestId;
-use kvroute_core::registry::KvEvents;
-use kvroute_core::registry::WorkerConfig;
-use kvroute_core::router::{Admission, Label, PoolHits, PreferredLabel};
-use kvroute_core::router::{Mode, RouteHints, RouteRequest, Router};
-use kvroute_core::session::SessionId;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, OverlapScores,
     PrefixIndex, RankDepths, StorageTier, StoredBlock, WorkerRank,
 };
+use kvroute_core::{Mode, RouteHints, RouteRequest, Router};
 
 const BS: usize = 16;
 const WORKERS: u64 = 256;
@@ -539,7 +539,7 @@ fn bench_all_conditions(c: &mut Criterion) {
 /// one depth (64 blocks: one node read) or each to its own (2, 4, ..., 512 blocks: every
 /// checkpoint's node read, the lookup's worst case); one lookup of the whole prompt.
 fn bench_record_lookup(c: &mut Criterion) {
-    use kvroute_core::approx::{checkpoint_keys_extend, ApproxCache};
+    use kvroute_core::testing::{checkpoint_keys_extend, ApproxCache};
     use kvroute_core::RankKey;
     use std::time::Instant;
 

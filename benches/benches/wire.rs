@@ -20,7 +20,7 @@ use std::fmt;
 
 use bytes::BytesMut;
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use kvroute_core::hash::BlockHasher;
+use kvroute_core::BlockHasher;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, KvEvent, KvEventData, LocalHash, PrefixIndex,
     StorageTier, StoredBlock, WorkerId, WorkerRank,

@@ -34,8 +34,8 @@ use kv_index::{
     SHARD_SHIFT,
 };
 use kvroute_core::{
-    EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, OverlapScores, PrefixIndex,
-    StorageTier, WorkerRank,
+    EventHeader, EventId, IndexConfig, IndexReader, LocalHash, MatchOptions, OverlapScores,
+    PrefixIndex, StorageTier, WorkerRank,
 };
 
 use crate::workload::{Overlap, Removed, Stored};
@@ -151,6 +151,7 @@ pub struct PeerConfig {
 #[derive(Debug)]
 pub struct Kvroute {
     index: PrefixIndex,
+    reader: IndexReader,
     scores: OverlapScores,
     errors: u64,
 }
@@ -175,8 +176,10 @@ impl Kvroute {
 
     /// kvroute's index with a configuration of its own (a memory budget, a shard count).
     pub fn with_config(config: IndexConfig) -> Self {
+        let index = PrefixIndex::new(config);
         Kvroute {
-            index: PrefixIndex::new(config),
+            reader: index.reader(),
+            index,
             scores: OverlapScores::default(),
             errors: 0,
         }
@@ -216,7 +219,7 @@ impl Indexer for Kvroute {
     }
 
     fn query(&mut self, hashes: &[LocalHash], answer: &mut Vec<Overlap>) {
-        self.index
+        self.reader
             .find_matches_into(hashes, MatchOptions::default(), &mut self.scores);
         answer.clear();
         answer.extend(

@@ -27,7 +27,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use kvroute_core::hash::{seq_hashes, BlockHasher};
+use kvroute_core::{seq_hashes, BlockHasher};
 use kvroute_core::{BlockHash, LocalHash, SeqHash, StoredBlock};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -7,7 +7,7 @@ use dynamo_kv_router::compute_block_hash_for_seq;
 use dynamo_kv_router::protocols::{
     compute_seq_hash_for_block, BlockExtraInfo, BlockHashOptions, BlockMmObjectInfo,
 };
-use kvroute_core::hash::{next_seq_hash, seq_hashes, BlockHasher, HashSeed, SeqHash};
+use kvroute_core::{next_seq_hash, seq_hashes, BlockHasher, HashSeed, SeqHash};
 use rand::distributions::Alphanumeric;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};

@@ -10,21 +10,21 @@
 use kvroute_benches::alloc::{thread_allocations, CountingAlloc};
 use std::time::Duration;
 
-use kvroute_core::config::{
+use kvroute_core::BlockHasher;
+use kvroute_core::Health;
+use kvroute_core::KvEvents;
+use kvroute_core::RequestId;
+use kvroute_core::SessionId;
+use kvroute_core::WorkerConfig;
+use kvroute_core::WorkerId;
+use kvroute_core::{Admission, Label, PoolHits, PreferredLabel};
+use kvroute_core::{
     Approximate, BusyThresholds, Metrics, QueueOrder, Queueing, RouterConfig, Speculative, WarmUp,
 };
-use kvroute_core::hash::BlockHasher;
-use kvroute_core::health::Health;
-use kvroute_core::load::RequestId;
-use kvroute_core::registry::KvEvents;
-use kvroute_core::registry::WorkerConfig;
-use kvroute_core::router::{Admission, Label, PoolHits, PreferredLabel};
-use kvroute_core::router::{Mode, RouteHints, RouteRequest, Router};
-use kvroute_core::session::SessionId;
-use kvroute_core::WorkerId;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, PrefixIndex, StorageTier, StoredBlock, WorkerRank,
 };
+use kvroute_core::{Mode, RouteHints, RouteRequest, Router};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;

@@ -39,10 +39,10 @@
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// The xxh3 seed of block hashing without LoRA or salt, and always the seed of chaining.
-pub const XXH3_SEED: u64 = 1337;
+pub(crate) const XXH3_SEED: u64 = 1337;
 
 /// The most multimodal hashes a block may carry and still be sorted on the stack.
-pub const MM_INLINE: usize = 16;
+pub(crate) const MM_INLINE: usize = 16;
 
 /// Hash of one block's tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

@@ -61,7 +61,7 @@ struct QueueKey {
 
 /// What the queue needs to order a request.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct OrderInput {
+pub(crate) struct OrderInput {
     pub class: PriorityClass,
     /// Seconds to move ahead (finite).
     pub priority_jump: f64,
@@ -90,7 +90,7 @@ impl OrderInput {
 
 /// A queued item with its bookkeeping.
 #[derive(Debug)]
-pub struct Waiting<T> {
+pub(crate) struct Waiting<T> {
     pub request: RequestId,
     /// Prompt tokens it counts against the cap.
     pub tokens: u64,
@@ -106,11 +106,11 @@ pub struct Waiting<T> {
 /// Where a waiting request stands in the release order ([`AdmissionQueue::first_head`],
 /// [`AdmissionQueue::take`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Place(QueueKey);
+pub(crate) struct Place(QueueKey);
 
 /// The queue is over its cap of prompt tokens: the request was not queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OverCap {
+pub(crate) struct OverCap {
     /// Prompt tokens already waiting.
     pub queued_tokens: u64,
     /// The cap.
@@ -119,7 +119,7 @@ pub struct OverCap {
 
 /// Why an item was not queued; the item is handed back.
 #[derive(Debug)]
-pub enum Refused<T> {
+pub(crate) enum Refused<T> {
     OverCap(OverCap, Waiting<T>),
     /// The request id is already waiting.
     Duplicate(Waiting<T>),
@@ -127,7 +127,7 @@ pub enum Refused<T> {
 
 /// A priority queue of waiting requests, with a cap on their prompt tokens.
 #[derive(Debug)]
-pub struct AdmissionQueue<T> {
+pub(crate) struct AdmissionQueue<T> {
     order: QueueOrder,
     cap_tokens: u64,
     queued_tokens: u64,
@@ -142,7 +142,7 @@ pub struct AdmissionQueue<T> {
 
 impl<T> AdmissionQueue<T> {
     /// An empty queue ordered by `order`, holding at most `cap_tokens` prompt tokens.
-    pub fn new(order: QueueOrder, cap_tokens: u64) -> Self {
+    pub(crate) fn new(order: QueueOrder, cap_tokens: u64) -> Self {
         AdmissionQueue {
             order,
             cap_tokens,
@@ -156,43 +156,43 @@ impl<T> AdmissionQueue<T> {
     }
 
     /// Waiting requests.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
     /// True when nothing waits.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
     /// Prompt tokens waiting.
-    pub fn queued_tokens(&self) -> u64 {
+    pub(crate) fn queued_tokens(&self) -> u64 {
         self.queued_tokens
     }
 
     /// The cap of waiting prompt tokens.
-    pub fn cap_tokens(&self) -> u64 {
+    pub(crate) fn cap_tokens(&self) -> u64 {
         self.cap_tokens
     }
 
     /// Requests waiting in `lane`.
-    pub fn lane_len(&self, lane: usize) -> usize {
+    pub(crate) fn lane_len(&self, lane: usize) -> usize {
         self.lanes.get(lane).map_or(0, BTreeSet::len)
     }
 
     /// Lanes with at least one request waiting.
-    pub fn nonempty_lanes(&self) -> usize {
+    pub(crate) fn nonempty_lanes(&self) -> usize {
         self.heads.len()
     }
 
     /// True when `request` waits.
-    pub fn contains(&self, request: RequestId) -> bool {
+    pub(crate) fn contains(&self, request: RequestId) -> bool {
         self.by_id.contains_key(&request)
     }
 
     /// Queues `w` in its place, unless its tokens would take the queue past its cap (a request
     /// alone larger than the cap is never queued) or its id already waits.
-    pub fn push(&mut self, w: Waiting<T>, order: OrderInput) -> Result<(), Refused<T>> {
+    pub(crate) fn push(&mut self, w: Waiting<T>, order: OrderInput) -> Result<(), Refused<T>> {
         if self.by_id.contains_key(&w.request) {
             return Err(Refused::Duplicate(w));
         }
@@ -226,13 +226,15 @@ impl<T> AdmissionQueue<T> {
         Ok(())
     }
 
+    #[cfg(test)]
     /// The request that goes next.
-    pub fn peek(&self) -> Option<&Waiting<T>> {
+    pub(crate) fn peek(&self) -> Option<&Waiting<T>> {
         self.entries.values().next()
     }
 
+    #[cfg(test)]
     /// Takes the request that goes next.
-    pub fn pop(&mut self) -> Option<Waiting<T>> {
+    pub(crate) fn pop(&mut self) -> Option<Waiting<T>> {
         let (key, w) = self.entries.pop_first()?;
         self.by_id.remove(&w.request);
         self.left(key, &w);
@@ -241,13 +243,13 @@ impl<T> AdmissionQueue<T> {
 
     /// The first request in release order among the lanes `skip` does not name: a walk over
     /// lane heads, so a lane skipped costs one step however many requests wait in it.
-    pub fn first_head(&self, skip: impl Fn(usize) -> bool) -> Option<(Place, &Waiting<T>)> {
+    pub(crate) fn first_head(&self, skip: impl Fn(usize) -> bool) -> Option<(Place, &Waiting<T>)> {
         let &(key, _) = self.heads.iter().find(|&&(_, lane)| !skip(lane))?;
         Some((Place(key), &self.entries[&key]))
     }
 
     /// Takes the request at `place`, if it still waits there.
-    pub fn take(&mut self, place: Place) -> Option<Waiting<T>> {
+    pub(crate) fn take(&mut self, place: Place) -> Option<Waiting<T>> {
         let w = self.entries.remove(&place.0)?;
         self.by_id.remove(&w.request);
         self.left(place.0, &w);
@@ -266,15 +268,16 @@ impl<T> AdmissionQueue<T> {
     }
 
     /// Takes `request` out of the queue wherever it is (a cancel).
-    pub fn remove(&mut self, request: RequestId) -> Option<Waiting<T>> {
+    pub(crate) fn remove(&mut self, request: RequestId) -> Option<Waiting<T>> {
         let key = self.by_id.remove(&request)?;
         let w = self.entries.remove(&key)?;
         self.left(key, &w);
         Some(w)
     }
 
+    #[cfg(test)]
     /// The waiting requests, in release order.
-    pub fn iter(&self) -> impl Iterator<Item = &Waiting<T>> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Waiting<T>> {
         self.entries.values()
     }
 }

@@ -253,7 +253,7 @@ pub enum Readiness {
 
 /// The registry: one writer at a time (join / leave), lock-free readers.
 #[derive(Debug)]
-pub struct Registry {
+pub(crate) struct Registry {
     current: ArcSwap<Fleet>,
     /// Serialises writers (reads never take it).
     writer: Mutex<()>,
@@ -263,7 +263,7 @@ pub struct Registry {
 
 impl Registry {
     /// An empty registry for workers of `block_size`, ready once `min_workers` joined.
-    pub fn new(block_size: u32, min_workers: usize) -> Self {
+    pub(crate) fn new(block_size: u32, min_workers: usize) -> Self {
         Registry {
             current: ArcSwap::from_pointee(Fleet::default()),
             writer: Mutex::new(()),
@@ -274,17 +274,17 @@ impl Registry {
 
     /// The current snapshot, cheaply (no reference count traffic in the common case).
     #[inline]
-    pub fn load(&self) -> arc_swap::Guard<Arc<Fleet>> {
+    pub(crate) fn load(&self) -> arc_swap::Guard<Arc<Fleet>> {
         self.current.load()
     }
 
     /// The current snapshot as an owned `Arc`.
-    pub fn load_full(&self) -> Arc<Fleet> {
+    pub(crate) fn load_full(&self) -> Arc<Fleet> {
         self.current.load_full()
     }
 
     /// Ready once enough workers joined.
-    pub fn readiness(&self) -> Readiness {
+    pub(crate) fn readiness(&self) -> Readiness {
         let joined = self.current.load().workers.len();
         if joined >= self.min_workers {
             Readiness::Ready
@@ -323,7 +323,7 @@ impl Registry {
     }
 
     /// Adds a worker with fresh, idle ranks; returns the new snapshot.
-    pub fn join(&self, config: WorkerConfig) -> Result<Arc<Fleet>, RegistryError> {
+    pub(crate) fn join(&self, config: WorkerConfig) -> Result<Arc<Fleet>, RegistryError> {
         self.check(&config)?;
         let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let old = self.current.load_full();
@@ -357,7 +357,7 @@ impl Registry {
     /// Returns the retired states (the caller purges their bookings).
     /// Publishes the current fleet again, with what its ranks' states say now (their index
     /// keys, once registered).
-    pub fn republish(&self) {
+    pub(crate) fn republish(&self) {
         let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let old = self.current.load_full();
         let configs = configs_of(&old, None);
@@ -365,7 +365,7 @@ impl Registry {
             .store(Arc::new(build(configs, old.generation + 1)));
     }
 
-    pub fn leave(&self, id: WorkerId) -> Result<Vec<Arc<RankState>>, RegistryError> {
+    pub(crate) fn leave(&self, id: WorkerId) -> Result<Vec<Arc<RankState>>, RegistryError> {
         let _w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         let old = self.current.load_full();
         let Some(gone) = old.worker(id) else {
@@ -386,7 +386,7 @@ impl Registry {
 }
 
 /// Most distinct labels a fleet may carry (one bit each).
-pub const MAX_LABELS: usize = 64;
+pub(crate) const MAX_LABELS: usize = 64;
 
 /// The distinct labels of `configs`, in first-seen order.
 fn distinct_labels(configs: &[(WorkerConfig, Vec<Arc<RankState>>)]) -> Vec<(String, String)> {

@@ -65,13 +65,13 @@ impl Rng {
 
 /// A wyrand generator shared between threads: each draw is one relaxed `fetch_add`.
 #[derive(Debug)]
-pub struct SharedRng {
+pub(crate) struct SharedRng {
     state: AtomicU64,
 }
 
 impl SharedRng {
     /// A generator starting from `seed`.
-    pub const fn new(seed: u64) -> Self {
+    pub(crate) const fn new(seed: u64) -> Self {
         SharedRng {
             state: AtomicU64::new(seed),
         }
@@ -80,26 +80,28 @@ impl SharedRng {
     /// The next 64 random bits. Relaxed is enough: the only requirement is that every draw
     /// sees a distinct state, which the atomic read-modify-write guarantees under any ordering.
     #[inline]
-    pub fn next_u64(&self) -> u64 {
+    pub(crate) fn next_u64(&self) -> u64 {
         let old = self.state.fetch_add(WY_INC, Ordering::Relaxed);
         mix(old.wrapping_add(WY_INC))
     }
 
+    #[cfg(test)]
     /// A uniform integer in `0..n` (0 when `n` is 0).
     #[inline]
-    pub fn below(&self, n: u64) -> u64 {
+    pub(crate) fn below(&self, n: u64) -> u64 {
         below(self.next_u64(), n)
     }
 
+    #[cfg(test)]
     /// A uniform float in `[0, 1)`.
     #[inline]
-    pub fn unit_f64(&self) -> f64 {
+    pub(crate) fn unit_f64(&self) -> f64 {
         unit_f64(self.next_u64())
     }
 
     /// A single-owner generator seeded from this one, for a burst of draws without atomics.
     #[inline]
-    pub fn fork(&self) -> Rng {
+    pub(crate) fn fork(&self) -> Rng {
         Rng::new(self.next_u64())
     }
 }

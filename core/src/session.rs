@@ -76,7 +76,7 @@ struct Binding {
 
 /// The session table.
 #[derive(Debug, Default)]
-pub struct Sessions {
+pub(crate) struct Sessions {
     map: Mutex<HashMap<SessionId, Binding>>,
     /// Bindings held, readable without the lock.
     len: AtomicUsize,
@@ -88,23 +88,23 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Sessions {
     /// Bindings held.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len.load(Ordering::Relaxed)
     }
 
     /// True when no session is bound.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// The rank `session` is bound to.
-    pub fn bound(&self, session: SessionId) -> Option<WorkerRank> {
+    pub(crate) fn bound(&self, session: SessionId) -> Option<WorkerRank> {
         lock(&self.map).get(&session).map(|b| b.rank)
     }
 
     /// `request` was booked on `rank` for `session` at `now`: binds (or rebinds) the session
     /// and marks it used.
-    pub fn record(
+    pub(crate) fn record(
         &self,
         session: SessionId,
         rank: WorkerRank,
@@ -130,7 +130,7 @@ impl Sessions {
 
     /// `request` of `session` ended at `now`: the session is used, and closed when it asked
     /// to close after this request.
-    pub fn request_ended(
+    pub(crate) fn request_ended(
         &self,
         session: SessionId,
         request: RequestId,
@@ -153,7 +153,7 @@ impl Sessions {
     }
 
     /// Closes `session` now.
-    pub fn close(&self, session: SessionId) -> Option<SessionEnd> {
+    pub(crate) fn close(&self, session: SessionId) -> Option<SessionEnd> {
         let mut map = lock(&self.map);
         let b = map.remove(&session)?;
         self.len.store(map.len(), Ordering::Relaxed);
@@ -167,7 +167,7 @@ impl Sessions {
     /// Removes the sessions idle for `ttl` at `now` whose last request has ended, and those
     /// whose requested close is due (its request has ended); `active` says whether a request
     /// is still booked. Appends what ended to `out`.
-    pub fn sweep(
+    pub(crate) fn sweep(
         &self,
         now: Instant,
         ttl: Duration,

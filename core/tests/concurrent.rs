@@ -10,6 +10,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use kvroute_core::testing::scores_of;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, OverlapScores,
     PrefixIndex, StorageTier, StoredBlock, WorkerRank,
@@ -115,9 +116,7 @@ fn readers_see_monotonic_prefixes_while_the_writer_churns() {
     }
     stop(&done, readers);
     assert_eq!(
-        index
-            .find_matches(&query, MatchOptions::default())
-            .blocks(rank),
+        scores_of(&index.reader(), &query, MatchOptions::default()).blocks(rank),
         LEN as u32
     );
 }
@@ -198,9 +197,7 @@ fn readers_mark_and_match_while_a_budget_evicts() {
     }
     let newest: Vec<LocalHash> = prompt(PROMPTS - 1).iter().map(|b| b.local_hash).collect();
     assert_eq!(
-        index
-            .find_matches(&newest, MatchOptions::default())
-            .max_blocks(),
+        scores_of(&index.reader(), &newest, MatchOptions::default()).max_blocks(),
         40
     );
 }

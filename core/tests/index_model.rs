@@ -4,13 +4,14 @@
 
 use std::collections::HashMap;
 
-use kvroute_core::hash::{next_seq_hash, SeqHash};
-use kvroute_core::index::reference::ReferenceIndex;
-use kvroute_core::index::{ErrorCounts, EventCounts, RankScore};
+use kvroute_core::testing::scores_of;
+use kvroute_core::testing::ReferenceIndex;
+use kvroute_core::{next_seq_hash, SeqHash};
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, IndexError, LocalHash, MatchOptions, PrefixIndex,
     StorageTier, StoredBlock, WorkerId, WorkerRank,
 };
+use kvroute_core::{ErrorCounts, EventCounts, RankScore};
 use proptest::prelude::*;
 
 const WORKERS: u64 = 3;
@@ -412,7 +413,7 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
             Op::Query { prompt, len } => {
                 let p = &prompts[prompt % prompts.len()];
                 let q = &p[..=(len % p.len())];
-                let mut got = reader.find_matches(q, MatchOptions::default()).scores;
+                let mut got = scores_of(&reader, q, MatchOptions::default()).scores;
                 got.sort();
                 let want = model.find_matches(q);
                 assert_eq!(got, want, "step {step}: query of {} blocks", q.len());
@@ -436,9 +437,7 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
                     "step {step}: by id, query of {} blocks",
                     q.len()
                 );
-                let mut early = reader
-                    .find_matches(q, MatchOptions { early_exit: true })
-                    .scores;
+                let mut early = scores_of(&reader, q, MatchOptions { early_exit: true }).scores;
                 early.sort();
                 check_early_exit(&early, &want, step);
             }
@@ -456,9 +455,7 @@ fn run(shards: usize, prompts: &[Vec<LocalHash>], ops: &[Op]) {
     // Every prompt, every length, at the end.
     for p in prompts {
         for len in [1, p.len() / 2 + 1, p.len()] {
-            let mut got = reader
-                .find_matches(&p[..len], MatchOptions::default())
-                .scores;
+            let mut got = scores_of(&reader, &p[..len], MatchOptions::default()).scores;
             got.sort();
             assert_eq!(got, model.find_matches(&p[..len]), "final query");
             reader.find_depths_into(&p[..len], MatchOptions::default(), &mut depths);

@@ -31,6 +31,7 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 
 use arbitrary::{Arbitrary, Unstructured};
+use kvroute_core::testing::scores_of;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, IndexError, IndexStats, LocalHash, MatchOptions,
     OverlapScores, PrefixIndex, StoredBlock, WorkerId, WorkerRank,
@@ -804,9 +805,7 @@ fuzz_target!(|script: Script| {
     );
     for c in chains.iter().take(32) {
         let q = &c[..c.len().min(MAX_QUERY)];
-        assert!(hx
-            .index
-            .find_matches(q, MatchOptions::default())
+        assert!(scores_of(&hx.index.reader(), q, MatchOptions::default())
             .scores
             .is_empty());
     }

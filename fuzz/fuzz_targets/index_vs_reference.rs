@@ -24,8 +24,9 @@ mod common;
 use std::collections::HashMap;
 
 use arbitrary::{Arbitrary, Unstructured};
-use kvroute_core::hash::seq_hashes;
-use kvroute_core::index::reference::ReferenceIndex;
+use kvroute_core::testing::scores_of;
+use kvroute_core::seq_hashes;
+use kvroute_core::testing::ReferenceIndex;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, IndexError, LocalHash, MatchOptions, PrefixIndex,
     StoredBlock, WorkerId, WorkerRank,
@@ -317,13 +318,12 @@ impl Lockstep {
         for index in &self.indexes {
             let shards = index.stats().shards;
             let reader = index.reader();
-            let mut got = reader.find_matches(q, MatchOptions::default()).scores;
+            let mut got = scores_of(&reader, q, MatchOptions::default()).scores;
             got.sort();
             assert_eq!(got, want, "query of {} blocks, {shards} shards", q.len());
             // With early exit, every rank still scores; all but at most one exactly, and that
             // one at most its exact score.
-            let mut early = reader
-                .find_matches(q, MatchOptions { early_exit: true })
+            let mut early = scores_of(&reader, q, MatchOptions { early_exit: true })
                 .scores;
             early.sort();
             assert_eq!(early.len(), want.len(), "early exit lost or added a rank");
@@ -515,8 +515,7 @@ fn run(shard_counts: &[usize], prompts: &[Vec<LocalHash>], ops: &[Op]) {
             "left behind after every worker was removed: {s:?}"
         );
         for p in prompts {
-            assert!(index
-                .find_matches(p, MatchOptions::default())
+            assert!(scores_of(&index.reader(), p, MatchOptions::default())
                 .scores
                 .is_empty());
         }

@@ -14,7 +14,7 @@ use std::io;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use kvroute_core::rng::Rng;
+use kvroute_core::Rng;
 
 use crate::frame::{self, DecodeStats, EncodeError, Frame, FrameDecoder, FrameError};
 use crate::net::{ReadHalf, WriteHalf};

@@ -2,6 +2,7 @@
 //! events does: same answers, same counters, same rejections.
 
 use bytes::BytesMut;
+use kvroute_core::testing::scores_of;
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, KvEvent, KvEventData, LocalHash, MatchOptions,
     PrefixIndex, StorageTier, StoredBlock, WorkerId, WorkerRank,
@@ -140,8 +141,8 @@ proptest! {
         prop_assert_eq!(a.events, b.events);
         prop_assert_eq!(owned.rank_status(), archived.rank_status());
         for q in queries(&events) {
-            let mut sa = owned.reader().find_matches(&q, MatchOptions::default()).scores;
-            let mut sb = archived.reader().find_matches(&q, MatchOptions::default()).scores;
+            let mut sa = scores_of(&owned.reader(), &q, MatchOptions::default()).scores;
+            let mut sb = scores_of(&archived.reader(), &q, MatchOptions::default()).scores;
             sa.sort();
             sb.sort();
             prop_assert_eq!(sa, sb);
@@ -207,7 +208,7 @@ fn one_shot_apply_and_recovery_reply() {
     assert_eq!(out.blocks_removed, 1);
     assert_eq!(out.first_error.expect("one").position, 2);
     let q: Vec<LocalHash> = chain.iter().map(|b| b.local_hash).collect();
-    let scores = index.reader().find_matches(&q, MatchOptions::default());
+    let scores = scores_of(&index.reader(), &q, MatchOptions::default());
     assert_eq!(scores.blocks(WorkerRank::new(WORKER, 1)), 7);
 
     // A snapshot reply: Cleared, then the chain again.
@@ -241,7 +242,7 @@ fn one_shot_apply_and_recovery_reply() {
     };
     let out = BatchApplier::new().apply_recovery(&mut index, reply);
     assert_eq!((out.applied, out.rejected), (2, 0));
-    let scores = index.reader().find_matches(&q, MatchOptions::default());
+    let scores = scores_of(&index.reader(), &q, MatchOptions::default());
     assert_eq!(scores.blocks(WorkerRank::new(WORKER, 1)), 8);
     assert!(index.ranks_needing_resync().is_empty());
 }

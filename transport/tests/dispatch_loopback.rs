@@ -13,6 +13,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use kvroute_core::testing::scores_of;
 use kvroute_core::{
     BlockHash, DpRank, EventHeader, EventId, IndexConfig, KvEvent, KvEventData, LocalHash,
     MatchOptions, PrefixIndex, StorageTier, StoredBlock, WorkerId, WorkerRank,
@@ -333,15 +334,9 @@ fn requests_stream_back_with_backpressure_and_events_reach_the_index() {
             thread::sleep(Duration::from_millis(5));
         }
         let report = ingest.shutdown().expect("ingest shuts down");
-        let scores = report
-            .target
-            .index()
-            .expect("its own index")
-            .find_matches(
-                &[LocalHash(1), LocalHash(2), LocalHash(3), LocalHash(4)],
-                MatchOptions::default(),
-            )
-            .scores;
+        let index = report.target.index().expect("its own index");
+        let query = [LocalHash(1), LocalHash(2), LocalHash(3), LocalHash(4)];
+        let scores = scores_of(&index.reader(), &query, MatchOptions::default()).scores;
         assert_eq!(scores.len(), 1, "{backend}: {scores:?}");
         let w = worker.shutdown().expect("worker shuts down");
         assert_eq!(

@@ -8,6 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use kvroute_core::testing::scores_of;
 use kvroute_core::{
     BlockHash, DpRank, EventHeader, EventId, IndexConfig, KvEvent, KvEventData, LocalHash,
     MatchOptions, PrefixIndex, StorageTier, StoredBlock, WorkerId, WorkerRank,
@@ -147,8 +148,8 @@ fn assert_same_index(got: &PrefixIndex, want: &PrefixIndex) {
     assert_eq!(g.events, w.events, "event counts");
     for p in 0..PROMPTS {
         let q = prompt_hashes(p);
-        let mut gs = got.find_matches(&q, MatchOptions::default()).scores;
-        let mut ws = want.find_matches(&q, MatchOptions::default()).scores;
+        let mut gs = scores_of(&got.reader(), &q, MatchOptions::default()).scores;
+        let mut ws = scores_of(&want.reader(), &q, MatchOptions::default()).scores;
         gs.sort();
         ws.sort();
         assert_eq!(gs, ws, "scores of prompt {p}");
@@ -439,9 +440,9 @@ fn forcing_io_uring_where_it_is_missing_is_an_error_not_a_panic() {
 /// worker's cache, and an eviction retires the worker's speculative records.
 #[test]
 fn events_into_a_router_land_in_its_index_and_are_noted() {
-    use kvroute_core::config::{Approximate, Speculative};
-    use kvroute_core::load::RequestId;
-    use kvroute_core::router::{EvidenceLevel, Mode};
+    use kvroute_core::RequestId;
+    use kvroute_core::{Approximate, Speculative};
+    use kvroute_core::{EvidenceLevel, Mode};
     use kvroute_core::{RouteHints, RouteRequest, Router, RouterConfig, WorkerConfig};
     use std::sync::Arc;
 
@@ -512,8 +513,8 @@ fn events_into_a_router_land_in_its_index_and_are_noted() {
         let reader = router.index_reader();
         for p in 0..PROMPTS {
             let q = prompt_hashes(p);
-            let mut got = reader.find_matches(&q, MatchOptions::default()).scores;
-            let mut want = direct.find_matches(&q, MatchOptions::default()).scores;
+            let mut got = scores_of(&reader, &q, MatchOptions::default()).scores;
+            let mut want = scores_of(&direct.reader(), &q, MatchOptions::default()).scores;
             got.sort();
             want.sort();
             assert_eq!(got, want, "{backend}: prompt {p}");

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use kvroute_core::testing::scores_of;
 use kvroute_core::{
     BlockHash, DpRank, EventHeader, EventId, IndexConfig, KvEvent, KvEventData, LocalHash,
     MatchOptions, PrefixIndex, StorageTier, StoredBlock, WorkerId, WorkerRank,
@@ -155,8 +156,8 @@ fn kernel_polled_rings_carry_events_into_the_index() {
     assert_eq!(got.stats().stored_pairs, want.stats().stored_pairs);
     assert_eq!(got.stats().stored_pairs, 3 * 7);
     for w in workers {
-        let mut g = got.find_matches(&query(w), MatchOptions::default()).scores;
-        let mut x = want.find_matches(&query(w), MatchOptions::default()).scores;
+        let mut g = scores_of(&got.reader(), &query(w), MatchOptions::default()).scores;
+        let mut x = scores_of(&want.reader(), &query(w), MatchOptions::default()).scores;
         g.sort();
         x.sort();
         assert_eq!(g, x, "worker {w}'s chain");

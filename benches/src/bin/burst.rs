@@ -23,11 +23,11 @@ use std::collections::{BinaryHeap, HashMap};
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
-use kvroute_core::config::{BusyThresholds, QueueOrder, Queueing, RouterConfig};
-use kvroute_core::load::RequestId;
-use kvroute_core::registry::WorkerConfig;
-use kvroute_core::rng::Rng;
-use kvroute_core::router::{Admission, Label, RouteError, RouteHints, RouteRequest, Router};
+use kvroute_core::RequestId;
+use kvroute_core::Rng;
+use kvroute_core::WorkerConfig;
+use kvroute_core::{Admission, Label, RouteError, RouteHints, RouteRequest, Router};
+use kvroute_core::{BusyThresholds, QueueOrder, Queueing, RouterConfig};
 use kvroute_core::{IndexConfig, PrefixIndex, WorkerId};
 
 const BS: u32 = 16;

@@ -5,10 +5,10 @@
 use crate::hash::LocalHash;
 
 /// Blocks recorded one by one at the start of a prompt.
-pub const DENSE_BLOCKS: usize = 16;
+pub(crate) const DENSE_BLOCKS: usize = 16;
 
 /// Past [`DENSE_BLOCKS`], one block in this many is recorded.
-pub const STRIDE: usize = 16;
+pub(crate) const STRIDE: usize = 16;
 
 /// Whether block `i` of a prompt of `n` full blocks is a checkpoint.
 #[cfg(test)]

@@ -61,8 +61,10 @@ mod cache;
 mod checkpoints;
 mod nodes;
 
-pub use cache::{ApproxCache, ApproxCounts, Overlaps};
-pub use checkpoints::{checkpoint_keys_extend, DENSE_BLOCKS, STRIDE};
+pub use cache::ApproxCache;
+pub use cache::ApproxCounts;
+pub(crate) use cache::Overlaps;
+pub use checkpoints::checkpoint_keys_extend;
 
 #[cfg(test)]
 mod tests;

@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 use super::cache::REFRESH_SLACK_NS;
 use super::checkpoints::{
     checkpoint_at, checkpoint_count, checkpoints, first_checkpoint_from, is_checkpoint,
+    DENSE_BLOCKS, STRIDE,
 };
 use super::*;
 use crate::event::{WorkerId, WorkerRank};

@@ -38,10 +38,10 @@ pub struct MatchOptions {
 }
 
 /// Most shards an index has: a position packs its shard into 4 bits.
-pub const MAX_SHARDS: usize = 16;
+pub(crate) const MAX_SHARDS: usize = 16;
 
 /// Most blocks [`PrefixIndex::reserve_blocks`] makes room for in one rank's name map (about
 /// 370 MB of map): a capacity past it, from a worker's report, is taken as this.
 ///
 /// [`PrefixIndex::reserve_blocks`]: super::PrefixIndex::reserve_blocks
-pub const MAX_RESERVED_BLOCKS: u64 = 1 << 24;
+pub(crate) const MAX_RESERVED_BLOCKS: u64 = 1 << 24;

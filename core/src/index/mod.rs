@@ -62,7 +62,7 @@ mod primitive;
 mod ranks;
 mod read;
 mod reader;
-pub mod reference;
+pub(crate) mod reference;
 mod remove;
 mod run;
 mod scores;
@@ -74,7 +74,7 @@ mod table;
 mod uses;
 mod writer;
 
-pub use self::config::{IndexConfig, MatchOptions, MAX_RESERVED_BLOCKS, MAX_SHARDS};
+pub use self::config::{IndexConfig, MatchOptions};
 pub use self::depths::{Depth, RankDepths, RankKey};
 pub use self::reader::IndexReader;
 pub use self::scores::{OverlapScores, RankScore};

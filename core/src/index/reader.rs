@@ -43,15 +43,10 @@ pub(super) fn shard_of(h: LocalHash, n: usize) -> usize {
 }
 
 impl IndexReader {
-    /// Scores every rank against `query`, allocating the result.
-    pub fn find_matches(&self, query: &[LocalHash], opts: MatchOptions) -> OverlapScores {
-        let mut out = OverlapScores::default();
-        self.find_matches_into(query, opts, &mut out);
-        out
-    }
-
     /// Scores every rank against `query` into `out` (cleared first). Lock-free; allocates
-    /// nothing once `out` has grown to the number of ranks that match.
+    /// nothing once `out` has grown to the number of ranks that match. Keep `out` from one
+    /// match to the next: besides its memory, it keeps the scoring of recent first runs (the
+    /// run most ranks share, as a system prompt), which a fresh result has to redo.
     pub fn find_matches_into(
         &self,
         query: &[LocalHash],

@@ -1,10 +1,12 @@
 //! Rules of the index, one test each.
 
+use super::stats::ErrorCounts;
 use super::*;
 use crate::event::{
     BlockHash, EventHeader, EventId, StorageTier, StoredBlock, WorkerId, WorkerRank,
 };
 use crate::hash::LocalHash;
+use crate::testing::scores_of;
 
 fn idx() -> PrefixIndex {
     PrefixIndex::new(IndexConfig {
@@ -47,20 +49,20 @@ fn scores_count_leading_blocks_per_rank() {
         .unwrap();
     ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 30, 0))
         .unwrap();
-    let s = ix.find_matches(&query(120), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(120), MatchOptions::default());
     assert_eq!(s.blocks(WorkerRank::new(1, 0)), 100);
     assert_eq!(s.blocks(WorkerRank::new(2, 0)), 30);
     assert_eq!(s.scores.len(), 2);
-    let s = ix.find_matches(&query(10), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(10), MatchOptions::default());
     assert_eq!(s.blocks(WorkerRank::new(1, 0)), 10);
-    assert!(ix
-        .find_matches(&[], MatchOptions::default())
+    assert!(scores_of(&ix.reader(), &[], MatchOptions::default())
         .scores
         .is_empty());
-    assert!(ix
-        .find_matches(&[LocalHash(77)], MatchOptions::default())
-        .scores
-        .is_empty());
+    assert!(
+        scores_of(&ix.reader(), &[LocalHash(77)], MatchOptions::default())
+            .scores
+            .is_empty()
+    );
 }
 
 #[test]
@@ -74,7 +76,7 @@ fn a_chain_continues_from_its_parent_across_runs() {
         &chain(70, 150, 0),
     )
     .unwrap();
-    let s = ix.find_matches(&query(200), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(200), MatchOptions::default());
     assert_eq!(s.blocks(WorkerRank::new(1, 0)), 150);
 }
 
@@ -87,8 +89,7 @@ fn a_hole_ends_the_leading_count_and_refilling_it_restores_it() {
     ix.apply_removed(hdr(1, 0, 1, device()), &[BlockHash(1000 + 4)])
         .unwrap();
     assert_eq!(
-        ix.find_matches(&query(10), MatchOptions::default())
-            .blocks(r),
+        scores_of(&ix.reader(), &query(10), MatchOptions::default()).blocks(r),
         4
     );
     ix.apply_stored(
@@ -98,8 +99,7 @@ fn a_hole_ends_the_leading_count_and_refilling_it_restores_it() {
     )
     .unwrap();
     assert_eq!(
-        ix.find_matches(&query(10), MatchOptions::default())
-            .blocks(r),
+        scores_of(&ix.reader(), &query(10), MatchOptions::default()).blocks(r),
         10
     );
 }
@@ -117,15 +117,13 @@ fn duplicate_copies_leave_with_their_last_copy() {
     ix.apply_removed(hdr(1, 0, 2, device()), &[BlockHash(1002)])
         .unwrap();
     assert_eq!(
-        ix.find_matches(&query(3), MatchOptions::default())
-            .blocks(r),
+        scores_of(&ix.reader(), &query(3), MatchOptions::default()).blocks(r),
         3
     );
     ix.apply_removed(hdr(1, 0, 3, device()), &[BlockHash(1002)])
         .unwrap();
     assert_eq!(
-        ix.find_matches(&query(3), MatchOptions::default())
-            .blocks(r),
+        scores_of(&ix.reader(), &query(3), MatchOptions::default()).blocks(r),
         2
     );
     assert_eq!(ix.stats().duplicate_copies, 2);
@@ -144,7 +142,7 @@ fn copies_are_counted_per_tier() {
     // Removing the device copy of blocks 2 and 3 leaves them in host memory.
     ix.apply_removed(hdr(1, 0, 2, device()), &[BlockHash(1002), BlockHash(1003)])
         .unwrap();
-    let s = ix.find_matches(&query(4), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(4), MatchOptions::default());
     assert_eq!(s.blocks(r), 4);
     assert_eq!(s.scores[0].per_tier, [2, 2, 0, 0]);
 }
@@ -170,7 +168,7 @@ fn tier_split_gives_each_block_its_fastest_tier() {
     .unwrap();
     ix.apply_stored(hdr(2, 0, 0, StorageTier::HostPinned), None, &chain(0, 1, 0))
         .unwrap();
-    let s = ix.find_matches(&query(5), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(5), MatchOptions::default());
     let first = s.scores.iter().find(|x| x.rank.worker.0 == 1).unwrap();
     assert_eq!((first.blocks, first.per_tier), (5, [2, 1, 2, 0]));
     let second = s.scores.iter().find(|x| x.rank.worker.0 == 2).unwrap();
@@ -184,7 +182,7 @@ fn dp_ranks_are_separate_caches() {
         .unwrap();
     ix.apply_stored(hdr(1, 1, 0, device()), None, &chain(0, 2, 0))
         .unwrap();
-    let s = ix.find_matches(&query(5), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(5), MatchOptions::default());
     assert_eq!(s.blocks(WorkerRank::new(1, 0)), 5);
     assert_eq!(s.blocks(WorkerRank::new(1, 1)), 2);
     // The parent is looked up in the event's own rank.
@@ -218,8 +216,7 @@ fn unknown_parent_is_rejected_counted_and_flags_resync() {
     assert_eq!(ix.stats().errors.unknown_parent, 1);
     assert_eq!(ix.ranks_needing_resync(), vec![r]);
     assert_eq!(
-        ix.find_matches(&query(5), MatchOptions::default())
-            .blocks(r),
+        scores_of(&ix.reader(), &query(5), MatchOptions::default()).blocks(r),
         3
     );
     ix.mark_resynced(r);
@@ -248,8 +245,7 @@ fn unknown_removals_are_counted_and_the_rest_applied() {
     );
     assert_eq!(ix.stats().errors.unknown_blocks, 2);
     assert_eq!(
-        ix.find_matches(&query(3), MatchOptions::default())
-            .blocks(r),
+        scores_of(&ix.reader(), &query(3), MatchOptions::default()).blocks(r),
         2
     );
     // A removal in a tier the block is not held in is unknown too.
@@ -258,8 +254,7 @@ fn unknown_removals_are_counted_and_the_rest_applied() {
         .unwrap_err();
     assert!(matches!(err, IndexError::UnknownBlocks { count: 1, .. }));
     assert_eq!(
-        ix.find_matches(&query(3), MatchOptions::default())
-            .blocks(r),
+        scores_of(&ix.reader(), &query(3), MatchOptions::default()).blocks(r),
         2
     );
 }
@@ -278,8 +273,7 @@ fn a_block_that_is_its_own_parent_is_rejected() {
         .is_err());
     assert_eq!(ix.stats().errors.invalid_chain, 2);
     assert_eq!(ix.stats().stored_pairs, 0);
-    assert!(ix
-        .find_matches(&query(2), MatchOptions::default())
+    assert!(scores_of(&ix.reader(), &query(2), MatchOptions::default())
         .scores
         .is_empty());
 }
@@ -316,11 +310,10 @@ fn cleared_and_remove_worker_drop_everything_of_the_rank() {
     ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 50, 0))
         .unwrap();
     ix.apply_cleared(hdr(2, 0, 1, device())).unwrap();
-    let s = ix.find_matches(&query(90), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(90), MatchOptions::default());
     assert_eq!(s.scores.len(), 2);
     ix.remove_worker(WorkerId(1)).unwrap();
-    assert!(ix
-        .find_matches(&query(90), MatchOptions::default())
+    assert!(scores_of(&ix.reader(), &query(90), MatchOptions::default())
         .scores
         .is_empty());
     let st = ix.stats();
@@ -347,7 +340,7 @@ fn emptied_runs_are_freed_and_their_parents_trimmed() {
         (st.blocks, st.runs, st.stored_pairs)
     };
     let depth = |ix: &PrefixIndex, w: u64| {
-        ix.find_matches(&query(100), MatchOptions::default())
+        scores_of(&ix.reader(), &query(100), MatchOptions::default())
             .scores
             .iter()
             .find(|s| s.rank == WorkerRank::new(w, 0))
@@ -376,10 +369,11 @@ fn emptied_runs_are_freed_and_their_parents_trimmed() {
     ix.apply_removed(hdr(1, 0, 3, device()), &names(0, 20))
         .unwrap();
     assert_eq!(shape(&ix), (0, 0, 0));
-    assert!(ix
-        .find_matches(&query(100), MatchOptions::default())
-        .scores
-        .is_empty());
+    assert!(
+        scores_of(&ix.reader(), &query(100), MatchOptions::default())
+            .scores
+            .is_empty()
+    );
 
     // A child freed whole lets its parent give up the blocks it kept only for the child.
     ix.apply_stored(hdr(1, 0, 4, device()), None, &chain(0, 100, 0))
@@ -458,8 +452,7 @@ fn a_second_name_for_a_block_goes_with_its_hold() {
     ix.apply_stored(hdr(1, 0, 4, device()), None, &[block(3, 7)])
         .unwrap();
     assert_eq!(
-        ix.find_matches(&[LocalHash(7)], MatchOptions::default())
-            .blocks(w),
+        scores_of(&ix.reader(), &[LocalHash(7)], MatchOptions::default()).blocks(w),
         1
     );
     // X's second name names nothing the worker holds now: removing it is an error, and Y
@@ -473,8 +466,7 @@ fn a_second_name_for_a_block_goes_with_its_hold() {
         })
     );
     assert_eq!(
-        ix.find_matches(&[LocalHash(7)], MatchOptions::default())
-            .blocks(w),
+        scores_of(&ix.reader(), &[LocalHash(7)], MatchOptions::default()).blocks(w),
         1
     );
     assert_eq!(ix.stats().stored_pairs, 1);
@@ -491,7 +483,7 @@ fn a_second_name_for_a_block_goes_with_its_hold() {
         .unwrap();
     ix.apply_removed(hdr(1, 0, 9, host), &[BlockHash(high | 5)])
         .unwrap();
-    let depth = ix.find_matches(&[LocalHash(9)], MatchOptions::default());
+    let depth = scores_of(&ix.reader(), &[LocalHash(9)], MatchOptions::default());
     assert_eq!(depth.blocks(w), 0);
     // Block V takes Z's place; Z's first name does not reach it.
     ix.apply_stored(hdr(1, 0, 10, device()), None, &[block(6, 11)])
@@ -499,7 +491,7 @@ fn a_second_name_for_a_block_goes_with_its_hold() {
     assert!(ix
         .apply_removed(hdr(1, 0, 11, device()), &[BlockHash(high | 4)])
         .is_err());
-    let depth = ix.find_matches(&[LocalHash(11)], MatchOptions::default());
+    let depth = scores_of(&ix.reader(), &[LocalHash(11)], MatchOptions::default());
     assert_eq!(depth.blocks(w), 1);
     assert_eq!(ix.stats().stored_pairs, 2, "Y and V");
 }
@@ -516,7 +508,7 @@ fn ranks_that_name_one_block_differently_share_it() {
         .unwrap();
     ix.apply_removed(hdr(1, 0, 1, device()), &[BlockHash(1002)])
         .unwrap();
-    let s = ix.find_matches(&query(5), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(5), MatchOptions::default());
     assert_eq!(s.blocks(WorkerRank::new(1, 0)), 2);
     assert_eq!(s.blocks(WorkerRank::new(2, 0)), 4);
     // Rank 2 stores a different block under a name rank 1 uses: each keeps its own meaning.
@@ -528,12 +520,13 @@ fn ranks_that_name_one_block_differently_share_it() {
         .unwrap();
     ix.apply_removed(hdr(2, 0, 3, device()), &[BlockHash(1000)])
         .unwrap();
-    let s = ix.find_matches(&query(5), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &query(5), MatchOptions::default());
     assert_eq!(s.blocks(WorkerRank::new(1, 0)), 2);
-    assert!(ix
-        .find_matches(&[LocalHash(99)], MatchOptions::default())
-        .scores
-        .is_empty());
+    assert!(
+        scores_of(&ix.reader(), &[LocalHash(99)], MatchOptions::default())
+            .scores
+            .is_empty()
+    );
 }
 
 #[test]
@@ -579,8 +572,8 @@ fn early_exit_stops_when_one_rank_is_left() {
         .unwrap();
     ix.apply_stored(hdr(2, 0, 0, device()), None, &chain(0, 10, 0))
         .unwrap();
-    let full = ix.find_matches(&query(200), MatchOptions::default());
-    let early = ix.find_matches(&query(200), MatchOptions { early_exit: true });
+    let full = scores_of(&ix.reader(), &query(200), MatchOptions::default());
+    let early = scores_of(&ix.reader(), &query(200), MatchOptions { early_exit: true });
     assert_eq!(full.blocks(WorkerRank::new(1, 0)), 200);
     assert_eq!(early.blocks(WorkerRank::new(2, 0)), 10);
     let lone = early.blocks(WorkerRank::new(1, 0));
@@ -619,8 +612,7 @@ fn distinct_prompt(p: u64) -> (Vec<StoredBlock>, Vec<LocalHash>) {
 
 /// The most blocks any rank holds of prompt `p`.
 fn held_of(ix: &PrefixIndex, p: u64) -> u32 {
-    ix.find_matches(&distinct_prompt(p).1, MatchOptions::default())
-        .max_blocks()
+    scores_of(&ix.reader(), &distinct_prompt(p).1, MatchOptions::default()).max_blocks()
 }
 
 #[test]
@@ -725,8 +717,8 @@ fn reserved_name_room_changes_no_answer_and_counts_in_memory() {
         for n in [1, 30, 59, 60, 200] {
             let q: Vec<LocalHash> = (base..base + n).map(|i| LocalHash(i + 1)).collect();
             let (a, b) = (
-                plain.find_matches(&q, MatchOptions::default()),
-                sized.find_matches(&q, MatchOptions::default()),
+                scores_of(&plain.reader(), &q, MatchOptions::default()),
+                scores_of(&sized.reader(), &q, MatchOptions::default()),
             );
             for w in 1..=3 {
                 let r = WorkerRank::new(w, 0);
@@ -854,7 +846,10 @@ fn a_removal_spanning_runs_with_repeats_counts_each_block_once_in_event_order() 
     );
     // Blocks 0..10 lead; 97..100 and 10 are gone, the rest stay.
     let q = query(100);
-    assert_eq!(ix.find_matches(&q, MatchOptions::default()).blocks(r), 10);
+    assert_eq!(
+        scores_of(&ix.reader(), &q, MatchOptions::default()).blocks(r),
+        10
+    );
     assert_eq!(ix.stats().stored_pairs, 96);
     // Every removed name is forgotten, every other one still resolves.
     for gone in [1099u64, 1098, 1097, 1010] {
@@ -1084,11 +1079,15 @@ fn every_child_is_found_whichever_one_the_walk_is_hinted() {
         .unwrap();
     store_forked(&mut ix, 2, 1, 150);
     let check = |ix: &PrefixIndex, one: u32, two: u32| {
-        let s = ix.find_matches(&query(150), MatchOptions::default());
+        let s = scores_of(&ix.reader(), &query(150), MatchOptions::default());
         assert_eq!((s.blocks(r(1)), s.blocks(r(2))), (150, 64));
-        let s = ix.find_matches(&forked(1, 150), MatchOptions::default());
+        let s = scores_of(&ix.reader(), &forked(1, 150), MatchOptions::default());
         assert_eq!((s.blocks(r(1)), s.blocks(r(2))), (64, two));
-        let s = ix.find_matches(&query(150)[..one as usize], MatchOptions::default());
+        let s = scores_of(
+            &ix.reader(),
+            &query(150)[..one as usize],
+            MatchOptions::default(),
+        );
         assert_eq!(s.blocks(r(1)), one);
     };
     check(&ix, 150, 150);
@@ -1116,7 +1115,7 @@ fn every_child_is_found_whichever_one_the_walk_is_hinted() {
     .unwrap();
     store_forked(&mut ix, 6, 2, 200);
     check(&ix, 150, 150);
-    let s = ix.find_matches(&forked(2, 200), MatchOptions::default());
+    let s = scores_of(&ix.reader(), &forked(2, 200), MatchOptions::default());
     assert_eq!(
         (s.blocks(r(1)), s.blocks(r(2)), s.blocks(r(6))),
         (64, 64, 200)
@@ -1134,7 +1133,7 @@ fn every_child_is_found_whichever_one_the_walk_is_hinted() {
     let inner: Vec<LocalHash> = (0..90u64)
         .map(|i| LocalHash(if i < 30 { i + 1 } else { 15_000 + i }))
         .collect();
-    let s = ix.find_matches(&inner, MatchOptions::default());
+    let s = scores_of(&ix.reader(), &inner, MatchOptions::default());
     assert_eq!((s.blocks(r(1)), s.blocks(r(7))), (30, 90));
 }
 
@@ -1180,7 +1179,7 @@ fn a_run_keeps_the_block_its_last_child_branches_from_and_no_longer() {
     // The last child gone, the unheld run goes too.
     let s = ix.stats();
     assert_eq!((s.runs, s.blocks, s.stored_pairs), (0, 0, 0));
-    let left = ix.find_matches(&query(64), MatchOptions::default());
+    let left = scores_of(&ix.reader(), &query(64), MatchOptions::default());
     assert!(left.scores.is_empty());
 }
 

@@ -7,16 +7,14 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use super::config::{IndexConfig, MatchOptions, MAX_SHARDS};
+use super::config::{IndexConfig, MAX_SHARDS};
 use super::mix::MixState;
 use super::names::{HighHalves, NameMap};
 use super::primitive;
 use super::reader::{IndexReader, Shared};
-use super::scores::OverlapScores;
 use super::shard::{self, DroppedHold, Placed, Pos, ShardWriter};
 use super::stats::{ErrorCounts, EventCounts, IndexError, IndexStats};
 use crate::event::{BlockHash, EventHeader, KvEvent, KvEventData, StoredBlock, WorkerRank};
-use crate::hash::LocalHash;
 
 #[derive(Debug)]
 pub(super) struct RankRecord {
@@ -184,21 +182,6 @@ impl PrefixIndex {
     /// A reading handle; clone it into every thread that routes.
     pub fn reader(&self) -> IndexReader {
         self.reader.clone()
-    }
-
-    /// See [`IndexReader::find_matches`].
-    pub fn find_matches(&self, query: &[LocalHash], opts: MatchOptions) -> OverlapScores {
-        self.reader.find_matches(query, opts)
-    }
-
-    /// See [`IndexReader::find_matches_into`].
-    pub fn find_matches_into(
-        &self,
-        query: &[LocalHash],
-        opts: MatchOptions,
-        out: &mut OverlapScores,
-    ) {
-        self.reader.find_matches_into(query, opts, out);
     }
 
     /// Applies one event.

@@ -3,7 +3,7 @@
 //! (see the module comment of [`crate::load`]).
 
 /// One output block in [`LoadView::output_decay`](super::LoadView::output_decay)'s fixed point.
-pub const DECAY_SCALE: u64 = 1 << 16;
+pub(crate) const DECAY_SCALE: u64 = 1 << 16;
 
 /// Tokens generated when a request's `k`-th output block begins (`k ≥ 1`): the sequence first
 /// needs `ceil(isl / bs) + k` blocks at its `bs · (ceil(isl / bs) + k − 1) + 1`-th token, the

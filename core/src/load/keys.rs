@@ -7,7 +7,7 @@ use crate::hash::LocalHash;
 
 /// A hasher for keys that are already well-mixed 64-bit hashes: it passes them through.
 #[derive(Default, Clone, Copy, Debug)]
-pub struct PassThroughHasher(u64);
+pub(crate) struct PassThroughHasher(u64);
 
 impl Hasher for PassThroughHasher {
     #[inline]
@@ -44,14 +44,14 @@ fn prefix_step(k: u64, l: LocalHash) -> u64 {
 /// The prefix key of each block of `locals` (each chained to the last from a constant seed).
 /// Replaces `out`'s contents; allocation-free when `out` has the capacity. Internal to the
 /// router (never compared with engine hashes), so it need only be cheap and collision-free.
-pub fn prefix_keys_into(locals: &[LocalHash], out: &mut Vec<u64>) {
+pub(crate) fn prefix_keys_into(locals: &[LocalHash], out: &mut Vec<u64>) {
     out.clear();
     prefix_keys_extend(locals, out, locals.len());
 }
 
 /// Continues `out` (the prefix keys of `locals[..out.len()]`) up to `locals[..upto]`; the
 /// same keys [`prefix_keys_into`] gives.
-pub fn prefix_keys_extend(locals: &[LocalHash], out: &mut Vec<u64>, upto: usize) {
+pub(crate) fn prefix_keys_extend(locals: &[LocalHash], out: &mut Vec<u64>, upto: usize) {
     let upto = upto.min(locals.len());
     let from = out.len().min(upto);
     let mut k = out.last().copied().unwrap_or(PREFIX_KEY_SEED);

@@ -53,7 +53,7 @@ const SHARDS: usize = 16;
 
 /// The request table: which request holds what on which rank.
 #[derive(Debug)]
-pub struct Ledger {
+pub(crate) struct Ledger {
     shards: [CachePadded<Mutex<HashMap<RequestId, Booking, PassThrough>>>; SHARDS],
     prompt_decay: PromptDecay,
     /// Bookings whose prompt load is decayed now, on any rank: while 0, no rank's
@@ -94,12 +94,13 @@ fn bump(c: &AtomicU64) {
 }
 
 impl Ledger {
-    pub fn new() -> Self {
+    #[cfg(test)]
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// A ledger whose requests' unshared prompt blocks decay as `mode` says.
-    pub fn with_prompt_decay(mode: PromptDecay) -> Self {
+    pub(crate) fn with_prompt_decay(mode: PromptDecay) -> Self {
         Ledger {
             prompt_decay: mode,
             ..Self::default()
@@ -112,7 +113,7 @@ impl Ledger {
 
     /// Books a request on its rank: the prefill tokens, the prompt blocks not already active on
     /// the rank, the tail, one request.
-    pub fn book(&self, spec: BookingSpec<'_>) -> Result<(), LoadError> {
+    pub(crate) fn book(&self, spec: BookingSpec<'_>) -> Result<(), LoadError> {
         let BookingSpec {
             request,
             state,
@@ -232,7 +233,7 @@ impl Ledger {
     }
 
     /// The request reached its worker. Repeated calls are harmless.
-    pub fn mark_dispatched(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
+    pub(crate) fn mark_dispatched(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
         let mut shard = lock(self.shard(request));
         let Some(b) = shard.get_mut(&request) else {
             drop(shard);
@@ -245,7 +246,7 @@ impl Ledger {
     /// The request's first token arrived (at `now`, when the caller times it): its prefill
     /// tokens are no longer pending. Repeated calls are harmless (the second releases nothing
     /// and reports no elapsed time).
-    pub fn prefill_done(
+    pub(crate) fn prefill_done(
         &self,
         request: RequestId,
         now: Option<Instant>,
@@ -275,7 +276,7 @@ impl Ledger {
 
     /// Generation crossed into a new block (at `now`, when the caller times it). With an
     /// expected output length, the request's output blocks decay (see the module comment).
-    pub fn output_block(
+    pub(crate) fn output_block(
         &self,
         request: RequestId,
         now: Option<Instant>,
@@ -315,7 +316,7 @@ impl Ledger {
     /// the count: the request holds `ceil((prompt + generated) / block size)` blocks, so a
     /// call may open several or none, and decay is taken at the count when one opens.
     /// Mixes with [`Ledger::output_block`], which counts at least the token opening its block.
-    pub fn tokens_generated(
+    pub(crate) fn tokens_generated(
         &self,
         request: RequestId,
         tokens: u64,
@@ -413,13 +414,13 @@ impl Ledger {
     /// booked prefill falls below it (a release, or a new rank: [`Ledger::lower_prefill_floor`]),
     /// raised only by [`Ledger::refresh_prefill_floor`]; 0 until then.
     #[inline]
-    pub fn prefill_floor(&self) -> u64 {
+    pub(crate) fn prefill_floor(&self) -> u64 {
         self.prefill_floor.load(Ordering::SeqCst)
     }
 
     /// Keeps [`Ledger::prefill_floor`] at most `tokens`, some rank's booked prefill now.
     #[inline]
-    pub fn lower_prefill_floor(&self, tokens: u64) {
+    pub(crate) fn lower_prefill_floor(&self, tokens: u64) {
         if tokens < self.prefill_floor.load(Ordering::SeqCst) {
             self.prefill_floor.fetch_min(tokens, Ordering::SeqCst);
         }
@@ -436,7 +437,7 @@ impl Ledger {
     /// itself. A refresh that loses the swap to another writer changes nothing. The loom
     /// model `loom_a_refresh_racing_a_release_never_leaves_the_floor_above_a_rank` fails
     /// without either fence or without the second pass.
-    pub fn refresh_prefill_floor<'a, I>(&self, ranks: I)
+    pub(crate) fn refresh_prefill_floor<'a, I>(&self, ranks: I)
     where
         I: IntoIterator<Item = &'a RankState>,
         I::IntoIter: Clone,
@@ -481,17 +482,18 @@ impl Ledger {
     /// [`LoadView::prompt_decay`] is not 0). Advisory, like every counter read.
     ///
     /// [`LoadView::prompt_decay`]: super::LoadView::prompt_decay
-    pub fn prompt_decay_anywhere(&self) -> bool {
+    pub(crate) fn prompt_decay_anywhere(&self) -> bool {
         self.decaying.load(Ordering::Relaxed) != 0
     }
 
+    #[cfg(test)]
     /// The request ended: everything it booked is released.
-    pub fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
+    pub(crate) fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
         self.free_at(request, Instant::now())
     }
 
     /// [`Ledger::free`] at `now`, which dates the request's [`Freed::age`].
-    pub fn free_at(&self, request: RequestId, now: Instant) -> Result<Freed, LoadError> {
+    pub(crate) fn free_at(&self, request: RequestId, now: Instant) -> Result<Freed, LoadError> {
         match self.remove(request) {
             Some(b) => {
                 bump(&self.freed);
@@ -502,7 +504,7 @@ impl Ledger {
     }
 
     /// Frees every request booked at or before `now - max_age`; returns how many.
-    pub fn expire(&self, now: Instant, max_age: Duration) -> usize {
+    pub(crate) fn expire(&self, now: Instant, max_age: Duration) -> usize {
         let n = self.drain_where(now, |b| {
             now.saturating_duration_since(b.booked_at) >= max_age
         });
@@ -512,7 +514,7 @@ impl Ledger {
 
     /// Drops every booking on a rank of `worker` (whose ranks must already be retired);
     /// returns how many.
-    pub fn purge_worker(&self, worker: WorkerId) -> usize {
+    pub(crate) fn purge_worker(&self, worker: WorkerId) -> usize {
         let n = self.drain_where(Instant::now(), |b| b.state.rank.worker == worker);
         self.purged.fetch_add(n as u64, Ordering::Relaxed);
         n
@@ -540,19 +542,19 @@ impl Ledger {
     }
 
     /// The rank a request is booked on.
-    pub fn rank_of(&self, request: RequestId) -> Option<WorkerRank> {
+    pub(crate) fn rank_of(&self, request: RequestId) -> Option<WorkerRank> {
         lock(self.shard(request))
             .get(&request)
             .map(|b| b.state.rank)
     }
 
     /// Requests currently booked.
-    pub fn active(&self) -> usize {
+    pub(crate) fn active(&self) -> usize {
         self.shards.iter().map(|s| lock(s).len()).sum()
     }
 
     /// Lifecycle counters.
-    pub fn counts(&self) -> LedgerCounts {
+    pub(crate) fn counts(&self) -> LedgerCounts {
         let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
         LedgerCounts {
             booked: r(&self.booked),

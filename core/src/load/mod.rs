@@ -67,14 +67,13 @@ mod prefix_refs;
 mod rank;
 mod records;
 
-pub use decay::{decayed, generated_at_block, output_decay, remaining_fraction, DECAY_SCALE};
-pub use keys::{prefix_keys_extend, prefix_keys_into, PassThroughHasher};
-pub use ledger::Ledger;
-pub use prefix_refs::PrefixRefs;
-pub use rank::{LoadView, RankLoad, RankState};
-pub use records::{
-    BookingSpec, DispatchState, Freed, Generated, LedgerCounts, LoadError, RequestId, Step,
-};
+pub(crate) use decay::DECAY_SCALE;
+pub use decay::{decayed, generated_at_block, output_decay, remaining_fraction};
+pub(crate) use keys::prefix_keys_into;
+pub(crate) use ledger::Ledger;
+pub use rank::{LoadView, RankState};
+pub(crate) use records::{BookingSpec, Generated, Step};
+pub use records::{DispatchState, Freed, LedgerCounts, LoadError, RequestId};
 
 #[cfg(all(test, not(loom)))]
 mod tests;

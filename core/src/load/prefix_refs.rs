@@ -19,7 +19,7 @@ use crate::hash::LocalHash;
 /// a comparison binary-search, but computing them is a serial chain of multiplies per block,
 /// slower than the scan.
 #[derive(Debug, Default)]
-pub struct PrefixRefs {
+pub(crate) struct PrefixRefs {
     /// One prompt's block hashes per slot. A free slot holds an empty vector that keeps its
     /// capacity (up to [`KEPT_SLOT_CAPACITY`], in up to [`KEPT_FREE_SLOTS`] free slots), so
     /// that booking allocates nothing in steady state.
@@ -55,12 +55,13 @@ fn compare_keys(a: &[LocalHash], b: &[LocalHash]) -> std::cmp::Ordering {
 
 impl PrefixRefs {
     /// Distinct keys held.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.distinct as usize
     }
 
+    #[cfg(test)]
     /// True when no key is held.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.distinct == 0
     }
 
@@ -154,7 +155,7 @@ impl PrefixRefs {
     /// How many leading blocks of the prompt `keys` (its blocks' local hashes) some active
     /// prompt shares: the longer of the common prefixes with the two prompts `keys` would
     /// sit between.
-    pub fn shared_prefix(&self, keys: &[LocalHash]) -> usize {
+    pub(crate) fn shared_prefix(&self, keys: &[LocalHash]) -> usize {
         let pos = self
             .order
             .partition_point(|&o| compare_keys(self.keys(o), keys) == std::cmp::Ordering::Less);

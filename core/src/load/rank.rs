@@ -16,7 +16,7 @@ use crate::sync::{AtomicBool, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering};
 /// What selection reads of one rank, in one cache line: the load counters, read lock-free,
 /// and the flags that say whose overlap the rank takes.
 #[derive(Debug)]
-pub struct RankLoad {
+pub(crate) struct RankLoad {
     pub(super) prefill_tokens: AtomicU64,
     pub(super) prompt_blocks: AtomicU64,
     pub(super) output_blocks: AtomicU64,

@@ -37,7 +37,7 @@ pub enum DispatchState {
 
 /// What to book for one request.
 #[derive(Debug)]
-pub struct BookingSpec<'a> {
+pub(crate) struct BookingSpec<'a> {
     pub request: RequestId,
     /// The rank chosen.
     pub state: &'a Arc<RankState>,
@@ -62,7 +62,7 @@ pub struct BookingSpec<'a> {
 
 /// What a lifecycle step observed, for request metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Step {
+pub(crate) struct Step {
     pub rank: WorkerRank,
     pub dispatch: DispatchState,
     /// Time since the previous event: for the first token since booking (TTFT, on the first
@@ -77,7 +77,7 @@ pub struct Step {
 ///
 /// [`Ledger::tokens_generated`]: super::Ledger::tokens_generated
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Generated {
+pub(crate) struct Generated {
     pub rank: WorkerRank,
     pub dispatch: DispatchState,
     /// These were the request's first tokens: its prefill tokens were released.

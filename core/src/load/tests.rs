@@ -2,7 +2,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::prefix_refs::{KEPT_FREE_SLOTS, KEPT_SLOT_CAPACITY};
+use super::keys::prefix_keys_extend;
+use super::prefix_refs::{PrefixRefs, KEPT_FREE_SLOTS, KEPT_SLOT_CAPACITY};
 use super::rank::lock;
 use super::*;
 use crate::config::PromptDecay;

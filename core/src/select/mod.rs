@@ -357,7 +357,7 @@ impl CostTerms {
 /// rank it is asked of: the floor is then one subtraction, one multiplication and one
 /// addition a rank.
 #[derive(Clone, Copy, Debug)]
-pub struct FloorTerms {
+pub(crate) struct FloorTerms {
     scale: f64,
     /// Prefill blocks with `booked` tokens booked.
     prefill_blocks: f64,
@@ -367,7 +367,7 @@ pub struct FloorTerms {
 
 impl FloorTerms {
     #[inline(always)]
-    pub fn new(w: &Weights, shape: &RequestShape, booked: u64) -> Self {
+    pub(crate) fn new(w: &Weights, shape: &RequestShape, booked: u64) -> Self {
         let least = LoadView {
             prefill_tokens: booked,
             ..LoadView::default()
@@ -384,7 +384,7 @@ impl FloorTerms {
 
     /// [`CostTerms::bound_floor`] for a rank with `credit_blocks` of credit.
     #[inline(always)]
-    pub fn floor(&self, credit_blocks: f64, prompt_decay: bool) -> f64 {
+    pub(crate) fn floor(&self, credit_blocks: f64, prompt_decay: bool) -> f64 {
         self.scale * positive_part(self.prefill_blocks - credit_blocks)
             + self.own[usize::from(prompt_decay)]
     }
@@ -496,7 +496,7 @@ impl Candidate {
 
 /// Which rule of selection applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BusyOutcome {
+pub(crate) enum BusyOutcome {
     /// No rank was busy, or busy ones were set aside.
     Filtered,
     /// Every rank was busy: all stay candidates, and the least loaded is chosen.
@@ -504,7 +504,7 @@ pub enum BusyOutcome {
 }
 
 /// Drops busy candidates when at least one is free (in place, allocation-free).
-pub fn filter_busy(candidates: &mut Vec<Scored>) -> BusyOutcome {
+pub(crate) fn filter_busy(candidates: &mut Vec<Scored>) -> BusyOutcome {
     if candidates.iter().all(|c| c.busy == Busy::Busy) && !candidates.is_empty() {
         return BusyOutcome::AllBusy;
     }
@@ -514,7 +514,7 @@ pub fn filter_busy(candidates: &mut Vec<Scored>) -> BusyOutcome {
 
 /// What the health filter did ([`filter_unhealthy`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HealthOutcome {
+pub(crate) enum HealthOutcome {
     /// Marked ranks were set aside (as many of each kind), or none was marked.
     Filtered { unreachable: u32, wedged: u32 },
     /// Every candidate is marked: all stay, and the least loaded serves.
@@ -522,7 +522,7 @@ pub enum HealthOutcome {
 }
 
 /// Drops marked candidates when at least one is healthy (in place, allocation-free).
-pub fn filter_unhealthy(candidates: &mut Vec<Scored>) -> HealthOutcome {
+pub(crate) fn filter_unhealthy(candidates: &mut Vec<Scored>) -> HealthOutcome {
     if !candidates.is_empty() && candidates.iter().all(|c| !c.health.is_healthy()) {
         return HealthOutcome::AllVetoed;
     }
@@ -547,12 +547,14 @@ pub fn filter_unhealthy(candidates: &mut Vec<Scored>) -> HealthOutcome {
 /// Most ranks probed per request for prompt blocks they already hold active.
 pub const SHARED_PROBES: usize = 8;
 
+// The literal form of `ProbeTargets`, which the tests hold it to.
+#[cfg_attr(not(test), allow(dead_code))]
 /// The candidates worth probing for active prompt blocks (see the module comment): free ones
 /// (or none when every one is busy, as the least loaded then decides) whose
 /// `cost − min(full_blocks, active prompt blocks)` is at most the cheapest cost, the
 /// [`SHARED_PROBES`] lowest of those bounds. Writes candidate indices into `out`, lowest bound
 /// first; returns how many. Allocation-free; [`ProbeTargets`] does the same while scoring.
-pub fn shared_probe_targets(
+pub(crate) fn shared_probe_targets(
     candidates: &[Scored],
     full_blocks: u32,
     out: &mut [u32; SHARED_PROBES],
@@ -572,7 +574,7 @@ pub fn shared_probe_targets(
 /// qualifies too, so the lowest bounds overall, cut at the cheapest cost, are the lowest
 /// qualifying bounds.)
 #[derive(Clone, Copy, Debug)]
-pub struct ProbeTargets {
+pub(crate) struct ProbeTargets {
     full_blocks: u64,
     /// Refuse candidates that can no longer win ([`ProbeTargets::pruning`]).
     prune: bool,
@@ -589,7 +591,7 @@ pub struct ProbeTargets {
 
 impl ProbeTargets {
     /// An empty set for a prompt of `full_blocks` full blocks (0: nothing to probe).
-    pub fn new(full_blocks: u32) -> Self {
+    pub(crate) fn new(full_blocks: u32) -> Self {
         ProbeTargets {
             full_blocks: u64::from(full_blocks),
             prune: false,
@@ -606,13 +608,13 @@ impl ProbeTargets {
     /// ([`ProbeTargets::bound_cannot_win`] after the load); [`ProbeTargets::offer`] counts
     /// those it refuses itself.
     #[inline(always)]
-    pub fn note_loaded_loser(&mut self) {
+    pub(crate) fn note_loaded_loser(&mut self) {
         self.loaded_losers += 1;
     }
 
     /// Candidates whose load was read only for them to be refused: what a tighter floor
     /// under the loads would have saved.
-    pub fn loaded_losers(&self) -> u32 {
+    pub(crate) fn loaded_losers(&self) -> u32 {
         self.loaded_losers
     }
 
@@ -623,32 +625,32 @@ impl ProbeTargets {
     /// minimum: for a policy that takes the cheapest (ties broken at random) and a request
     /// nothing else looks at, it need not be kept at all. Busy and marked candidates are
     /// always kept, so the busy and health filters see every one they may fall back to.
-    pub fn pruning(mut self, prune: bool) -> Self {
+    pub(crate) fn pruning(mut self, prune: bool) -> Self {
         self.prune = prune;
         self
     }
 
     /// The cheapest cost of a free, healthy candidate offered so far (`∞`: none).
     #[inline(always)]
-    pub fn cheapest(&self) -> f64 {
+    pub(crate) fn cheapest(&self) -> f64 {
         self.cheapest
     }
 
     /// What a floor must exceed for [`ProbeTargets::cannot_win`] (`∞` while nothing is
     /// refused).
     #[inline]
-    pub fn bar(&self) -> f64 {
+    pub(crate) fn bar(&self) -> f64 {
         self.bar
     }
 
     /// True when these targets prune ([`ProbeTargets::pruning`]).
-    pub fn prunes(&self) -> bool {
+    pub(crate) fn prunes(&self) -> bool {
         self.prune
     }
 
     /// Considers candidate `index`; false when it is refused ([`ProbeTargets::pruning`]).
     #[inline(always)]
-    pub fn offer(&mut self, index: usize, c: &Scored) -> bool {
+    pub(crate) fn offer(&mut self, index: usize, c: &Scored) -> bool {
         // A busy or marked rank is chosen only when every rank is (the busy and health
         // filters then fall back to the least loaded of all): it is kept, not probed, and its
         // cost does not cut the others.
@@ -688,7 +690,7 @@ impl ProbeTargets {
     /// Busy and marked ranks too: once a free, healthy rank set the cheapest cost, neither
     /// filter falls back to them.
     #[inline(always)]
-    pub fn cannot_win(&self, floor: f64) -> bool {
+    pub(crate) fn cannot_win(&self, floor: f64) -> bool {
         floor > self.bar
     }
 
@@ -706,12 +708,12 @@ impl ProbeTargets {
     /// computes it. True only where `offer` would refuse the rank too, or (busy or marked)
     /// where a free, healthy rank has set the cheapest cost.
     #[inline(always)]
-    pub fn bound_cannot_win(&self, cost: f64, prompt_blocks: u64) -> bool {
+    pub(crate) fn bound_cannot_win(&self, cost: f64, prompt_blocks: u64) -> bool {
         self.cannot_win(cost - count_f64(prompt_blocks.min(self.full_blocks)))
     }
 
     /// The candidates to probe, lowest bound first.
-    pub fn targets(&self) -> &[u32] {
+    pub(crate) fn targets(&self) -> &[u32] {
         let n = self.bounds[..self.n]
             .iter()
             .take_while(|&&b| b <= self.cheapest)
@@ -734,7 +736,7 @@ pub enum PolicyKind {
 
 /// What a selector sees.
 #[derive(Clone, Copy, Debug)]
-pub struct SelectInput<'a> {
+pub(crate) struct SelectInput<'a> {
     /// Never empty.
     pub candidates: &'a [Scored],
     /// The fleet snapshot's ranks, which [`Scored::fleet_index`] points into.
@@ -746,14 +748,14 @@ pub struct SelectInput<'a> {
 
 /// A selection policy. Implementations must be cheap, allocation-free and side-effect free
 /// apart from their own counters: booking is the router's job.
-pub trait Selector: Send + Sync + fmt::Debug {
+pub(crate) trait Selector: Send + Sync + fmt::Debug {
     fn kind(&self) -> PolicyKind;
     /// The index of the chosen candidate (`input.candidates` is not empty).
     fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize;
 }
 
 /// The selector for a configured policy.
-pub fn selector_for(policy: Policy) -> Box<dyn Selector> {
+pub(crate) fn selector_for(policy: Policy) -> Box<dyn Selector> {
     match policy {
         Policy::KvAware => Box::new(KvAware),
         Policy::RoundRobin => Box::new(RoundRobin::default()),
@@ -777,7 +779,7 @@ pub fn selector_for(policy: Policy) -> Box<dyn Selector> {
 }
 
 /// Index of the smallest `key`, ties broken uniformly at random (reservoir sampling).
-pub fn argmin_random_ties<T>(items: &[T], rng: &mut Rng, key: impl Fn(&T) -> f64) -> usize {
+pub(crate) fn argmin_random_ties<T>(items: &[T], rng: &mut Rng, key: impl Fn(&T) -> f64) -> usize {
     let mut best = 0;
     let mut best_key = f64::INFINITY;
     let mut ties = 0u64;
@@ -799,7 +801,7 @@ pub fn argmin_random_ties<T>(items: &[T], rng: &mut Rng, key: impl Fn(&T) -> f64
 
 /// Samples an index with probability ∝ exp(−normalised cost / temperature), costs normalised
 /// to [0, 1] over the candidates (uniform when all are equal). Two passes, no allocation.
-pub fn softmax_sample<T>(
+pub(crate) fn softmax_sample<T>(
     items: &[T],
     temperature: f64,
     rng: &mut Rng,
@@ -829,7 +831,7 @@ pub fn softmax_sample<T>(
 
 /// The reference's cost-based choice.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct KvAware;
+pub(crate) struct KvAware;
 
 impl Selector for KvAware {
     fn kind(&self) -> PolicyKind {
@@ -846,7 +848,7 @@ impl Selector for KvAware {
 
 /// Ranks in turn (over the candidates of each request).
 #[derive(Debug, Default)]
-pub struct RoundRobin {
+pub(crate) struct RoundRobin {
     next: AtomicUsize,
 }
 
@@ -861,7 +863,7 @@ impl Selector for RoundRobin {
 
 /// A uniformly random rank.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct RandomPick;
+pub(crate) struct RandomPick;
 
 impl Selector for RandomPick {
     fn kind(&self) -> PolicyKind {
@@ -874,7 +876,7 @@ impl Selector for RandomPick {
 
 /// The rank with the least load in blocks (random ties).
 #[derive(Debug, Default, Clone, Copy)]
-pub struct LeastLoaded;
+pub(crate) struct LeastLoaded;
 
 impl Selector for LeastLoaded {
     fn kind(&self) -> PolicyKind {
@@ -888,7 +890,7 @@ impl Selector for LeastLoaded {
 
 /// The less loaded of two distinct random ranks.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct PowerOfTwo;
+pub(crate) struct PowerOfTwo;
 
 impl Selector for PowerOfTwo {
     fn kind(&self) -> PolicyKind {
@@ -921,7 +923,7 @@ impl Selector for PowerOfTwo {
 /// `load_factor` × (mean load + 1) wins, so a prefix keeps its rank while the fleet changes
 /// around it, and a hot prefix spills over instead of overloading one rank.
 #[derive(Debug, Clone, Copy)]
-pub struct PrefixHash {
+pub(crate) struct PrefixHash {
     pub load_factor: f64,
 }
 
@@ -960,7 +962,7 @@ impl Selector for PrefixHash {
 /// The best-matching rank when the match is good and the fleet balanced; the least loaded
 /// otherwise.
 #[derive(Debug, Clone, Copy)]
-pub struct CacheThreshold {
+pub(crate) struct CacheThreshold {
     pub min_match_ratio: f64,
     pub balance_abs: u64,
     pub balance_rel: f64,

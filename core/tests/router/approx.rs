@@ -234,7 +234,7 @@ fn events_applied_elsewhere_are_noted() {
 /// retires speculation, and a rejected event is noted not at all.
 #[test]
 fn the_event_writer_applies_and_notes() {
-    use kvroute_core::index::ApplyEvents;
+    use kvroute_core::ApplyEvents;
     let (r, t0, p, w1) = speculating_on_one_worker();
     let blocks = first_blocks(&p, 4);
     let header = |id: u64| EventHeader {

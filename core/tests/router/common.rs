@@ -1,5 +1,6 @@
 //! What every router test shares: the crate's public surface and a way to store a chain.
 
+pub use kvroute_core::testing::scores_of;
 pub use kvroute_core::*;
 
 /// Stores `locals` as one chain on `rank` (block names by position and tier).

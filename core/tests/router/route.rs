@@ -286,7 +286,7 @@ fn preferences_and_pool_hits_lower_the_floors_pruning_uses() {
 /// winning depth fails it.)
 #[test]
 fn selection_from_the_deep_ranks_picks_what_the_full_evidence_says() {
-    let mut rng = kvroute_core::testing::Rng::new(29);
+    let mut rng = kvroute_core::Rng::new(29);
     for round in 0..64u64 {
         // Half the rounds record every route (speculation), and some workers publish no
         // events: records then raise overlaps, the shallow ones unread where pruning
@@ -398,7 +398,7 @@ fn selection_from_the_deep_ranks_picks_what_the_full_evidence_says() {
 /// with preferred labels and pool hits.
 #[test]
 fn pruned_selection_picks_what_the_full_evidence_says() {
-    let mut rng = kvroute_core::testing::Rng::new(11);
+    let mut rng = kvroute_core::Rng::new(11);
     let (mut by_cost, mut by_load, mut loaded_floors) = (0, 0, 0);
     for round in 0..32u64 {
         let busy = round % 2 == 1;
@@ -798,9 +798,7 @@ fn leaving_worker_loses_its_load_and_blocks() {
         })
     );
     assert_eq!(
-        r.index_reader()
-            .find_matches(&locals, MatchOptions::default())
-            .max_blocks(),
+        scores_of(&r.index_reader(), &locals, MatchOptions::default()).max_blocks(),
         0
     );
     assert!(matches!(
