@@ -227,12 +227,6 @@ impl<T> AdmissionQueue<T> {
     }
 
     #[cfg(test)]
-    /// The request that goes next.
-    pub(crate) fn peek(&self) -> Option<&Waiting<T>> {
-        self.entries.values().next()
-    }
-
-    #[cfg(test)]
     /// Takes the request that goes next.
     pub(crate) fn pop(&mut self) -> Option<Waiting<T>> {
         let (key, w) = self.entries.pop_first()?;

@@ -85,20 +85,6 @@ impl SharedRng {
         mix(old.wrapping_add(WY_INC))
     }
 
-    #[cfg(test)]
-    /// A uniform integer in `0..n` (0 when `n` is 0).
-    #[inline]
-    pub(crate) fn below(&self, n: u64) -> u64 {
-        below(self.next_u64(), n)
-    }
-
-    #[cfg(test)]
-    /// A uniform float in `[0, 1)`.
-    #[inline]
-    pub(crate) fn unit_f64(&self) -> f64 {
-        unit_f64(self.next_u64())
-    }
-
     /// A single-owner generator seeded from this one, for a burst of draws without atomics.
     #[inline]
     pub(crate) fn fork(&self) -> Rng {

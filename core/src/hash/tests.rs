@@ -7,7 +7,7 @@ mod reference {
     use super::super::XXH3_SEED;
     use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-    pub fn block_hashes(
+    pub(super) fn block_hashes(
         tokens: &[u32],
         block_size: usize,
         seed: u64,
@@ -38,7 +38,7 @@ mod reference {
         hashes
     }
 
-    pub fn seq_hashes(locals: &[u64]) -> Vec<u64> {
+    pub(super) fn seq_hashes(locals: &[u64]) -> Vec<u64> {
         let mut seqs: Vec<u64> = Vec::new();
         for &local in locals {
             let seq = match seqs.last() {

@@ -59,12 +59,6 @@ impl PrefixRefs {
         self.distinct as usize
     }
 
-    #[cfg(test)]
-    /// True when no key is held.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.distinct == 0
-    }
-
     pub(super) fn keys(&self, slot: u32) -> &[LocalHash] {
         &self.slots[slot as usize]
     }
