@@ -12,9 +12,11 @@ use std::time::Instant;
 
 use hdrhistogram::Histogram;
 
+use super::plan::{Gate, Now};
+use super::route::Routed;
 use super::{
-    bump, histogram_upto, lock, record, Bookkeeping, Decision, Gate, Label, Now, Phase, PoolHits,
-    PreferredLabel, RouteError, RouteHints, RouteRequest, Routed, Router,
+    bump, histogram_upto, lock, record, Bookkeeping, Decision, Label, Phase, PoolHits,
+    PreferredLabel, RouteError, RouteHints, RouteRequest, Router,
 };
 use crate::event::WorkerId;
 use crate::load::{LoadError, RequestId};

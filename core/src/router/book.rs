@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use super::route::Prompt;
+use super::scratch::Prompt;
 use super::{bump, Bookkeeping, Decision, Phase, RouteError, RouteRequest, Router};
 use crate::approx::checkpoint_keys_extend;
 use crate::config::Speculative;

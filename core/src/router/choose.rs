@@ -4,7 +4,8 @@
 
 use std::sync::atomic::Ordering;
 
-use super::route::{Candidates, Gate, PinnedRank, Plan};
+use super::plan::{Gate, PinnedRank, Plan};
+use super::scratch::Candidates;
 use super::{
     bump, Bookkeeping, DecidedBy, Decision, EvidenceLevel, Fallback, Mode, RouteError,
     RouteRequest, Router,

@@ -54,8 +54,10 @@ mod events;
 mod guard;
 mod lifecycle;
 mod metrics;
+mod plan;
 mod request;
 mod route;
+mod scratch;
 mod sessions;
 mod warm_up;
 
@@ -65,7 +67,6 @@ pub use self::events::*;
 pub use self::guard::*;
 pub use self::metrics::*;
 pub use self::request::*;
-use self::route::*;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;

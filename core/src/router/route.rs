@@ -7,34 +7,23 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::choose::{Choice, Selected};
+use super::plan::{Eligible, Gate, Now, PinnedRank, Plan};
+use super::scratch::{Constraints, Prompt, Scratch};
 use super::{
-    bump, lock, DecidedBy, Decision, EvidenceLevel, Fallback, Mode, Phase, PoolHits, RouteError,
+    bump, lock, DecidedBy, Decision, EvidenceLevel, Fallback, Phase, PoolHits, RouteError,
     RouteHints, RouteRequest, Router,
 };
-use crate::clock::Clock;
 use crate::config::Disaggregation;
 use crate::event::{DpRank, StorageTier, WorkerId, WorkerRank};
 use crate::hash::{BlockHasher, HashSeed, LocalHash};
 use crate::index::{MatchOptions, RankDepths, RankKey};
-use crate::load::{prefix_keys_into, RequestId};
+use crate::load::prefix_keys_into;
 use crate::registry::{Fleet, Readiness, WorkerRole};
 use crate::select::{
     merge_pool_ranges, rank_depth_unchecked, PolicyKind, RequestShape, ScoreInput, Scored, Scorer,
     Weights,
 };
 use crate::session::SessionRouting;
-
-/// When a request may be booked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Gate {
-    /// Now, on the least loaded busy rank if every one is busy (`route`).
-    Immediate,
-    /// Now if some eligible rank is free; else wait (an admission with an empty queue, or the
-    /// queue's head on release).
-    IfFree,
-    /// Wait behind the requests already queued (unless pinned).
-    Behind,
-}
 
 /// What a gated route came to. The decision stays inline: boxing it would allocate per route.
 #[derive(Debug)]
@@ -45,127 +34,6 @@ pub(super) enum Routed {
     Wait {
         new_prefill_tokens: u64,
     },
-}
-
-/// The time of one call, read from the router's clock once and only when needed.
-#[derive(Debug)]
-pub(super) struct Now<'a> {
-    clock: &'a Clock,
-    read: std::cell::Cell<Option<Instant>>,
-}
-
-impl<'a> Now<'a> {
-    /// The time, to be read when first needed.
-    pub(super) fn lazy(clock: &'a Clock) -> Self {
-        Now {
-            clock,
-            read: std::cell::Cell::new(None),
-        }
-    }
-
-    /// The time `t`, already read.
-    pub(super) fn at(clock: &'a Clock, t: Instant) -> Self {
-        Now {
-            clock,
-            read: std::cell::Cell::new(Some(t)),
-        }
-    }
-
-    /// The time; on the system clock, a reading the caller already took stands in for it.
-    pub(super) fn get_or(&self, reading: Option<Instant>) -> Instant {
-        match self.read.get() {
-            Some(t) => t,
-            None => {
-                let t = match (self.clock, reading) {
-                    (Clock::System, Some(r)) => r,
-                    _ => self.clock.now(),
-                };
-                self.read.set(Some(t));
-                t
-            }
-        }
-    }
-}
-
-/// A pinned route's rank, checked before the match.
-#[derive(Clone, Copy)]
-pub(super) struct PinnedRank {
-    /// The rank scored (in the fleet's table).
-    pub(super) index: usize,
-    /// False when the pin named a worker with several dp ranks and none of them.
-    pub(super) resolved: bool,
-    pub(super) by: DecidedBy,
-}
-
-/// One thread's buffers, reused route after route so that a steady-state route allocates
-/// nothing.
-#[derive(Default)]
-pub(super) struct Scratch {
-    pub(super) prompt: Prompt,
-    pub(super) constraints: Constraints,
-    /// The match, by the index's rank ids.
-    pub(super) depths: RankDepths,
-    pub(super) candidates: Candidates,
-}
-
-/// The prompt as the index and the router's records key it.
-#[derive(Default)]
-pub(super) struct Prompt {
-    pub(super) locals: Vec<LocalHash>,
-    /// Prefix keys of the blocks the policy keys on.
-    pub(super) keys: Vec<u64>,
-    /// Checkpoint keys for the router's records, computed as far as they are looked at.
-    pub(super) marks: Vec<u64>,
-}
-
-/// The request's soft constraints, resolved against the fleet's labels and the prompt.
-#[derive(Default)]
-pub(super) struct Constraints {
-    /// The request's preferred labels as (label bit, weight).
-    pub(super) preferred: Vec<(u64, f64)>,
-    /// The pool's hits, clipped, sorted and merged into disjoint `[start, end)` ranges.
-    pub(super) pool: Vec<(u32, u32)>,
-}
-
-/// The ranks selection scores.
-#[derive(Default)]
-pub(super) struct Candidates {
-    pub(super) kept: Vec<Scored>,
-    /// Every candidate, for warm-up's pick on a cache miss after a pruned gather.
-    pub(super) unpruned: Vec<Scored>,
-    /// Ranks whose load this thread read in selection only to find that they could not win,
-    /// plus four per route, since it last refreshed the booked-prefill floor
-    /// ([`Router::refresh_prefill_floor`]).
-    pub(super) loaded_losers: u64,
-}
-
-/// Who may serve the request: its role, the workers it allows and the labels it requires
-/// (as one mask).
-#[derive(Clone, Copy)]
-pub(super) struct Eligible<'a> {
-    pub(super) role: WorkerRole,
-    pub(super) allowed: Option<&'a [WorkerId]>,
-    pub(super) required: u64,
-}
-
-/// How one route selects, settled before the match.
-#[derive(Clone, Copy)]
-pub(super) struct Plan<'a> {
-    pub(super) request: RequestId,
-    pub(super) eligible: Eligible<'a>,
-    /// The pinned (or session-bound) rank: the only one scored.
-    pub(super) pinned: Option<PinnedRank>,
-    /// Candidates that cannot win are not kept: only the winner matters (the cheapest is
-    /// taken, ties at random, and nothing reads the whole list: no evidence, no wait to
-    /// estimate).
-    pub(super) prune: bool,
-    /// Probe candidates for the prompt blocks already active on them (the KV-aware policy).
-    pub(super) probe: bool,
-    pub(super) gate: Gate,
-    pub(super) temperature: f64,
-    pub(super) evidence: EvidenceLevel,
-    pub(super) mode: Mode,
-    pub(super) now: &'a Now<'a>,
 }
 
 /// A pin before it is checked: the worker, the dp rank if named, and what pinned it.

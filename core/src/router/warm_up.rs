@@ -3,7 +3,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::{bump, Now, Router};
+use super::plan::Now;
+use super::{bump, Router};
 use crate::config::WarmUp;
 use crate::load::RankState;
 use crate::registry::Fleet;
