@@ -1,6 +1,9 @@
 //! `kvroute`: the router's programs. The router service, the simulated GPU worker and the trace
 //! replayer are built on the core and the transport; until they land this prints what exists.
 
+// A program: it prints to its terminal.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
 use mimalloc::MiMalloc;
 
 #[global_allocator]

@@ -7,6 +7,15 @@
 //! the match began and the length announced by the time it ended: a match never sees a chain
 //! shorter than one already applied, nor a block not yet stored, whatever the churn around it.
 
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 

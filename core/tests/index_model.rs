@@ -2,6 +2,15 @@
 //! every answer, every error and the pair count must agree, and so must the index's books:
 //! its error counters and each rank's event-id status, against the rules written out here.
 
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
 use std::collections::HashMap;
 
 use kvroute_core::testing::scores_of;

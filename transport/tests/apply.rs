@@ -1,6 +1,15 @@
 //! A batch applied from its archived form leaves the index exactly as applying the owned core
 //! events does: same answers, same counters, same rejections.
 
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
 use bytes::BytesMut;
 use kvroute_core::testing::scores_of;
 use kvroute_core::{

@@ -4,6 +4,15 @@
 //! of the wrong id, garbage frames, cancels, reconnects and shutdown. io_uring cases are
 //! skipped, with a message, where the kernel or a seccomp filter refuses io_uring.
 
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
 use std::future::Future;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

@@ -3,6 +3,15 @@
 //! disturbing the others; shutdown returns. io_uring cases are skipped, with a message, where
 //! the kernel or a seccomp filter refuses io_uring.
 
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
 use std::net::SocketAddr;
 use std::thread;
 use std::time::{Duration, Instant};

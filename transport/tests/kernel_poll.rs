@@ -4,6 +4,15 @@
 //! events into the index exactly as the default mode does. Skipped, with a message, where the
 //! kernel refuses io_uring or its polled mode.
 
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
 use std::net::SocketAddr;
 use std::thread;
 use std::time::{Duration, Instant};

@@ -1,5 +1,14 @@
 //! Every way a frame can be wrong gives its own typed error, is counted, and never panics.
 
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
 mod common;
 
 use bytes::{BufMut, BytesMut};

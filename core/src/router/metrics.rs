@@ -75,8 +75,11 @@ pub(super) fn histogram_upto(high: u64) -> Histogram<u64> {
     }
 }
 
+#[allow(
+    clippy::expect_used,
+    reason = "a histogram's constructors fail only for more than 5 significant digits"
+)]
 pub(super) fn unreachable_histogram() -> Histogram<u64> {
-    // `Histogram::new(3)` only fails for more than 5 significant digits.
     Histogram::new_with_bounds(1, 2, 0).expect("a minimal histogram is always valid")
 }
 

@@ -1,5 +1,14 @@
 //! The router's behaviour through its public API, one module per behaviour.
 
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
 mod approx;
 mod common;
 mod conditions;

@@ -246,6 +246,10 @@ impl ShardWriter {
     }
 
     /// Makes room for the high halves of slots up to the last one allocated.
+    #[allow(
+        clippy::expect_used,
+        reason = "a vector of a segment's length converts to a segment"
+    )]
     fn grow_highs(&mut self) {
         if self.highs.len() * HIGH_SLOTS < self.metas.len() {
             let segment: Box<HighSegment> = vec![0; HIGH_SLOTS * RUN_CAP]
