@@ -46,7 +46,10 @@ pub enum SessionRouting {
     /// Sent to the rank the session is bound to.
     Sticky,
     /// The bound rank's worker left (or may not serve this request): chosen afresh and rebound.
-    Rerouted { previous: WorkerRank },
+    Rerouted {
+        /// The rank the session was bound to.
+        previous: WorkerRank,
+    },
 }
 
 /// Why a session ended.
@@ -54,15 +57,18 @@ pub enum SessionRouting {
 pub enum SessionEndReason {
     /// Idle past the TTL.
     Expired,
-    /// Closed after its request, or by [`crate::router::Router::close_session`].
+    /// Closed after its request, or by [`Router::close_session`](crate::Router::close_session).
     Closed,
 }
 
 /// A session that ended: the embedder closes it on `worker`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SessionEnd {
+    /// The session.
     pub session: SessionId,
+    /// The rank it was bound to.
     pub worker: WorkerRank,
+    /// Why it ended.
     pub reason: SessionEndReason,
 }
 
@@ -195,78 +201,4 @@ impl Sessions {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn idle_sessions_expire_only_after_their_last_request_ended() {
-        let s = Sessions::default();
-        let t0 = Instant::now();
-        let ttl = Duration::from_secs(10);
-        let r = WorkerRank::new(1, 0);
-        s.record(SessionId(1), r, RequestId(1), t0, SessionClose::Keep);
-        s.record(SessionId(2), r, RequestId(2), t0, SessionClose::Keep);
-        let mut out = Vec::new();
-        s.sweep(t0 + Duration::from_secs(9), ttl, |_| false, &mut out);
-        assert!(out.is_empty());
-        // Request 2 still runs: its session stays past the TTL.
-        s.sweep(
-            t0 + Duration::from_secs(10),
-            ttl,
-            |r| r == RequestId(2),
-            &mut out,
-        );
-        assert_eq!(
-            out,
-            vec![SessionEnd {
-                session: SessionId(1),
-                worker: r,
-                reason: SessionEndReason::Expired
-            }]
-        );
-        assert_eq!(s.len(), 1);
-        // Its end counts as use.
-        assert!(s
-            .request_ended(SessionId(2), RequestId(2), t0 + Duration::from_secs(12))
-            .is_none());
-        out.clear();
-        s.sweep(t0 + Duration::from_secs(21), ttl, |_| false, &mut out);
-        assert!(out.is_empty());
-        s.sweep(t0 + Duration::from_secs(22), ttl, |_| false, &mut out);
-        assert_eq!(out.len(), 1);
-        assert!(s.is_empty());
-    }
-
-    #[test]
-    fn a_close_with_a_request_waits_for_that_request() {
-        let s = Sessions::default();
-        let t0 = Instant::now();
-        let r = WorkerRank::new(1, 0);
-        s.record(
-            SessionId(1),
-            r,
-            RequestId(1),
-            t0,
-            SessionClose::AfterThisRequest,
-        );
-        assert_eq!(s.request_ended(SessionId(1), RequestId(7), t0), None);
-        assert_eq!(s.bound(SessionId(1)), Some(r));
-        let end = s.request_ended(SessionId(1), RequestId(1), t0).unwrap();
-        assert_eq!(end.reason, SessionEndReason::Closed);
-        assert_eq!(s.bound(SessionId(1)), None);
-        // A close whose request ended without a free (expired, worker lost) goes at the sweep.
-        s.record(
-            SessionId(2),
-            r,
-            RequestId(2),
-            t0,
-            SessionClose::AfterThisRequest,
-        );
-        let mut out = Vec::new();
-        s.sweep(t0, Duration::from_secs(100), |_| true, &mut out);
-        assert!(out.is_empty());
-        s.sweep(t0, Duration::from_secs(100), |_| false, &mut out);
-        assert_eq!(out[0].reason, SessionEndReason::Closed);
-        assert_eq!(s.close(SessionId(2)), None, "ended once");
-    }
-}
+mod tests;
