@@ -33,9 +33,12 @@ use std::time::Duration;
 /// Why a configuration was rejected.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum ConfigError {
+    /// A field holds a value outside its allowed range.
     #[error("config field `{field}` is invalid: {reason}")]
     Invalid {
+        /// The field, as a path from [`RouterConfig`] (`"queue.max_queued_tokens"`).
         field: &'static str,
+        /// What it must be (`"must be > 0"`).
         reason: &'static str,
     },
 }
@@ -44,8 +47,11 @@ pub enum ConfigError {
 /// [`RouterConfig::overlap_credit`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TierWeights {
+    /// Credit of a block in host-pinned memory.
     pub host_pinned: f64,
+    /// Credit of a block on local disk.
     pub disk: f64,
+    /// Credit of a block in external storage.
     pub external: f64,
 }
 
@@ -86,15 +92,22 @@ pub enum Policy {
     /// Consistent hashing of the first `prefix_blocks` blocks onto a ring of ranks, skipping a
     /// rank whose load exceeds `load_factor` times the mean (bounded-load consistent hashing).
     PrefixHash {
+        /// Blocks at the prompt's start that are hashed onto the ring (> 0).
         prefix_blocks: u32,
+        /// A rank loaded over `load_factor` × (mean load + 1) blocks is skipped (≥ 1).
         load_factor: f64,
     },
     /// The best-matching rank when its match ratio is at least `min_match_ratio` and the fleet
     /// is balanced (max load - min load ≤ `balance_abs` blocks, or max ≤ `balance_rel` × min);
     /// otherwise the least-loaded rank.
     CacheThreshold {
+        /// Least share of the prompt's blocks the best-matching rank must hold, in [0, 1].
         min_match_ratio: f64,
+        /// Spread between the highest and lowest load, in blocks, at or under which the fleet
+        /// counts as balanced.
         balance_abs: u64,
+        /// Ratio of the highest load to the lowest at or under which the fleet counts as balanced
+        /// (≥ 1).
         balance_rel: f64,
     },
 }
@@ -131,7 +144,7 @@ pub enum Disaggregation {
     Enforced,
 }
 
-/// The order of the admission queue within a priority class (see [`crate::queue`]).
+/// The order of the admission queue within a priority class (see the `queue` module).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum QueueOrder {
     /// Arrival time minus priority jump, earliest first: best for tail TTFT.
@@ -152,7 +165,9 @@ pub enum Queueing {
     /// tokens waiting it is rejected with [`crate::router::RouteError::ResourceExhausted`].
     /// Needs a busy threshold to have any effect.
     On {
+        /// Cap on the prompt tokens of the requests waiting (> 0).
         max_queued_tokens: u64,
+        /// The order within a priority class.
         order: QueueOrder,
     },
 }
@@ -160,14 +175,18 @@ pub enum Queueing {
 /// Speculative records for workers that publish KV events.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Speculative {
+    /// No speculative records: a worker with KV events is known from its events alone.
     #[default]
     Off,
     /// Each booked decision counts as cached on its rank for `ttl` (a second or two: until
     /// the worker's own events arrive).
-    On { ttl: Duration },
+    On {
+        /// How long a speculative record lasts.
+        ttl: Duration,
+    },
 }
 
-/// Routing decisions recorded as cached blocks (see [`crate::approx`]).
+/// Routing decisions recorded as cached blocks (see the `approx` module).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Approximate {
     /// Lifetime of a record on a worker without KV events.
@@ -191,8 +210,11 @@ impl Default for Approximate {
 /// Warm-up of workers with an empty (or nearly empty) cache.
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub enum WarmUp {
+    /// No warm-up: every worker is chosen by the policy alone.
     #[default]
     Off,
+    /// Workers that joined recently, or whose cache is nearly empty, take a share of the cache
+    /// misses.
     On {
         /// Fraction of cache-miss requests (no candidate holds a block) sent to a warming
         /// worker, in (0, 1].

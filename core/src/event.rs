@@ -21,11 +21,14 @@ pub struct DpRank(pub u32);
 /// One KV cache: a worker and one of its data-parallel ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct WorkerRank {
+    /// The worker.
     pub worker: WorkerId,
+    /// Its data-parallel rank.
     pub dp_rank: DpRank,
 }
 
 impl WorkerRank {
+    /// Rank `dp_rank` of worker `worker`.
     pub const fn new(worker: u64, dp_rank: u32) -> Self {
         WorkerRank {
             worker: WorkerId(worker),
@@ -87,7 +90,7 @@ impl StorageTier {
 pub struct StoredBlock {
     /// The engine's identifier of the block.
     pub block_hash: BlockHash,
-    /// The hash of the block's own tokens (see [`crate::hash`]).
+    /// The hash of the block's own tokens (see [`BlockHasher`](crate::BlockHasher)).
     pub local_hash: LocalHash,
 }
 
@@ -108,11 +111,16 @@ pub enum KvEventData {
     /// Blocks were stored, continuing the chain after `parent` (or starting a prompt when
     /// `parent` is `None`). Blocks are in prompt order: each is the parent of the next.
     Stored {
+        /// The block the chain continues from, as the engine names it.
         parent: Option<BlockHash>,
+        /// The blocks stored, in prompt order.
         blocks: Vec<StoredBlock>,
     },
     /// Blocks were evicted.
-    Removed { blocks: Vec<BlockHash> },
+    Removed {
+        /// The blocks evicted, as the engine names them.
+        blocks: Vec<BlockHash>,
+    },
     /// The rank dropped its whole cache (of this tier).
     Cleared,
 }
@@ -122,9 +130,15 @@ pub enum KvEventData {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventSeen {
     /// Blocks were stored.
-    Stored { blocks: u64 },
+    Stored {
+        /// How many.
+        blocks: u64,
+    },
     /// Blocks were evicted.
-    Removed { blocks: u64 },
+    Removed {
+        /// How many.
+        blocks: u64,
+    },
     /// The rank dropped its whole cache.
     Cleared,
 }
@@ -132,6 +146,8 @@ pub enum EventSeen {
 /// A KV event: a header and a payload.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvEvent {
+    /// Where it comes from, its sequence number and its tier.
     pub header: EventHeader,
+    /// What happened.
     pub data: KvEventData,
 }

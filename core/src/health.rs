@@ -13,6 +13,7 @@
 /// A worker's observed health.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Health {
+    /// Serving normally: no mark.
     #[default]
     Healthy,
     /// The connection is lost or its events went silent.

@@ -72,7 +72,7 @@
 //! assert_eq!(router.active_requests(), 0);
 //! ```
 #![deny(unsafe_code)]
-#![warn(unreachable_pub)]
+#![warn(missing_docs, unreachable_pub)]
 
 mod approx;
 mod clock;

@@ -47,13 +47,14 @@ pub enum KvEvents {
     #[default]
     Published,
     /// It does not: the router records its own decisions as the worker's cache, with a TTL
-    /// (approximate mode, [`crate::approx`]).
+    /// (approximate mode; see the `approx` module).
     Absent,
 }
 
 /// A worker's configuration, as it announces itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerConfig {
+    /// The worker's id, unique in the fleet.
     pub id: WorkerId,
     /// First data-parallel rank.
     pub dp_start: u32,
@@ -63,6 +64,7 @@ pub struct WorkerConfig {
     pub kv_blocks: u64,
     /// Tokens per KV block; must equal the router's.
     pub block_size: u32,
+    /// What it does in (possibly disaggregated) serving.
     pub role: WorkerRole,
     /// Most tokens the engine batches in one step (≥ 1).
     pub max_batched_tokens: u64,
@@ -92,16 +94,34 @@ impl WorkerConfig {
 /// Why a join or leave was rejected.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum RegistryError {
+    /// A worker with this id has already joined.
     #[error("worker {worker:?} has already joined")]
-    WorkerExists { worker: WorkerId },
+    WorkerExists {
+        /// The worker's id.
+        worker: WorkerId,
+    },
+    /// No worker with this id has joined.
     #[error("unknown worker {worker:?}")]
-    UnknownWorker { worker: WorkerId },
+    UnknownWorker {
+        /// The worker's id.
+        worker: WorkerId,
+    },
+    /// The worker's labels would take the fleet past the labels a request can test at once.
     #[error("worker {worker:?} would bring the fleet past {limit} distinct labels")]
-    TooManyLabels { worker: WorkerId, limit: usize },
+    TooManyLabels {
+        /// The worker joining.
+        worker: WorkerId,
+        /// Most distinct labels in a fleet (64: one bit each).
+        limit: usize,
+    },
+    /// A field of the worker's config has a value the router cannot use.
     #[error("worker {worker:?} config field `{field}` is invalid: {reason}")]
     InvalidWorker {
+        /// The worker joining.
         worker: WorkerId,
+        /// The field of [`WorkerConfig`] (`"dp_size"`).
         field: &'static str,
+        /// What it must be (`"must be ≥ 1"`).
         reason: &'static str,
     },
 }
@@ -109,6 +129,7 @@ pub enum RegistryError {
 /// One worker in a snapshot.
 #[derive(Debug)]
 pub struct WorkerEntry {
+    /// Its configuration, as it joined.
     pub config: WorkerConfig,
     /// Its ranks: a range of [`Fleet::ranks`].
     pub ranks: std::ops::Range<usize>,
@@ -119,6 +140,7 @@ pub struct WorkerEntry {
 /// One rank in a snapshot.
 #[derive(Debug, Clone)]
 pub struct RankEntry {
+    /// The rank.
     pub rank: WorkerRank,
     /// Index of its worker in [`Fleet::workers`].
     pub worker: usize,
@@ -127,9 +149,10 @@ pub struct RankEntry {
     /// Its worker's label bits (copied likewise).
     pub label_bits: u64,
     /// Its key in the prefix index, as registered when the snapshot was built (`None`
-    /// before: [`Registry::republish`] fills it in), so that selection reads a rank's
+    /// before: the registry's `republish` fills it in), so that selection reads a rank's
     /// overlap without visiting its state.
     pub index_key: Option<RankKey>,
+    /// Its load, kept across snapshots for as long as its worker stays.
     pub state: Arc<RankState>,
 }
 
@@ -243,10 +266,14 @@ impl Fleet {
 /// Whether the router may route yet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Readiness {
+    /// Enough workers have joined.
     Ready,
     /// Fewer than the minimum of workers have joined.
     Waiting {
+        /// Workers joined so far.
         joined: usize,
+        /// Workers that must join first
+        /// ([`RouterConfig::min_workers`](crate::RouterConfig::min_workers)).
         needed: usize,
     },
 }

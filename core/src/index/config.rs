@@ -4,7 +4,7 @@
 /// Index configuration.
 #[derive(Clone, Debug)]
 pub struct IndexConfig {
-    /// Number of shards; 0 means one per available core. At most [`MAX_SHARDS`].
+    /// Number of shards; 0 means one per available core. At most 16.
     pub shards: usize,
     /// Upper bound of the index's own memory, in bytes; `None` means unbounded. Over it, the
     /// least recently used leaf blocks are evicted (used: stored into, or read by a match).

@@ -19,7 +19,9 @@ use crate::event::{StorageTier, WorkerRank};
 /// in `epoch`, as the id was freed in between.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RankKey {
+    /// The rank's dense id in the index.
     pub id: u32,
+    /// Ids the index had freed when it gave this one out.
     pub epoch: u32,
 }
 

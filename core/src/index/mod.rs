@@ -21,7 +21,8 @@
 //! Physical copies of one block in one (rank, tier) are counted, so the block leaves only with
 //! its last copy.
 //!
-//! See `docs/ARCHITECTURE.md` for the measurements behind these choices.
+//! The measurements behind these choices: the figures in `benches/RESULTS.md`, what was tried,
+//! kept and dropped in `docs/experiments.md` §2–6.
 //!
 //! Module map. The facade and its vocabulary:
 //!

@@ -52,7 +52,8 @@ const COUNT_SHIFT: u32 = 56;
 const ONE: u64 = 1 << COUNT_SHIFT;
 const MIN_GROUPS: usize = 2;
 /// How full a table sized for its reserved names is once they are all in: the time a lookup
-/// takes grows steeply with the load (see docs/ARCHITECTURE.md, "Measurements that chose").
+/// takes grows steeply with the load (docs/experiments.md, §2.3 "Load", and the 45% row of
+/// §2.1 "Kept, and the measurement that chose each").
 pub(crate) const RESERVED_LOAD_PCT: usize = 45;
 /// Bytes of a group: its control word and its entries.
 pub(crate) const GROUP_BYTES: usize = 8 + std::mem::size_of::<Entries>();

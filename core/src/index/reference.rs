@@ -35,10 +35,12 @@ pub struct ReferenceIndex {
 }
 
 impl ReferenceIndex {
+    /// An empty model.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Applies a Stored event: the blocks continue the chain after `parent`.
     pub fn apply_stored(
         &mut self,
         header: EventHeader,
@@ -81,6 +83,7 @@ impl ReferenceIndex {
         Ok(())
     }
 
+    /// Applies a Removed event: one copy of each named block leaves the event's tier.
     pub fn apply_removed(
         &mut self,
         header: EventHeader,
@@ -115,12 +118,14 @@ impl ReferenceIndex {
         self.ranks.entry(rank).or_default();
     }
 
+    /// Applies a Cleared event: the rank holds nothing afterwards.
     pub fn apply_cleared(&mut self, header: EventHeader) {
         let rank = self.ranks.entry(header.source).or_default();
         rank.names.clear();
         rank.copies.clear();
     }
 
+    /// Removes every rank of a worker and all they hold.
     pub fn remove_worker(&mut self, worker: WorkerId) -> Result<(), IndexError> {
         let before = self.ranks.len();
         self.ranks.retain(|r, _| r.worker != worker);

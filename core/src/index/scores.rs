@@ -11,6 +11,7 @@ pub(super) type Ranks = Arc<Vec<Option<WorkerRank>>>;
 /// One rank's overlap with a query.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RankScore {
+    /// The rank.
     pub rank: WorkerRank,
     /// Leading blocks of the query held, in any tier.
     pub blocks: u32,
@@ -24,6 +25,7 @@ pub struct RankScore {
 /// [`IndexReader::find_matches_into`]: super::IndexReader::find_matches_into
 #[derive(Clone, Debug)]
 pub struct OverlapScores {
+    /// One score per rank holding at least the query's first block.
     pub scores: Vec<RankScore>,
     /// The index's dense id of each score's rank, as the walk left them (`ids[i]` belongs to
     /// `scores[i]`): stable while the rank is registered, reused after it leaves.

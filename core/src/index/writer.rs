@@ -146,6 +146,7 @@ impl HighHalves for Vec<ShardWriter> {
 }
 
 impl PrefixIndex {
+    /// An empty index set up by `config`.
     pub fn new(config: IndexConfig) -> Self {
         let n = match config.shards {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -220,6 +221,7 @@ impl PrefixIndex {
         self.shards.iter().try_for_each(|s| s.check_links())
     }
 
+    /// Its counters and sizes, read now (walks every shard and rank).
     pub fn stats(&self) -> IndexStats {
         IndexStats {
             shards: self.shards.len(),

@@ -16,13 +16,24 @@ pub struct RequestId(pub u64);
 /// Why a lifecycle call was rejected.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum LoadError {
+    /// A booking for an id that is already booked.
     #[error("request {request:?} is already booked")]
-    DuplicateRequest { request: RequestId },
+    DuplicateRequest {
+        /// The request.
+        request: RequestId,
+    },
+    /// A call for a request that is not booked.
     #[error("request {request:?} is not booked (never routed, already freed, expired, or its worker left)")]
-    UnknownRequest { request: RequestId },
+    UnknownRequest {
+        /// The request.
+        request: RequestId,
+    },
+    /// The rank chosen left while the request was being booked on it: the booking is undone.
     #[error("rank {rank} left while request {request:?} was being booked on it")]
     RankRetired {
+        /// The request.
         request: RequestId,
+        /// The rank that left.
         rank: WorkerRank,
     },
 }
@@ -30,8 +41,10 @@ pub enum LoadError {
 /// Whether a request reached its worker (only those record metrics and count as completed).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum DispatchState {
+    /// Booked, not yet reported at its worker.
     #[default]
     NotYet,
+    /// Reported at its worker ([`Router::mark_dispatched`](crate::Router::mark_dispatched)).
     Reached,
 }
 
@@ -95,26 +108,38 @@ pub(crate) struct Generated {
 /// What a freed request had booked, as it was when freed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Freed {
+    /// The rank it was booked on.
     pub rank: WorkerRank,
     /// Prefill tokens still booked (non-zero when freed before prefill completed).
     pub prefill_tokens: u64,
+    /// Output blocks it had generated.
     pub output_blocks: u64,
+    /// Its prompt's tokens.
     pub prompt_tokens: u64,
+    /// Prompt tokens predicted cached on the rank when it was booked.
     pub cached_tokens: u64,
+    /// Whether it had reached its worker.
     pub dispatch: DispatchState,
+    /// Time from its booking to its free.
     pub age: Duration,
+    /// The sticky session it belonged to, if any.
     pub session: Option<SessionId>,
 }
 
 /// Lifecycle counters of the ledger.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LedgerCounts {
+    /// Requests booked.
     pub booked: u64,
+    /// Requests freed (by id, by their guard, or by cancelling a released request).
     pub freed: u64,
+    /// Requests freed by expiry, booked longer than `request_expiry`.
     pub expired: u64,
     /// Requests dropped because their worker left.
     pub purged: u64,
+    /// Bookings refused for an id already booked ([`LoadError::DuplicateRequest`]).
     pub duplicate_requests: u64,
+    /// Lifecycle calls and frees naming a request not booked ([`LoadError::UnknownRequest`]).
     pub unknown_requests: u64,
     /// Bookings undone because their rank retired while they were made.
     pub retired_races: u64,

@@ -27,6 +27,7 @@ use crate::queue::{AdmissionQueue, OrderInput, Refused, Waiting};
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
 pub enum Admission {
+    /// Routed now: the decision, as [`Router::route`] returns it.
     Routed(Decision),
     /// Waiting; its decision arrives through [`Router::poll_released`],
     /// [`Router::take_released`], [`Router::drain_released`] or [`Router::wait`].
@@ -36,6 +37,7 @@ pub enum Admission {
 /// A queued request's claim on its decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Ticket {
+    /// The queued request.
     pub request: RequestId,
 }
 
@@ -227,9 +229,11 @@ pub struct QueueStats {
     pub depth: usize,
     /// Their prompt tokens.
     pub queued_tokens: u64,
+    /// The cap on queued prompt tokens ([`Queueing::On`](crate::Queueing::On)).
     pub cap_tokens: u64,
     /// Released decisions not yet taken.
     pub released_untaken: usize,
+    /// Requests that entered the queue.
     pub enqueued: u64,
     /// Left the queue with a decision (booked) or an error.
     pub released: u64,
@@ -237,7 +241,10 @@ pub struct QueueStats {
     pub released_failed: u64,
     /// Refused at the cap ([`RouteError::ResourceExhausted`]).
     pub rejected: u64,
+    /// Cancels that took a waiting request out of the queue ([`Cancelled::Waiting`]).
     pub cancelled_waiting: u64,
+    /// Cancels of a released request whose decision was not taken; its booking freed
+    /// ([`Cancelled::Released`]).
     pub cancelled_released: u64,
     /// Time from submit to release, µs, for every released request.
     pub wait_us: Histogram<u64>,
@@ -342,7 +349,8 @@ pub(super) struct Queue {
 
 impl Router {
     /// Admits `req`: routes and books it now when an eligible rank is free (or the request is
-    /// pinned, query-only, or queueing is off); otherwise, with [`Queueing::On`], queues it
+    /// pinned, query-only, or queueing is off); otherwise, with
+    /// [`Queueing::On`](crate::Queueing::On), queues it
     /// behind the requests already waiting, in the configured order. Past the cap of queued
     /// prompt tokens it is rejected with the retryable [`RouteError::ResourceExhausted`].
     pub fn submit(&self, req: &RouteRequest<'_>) -> Result<Admission, RouteError> {
@@ -443,7 +451,8 @@ impl Router {
     /// Releases queued requests in order: each that can be booked on a free eligible rank (or
     /// fails outright) leaves the queue; one that must still wait keeps its place, and the
     /// requests behind it that no free rank could serve either (the same eligibility, or its
-    /// whole phase busy) are passed over untried. Returns how many left the queue. Frees, prefill completions,
+    /// whole phase busy) are passed over untried. Returns how many left the queue. Frees, prefill
+    /// completions,
     /// joins, leaves and health changes call this themselves; call it to drive the queue from
     /// a timer as well.
     pub fn release_queued(&self) -> usize {
@@ -634,7 +643,7 @@ impl Router {
             .map_or(0, |q| q.depth.load(Ordering::Relaxed))
     }
 
-    /// Queue depth, waits and outcomes (`None` unless [`Queueing::On`]).
+    /// Queue depth, waits and outcomes (`None` unless [`Queueing::On`](crate::Queueing::On)).
     pub fn queue_stats(&self) -> Option<QueueStats> {
         let q = self.queue.as_ref()?;
         let st = lock(&q.state);

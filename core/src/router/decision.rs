@@ -35,6 +35,7 @@ pub enum Fallback {
 /// Whether the decision booked load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bookkeeping {
+    /// The request's load is booked on the rank until it is freed.
     Booked,
     /// Query-only: nothing changed.
     QueryOnly,
@@ -46,7 +47,9 @@ pub enum Bookkeeping {
 /// A routing decision and why it was made.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decision {
+    /// The request decided.
     pub request: RequestId,
+    /// The rank chosen.
     pub worker: WorkerRank,
     /// Predicted cached prefix on the chosen rank.
     pub overlap: Overlap,
@@ -54,10 +57,13 @@ pub struct Decision {
     pub cost: CostTerms,
     /// Its load just before booking.
     pub load: LoadView,
+    /// Which rule chose the rank.
     pub decided_by: DecidedBy,
     /// Set when the request was served outside its phase.
     pub fallback: Option<Fallback>,
+    /// Whether load was booked.
     pub bookkeeping: Bookkeeping,
+    /// The request's expected output tokens, as its hints gave them.
     pub expected_output_tokens: Option<u32>,
     /// How a session request's session steered it (`None` without a session, or when an
     /// explicit pin decided).

@@ -26,6 +26,7 @@ impl<R: Deref<Target = Router>> RequestGuard<R> {
         }
     }
 
+    /// The request guarded.
     pub fn request(&self) -> RequestId {
         self.request
     }
@@ -35,10 +36,12 @@ impl<R: Deref<Target = Router>> RequestGuard<R> {
         self.router.mark_dispatched(self.request)
     }
 
+    /// The request's first token arrived ([`Router::prefill_done`]).
     pub fn prefill_done(&self) -> Result<WorkerRank, LoadError> {
         self.router.prefill_done(self.request)
     }
 
+    /// The request's generation crossed into a new block ([`Router::output_block`]).
     pub fn output_block(&self) -> Result<WorkerRank, LoadError> {
         self.router.output_block(self.request)
     }

@@ -13,11 +13,16 @@ use crate::approx::ApproxCounts;
 use crate::load::{LedgerCounts, RequestId};
 use crate::rng::mix64;
 
-/// Overhead split of routing, in nanoseconds (recorded when [`Timing::On`]).
+/// Overhead split of routing, in nanoseconds per decision (recorded when
+/// [`Timing::On`](crate::Timing::On)).
 #[derive(Debug, Clone)]
 pub struct Timings {
+    /// Hashing the prompt into its blocks' hashes.
     pub hash: Histogram<u64>,
+    /// From the hashes to each rank's overlap: the request's constraints, its pin and the index
+    /// match.
     pub matching: Histogram<u64>,
+    /// From the overlaps to the chosen rank: scoring, the busy check and the policy.
     pub select: Histogram<u64>,
 }
 
@@ -105,11 +110,17 @@ pub struct RequestMetrics {
 /// The usual summary of one histogram.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Quantiles {
+    /// Samples recorded.
     pub count: u64,
+    /// Their mean.
     pub mean: f64,
+    /// The median.
     pub p50: u64,
+    /// The 90th percentile.
     pub p90: u64,
+    /// The 99th percentile.
     pub p99: u64,
+    /// The largest sample.
     pub max: u64,
 }
 
@@ -242,9 +253,16 @@ impl MetricsShards {
 /// Routing counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RouterCounts {
+    /// Decisions booked.
     pub routed: u64,
+    /// Decisions made without booking ([`Mode::QueryOnly`](crate::Mode::QueryOnly)).
     pub query_only: u64,
+    /// Decisions pinned to a multi-rank worker without a usable dp rank, dispatched without
+    /// bookkeeping
+    /// ([`Bookkeeping::UntrackedDpRankUnresolved`](crate::Bookkeeping::UntrackedDpRankUnresolved)).
     pub untracked: u64,
+    /// Decisions that found every eligible rank busy and took the least loaded
+    /// ([`DecidedBy::FallbackAllBusy`](crate::DecidedBy::FallbackAllBusy)).
     pub all_busy: u64,
     /// Prefill-phase requests served by aggregated workers (no prefill worker joined).
     pub prefill_fallbacks: u64,
@@ -252,14 +270,25 @@ pub struct RouterCounts {
     pub shared_probes: u64,
     /// Probes skipped because the rank's table was held by another thread.
     pub shared_probes_busy: u64,
+    /// Requests refused for having no tokens
+    /// ([`RouteError::NoTokens`](crate::RouteError::NoTokens)).
     pub no_tokens: u64,
+    /// Requests refused before enough workers joined
+    /// ([`RouteError::NotReady`](crate::RouteError::NotReady)).
     pub not_ready: u64,
+    /// Requests left with no candidate rank
+    /// ([`RouteError::NoWorkers`](crate::RouteError::NoWorkers)).
     pub no_workers: u64,
+    /// Requests pinned to a worker that has not joined
+    /// ([`RouteError::UnknownWorker`](crate::RouteError::UnknownWorker)).
     pub unknown_worker: u64,
+    /// Requests pinned to a worker outside their allowed set
+    /// ([`RouteError::PinnedNotAllowed`](crate::RouteError::PinnedNotAllowed)).
     pub pinned_not_allowed: u64,
     /// Requests freed after reaching a worker (marked dispatched, by id or by their guard).
     pub completed: u64,
-    /// Requests rejected for a bad hint ([`RouteError::InvalidHint`]).
+    /// Requests rejected for a bad hint
+    /// ([`RouteError::InvalidHint`](crate::RouteError::InvalidHint)).
     pub invalid_hints: u64,
     /// Submits of an id already queued, released and untaken, or booked (one that finds a free
     /// rank at once meets the ledger's own duplicate check instead).
@@ -269,20 +298,26 @@ pub struct RouterCounts {
     pub vetoed_unreachable: u64,
     /// The same for workers marked wedged.
     pub vetoed_wedged: u64,
-    /// Requests whose every candidate was marked ([`DecidedBy::FallbackAllUnhealthy`]).
+    /// Requests whose every candidate was marked
+    /// ([`DecidedBy::FallbackAllUnhealthy`](crate::DecidedBy::FallbackAllUnhealthy)).
     pub all_unhealthy: u64,
-    /// Requests no worker carried the required labels of ([`RouteError::NoEligibleWorker`]
-    /// and [`RouteError::PinnedLacksLabels`]).
+    /// Requests no worker carried the required labels of
+    /// ([`RouteError::NoEligibleWorker`](crate::RouteError::NoEligibleWorker) and
+    /// [`RouteError::PinnedLacksLabels`](crate::RouteError::PinnedLacksLabels)).
     pub no_eligible: u64,
     /// Sessions bound at their first booked request.
     pub sessions_bound: u64,
     /// Session requests whose bound rank had gone (or could not serve): chosen afresh.
     pub sessions_rerouted: u64,
+    /// Sessions ended for idling past their TTL
+    /// ([`SessionEndReason::Expired`](crate::SessionEndReason::Expired)).
     pub sessions_expired: u64,
+    /// Sessions closed after their request or by [`Router::close_session`]
+    /// ([`SessionEndReason::Closed`](crate::SessionEndReason::Closed)).
     pub sessions_closed: u64,
     /// Routes where the router's own cache records raised some rank's overlap.
     pub approx_raised: u64,
-    /// Cache misses sent to a warming worker ([`DecidedBy::WarmUp`]).
+    /// Cache misses sent to a warming worker ([`DecidedBy::WarmUp`](crate::DecidedBy::WarmUp)).
     pub warm_up: u64,
     /// Ranks put back to warming because their reported cache fell far below the fleet's.
     pub rewarmed: u64,
@@ -291,6 +326,7 @@ pub struct RouterCounts {
     pub pool_failed: u64,
     /// The record table's counters.
     pub approx: ApproxCounts,
+    /// The ledger's lifecycle counters.
     pub ledger: LedgerCounts,
 }
 
@@ -367,12 +403,12 @@ impl Router {
         }
     }
 
-    /// A copy of the overhead histograms (`None` unless [`Timing::On`]).
+    /// A copy of the overhead histograms (`None` unless [`Timing::On`](crate::Timing::On)).
     pub fn timings(&self) -> Option<Timings> {
         self.timings.as_ref().map(|t| lock(t).clone())
     }
 
-    /// A merged copy of the request metrics (`None` unless [`Metrics::On`]).
+    /// A merged copy of the request metrics (`None` unless [`Metrics::On`](crate::Metrics::On)).
     pub fn request_metrics(&self) -> Option<RequestMetrics> {
         self.metrics.as_ref().map(MetricsShards::snapshot)
     }

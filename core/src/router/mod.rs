@@ -86,10 +86,13 @@ use crate::session::{SessionEnd, Sessions};
 /// Why a router could not be built or a worker could not join or leave.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum RouterError {
+    /// The configuration failed validation.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The registry refused the join or leave (a duplicate or unknown worker, a bad worker config).
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    /// The index could not register the worker's ranks: it already tracks its limit of ranks.
     #[error(transparent)]
     Index(#[from] IndexError),
 }
@@ -206,7 +209,7 @@ impl Router {
     }
 
     /// Raises the ledger's booked-prefill floor to the least prefill booked on any rank of
-    /// the fleet ([`Ledger::refresh_prefill_floor`]). A rank published while the refresh read
+    /// the fleet (the ledger's `refresh_prefill_floor`). A rank published while the refresh read
     /// an older fleet is fresh (nothing booked): its join lowers the floor after publishing,
     /// and if the refresh comes after that, the fleet it reads again below has the rank.
     pub fn refresh_prefill_floor(&self) {
@@ -222,7 +225,7 @@ impl Router {
     }
 
     /// Prefill tokens every rank has booked at least, as selection's floors count them
-    /// ([`Ledger::prefill_floor`]).
+    /// (the ledger's `prefill_floor`).
     pub fn prefill_floor(&self) -> u64 {
         self.ledger.prefill_floor()
     }
@@ -238,7 +241,8 @@ impl Router {
     }
 
     /// A worker joins; its ranks are registered with the index, and warm up from now (with
-    /// warm-up on). A worker without KV events ([`KvEvents::Absent`] in its config) has the
+    /// warm-up on). A worker without KV events ([`KvEvents::Absent`](crate::KvEvents::Absent) in
+    /// its config) has the
     /// router record its own decisions as its cache: approximate mode.
     pub fn join_worker(&self, config: WorkerConfig) -> Result<(), RouterError> {
         let now = self.clock.now();
@@ -287,7 +291,7 @@ impl Router {
         }
     }
 
-    /// Marks a worker's health (see [`crate::health`]); returns its previous mark. Marking a
+    /// Marks a worker's health (see [`Health`]); returns its previous mark. Marking a
     /// worker healthy again may release queued requests.
     pub fn set_health(&self, worker: WorkerId, health: Health) -> Result<Health, RouterError> {
         let previous = {

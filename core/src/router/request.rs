@@ -32,6 +32,7 @@ pub enum Mode {
 /// Whether the decision carries every candidate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum EvidenceLevel {
+    /// The chosen rank's figures only; nothing allocated.
     #[default]
     Off,
     /// Every candidate with its load, overlap and cost (allocates).
@@ -44,11 +45,17 @@ pub enum EvidenceLevel {
 /// general one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Pinned {
+    /// The worker for every phase, unless the phase's own worker is set.
     pub backend_instance: Option<WorkerId>,
+    /// The worker for the prefill phase.
     pub prefill_worker: Option<WorkerId>,
+    /// The worker for the decode phase.
     pub decode_worker: Option<WorkerId>,
+    /// The dp rank for every phase, unless the phase's own dp rank is set.
     pub dp_rank: Option<DpRank>,
+    /// The dp rank for the prefill phase.
     pub prefill_dp_rank: Option<DpRank>,
+    /// The dp rank for the decode phase.
     pub decode_dp_rank: Option<DpRank>,
 }
 
@@ -73,20 +80,23 @@ impl Pinned {
 /// What the caller knows about a request besides its tokens.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RouteHints<'a> {
+    /// The phase the request is routed for.
     pub phase: Phase,
+    /// Workers the caller pinned: a pin for the phase decides the worker.
     pub pinned: Pinned,
+    /// Whether the decision books load.
     pub mode: Mode,
     /// LoRA adapter: changes the block hash seed.
     pub lora_name: Option<&'a str>,
     /// Cache isolation salt: changes the block hash seed.
     pub cache_salt: Option<&'a str>,
-    /// Seconds to move ahead in the admission queue (finite; see [`crate::queue`]); no effect
+    /// Seconds to move ahead in the admission queue (finite; see the `queue` module); no effect
     /// on the choice.
     pub priority_jump: f64,
     /// Strict priority class in the admission queue: higher classes always go first.
     pub priority_class: PriorityClass,
     /// Expected generated tokens, when known: the request's output blocks then weigh what is
-    /// left of it in the rank's decode load (see [`crate::load`]); recorded in the decision.
+    /// left of it in the rank's decode load (see the `load` module); recorded in the decision.
     pub expected_output_tokens: Option<u32>,
     /// Only these workers may serve (`None`: any).
     pub allowed: Option<&'a [WorkerId]>,
@@ -95,14 +105,16 @@ pub struct RouteHints<'a> {
     pub required: &'a [Label<'a>],
     /// Labels that lower the cost of a worker carrying them by their weight, in blocks.
     pub preferred: &'a [PreferredLabel<'a>],
-    /// The sticky session the request belongs to (see [`crate::session`]); an explicit pin
+    /// The sticky session the request belongs to (see the `session` module); an explicit pin
     /// takes precedence over it.
     pub session: Option<SessionId>,
     /// Whether the session closes when this request ends.
     pub session_close: SessionClose,
     /// What the fleet's shared KV pool holds of the prompt.
     pub pool: PoolHits<'a>,
+    /// Per-request overrides of the configured weights and temperature.
     pub overrides: Overrides,
+    /// Whether the decision carries every candidate.
     pub evidence: EvidenceLevel,
 }
 
@@ -114,7 +126,8 @@ pub enum PoolHits<'a> {
     None,
     /// The pool holds these ranges of block positions (0 = the prompt's first block). Blocks
     /// beyond a worker's own overlap, contiguous with it, are credited at
-    /// [`RouterConfig::pool_credit`]. Ranges past the prompt are clipped; a range whose start
+    /// [`RouterConfig::pool_credit`](crate::RouterConfig::pool_credit). Ranges past the prompt are
+    /// clipped; a range whose start
     /// exceeds its end makes the whole answer count as failed.
     Hits(&'a [std::ops::Range<u32>]),
     /// The pool did not answer (timeout, error): counted and ignored.
@@ -124,7 +137,9 @@ pub enum PoolHits<'a> {
 /// A worker label, `key=value`, as a request names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Label<'a> {
+    /// The label's name.
     pub key: &'a str,
+    /// Its value.
     pub value: &'a str,
 }
 
@@ -132,63 +147,116 @@ pub struct Label<'a> {
 /// less (finite, ≥ 0).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PreferredLabel<'a> {
+    /// The label.
     pub label: Label<'a>,
+    /// Blocks taken off the cost of a worker carrying it (finite, ≥ 0).
     pub weight: f64,
 }
 
 /// One request to route.
 #[derive(Clone, Copy, Debug)]
 pub struct RouteRequest<'a> {
+    /// The caller's id for the request: its booking is known by it until freed.
     pub id: RequestId,
+    /// The prompt's tokens.
     pub tokens: &'a [u32],
+    /// What the caller knows besides the tokens.
     pub hints: RouteHints<'a>,
 }
 
 /// Why a request could not be routed.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum RouteError {
+    /// The request has no tokens.
     #[error("request {request:?} has no tokens")]
-    NoTokens { request: RequestId },
+    NoTokens {
+        /// The request refused.
+        request: RequestId,
+    },
+    /// Fewer workers have joined than
+    /// [`RouterConfig::min_workers`](crate::RouterConfig::min_workers)
+    /// asks for. Retryable.
     #[error("router not ready: {joined} of {needed} workers joined")]
-    NotReady { joined: usize, needed: usize },
+    NotReady {
+        /// Workers joined so far.
+        joined: usize,
+        /// Workers that must join first.
+        needed: usize,
+    },
+    /// No rank is a candidate: none joined for the request's phase, or none is in its allowed
+    /// set (also a prefill request with no prefill worker under
+    /// [`Disaggregation::Enforced`](crate::Disaggregation::Enforced)).
     #[error(
         "no worker may serve request {request:?} (none joined for its phase, or none allowed)"
     )]
-    NoWorkers { request: RequestId },
+    NoWorkers {
+        /// The request refused.
+        request: RequestId,
+    },
+    /// The request is pinned to a worker that has not joined.
     #[error("request {request:?} is pinned to unknown worker {worker:?}")]
     UnknownWorker {
+        /// The request refused.
         request: RequestId,
+        /// The worker it is pinned to.
         worker: WorkerId,
     },
+    /// No worker carries every label the request requires (or a required label is one no
+    /// worker has).
     #[error("no worker carries every label request {request:?} requires")]
-    NoEligibleWorker { request: RequestId },
+    NoEligibleWorker {
+        /// The request refused.
+        request: RequestId,
+    },
+    /// The request is pinned to a worker that lacks one of its required labels.
     #[error("request {request:?} is pinned to worker {worker:?}, which lacks a required label")]
     PinnedLacksLabels {
+        /// The request refused.
         request: RequestId,
+        /// The worker it is pinned to.
         worker: WorkerId,
     },
+    /// The request is pinned to a worker outside its allowed set.
     #[error("request {request:?} is pinned to worker {worker:?}, which its allowed set excludes")]
     PinnedNotAllowed {
+        /// The request refused.
         request: RequestId,
+        /// The worker it is pinned to.
         worker: WorkerId,
     },
+    /// The admission queue is full: its waiting prompt tokens and this request's would pass the
+    /// cap. Retryable.
     #[error(
         "request {request:?} ({request_tokens} prompt tokens) rejected: {queued_tokens} tokens already queued, cap {cap_tokens}; retry later"
     )]
     ResourceExhausted {
+        /// The request refused.
         request: RequestId,
+        /// Its prompt tokens.
         request_tokens: u64,
+        /// Prompt tokens of the requests already waiting.
         queued_tokens: u64,
+        /// The cap on waiting prompt tokens.
         cap_tokens: u64,
     },
+    /// The request has no outcome to hand out: it never queued, its outcome was taken, or it
+    /// was cancelled.
     #[error("request {request:?} is neither queued nor released and untaken")]
-    NotQueued { request: RequestId },
+    NotQueued {
+        /// The request asked about.
+        request: RequestId,
+    },
+    /// A hint has a value the router cannot use.
     #[error("request {request:?} hint `{field}` is invalid: {reason}")]
     InvalidHint {
+        /// The request refused.
         request: RequestId,
+        /// The hint, as a path from [`RouteHints`] (`"preferred.weight"`).
         field: &'static str,
+        /// What it must be.
         reason: &'static str,
     },
+    /// Booking the decision failed (the id is already booked, or the rank left meanwhile).
     #[error(transparent)]
     Load(#[from] LoadError),
 }

@@ -88,8 +88,11 @@ impl Weights {
 /// be finite and non-negative when used (a bad override falls back to the configured value).
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct Overrides {
+    /// Replaces the configured overlap credit ([`RouterConfig::overlap_credit`]).
     pub overlap_credit: Option<f64>,
+    /// Replaces the configured prefill weight ([`RouterConfig::prefill_load_scale`]).
     pub prefill_load_scale: Option<f64>,
+    /// Replaces the configured temperature ([`RouterConfig::temperature`]).
     pub temperature: Option<f64>,
 }
 
@@ -236,18 +239,18 @@ impl CostTerms {
             + Self::decode_cost(shape, load, shared_blocks)
     }
 
-    /// A floor under the probe bound of a rank ([`ProbeTargets::offer`]: its cost less the
+    /// A floor under the probe bound of a rank (`ProbeTargets::offer`: its cost less the
     /// most a probe could take off it) from the request and the rank's overlap credit alone,
     /// without its load; `prompt_decay` says whether the rank's prompt load may be decayed,
     /// `booked` is a number of prefill tokens the rank has booked at least
-    /// ([`crate::load::Ledger::prefill_floor`]; 0 knows nothing).
+    /// ([`Router::prefill_floor`](crate::Router::prefill_floor); 0 knows nothing).
     ///
     /// The bound's terms each stay at or above the floor's: the prefill term with `booked`
     /// tokens booked, no more than the rank's (the same operations on a count no larger, all
     /// monotone); the prompt blocks less the room, at least the request's own blocks (all
     /// whole numbers below 2⁵³, so exact), or, with decay, those less the prompt's full
     /// blocks; the output, at least 0. The two sums round on their own, so
-    /// [`ProbeTargets::cannot_win`] compares with a margin far above that.
+    /// `ProbeTargets::cannot_win` compares with a margin far above that.
     #[inline(always)]
     pub fn bound_floor(
         w: &Weights,
@@ -413,8 +416,10 @@ pub(crate) fn count_f64(x: u64) -> f64 {
 /// Whether a rank is over a busy threshold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Busy {
+    /// Under every threshold, or no threshold is set.
     #[default]
     Free,
+    /// Over a threshold: the rank leaves selection while some rank is under them all.
     Busy,
 }
 
@@ -462,13 +467,19 @@ pub struct Scored {
 /// evidence record's view.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Candidate {
+    /// The rank.
     pub rank: WorkerRank,
     /// Index in the fleet snapshot's ranks.
     pub fleet_index: usize,
+    /// Its load when scored.
     pub load: LoadView,
+    /// Its predicted cached prefix.
     pub overlap: Overlap,
+    /// Its cost terms.
     pub cost: CostTerms,
+    /// Whether it is over a busy threshold.
     pub busy: Busy,
+    /// Its worker's health mark.
     pub health: Health,
 }
 
@@ -725,12 +736,19 @@ impl ProbeTargets {
 /// The built-in policies, as named in decisions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PolicyKind {
+    /// [`Policy::KvAware`].
     KvAware,
+    /// [`Policy::RoundRobin`].
     RoundRobin,
+    /// [`Policy::Random`].
     Random,
+    /// [`Policy::LeastLoaded`].
     LeastLoaded,
+    /// [`Policy::PowerOfTwo`].
     PowerOfTwo,
+    /// [`Policy::PrefixHash`].
     PrefixHash,
+    /// [`Policy::CacheThreshold`].
     CacheThreshold,
 }
 
