@@ -33,6 +33,7 @@ use crate::wire::{ArchivedWireBlock, ArchivedWireEventData};
 pub struct EventRejection {
     /// Position of the event in its batch.
     pub position: u32,
+    /// Why the index rejected it.
     pub error: IndexError,
 }
 
@@ -46,8 +47,9 @@ pub struct BatchOutcome {
     /// Events the index rejected (a removal naming some unknown blocks counts here, though it
     /// removed the others).
     pub rejected: u32,
-    /// Blocks named by Stored and Removed events.
+    /// Blocks named by Stored events.
     pub blocks_stored: u64,
+    /// Blocks named by Removed events.
     pub blocks_removed: u64,
     /// The first rejection.
     pub first_error: Option<EventRejection>,
@@ -62,6 +64,7 @@ pub struct BatchApplier {
 }
 
 impl BatchApplier {
+    /// An applier with empty scratch buffers.
     pub fn new() -> Self {
         BatchApplier::default()
     }

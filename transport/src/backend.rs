@@ -24,7 +24,8 @@
 //! [`UringSubmit::KernelPoll`] (set once per process, [`set_uring_submit`]) a kernel thread
 //! polls the submission queues instead: one thread for every ring of the process (the rings
 //! share it), asleep after `idle` without work. It answers sooner and takes a core while the
-//! rings are busy; see docs/ARCHITECTURE.md for what each mode measured.
+//! rings are busy. What each mode measured: `benches/RESULTS.md` (2026-11-23, kernel-polled
+//! submission); why polling stays opt-in: `docs/experiments.md` §10.2.
 
 use std::future::Future;
 use std::io;
@@ -41,6 +42,7 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Its name in logs and on the command line (`io_uring`, `epoll`).
     pub fn name(self) -> &'static str {
         match self {
             Backend::IoUring => "io_uring",
@@ -93,7 +95,10 @@ pub enum UringSubmit {
     /// Through one kernel thread, shared by every ring of the process, that polls their
     /// submission queues and sleeps after `idle` without work (rounded to milliseconds, at
     /// least one). It takes a core while the rings are busy.
-    KernelPoll { idle: Duration },
+    KernelPoll {
+        /// How long the poller runs without work before it sleeps.
+        idle: Duration,
+    },
 }
 
 impl UringSubmit {
@@ -135,13 +140,21 @@ pub fn uring_submit() -> UringSubmit {
 /// Why io_uring cannot be used here.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum UringUnavailable {
+    /// Not a Linux build.
     #[error("io_uring exists only on Linux")]
     NotLinux,
+    /// The kernel's `io_uring_disabled` sysctl turns it off.
     #[error("/proc/sys/kernel/io_uring_disabled is {value}")]
-    DisabledBySysctl { value: u8 },
+    DisabledBySysctl {
+        /// The sysctl's value.
+        value: u8,
+    },
+    /// Setting up a probe ring failed (an old kernel, or a seccomp filter).
     #[error("io_uring_setup failed ({kind:?}, errno {errno:?}): old kernel or seccomp")]
     SetupFailed {
+        /// The error's kind.
         kind: io::ErrorKind,
+        /// The OS error number, if any.
         errno: Option<i32>,
     },
 }
@@ -149,13 +162,24 @@ pub enum UringUnavailable {
 /// Backend selection and runtime errors.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
+    /// A backend name that is not `auto`, `io_uring` or `epoll`.
     #[error("unknown backend {given:?} (expected auto, io_uring or epoll)")]
-    UnknownChoice { given: String },
+    UnknownChoice {
+        /// The name given.
+        given: String,
+    },
+    /// io_uring was asked for explicitly and cannot be used.
     #[error("io_uring was forced but is unavailable: {reason}")]
-    UringForced { reason: UringUnavailable },
+    UringForced {
+        /// Why not.
+        reason: UringUnavailable,
+    },
+    /// The runtime could not be built.
     #[error("could not build the {backend} runtime: {source}")]
     Runtime {
+        /// The backend it was for.
         backend: Backend,
+        /// The builder's error.
         #[source]
         source: io::Error,
     },
@@ -164,6 +188,7 @@ pub enum BackendError {
 /// The backend a choice resolved to, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Resolved {
+    /// The backend to use.
     pub backend: Backend,
     /// Set when `Auto` fell back to epoll.
     pub fallback: Option<UringUnavailable>,

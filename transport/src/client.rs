@@ -37,26 +37,42 @@ pub const DEFAULT_MAX_PENDING: usize = 1 << 20;
 /// Errors of the ingest client.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The connection could not be made.
     #[error("cannot connect to {addr} over {backend}: {source}")]
     Connect {
+        /// The server's address.
         addr: SocketAddr,
+        /// The backend the client runs on.
         backend: Backend,
+        /// The connect's error.
         #[source]
         source: std::io::Error,
     },
+    /// A write to the server failed; the connection is unusable.
     #[error("write to {addr} failed ({kind:?}): {message}")]
     Write {
+        /// The server's address.
         addr: SocketAddr,
+        /// The error's kind.
         kind: std::io::ErrorKind,
+        /// The error, as text.
         message: String,
     },
+    /// A batch could not be framed.
     #[error(transparent)]
     Encode {
+        /// Why.
         #[from]
         source: EncodeError,
     },
+    /// The server did not close the connection in time ([`IngestClient::wait_closed_by_peer`]).
     #[error("{addr} did not close the connection within {waited:?}")]
-    StillOpen { addr: SocketAddr, waited: Duration },
+    StillOpen {
+        /// The server's address.
+        addr: SocketAddr,
+        /// How long the client waited.
+        waited: Duration,
+    },
 }
 
 /// What the client and its writer task share (same thread).
@@ -137,6 +153,7 @@ impl IngestClient {
         })
     }
 
+    /// The backend it runs on.
     pub fn backend(&self) -> Backend {
         self.backend
     }

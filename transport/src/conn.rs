@@ -161,7 +161,9 @@ impl FrameWriter {
 /// half of its step ("equal jitter"), so that clients cut off together do not return together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Backoff {
+    /// The first delay's step.
     pub initial: Duration,
+    /// The largest step.
     pub max: Duration,
 }
 

@@ -48,22 +48,58 @@ pub const fn frame_len(payload_len: usize) -> usize {
 /// Why a frame was rejected. After any of these the stream is out of step: close it.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum FrameError {
+    /// The stream does not start with [`MAGIC`].
     #[error("bad magic {found:02x?}: the peer does not speak kvroute's protocol")]
-    BadMagic { found: [u8; 4] },
+    BadMagic {
+        /// The four bytes found.
+        found: [u8; 4],
+    },
+    /// The header names a protocol version other than this build's.
     #[error("protocol version {found} is not supported (this side speaks {supported})")]
-    UnsupportedVersion { found: u16, supported: u16 },
+    UnsupportedVersion {
+        /// The version in the header.
+        found: u16,
+        /// [`PROTOCOL_VERSION`].
+        supported: u16,
+    },
+    /// The header's kind byte names no [`MessageKind`].
     #[error("unknown message kind {code}")]
-    UnknownKind { code: u8 },
+    UnknownKind {
+        /// The byte.
+        code: u8,
+    },
+    /// The header's `flags` or `reserved` field is not zero.
     #[error("reserved header fields are set (flags {flags:#04x}, reserved {reserved:#010x})")]
-    ReservedBits { flags: u8, reserved: u32 },
+    ReservedBits {
+        /// The flags byte.
+        flags: u8,
+        /// The reserved word.
+        reserved: u32,
+    },
+    /// The header announces a payload over the decoder's limit.
     #[error("payload of {len} bytes exceeds the limit of {max}")]
-    Oversized { len: u32, max: u32 },
+    Oversized {
+        /// The payload length announced, in bytes.
+        len: u32,
+        /// The decoder's limit, in bytes.
+        max: u32,
+    },
+    /// The stream ended partway through a frame ([`FrameDecoder::decode_eof`]).
     #[error("stream ended inside a frame: {have} of {need} bytes")]
-    Truncated { have: usize, need: usize },
+    Truncated {
+        /// Bytes of the frame received.
+        have: usize,
+        /// Bytes the frame needs, as far as its header says.
+        need: usize,
+    },
+    /// The payload is not a valid archive of the root type its kind names.
     #[error("{kind:?} payload of {len} bytes failed validation: {reason}")]
     InvalidPayload {
+        /// The frame's kind.
         kind: MessageKind,
+        /// The payload's length, in bytes.
         len: usize,
+        /// What bytecheck reported.
         reason: String,
     },
 }
@@ -87,10 +123,20 @@ impl FrameError {
 /// Why a message could not be framed.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum EncodeError {
+    /// The serialized message is over [`MAX_PAYLOAD`].
     #[error("payload of {len} bytes exceeds the protocol's limit of {max}")]
-    Oversized { len: usize, max: u32 },
+    Oversized {
+        /// The payload's length, in bytes.
+        len: usize,
+        /// [`MAX_PAYLOAD`].
+        max: u32,
+    },
+    /// rkyv could not serialize the message.
     #[error("serialization failed: {reason}")]
-    Serialize { reason: String },
+    Serialize {
+        /// What rkyv reported.
+        reason: String,
+    },
 }
 
 /// A complete frame: its kind and its payload, sharing the receive buffer.
@@ -101,6 +147,7 @@ pub struct Frame {
 }
 
 impl Frame {
+    /// The message kind its header names.
     pub fn kind(&self) -> MessageKind {
         self.kind
     }
@@ -122,12 +169,19 @@ pub struct DecodeStats {
     pub realigned: u64,
     /// Payloads that passed validation.
     pub validated: u64,
+    /// Streams rejected for a bad magic ([`FrameError::BadMagic`]).
     pub bad_magic: u64,
+    /// Frames of another protocol version ([`FrameError::UnsupportedVersion`]).
     pub unsupported_version: u64,
+    /// Frames of an unknown kind ([`FrameError::UnknownKind`]).
     pub unknown_kind: u64,
+    /// Frames with reserved header bits set ([`FrameError::ReservedBits`]).
     pub reserved_bits: u64,
+    /// Frames over the payload limit ([`FrameError::Oversized`]).
     pub oversized: u64,
+    /// Streams that ended inside a frame ([`FrameError::Truncated`]).
     pub truncated: u64,
+    /// Payloads that failed validation ([`FrameError::InvalidPayload`]).
     pub invalid_payload: u64,
 }
 
@@ -200,10 +254,12 @@ impl FrameDecoder {
         }
     }
 
+    /// The largest payload it accepts, in bytes.
     pub fn max_payload(&self) -> u32 {
         self.max_payload
     }
 
+    /// Its counts of frames decoded and rejected.
     pub fn stats(&self) -> &DecodeStats {
         &self.stats
     }

@@ -57,6 +57,7 @@ use crate::wire::{MessageKind, MessageRef};
 pub struct IngestConfig {
     /// Where to listen; port 0 picks a free port ([`IngestServer::local_addr`] tells which).
     pub addr: SocketAddr,
+    /// The I/O backend to run on.
     pub backend: BackendChoice,
     /// Runtime threads, each with its own listener; 0 means one per available core.
     pub threads: usize,
@@ -90,30 +91,43 @@ impl IngestConfig {
 /// Errors of starting and stopping the server.
 #[derive(Debug, thiserror::Error)]
 pub enum IngestError {
+    /// The backend could not be chosen or its runtime built.
     #[error(transparent)]
     Backend {
+        /// Why.
         #[from]
         source: BackendError,
     },
+    /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
+        /// The address.
         addr: SocketAddr,
+        /// The bind's error.
         #[source]
         source: std::io::Error,
     },
+    /// A thread could not be started.
     #[error("cannot start thread {thread}: {source}")]
     Spawn {
+        /// The thread's name.
         thread: String,
+        /// The spawn's error.
         #[source]
         source: std::io::Error,
     },
+    /// A thread of the server panicked (found while starting or at shutdown).
     #[error("ingest thread {thread} panicked")]
-    Panicked { thread: String },
+    Panicked {
+        /// The thread's name.
+        thread: String,
+    },
 }
 
 /// How connections ended, and the accept loop's errors.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConnectionStats {
+    /// Connections accepted.
     pub accepted: u64,
     /// The peer closed between frames.
     pub closed: u64,
@@ -129,6 +143,7 @@ pub struct ConnectionStats {
     pub writer_gone: u64,
     /// Closed by us for a frame naming a worker other than the connection's Hello.
     pub foreign: u64,
+    /// Accepts that failed.
     pub accept_errors: u64,
 }
 
@@ -137,11 +152,15 @@ pub struct ConnectionStats {
 pub struct ApplyStats {
     /// Frames applied: `KvEvents` batches and `RecoveryReply`s.
     pub batches: u64,
+    /// Events in those frames.
     pub events: u64,
+    /// Events applied without error.
     pub applied: u64,
     /// Events the index rejected (it keeps the details in its own stats).
     pub rejected: u64,
+    /// Blocks named by Stored events.
     pub blocks_stored: u64,
+    /// Blocks named by Removed events.
     pub blocks_removed: u64,
     /// Frames the writer could not read (cannot happen: connections validate first).
     pub unreadable: u64,
@@ -161,6 +180,7 @@ impl ApplyStats {
 /// The server's totals. Connection and decode figures include connections that have ended.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IngestStats {
+    /// How connections ended, and the accept loop's errors.
     pub connections: ConnectionStats,
     /// Frames cut and rejected, per kind, summed over ended connections.
     pub decode: DecodeStats,
@@ -169,6 +189,7 @@ pub struct IngestStats {
     /// Valid frames of other kinds (Hello, Heartbeat, ...): counted (a Hello also binds its
     /// connection to its worker).
     pub ignored: u64,
+    /// What the index writer did.
     pub apply: ApplyStats,
 }
 
@@ -225,6 +246,7 @@ impl IngestTarget {
 pub struct IngestReport {
     /// The target, with every received event applied.
     pub target: IngestTarget,
+    /// The server's totals at shutdown.
     pub stats: IngestStats,
 }
 
@@ -350,6 +372,7 @@ impl IngestServer {
         Ok(server)
     }
 
+    /// The address it listens on (the port chosen, when the configured one was 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }

@@ -37,14 +37,23 @@ pub const PROTOCOL_VERSION: u16 = 1;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum MessageKind {
+    /// [`Hello`]: a worker's first message on a connection.
     Hello = 1,
+    /// [`Heartbeat`]: a worker's periodic load report.
     Heartbeat = 2,
+    /// [`KvEventBatch`]: a worker's KV events.
     KvEvents = 3,
+    /// [`Dispatch`]: a request sent to a worker.
     Dispatch = 4,
+    /// [`ResponseItem`]: one item of a request's response stream.
     Response = 5,
+    /// [`Cancel`]: stop a request.
     Cancel = 6,
+    /// [`RecoveryRequest`]: ask a worker to resend a rank's KV state.
     RecoveryRequest = 7,
+    /// [`RecoveryReply`]: the answer to a recovery request.
     RecoveryReply = 8,
+    /// [`ErrorMessage`]: an error reported to the peer.
     Error = 9,
 }
 
@@ -80,8 +89,11 @@ impl MessageKind {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub enum Role {
+    /// Prefill and decode (the core's [`WorkerRole::Aggregated`]).
     Aggregated,
+    /// Prompts only ([`WorkerRole::Prefill`]).
     Prefill,
+    /// Generation only ([`WorkerRole::Decode`]).
     Decode,
 }
 
@@ -90,7 +102,9 @@ pub enum Role {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct Label {
+    /// The label's name.
     pub key: String,
+    /// Its value.
     pub value: String,
 }
 
@@ -102,17 +116,21 @@ pub struct Hello {
     /// The version the worker speaks (also in every frame header; here so that a router can
     /// log it with the worker's identity).
     pub protocol_version: u16,
+    /// The worker's id (the core's [`WorkerId`]).
     pub worker_id: u64,
     /// The worker's data-parallel ranks are `dp_start .. dp_start + dp_size`.
     pub dp_start: u32,
+    /// How many data-parallel ranks it has (≥ 1).
     pub dp_size: u32,
     /// KV cache capacity of each rank, in blocks.
     pub kv_blocks: u64,
     /// Tokens per KV block.
     pub block_size: u32,
+    /// What it does with a request.
     pub role: Role,
     /// Most tokens the engine batches in one step.
     pub max_batched_tokens: u64,
+    /// Its labels, for routing constraints.
     pub labels: Vec<Label>,
 }
 
@@ -121,13 +139,15 @@ pub struct Hello {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct RankLoad {
+    /// The rank.
     pub dp_rank: u32,
     /// KV blocks in use.
     pub active_blocks: u64,
     /// KV blocks the rank has.
     pub total_blocks: u64,
-    /// Requests running, and waiting in the engine's own queue.
+    /// Requests running.
     pub running: u32,
+    /// Requests waiting in the engine's own queue.
     pub waiting: u32,
 }
 
@@ -136,9 +156,11 @@ pub struct RankLoad {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct Heartbeat {
+    /// The worker reporting.
     pub worker_id: u64,
     /// Grows by one per heartbeat of the connection.
     pub seq: u64,
+    /// The load of each of its ranks.
     pub ranks: Vec<RankLoad>,
 }
 
@@ -149,9 +171,13 @@ pub struct Heartbeat {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub enum WireTier {
+    /// GPU memory.
     Device,
+    /// Pinned host memory.
     HostPinned,
+    /// Local disk.
     Disk,
+    /// A store outside the worker.
     External,
 }
 
@@ -160,7 +186,9 @@ pub enum WireTier {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct WireBlock {
+    /// The engine's name for the block (the core's [`BlockHash`]).
     pub block_hash: u64,
+    /// The hash of the block's tokens (the core's [`LocalHash`]).
     pub local_hash: u64,
 }
 
@@ -171,11 +199,16 @@ pub struct WireBlock {
 pub enum WireEventData {
     /// Blocks stored in prompt order, continuing the chain after `parent`.
     Stored {
+        /// The engine's name of the block the chain continues from (`None`: a prompt's start).
         parent: Option<u64>,
+        /// The blocks, in prompt order.
         blocks: Vec<WireBlock>,
     },
     /// Blocks evicted, by engine name.
-    Removed { hashes: Vec<u64> },
+    Removed {
+        /// The engine's names of the blocks.
+        hashes: Vec<u64>,
+    },
     /// The rank dropped its whole cache.
     Cleared,
 }
@@ -185,10 +218,13 @@ pub enum WireEventData {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct WireEvent {
+    /// The rank the event comes from.
     pub dp_rank: u32,
     /// The rank's event sequence number.
     pub event_id: u64,
+    /// The tier the event is about.
     pub tier: WireTier,
+    /// What happened.
     pub data: WireEventData,
 }
 
@@ -197,10 +233,12 @@ pub struct WireEvent {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct KvEventBatch {
+    /// The worker whose ranks the events come from.
     pub worker_id: u64,
     /// When the batch was sent, in microseconds since the Unix epoch by the worker's clock
     /// (0 when unknown); for measuring event lag only.
     pub sent_at_us: u64,
+    /// The events.
     pub events: Vec<WireEvent>,
 }
 
@@ -211,15 +249,23 @@ pub struct KvEventBatch {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct Sampling {
+    /// Most tokens to generate.
     pub max_tokens: u32,
+    /// Fewest tokens to generate before a stop counts.
     pub min_tokens: u32,
+    /// Sampling temperature (0: greedy).
     pub temperature: f32,
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches this.
     pub top_p: f32,
     /// 0: off.
     pub top_k: u32,
+    /// Seed of the sampler, for reproducible output.
     pub seed: Option<u64>,
+    /// Tokens that end generation.
     pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation.
     pub stop_strings: Vec<String>,
+    /// Keep generating past the end-of-sequence token.
     pub ignore_eos: bool,
 }
 
@@ -232,9 +278,11 @@ pub struct DispatchHints {
     pub dp_rank: u32,
     /// Leading blocks of the prompt the router believes the rank holds.
     pub overlap_blocks: u32,
+    /// The LoRA adapter to serve the request with.
     pub lora_name: Option<String>,
     /// Higher goes first in the engine's queue.
     pub priority: i32,
+    /// Generated tokens expected, when the caller said.
     pub expected_output_tokens: Option<u32>,
 }
 
@@ -243,8 +291,11 @@ pub struct DispatchHints {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct Bootstrap {
+    /// Host of the prefill worker's KV transfer endpoint.
     pub host: String,
+    /// Its port.
     pub port: u16,
+    /// The id both workers use for this request's transfer.
     pub room: u64,
 }
 
@@ -253,10 +304,15 @@ pub struct Bootstrap {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct Dispatch {
+    /// The request's id, unique among the connection's requests in flight.
     pub request_id: u64,
+    /// The prompt's tokens.
     pub tokens: Vec<u32>,
+    /// How to sample and when to stop.
     pub sampling: Sampling,
+    /// What the router decided and knows.
     pub hints: DispatchHints,
+    /// Where to meet the prefill worker, in disaggregated serving.
     pub bootstrap: Option<Bootstrap>,
 }
 
@@ -269,6 +325,7 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached.
     Length,
+    /// Cancelled by the router ([`Cancel`]).
     Cancelled,
     /// The item's `error` says what went wrong.
     Error,
@@ -279,10 +336,13 @@ pub enum FinishReason {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct ResponseItem {
+    /// The request.
     pub request_id: u64,
     /// Tokens generated since the previous item.
     pub tokens: Vec<u32>,
+    /// Set on the last item only.
     pub finish: Option<FinishReason>,
+    /// What went wrong, with [`FinishReason::Error`].
     pub error: Option<String>,
 }
 
@@ -291,6 +351,7 @@ pub struct ResponseItem {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct Cancel {
+    /// The request to stop.
     pub request_id: u64,
 }
 
@@ -302,7 +363,10 @@ pub struct Cancel {
 #[rkyv(derive(Debug))]
 pub enum RecoveryFrom {
     /// The events with ids above `event_id`.
-    EventsAfter { event_id: u64 },
+    EventsAfter {
+        /// The last event id the router applied.
+        event_id: u64,
+    },
     /// Everything the rank holds.
     Snapshot,
 }
@@ -312,8 +376,11 @@ pub enum RecoveryFrom {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct RecoveryRequest {
+    /// The worker asked.
     pub worker_id: u64,
+    /// The rank to resend.
     pub dp_rank: u32,
+    /// What to resend.
     pub from: RecoveryFrom,
 }
 
@@ -335,11 +402,15 @@ pub enum RecoveryMode {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct RecoveryReply {
+    /// The worker answering.
     pub worker_id: u64,
+    /// The rank resent.
     pub dp_rank: u32,
+    /// How the request was answered.
     pub mode: RecoveryMode,
     /// The rank's last event id when the reply was made.
     pub last_event_id: Option<u64>,
+    /// The events resent (see `mode`).
     pub events: Vec<WireEvent>,
 }
 
@@ -350,12 +421,17 @@ pub struct RecoveryReply {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub enum ErrorCode {
+    /// The peer speaks another protocol version.
     UnsupportedVersion,
+    /// A frame did not decode or validate.
     MalformedFrame,
+    /// A message named a request the peer does not have.
     UnknownRequest,
     /// Retryable: the peer is over capacity.
     Overloaded,
+    /// The peer is shutting down.
     ShuttingDown,
+    /// Anything else.
     Internal,
 }
 
@@ -364,8 +440,11 @@ pub enum ErrorCode {
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 #[rkyv(derive(Debug))]
 pub struct ErrorMessage {
+    /// What went wrong.
     pub code: ErrorCode,
+    /// The request it is about (`None`: the connection).
     pub request_id: Option<u64>,
+    /// For the logs.
     pub message: String,
 }
 
@@ -377,13 +456,13 @@ macro_rules! messages {
         #[derive(Clone, Debug, PartialEq)]
         #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
         pub enum Message {
-            $($variant($ty),)*
+            $(#[doc = concat!("A [`", stringify!($ty), "`].")] $variant($ty),)*
         }
 
         /// Any message, read in place from a validated frame.
         #[derive(Clone, Copy, Debug)]
         pub enum MessageRef<'a> {
-            $($variant(&'a $archived),)*
+            $(#[doc = concat!("An archived [`", stringify!($ty), "`], in the frame's bytes.")] $variant(&'a $archived),)*
         }
 
         impl Message {
@@ -465,8 +544,14 @@ messages! {
 /// A core value that has no wire form.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum ConversionError {
+    /// An event of one worker put in another worker's batch.
     #[error("event of worker {found:?} in a batch of worker {expected:?}")]
-    ForeignWorker { expected: WorkerId, found: WorkerId },
+    ForeignWorker {
+        /// The batch's worker.
+        expected: WorkerId,
+        /// The event's.
+        found: WorkerId,
+    },
 }
 
 impl From<StorageTier> for WireTier {

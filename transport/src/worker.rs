@@ -72,6 +72,7 @@ pub trait Engine: Send + Sync + 'static {
 pub struct WorkerServerConfig {
     /// Where to listen; port 0 picks a free port ([`WorkerServer::local_addr`] tells which).
     pub addr: SocketAddr,
+    /// The I/O backend to run on.
     pub backend: BackendChoice,
     /// Runtime threads, each with its own listener; 0 means one per available core.
     pub threads: usize,
@@ -83,6 +84,7 @@ pub struct WorkerServerConfig {
     pub max_in_flight: usize,
     /// Items waiting for a connection's writer; a full queue makes the engine's sends wait.
     pub response_queue: usize,
+    /// How often each connection sends the router a heartbeat with the engine's load.
     pub heartbeat_interval: Duration,
     /// A connection with nothing received for this long is closed.
     pub idle_timeout: Duration,
@@ -114,25 +116,37 @@ impl WorkerServerConfig {
 /// Errors of starting and stopping the server.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerServerError {
+    /// The backend could not be chosen or its runtime built.
     #[error(transparent)]
     Backend {
+        /// Why.
         #[from]
         source: BackendError,
     },
+    /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
+        /// The address.
         addr: SocketAddr,
+        /// The bind's error.
         #[source]
         source: std::io::Error,
     },
+    /// A thread could not be started.
     #[error("cannot start thread {thread}: {source}")]
     Spawn {
+        /// The thread's name.
         thread: String,
+        /// The spawn's error.
         #[source]
         source: std::io::Error,
     },
+    /// A thread of the server panicked (found while starting or at shutdown).
     #[error("worker server thread {thread} panicked")]
-    Panicked { thread: String },
+    Panicked {
+        /// The thread's name.
+        thread: String,
+    },
 }
 
 /// The engine's side of one request's response stream.
@@ -147,6 +161,7 @@ pub struct ResponseSink {
 #[derive(Debug, thiserror::Error, Clone, Copy, PartialEq, Eq)]
 #[error("request {request_id} has ended: its items are no longer sent")]
 pub struct SinkClosed {
+    /// The request.
     pub request_id: u64,
 }
 
@@ -161,6 +176,7 @@ struct SinkState {
 }
 
 impl ResponseSink {
+    /// The id of the request it answers.
     pub fn request_id(&self) -> u64 {
         self.request_id
     }
@@ -250,6 +266,7 @@ impl Outbound {
 /// How connections ended, and the accept loop's errors.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerConnectionStats {
+    /// Connections accepted.
     pub accepted: u64,
     /// The router closed between frames.
     pub closed: u64,
@@ -269,6 +286,7 @@ pub struct WorkerConnectionStats {
     pub drained: u64,
     /// Still open when the shutdown grace period ran out.
     pub cut_at_shutdown: u64,
+    /// Accepts that failed.
     pub accept_errors: u64,
 }
 
@@ -301,7 +319,9 @@ pub struct WorkerRequestStats {
 /// request figures are live.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WorkerStats {
+    /// How connections ended, and the accept loop's errors.
     pub connections: WorkerConnectionStats,
+    /// What happened to requests.
     pub requests: WorkerRequestStats,
     /// Frames cut and rejected, per kind, summed over ended connections.
     pub decode: DecodeStats,
@@ -419,10 +439,12 @@ impl WorkerServer {
         Ok(server)
     }
 
+    /// The address it listens on (the port chosen, when the configured one was 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
 
+    /// The backend it runs on.
     pub fn backend(&self) -> Backend {
         self.backend
     }

@@ -21,11 +21,13 @@ pub struct DispatchConfig {
     pub max_in_flight: usize,
     /// Items buffered per response stream before the reader waits for its consumer.
     pub stream_buffer: usize,
+    /// How often the client sends the worker a heartbeat, and checks for silence.
     pub heartbeat_interval: Duration,
     /// A connection with nothing received for this long is considered lost.
     pub idle_timeout: Duration,
     /// Limit of the TCP connect, and separately of the handshake.
     pub connect_timeout: Duration,
+    /// Delays between reconnect attempts.
     pub backoff: Backoff,
     /// Largest payload accepted, in bytes (capped at [`MAX_PAYLOAD`](crate::frame::MAX_PAYLOAD)).
     pub max_payload: u32,

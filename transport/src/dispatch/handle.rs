@@ -31,6 +31,7 @@ pub struct ResponseStream {
 }
 
 impl ResponseStream {
+    /// The id of the request it answers.
     pub fn request_id(&self) -> u64 {
         self.request_id
     }
@@ -131,6 +132,7 @@ impl DispatchClient {
         }
     }
 
+    /// The worker it connects to.
     pub fn worker(&self) -> WorkerId {
         self.worker
     }

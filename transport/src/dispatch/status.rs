@@ -8,16 +8,20 @@ use crate::wire::{Heartbeat, Hello};
 /// Where the connection stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LinkState {
+    /// Connecting, or waiting for the worker's Hello.
     Connecting,
+    /// Handshake done: requests can be dispatched.
     Connected,
     /// Waiting before the next attempt.
     Backoff,
+    /// The client shut down; it will not connect again.
     ShutDown,
 }
 
 /// What the router knows of the worker: published on every change.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerStatus {
+    /// Where the connection stands.
     pub state: LinkState,
     /// The worker's Hello on the current (or last) connection.
     pub hello: Option<Hello>,
@@ -32,6 +36,7 @@ pub struct WorkerStatus {
 /// The client's totals.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DispatchStats {
+    /// Connections established (handshake done).
     pub connects: u64,
     /// Attempts whose TCP connect failed.
     pub connect_failures: u64,
@@ -49,9 +54,11 @@ pub struct DispatchStats {
     pub worker_errors: u64,
     /// Streams ended by shutdown.
     pub shut_down: u64,
+    /// Cancels written to the worker.
     pub cancels_sent: u64,
     /// Items of requests not in flight (after a cancel, say).
     pub late_items: u64,
+    /// Heartbeats received from the worker.
     pub heartbeats: u64,
     /// Valid frames of kinds the router side does not act on here.
     pub ignored: u64,
