@@ -1,4 +1,14 @@
+use super::policy::{CacheThreshold, KvAware, PowerOfTwo, PrefixHash, RandomPick, RoundRobin};
 use super::*;
+use crate::config::BusyThresholds;
+use crate::config::Policy;
+use crate::config::RouterConfig;
+use crate::event::WorkerRank;
+use crate::health::Health;
+use crate::load::LoadView;
+use crate::registry::RankEntry;
+use crate::registry::WorkerConfig;
+use crate::rng::Rng;
 
 fn weights() -> Weights {
     Weights::new(&RouterConfig::default(), &Overrides::default())

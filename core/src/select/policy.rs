@@ -1,0 +1,290 @@
+//! The selection policies behind one trait ([`Selector`]): the KV-aware cost and the baselines,
+//! with the random draws they share.
+
+use super::candidate::Scored;
+use super::cost::RequestShape;
+use crate::config::Policy;
+use crate::registry::RankEntry;
+use crate::rng::mix64;
+use crate::rng::Rng;
+use std::fmt;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering;
+/// The built-in policies, as named in decisions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    /// [`Policy::KvAware`].
+    KvAware,
+    /// [`Policy::RoundRobin`].
+    RoundRobin,
+    /// [`Policy::Random`].
+    Random,
+    /// [`Policy::LeastLoaded`].
+    LeastLoaded,
+    /// [`Policy::PowerOfTwo`].
+    PowerOfTwo,
+    /// [`Policy::PrefixHash`].
+    PrefixHash,
+    /// [`Policy::CacheThreshold`].
+    CacheThreshold,
+}
+
+/// What a selector sees.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SelectInput<'a> {
+    /// Never empty.
+    pub candidates: &'a [Scored],
+    /// The fleet snapshot's ranks, which [`Scored::fleet_index`] points into.
+    pub ranks: &'a [RankEntry],
+    pub shape: &'a RequestShape,
+    pub block_size: u32,
+    pub temperature: f64,
+}
+
+/// A selection policy. Implementations must be cheap, allocation-free and side-effect free
+/// apart from their own counters: booking is the router's job.
+pub(crate) trait Selector: Send + Sync + fmt::Debug {
+    fn kind(&self) -> PolicyKind;
+    /// The index of the chosen candidate (`input.candidates` is not empty).
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize;
+}
+
+/// The selector for a configured policy.
+pub(crate) fn selector_for(policy: Policy) -> Box<dyn Selector> {
+    match policy {
+        Policy::KvAware => Box::new(KvAware),
+        Policy::RoundRobin => Box::new(RoundRobin::default()),
+        Policy::Random => Box::new(RandomPick),
+        Policy::LeastLoaded => Box::new(LeastLoaded),
+        Policy::PowerOfTwo => Box::new(PowerOfTwo),
+        Policy::PrefixHash {
+            prefix_blocks: _,
+            load_factor,
+        } => Box::new(PrefixHash { load_factor }),
+        Policy::CacheThreshold {
+            min_match_ratio,
+            balance_abs,
+            balance_rel,
+        } => Box::new(CacheThreshold {
+            min_match_ratio,
+            balance_abs,
+            balance_rel,
+        }),
+    }
+}
+
+/// Index of the smallest `key`, ties broken uniformly at random (reservoir sampling).
+pub(crate) fn argmin_random_ties<T>(items: &[T], rng: &mut Rng, key: impl Fn(&T) -> f64) -> usize {
+    let mut best = 0;
+    let mut best_key = f64::INFINITY;
+    let mut ties = 0u64;
+    for (i, item) in items.iter().enumerate() {
+        let k = key(item);
+        if k < best_key {
+            best = i;
+            best_key = k;
+            ties = 1;
+        } else if k == best_key {
+            ties += 1;
+            if rng.below(ties) == 0 {
+                best = i;
+            }
+        }
+    }
+    best
+}
+
+/// Samples an index with probability ∝ exp(−normalised cost / temperature), costs normalised
+/// to [0, 1] over the candidates (uniform when all are equal). Two passes, no allocation.
+pub(crate) fn softmax_sample<T>(
+    items: &[T],
+    temperature: f64,
+    rng: &mut Rng,
+    cost: impl Fn(&T) -> f64,
+) -> usize {
+    let (lo, hi) = items
+        .iter()
+        .map(&cost)
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), c| {
+            (lo.min(c), hi.max(c))
+        });
+    let range = hi - lo;
+    if !(range.is_finite() && range > 0.0) {
+        return rng.below(items.len() as u64) as usize;
+    }
+    let weight = |c: f64| (-((c - lo) / range) / temperature).exp();
+    let total: f64 = items.iter().map(|x| weight(cost(x))).sum();
+    let mut target = rng.unit_f64() * total;
+    for (i, x) in items.iter().enumerate() {
+        target -= weight(cost(x));
+        if target < 0.0 {
+            return i;
+        }
+    }
+    items.len() - 1
+}
+
+/// The reference's cost-based choice.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct KvAware;
+
+impl Selector for KvAware {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::KvAware
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        if input.temperature > 0.0 {
+            softmax_sample(input.candidates, input.temperature, rng, |c| c.cost)
+        } else {
+            argmin_random_ties(input.candidates, rng, |c| c.cost)
+        }
+    }
+}
+
+/// Ranks in turn (over the candidates of each request).
+#[derive(Debug, Default)]
+pub(crate) struct RoundRobin {
+    next: AtomicUsize,
+}
+
+impl Selector for RoundRobin {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::RoundRobin
+    }
+    fn select(&self, input: &SelectInput<'_>, _rng: &mut Rng) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % input.candidates.len()
+    }
+}
+
+/// A uniformly random rank.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct RandomPick;
+
+impl Selector for RandomPick {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Random
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        rng.below(input.candidates.len() as u64) as usize
+    }
+}
+
+/// The rank with the least load in blocks (random ties).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct LeastLoaded;
+
+impl Selector for LeastLoaded {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::LeastLoaded
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        let bs = input.block_size;
+        argmin_random_ties(input.candidates, rng, |c| c.load.load_blocks(bs) as f64)
+    }
+}
+
+/// The less loaded of two distinct random ranks.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct PowerOfTwo;
+
+impl Selector for PowerOfTwo {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::PowerOfTwo
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        let n = input.candidates.len() as u64;
+        if n == 1 {
+            return 0;
+        }
+        let a = rng.below(n);
+        let b = (a + 1 + rng.below(n - 1)) % n;
+        let load = |i: u64| {
+            input.candidates[i as usize]
+                .load
+                .load_blocks(input.block_size)
+        };
+        let (la, lb) = (load(a), load(b));
+        let pick = if la < lb || (la == lb && rng.below(2) == 0) {
+            a
+        } else {
+            b
+        };
+        pick as usize
+    }
+}
+
+/// Bounded-load consistent hashing of the prompt's first blocks, by rendezvous hashing: each
+/// rank's weight is a hash of (prefix key, rank); the heaviest rank whose load is within
+/// `load_factor` × (mean load + 1) wins, so a prefix keeps its rank while the fleet changes
+/// around it, and a hot prefix spills over instead of overloading one rank.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrefixHash {
+    pub load_factor: f64,
+}
+
+impl Selector for PrefixHash {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::PrefixHash
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        let Some(key) = input.shape.prefix_key else {
+            return LeastLoaded.select(input, rng);
+        };
+        let bs = input.block_size;
+        let c = input.candidates;
+        let mean = c.iter().map(|x| x.load.load_blocks(bs)).sum::<u64>() as f64 / c.len() as f64;
+        let bound = self.load_factor * (mean + 1.0);
+        let weight = |x: &Scored| {
+            let rank = input.ranks[x.fleet_index as usize].rank;
+            let r = (rank.worker.0 << 20) ^ u64::from(rank.dp_rank.0);
+            mix64(key ^ mix64(r))
+        };
+        let mut best: Option<(usize, u64)> = None;
+        for (i, x) in c.iter().enumerate() {
+            if x.load.load_blocks(bs) as f64 > bound {
+                continue;
+            }
+            let w = weight(x);
+            if best.is_none_or(|(_, bw)| w > bw) {
+                best = Some((i, w));
+            }
+        }
+        // Some rank is always within the bound (the least loaded is at most the mean).
+        best.map_or_else(|| LeastLoaded.select(input, rng), |(i, _)| i)
+    }
+}
+
+/// The best-matching rank when the match is good and the fleet balanced; the least loaded
+/// otherwise.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CacheThreshold {
+    pub min_match_ratio: f64,
+    pub balance_abs: u64,
+    pub balance_rel: f64,
+}
+
+impl Selector for CacheThreshold {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::CacheThreshold
+    }
+    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
+        let bs = input.block_size;
+        let c = input.candidates;
+        let (lo, hi) = c
+            .iter()
+            .map(|x| x.load.load_blocks(bs))
+            .fold((u64::MAX, 0), |(lo, hi), l| (lo.min(l), hi.max(l)));
+        let balanced = hi - lo <= self.balance_abs || hi as f64 <= self.balance_rel * lo as f64;
+        let best = argmin_random_ties(c, rng, |x| -f64::from(x.overlap_blocks));
+        let ratio = if input.shape.blocks == 0 {
+            0.0
+        } else {
+            f64::from(c[best].overlap_blocks) / input.shape.blocks as f64
+        };
+        if balanced && ratio >= self.min_match_ratio && c[best].overlap_blocks > 0 {
+            best
+        } else {
+            LeastLoaded.select(input, rng)
+        }
+    }
+}
