@@ -4,7 +4,7 @@
 //! ```text
 //!   route(&RouteRequest)
 //!     1. hash      tokens ──BlockHasher(seed: LoRA, salt)──▶ LocalHash[]        (thread scratch)
-//!     2. match     IndexReader::find_matches_into ──▶ overlap per rank, per tier (lock-free)
+//!     2. match     IndexReader::find_depths_into ──▶ overlap per rank id, per tier (lock-free)
 //!     3. select    Fleet snapshot × load counters ──▶ candidates ──Selector──▶ rank
 //!     4. book      Ledger: prefill tokens, distinct prompt blocks, one request
 //!   mark_dispatched / prefill_done / output_block / free
@@ -39,12 +39,31 @@
 //!
 //! Requests that expire or lose their worker record nothing at their end. With metrics off
 //! the lifecycle calls read no clock; routing reads one only to stamp a booking (for expiry),
-//! as before, metrics on or off.
+//! metrics on or off.
 //!
 //! The router is driven entirely by calls and is `Sync`: route from any number of threads.
 //! Per-thread scratch buffers make a steady-state `route` allocation-free (the full evidence
 //! record, opt-in, allocates). It owns the prefix index's single writer behind a mutex
 //! ([`Router::apply_event`]) and hands out lock-free readers.
+//!
+//! | file | owns |
+//! |---|---|
+//! | `mod.rs` | the `Router` itself: construction, joins, leaves, health marks, load views |
+//! | `request.rs` | what a caller hands over: `RouteRequest`, `RouteHints`, `RouteError` |
+//! | `decision.rs` | what a route answers: `Decision` and why it was made |
+//! | `route.rs` | the route as named steps: check, hash, weigh, constraints, pin or session, match, raise from records |
+//! | `plan.rs` | what a route settles before it selects: its gate, time, eligibility, pin, plan |
+//! | `scratch.rs` | one thread's reused buffers |
+//! | `choose.rs` | the selection step: the pinned rank, or gather, probe, veto, pick (or wait) |
+//! | `book.rs` | the booking step: the ledger, the router's records, the session |
+//! | `admission.rs` | `submit`, the admission queue's lanes, release, tickets, cancels |
+//! | `lifecycle.rs` | a booked request's calls after its route, and expiry |
+//! | `guard.rs` | `RequestGuard`: frees exactly once |
+//! | `events.rs` | KV events into the index, noted by the router |
+//! | `sessions.rs` | sticky sessions' end handler, expiry and closes |
+//! | `warm_up.rs` | warming workers' share of cache misses |
+//! | `metrics.rs` | counters, the overhead split, per-request metrics |
+//! | `tests.rs` | unit tests of what the public API cannot reach (behaviour: `core/tests/router/`) |
 
 mod admission;
 mod book;
