@@ -171,9 +171,13 @@ fn each_bad_field_is_named() {
         }),
         "pool_credit"
     );
+}
+
+#[test]
+fn the_error_message_names_the_field() {
     let msg = RouterConfig {
         temperature: -1.0,
-        ..d()
+        ..RouterConfig::default()
     }
     .validate()
     .unwrap_err()

@@ -980,35 +980,7 @@ fn wide_fleet_matches_the_reference(workers: u64) {
             assert_eq!(unique.len(), top.len(), "prompt {p}, {len} blocks: {top:?}");
             let top: Vec<u32> = top.into_iter().map(blocks).collect();
             assert_eq!(top, deepest, "prompt {p}, {len} blocks");
-            // Raised by records (some ranks deeper, some held nothing before), the four
-            // deepest and the ids with a least overlap still follow the table.
-            let mut raised = depths.clone();
-            let mut expect: Vec<u32> = (0..64).map(blocks).collect();
-            for k in 0..(p as u32 + 3) {
-                let id = (k * 7 + p as u32 * 5) % 52;
-                let depth = (k * 37 + len as u32) % 260 + 1;
-                raised.raise(crate::index::RankKey { id, epoch: 0 }, depth);
-                expect[id as usize] = expect[id as usize].max(depth);
-            }
-            let deep = |id: u32| raised.get(id).map_or(0, |d| d.blocks);
-            let now: Vec<u32> = (0..64).map(deep).collect();
-            assert_eq!(
-                now, expect,
-                "prompt {p}, {len} blocks: a raise never lowers"
-            );
-            let mut want: Vec<u32> = raised.ids().map(deep).collect();
-            want.sort_unstable_by(|a, b| b.cmp(a));
-            want.truncate(4);
-            let top4: Vec<u32> = raised.deepest_ids().map(deep).collect();
-            assert_eq!(top4, want, "prompt {p}, {len} blocks, raised");
-            for least in [0, 1, 2, 40, 64, 65, 100, 128, 199, 200, 250, 261] {
-                let scan: Vec<u32> = raised
-                    .ids()
-                    .filter(|&id| deep(id) >= least.max(1))
-                    .collect();
-                let read: Vec<u32> = raised.ids_with_at_least(least).collect();
-                assert_eq!(read, scan, "prompt {p}, {len} blocks, at least {least}");
-            }
+            raised_records_follow_the_table(&depths, p, len);
             let mut dense = depths.to_scores(&reader);
             dense.sort();
             assert_eq!(dense, got, "prompt {p}, {len} blocks, by id");
@@ -1040,6 +1012,39 @@ fn wide_fleet_matches_the_reference(workers: u64) {
                 }
             }
         }
+    }
+}
+
+/// Raised by records (some ranks deeper, some held nothing before), the four deepest and the
+/// ids with a least overlap still follow the table.
+fn raised_records_follow_the_table(depths: &crate::index::RankDepths, p: u64, len: usize) {
+    let blocks = |id: u32| depths.get(id).map_or(0, |d| d.blocks);
+    let mut raised = depths.clone();
+    let mut expect: Vec<u32> = (0..64).map(blocks).collect();
+    for k in 0..(p as u32 + 3) {
+        let id = (k * 7 + p as u32 * 5) % 52;
+        let depth = (k * 37 + len as u32) % 260 + 1;
+        raised.raise(crate::index::RankKey { id, epoch: 0 }, depth);
+        expect[id as usize] = expect[id as usize].max(depth);
+    }
+    let deep = |id: u32| raised.get(id).map_or(0, |d| d.blocks);
+    let now: Vec<u32> = (0..64).map(deep).collect();
+    assert_eq!(
+        now, expect,
+        "prompt {p}, {len} blocks: a raise never lowers"
+    );
+    let mut want: Vec<u32> = raised.ids().map(deep).collect();
+    want.sort_unstable_by(|a, b| b.cmp(a));
+    want.truncate(4);
+    let top4: Vec<u32> = raised.deepest_ids().map(deep).collect();
+    assert_eq!(top4, want, "prompt {p}, {len} blocks, raised");
+    for least in [0, 1, 2, 40, 64, 65, 100, 128, 199, 200, 250, 261] {
+        let scan: Vec<u32> = raised
+            .ids()
+            .filter(|&id| deep(id) >= least.max(1))
+            .collect();
+        let read: Vec<u32> = raised.ids_with_at_least(least).collect();
+        assert_eq!(read, scan, "prompt {p}, {len} blocks, at least {least}");
     }
 }
 
