@@ -14,7 +14,7 @@
 //!   partial block can never match anything and is not hashed.
 //! * **The seed isolates caches.** Blocks computed under a LoRA adapter, or under a cache salt
 //!   (a tenant's isolation key), hold different KV values for the same tokens, so the seed
-//!   starts at [`XXH3_SEED`] and each non-empty name is hashed into it ([`HashSeed::new`]).
+//!   starts at `XXH3_SEED` and each non-empty name is hashed into it ([`HashSeed::new`]).
 //!   Empty names count as absent.
 //! * **Multimodal blocks** append the hashes of the objects (images, audio) overlapping the
 //!   block, sorted ascending, to the token bytes, so equal placeholder tokens standing for
@@ -30,7 +30,7 @@
 //! `benches/tests/hash_compat.rs` checks this on random inputs.
 //!
 //! **Cost.** Hashing never allocates (except for a block overlapping more than
-//! [`MM_INLINE`] multimodal objects). On little-endian targets a token slice is hashed in
+//! `MM_INLINE` multimodal objects). On little-endian targets a token slice is hashed in
 //! place, reinterpreted as its bytes, because that measured fastest: about 30 ns per 64-token
 //! block, against about 36 ns when copying the tokens into a stack buffer first and 43 ns with
 //! the streaming hasher fed from a stack buffer (the gap is 2× for 16-token blocks). Big-endian
@@ -102,7 +102,7 @@ impl HashSeed {
     /// calls the salt `cache_namespace`). `None` and `Some("")` mean the same: absent.
     ///
     /// The LoRA name is hashed with inner seed 0 and the salt with inner seed 1, each added
-    /// (wrapping) to [`XXH3_SEED`], so a salt equal to some adapter's name still yields a
+    /// (wrapping) to `XXH3_SEED`, so a salt equal to some adapter's name still yields a
     /// different seed than that adapter.
     pub fn new(lora_name: Option<&str>, cache_salt: Option<&str>) -> Self {
         let mut seed = XXH3_SEED;
@@ -117,7 +117,7 @@ impl HashSeed {
 }
 
 impl Default for HashSeed {
-    /// [`XXH3_SEED`]: no LoRA, no salt.
+    /// `XXH3_SEED`: no LoRA, no salt.
     fn default() -> Self {
         Self(XXH3_SEED)
     }
@@ -184,7 +184,7 @@ impl BlockHasher {
 
     /// The local hash of `block_tokens` together with the hashes of the multimodal objects
     /// overlapping the block, in any order (they are sorted here). With no hashes this is
-    /// [`local_hash`](Self::local_hash). Allocates only beyond [`MM_INLINE`] hashes.
+    /// [`local_hash`](Self::local_hash). Allocates only beyond `MM_INLINE` hashes.
     pub fn local_hash_mm(&self, block_tokens: &[u32], mm_hashes: &[u64]) -> LocalHash {
         if mm_hashes.is_empty() {
             return self.local_hash(block_tokens);

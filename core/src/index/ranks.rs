@@ -31,7 +31,7 @@ impl PrefixIndex {
     /// not rebuilt again and again while the rank fills (each rebuild moves every name, a
     /// stall of the writer that grows with the rank), and is not shrunk below it when blocks
     /// leave. A rank holding more grows its map as usual. The room counts in
-    /// [`PrefixIndex::memory_bytes`] from now on; it is capped at [`MAX_RESERVED_BLOCKS`] and,
+    /// [`PrefixIndex::memory_bytes`] from now on; it is capped at `MAX_RESERVED_BLOCKS` and,
     /// under a memory budget, so that all ranks' reserved room together stays within a
     /// quarter of the budget. A later call with fewer blocks lowers the floor without
     /// shrinking the map at once.

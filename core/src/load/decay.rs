@@ -1,5 +1,5 @@
 //! Output decay arithmetic: where a request's output blocks begin, what is left of its
-//! expected output, and how much decay takes off a count of blocks, in [`DECAY_SCALE`] units
+//! expected output, and how much decay takes off a count of blocks, in `DECAY_SCALE` units
 //! (see the module comment of [`crate::load`]).
 
 /// One output block in [`LoadView::output_decay`](super::LoadView::output_decay)'s fixed point.
@@ -22,7 +22,7 @@ pub fn remaining_fraction(generated: u64, expected_output_tokens: u32) -> f64 {
     (1.0 - generated as f64 / f64::from(expected_output_tokens.max(1))).max(0.0)
 }
 
-/// How much of `k` output blocks decay has taken off, in [`DECAY_SCALE`] units:
+/// How much of `k` output blocks decay has taken off, in `DECAY_SCALE` units:
 /// `k − k · remaining_fraction(g_k, E)`, rounded. Never decreases with `k`.
 pub fn output_decay(
     prompt_tokens: u64,
@@ -34,7 +34,7 @@ pub fn output_decay(
     decayed(k, remaining_fraction(g, expected_output_tokens))
 }
 
-/// What weighing `blocks` by `left` (in [0, 1]) takes off them, in [`DECAY_SCALE`] units:
+/// What weighing `blocks` by `left` (in [0, 1]) takes off them, in `DECAY_SCALE` units:
 /// `blocks − blocks · left`, rounded.
 pub fn decayed(blocks: u64, left: f64) -> u64 {
     let full = blocks * DECAY_SCALE;
