@@ -153,9 +153,8 @@ impl RankState {
         }
     }
 
-    /// Prefill tokens booked on the rank (a `SeqCst` read, for [`Ledger::refresh_prefill_floor`]).
-    ///
-    /// [`Ledger::refresh_prefill_floor`]: super::Ledger::refresh_prefill_floor
+    /// Prefill tokens booked on the rank (a `SeqCst` read, for the ledger's refresh of its
+    /// booked-prefill floor).
     #[inline]
     pub fn booked_prefill(&self) -> u64 {
         self.load.prefill_tokens.load(Ordering::SeqCst)
