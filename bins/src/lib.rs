@@ -1,0 +1,12 @@
+//! The library behind the `kvroute` programs: what the binary wires together, kept as a library
+//! so that its pieces are tested through their own API and reused between programs (the
+//! simulated worker serves the same engine model live that the demo runs on a virtual clock).
+//!
+//! Modules:
+//!
+//! * [`sim`]: the simulated GPU engine, an I/O-free model of vLLM's scheduler, block pool, KV
+//!   events and pass timing, driven by calls.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+pub mod sim;
