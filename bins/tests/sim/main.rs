@@ -1,0 +1,108 @@
+//! Behaviour tests of the simulated engine, through its public API: the scheduler's rules
+//! (`scheduling.rs`), the prefix cache and its truth (`cache.rs`), fault hooks and refusals
+//! (`hooks.rs`), and a property test that the router's index built from the engine's events
+//! equals the engine's cache after every pass (`events_model.rs`).
+
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
+mod cache;
+mod events_model;
+mod hooks;
+mod scheduling;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvroute::sim::{
+    Engine, EngineConfig, EngineEvent, EngineRequest, Finish, RequestId, RequestOutput,
+};
+
+/// An engine of `kv_blocks` 16-token blocks with a token budget of `budget`.
+pub fn engine(kv_blocks: u32, budget: u32) -> Engine {
+    Engine::new(EngineConfig {
+        kv_blocks,
+        max_num_batched_tokens: budget,
+        ..EngineConfig::default()
+    })
+    .unwrap()
+}
+
+/// A request arriving at time zero.
+pub fn request(id: u64, prompt: Vec<u32>, max_output_tokens: u32) -> EngineRequest {
+    EngineRequest {
+        id: RequestId(id),
+        prompt,
+        max_output_tokens,
+        arrival: Duration::ZERO,
+    }
+}
+
+/// `n` tokens starting at `first`: distinct ranges make prompts that share nothing.
+pub fn tokens(first: u32, n: u32) -> Vec<u32> {
+    (first..first + n).collect()
+}
+
+/// What the passes reported, per request.
+#[derive(Default, Debug)]
+pub struct Transcript {
+    pub tokens: HashMap<RequestId, Vec<u32>>,
+    pub first_token: HashMap<RequestId, Duration>,
+    pub finished: HashMap<RequestId, (Finish, Duration)>,
+    pub cached: HashMap<RequestId, u32>,
+}
+
+impl Transcript {
+    pub fn record(&mut self, outputs: Vec<RequestOutput>) {
+        for out in outputs {
+            self.tokens.entry(out.id).or_default().extend(&out.tokens);
+            if let Some(at) = out.first_token_at {
+                assert!(
+                    self.first_token.insert(out.id, at).is_none(),
+                    "two first tokens"
+                );
+            }
+            if let Some(finish) = out.finish {
+                assert!(self.finished.insert(out.id, (finish, out.at)).is_none());
+            }
+            self.cached.insert(out.id, out.cached_tokens);
+        }
+    }
+
+    pub fn count(&self, id: u64) -> usize {
+        self.tokens.get(&RequestId(id)).map_or(0, Vec::len)
+    }
+
+    pub fn finished_at(&self, id: u64) -> Duration {
+        self.finished[&RequestId(id)].1
+    }
+}
+
+/// Runs passes until the engine is idle, recording every output.
+pub fn run_to_idle(engine: &mut Engine, transcript: &mut Transcript) {
+    while engine.step().is_some() {
+        transcript.record(engine.take_outputs());
+    }
+    transcript.record(engine.take_outputs());
+    assert!(engine.is_idle());
+}
+
+/// The engine hashes named by every Removed event since the last call, in order.
+pub fn removed_since(engine: &mut Engine) -> Vec<u64> {
+    engine
+        .take_events()
+        .into_iter()
+        .flat_map(|batch| batch.events)
+        .flat_map(|event| match event {
+            EngineEvent::Removed { block_hashes, .. } => block_hashes,
+            _ => Vec::new(),
+        })
+        .map(|h| h.0)
+        .collect()
+}
