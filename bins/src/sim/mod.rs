@@ -24,7 +24,7 @@
 //! * `timing.rs`: pass duration models ([`TimingModel`]) and their sources.
 //! * `config.rs`: [`EngineConfig`]; `error.rs`: [`SimError`].
 //! * `tests.rs`: unit tests of the pool and the timing models; behaviour tests are in
-//!   `bins/tests/sim.rs`.
+//!   `bins/tests/sim/`.
 
 mod blocks;
 mod config;
