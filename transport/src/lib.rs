@@ -15,6 +15,8 @@
 //! * [`backend`]: io_uring (tokio-uring) where the kernel allows it, else tokio's epoll.
 //! * [`ingest`]: the KV event ingest server: runtime threads reading sockets, one index writer.
 //! * [`client`]: the sending side of ingest.
+//! * [`engine`]: KV events from vLLM's and SGLang's own ZeroMQ publishers (msgpack), decoded
+//!   into the core's events, with per-publisher sequence tracking; no I/O.
 //! * [`worker`]: the worker side of request dispatch: routers' requests to an [`Engine`],
 //!   its response streams back.
 //! * [`dispatch`]: the router side: one connection per worker, bounded in-flight requests,
@@ -27,6 +29,7 @@ pub mod backend;
 pub mod client;
 mod conn;
 pub mod dispatch;
+pub mod engine;
 pub mod frame;
 pub mod ingest;
 mod net;

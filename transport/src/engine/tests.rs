@@ -1,0 +1,159 @@
+//! Unit tests of the sequence state machine.
+
+use super::*;
+
+fn tracker() -> SeqTracker<&'static str> {
+    SeqTracker::new(SequenceConfig {
+        max_held: 3,
+        restart_below: 4,
+    })
+}
+
+#[test]
+fn the_first_batch_is_applied_whatever_its_seq_and_contiguous_ones_follow() {
+    let mut t = tracker();
+    assert_eq!(t.offer_live(40, "a"), Verdict::Apply("a"));
+    assert_eq!(t.offer_live(41, "b"), Verdict::Apply("b"));
+    assert_eq!(t.next_expected(), Some(42));
+    assert_eq!(t.counts().applied, 2);
+}
+
+#[test]
+fn an_older_seq_above_the_restart_window_is_a_duplicate() {
+    let mut t = tracker();
+    t.offer_live(10, "a");
+    t.offer_live(11, "b");
+    assert_eq!(t.offer_live(10, "again"), Verdict::Duplicate);
+    assert_eq!(t.next_expected(), Some(12));
+    assert_eq!(t.counts().duplicates, 1);
+}
+
+#[test]
+fn a_seq_back_near_zero_is_a_restart_that_drops_held_batches() {
+    let mut t = tracker();
+    t.offer_live(10, "a");
+    assert!(matches!(t.offer_live(12, "held"), Verdict::Held { .. }));
+    assert_eq!(t.offer_live(0, "new"), Verdict::Restart("new"));
+    assert_eq!(t.next_expected(), Some(1));
+    assert!(!t.is_replaying());
+    assert_eq!(t.held(), 0);
+    assert_eq!(t.offer_live(1, "next"), Verdict::Apply("next"));
+    let c = t.counts();
+    assert_eq!((c.restarts, c.dropped_at_restart), (1, 1));
+}
+
+#[test]
+fn a_restart_whose_first_batches_were_missed_is_still_a_restart() {
+    let mut t = tracker();
+    t.offer_live(100, "a");
+    assert_eq!(t.offer_live(3, "b"), Verdict::Restart("b"));
+    assert_eq!(t.next_expected(), Some(4));
+}
+
+#[test]
+fn a_gap_asks_for_one_replay_and_holds_what_comes_ahead() {
+    let mut t = tracker();
+    t.offer_live(0, "0");
+    assert_eq!(
+        t.offer_live(3, "3"),
+        Verdict::Held {
+            replay: Some(ReplayRequest { from: 1, until: 3 })
+        }
+    );
+    // While the replay is outstanding, no second request.
+    assert_eq!(t.offer_live(4, "4"), Verdict::Held { replay: None });
+    assert_eq!(t.offer_live(4, "4 again"), Verdict::Duplicate);
+    assert!(t.is_replaying());
+    // The replay answers from 1: 1, 2, then 3 and 4 again, then its end.
+    assert_eq!(t.offer_replayed(1, "1"), Verdict::Apply("1"));
+    assert_eq!(t.offer_replayed(2, "2"), Verdict::Apply("2"));
+    assert_eq!(t.offer_replayed(3, "3r"), Verdict::Apply("3r"));
+    // A batch published while the answer was on its way arrives live.
+    assert_eq!(t.offer_live(5, "5"), Verdict::Held { replay: None });
+    let drain = t.replay_end();
+    assert_eq!(drain.apply, vec![(4, "4"), (5, "5")]);
+    assert_eq!(drain.replay, None);
+    assert_eq!(t.next_expected(), Some(6));
+    assert_eq!(t.held(), 0);
+    let c = t.counts();
+    assert_eq!(
+        (c.gaps, c.replay_requests, c.replayed, c.released),
+        (1, 1, 3, 2)
+    );
+    // The held 3 was replaced by the replayed one: counted as a duplicate at the drain.
+    assert_eq!(c.duplicates, 2);
+}
+
+#[test]
+fn a_replay_that_no_longer_reaches_back_reports_the_lost_range() {
+    let mut t = tracker();
+    t.offer_live(0, "0");
+    t.offer_live(9, "9");
+    assert_eq!(
+        t.offer_replayed(5, "5"),
+        Verdict::Lost {
+            missing: 1..5,
+            batch: "5"
+        }
+    );
+    let c = t.counts();
+    assert_eq!((c.lost_gaps, c.lost_batches), (1, 4));
+}
+
+#[test]
+fn a_full_hold_drops_and_the_drain_asks_again_for_the_rest() {
+    let mut t = tracker();
+    t.offer_live(0, "0");
+    for seq in 2..5 {
+        assert!(matches!(t.offer_live(seq, "h"), Verdict::Held { .. }));
+    }
+    assert_eq!(t.offer_live(5, "5"), Verdict::Dropped { replay: None });
+    // The replay answers only 1 (say the publisher's answer raced its buffer); 2..4 follow.
+    assert_eq!(t.offer_replayed(1, "1"), Verdict::Apply("1"));
+    let drain = t.replay_end();
+    assert_eq!(drain.apply.len(), 3);
+    assert_eq!(drain.replay, None);
+    // 5 was dropped: the next live batch finds the gap and asks for it.
+    assert_eq!(
+        t.offer_live(6, "6"),
+        Verdict::Held {
+            replay: Some(ReplayRequest { from: 5, until: 6 })
+        }
+    );
+    assert_eq!(t.counts().dropped, 1);
+}
+
+#[test]
+fn a_gap_left_among_held_batches_asks_for_another_replay() {
+    let mut t = tracker();
+    t.offer_live(0, "0");
+    t.offer_live(2, "2");
+    t.offer_live(4, "4");
+    t.offer_replayed(1, "1");
+    let drain = t.replay_end();
+    assert_eq!(drain.apply, vec![(2, "2")]);
+    assert_eq!(drain.replay, Some(ReplayRequest { from: 3, until: 4 }));
+    assert!(t.is_replaying());
+}
+
+#[test]
+fn an_abandoned_replay_loses_the_gap_and_releases_what_follows() {
+    let mut t = tracker();
+    t.offer_live(0, "0");
+    t.offer_live(3, "3");
+    t.offer_live(4, "4");
+    let (lost, drain) = t.abandon_replay();
+    assert_eq!(lost, 1..3);
+    assert_eq!(drain.apply, vec![(3, "3"), (4, "4")]);
+    assert_eq!(t.next_expected(), Some(5));
+    assert!(!t.is_replaying());
+    assert_eq!(t.counts().lost_batches, 2);
+}
+
+#[test]
+fn a_replayed_duplicate_is_skipped() {
+    let mut t = tracker();
+    t.offer_live(0, "0");
+    t.offer_live(1, "1");
+    assert_eq!(t.offer_replayed(1, "1"), Verdict::Duplicate);
+}
