@@ -157,3 +157,91 @@ fn a_replayed_duplicate_is_skipped() {
     t.offer_live(1, "1");
     assert_eq!(t.offer_replayed(1, "1"), Verdict::Duplicate);
 }
+
+/// A publisher whose live batches are dropped at random and whose replay answers a request
+/// some live messages later with everything published so far: every batch from the first
+/// delivered to (at least) the last delivered is applied exactly once, in order, however the
+/// drops and delays fall.
+mod replay_model {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Notes a verdict: an applied seq, or a replay request answered at live index `due`.
+    fn note(
+        v: Verdict<u64>,
+        applied: &mut Vec<u64>,
+        pending: &mut Option<(u64, usize)>,
+        due: usize,
+    ) {
+        match v {
+            Verdict::Apply(s) => applied.push(s),
+            Verdict::Held { replay } | Verdict::Dropped { replay } => {
+                if let Some(r) = replay {
+                    *pending = Some((r.from, due));
+                }
+            }
+            Verdict::Duplicate => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Feeds the live batches (`delivered[seq]`: whether seq arrives) to a tracker, in order; a
+    /// replay request is answered after `delay` more live messages. Returns the seqs applied.
+    fn run(delivered: &[bool], delay: usize) -> Vec<u64> {
+        let mut t: SeqTracker<u64> = SeqTracker::default();
+        let mut applied = Vec::new();
+        let mut pending: Option<(u64, usize)> = None; // (from, answered at live index)
+        let n = delivered.len();
+        for i in 0..=n {
+            // The publisher has published 0..i; a due replay is answered first.
+            if let Some((from, due)) = pending {
+                if due <= i || i == n {
+                    pending = None;
+                    for seq in from..i as u64 {
+                        note(
+                            t.offer_replayed(seq, seq),
+                            &mut applied,
+                            &mut pending,
+                            i + delay,
+                        );
+                    }
+                    let drain = t.replay_end();
+                    applied.extend(drain.apply.iter().map(|&(s, _)| s));
+                    if let Some(r) = drain.replay {
+                        pending = Some((r.from, i + delay));
+                    }
+                }
+            }
+            if delivered.get(i) == Some(&true) {
+                note(
+                    t.offer_live(i as u64, i as u64),
+                    &mut applied,
+                    &mut pending,
+                    i + delay,
+                );
+            }
+        }
+        assert_eq!(t.held(), 0, "the last replay answered everything published");
+        applied
+    }
+
+    proptest! {
+        #[test]
+        fn every_batch_up_to_the_last_delivered_is_applied_once_in_order(
+            delivered in proptest::collection::vec(proptest::bool::weighted(0.8), 1..200),
+            delay in 0_usize..6,
+        ) {
+            let applied = run(&delivered, delay);
+            // From the first batch delivered, a contiguous run that reaches at least the last
+            // one delivered (a replay may bring later ones, published by the time it answers).
+            let first = delivered.iter().position(|&d| d).map_or(0, |f| f as u64);
+            let last = delivered.iter().rposition(|&d| d).map(|l| l as u64);
+            let run: Vec<u64> = (first..first + applied.len() as u64).collect();
+            prop_assert_eq!(&applied, &run);
+            if let Some(last) = last {
+                prop_assert!(applied.last() >= Some(&last));
+            }
+        }
+    }
+}
