@@ -707,6 +707,21 @@ fn lora_names_seed_the_hashes_and_extra_keys_are_carried_and_counted() {
     assert_eq!(blocks[0].local_hash, hasher.local_hash(&[0, 1, 2, 3]));
     assert_ne!(blocks[0].local_hash, local(&[0, 1, 2, 3]));
     assert_eq!(counts.extra_keys_blocks, 1);
+    // Older engines name the adapter by id only: its blocks must not pass for the base model's.
+    let by_id = batch(vec![V::A(vec![
+        V::S("BlockStored"),
+        uints(&[1]),
+        V::Nil,
+        tokens(0..4),
+        V::U(4),
+        V::U(3),
+    ])]);
+    let (out, _) = run(&by_id);
+    let KvEventData::Stored { blocks, .. } = &out[0].data else {
+        panic!("a Stored")
+    };
+    let by_id_hasher = BlockHasher::new(4).with_seed(HashSeed::new(Some("lora-id:3"), None));
+    assert_eq!(blocks[0].local_hash, by_id_hasher.local_hash(&[0, 1, 2, 3]));
 }
 
 #[test]

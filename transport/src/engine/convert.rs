@@ -4,8 +4,10 @@
 //!   process), kept as [`StoredBlock::block_hash`] so later events can name the block; the
 //!   router finds blocks by the [`LocalHash`](kvroute_core::LocalHash) of their tokens, computed
 //!   here with [`BlockHasher`] at the event's block size, seeded by [`HashSeed::new`] from the
-//!   event's LoRA name and the worker's cache salt ([`DecoderConfig::cache_salt`]). A Stored
-//!   event whose token count is not `block_size` × blocks is rejected.
+//!   event's LoRA name and the worker's cache salt ([`DecoderConfig::cache_salt`]). An event
+//!   with a LoRA id but no name (older engines) is seeded by `lora-id:<id>`: its blocks then
+//!   match no request, rather than the base model's. A Stored event whose token count is not
+//!   `block_size` × blocks is rejected.
 //! * **Tiers.** `medium` is an open set: see [`tier_of_medium`]; an unknown one skips the event.
 //! * **Groups.** Only full-attention KV cache groups route (a sliding window's or a Mamba
 //!   state's blocks say nothing about a prompt's prefix). vLLM names a group's kind on its
@@ -303,7 +305,12 @@ impl EngineDecoder {
             });
         }
         self.counts.extra_keys_blocks += blocks_with_extra_keys(s.extra_keys);
-        let seed = HashSeed::new(s.lora_name, self.config.cache_salt.as_deref());
+        let unnamed_lora = match (s.lora_name, s.lora_id) {
+            (None, Some(id)) => Some(format!("lora-id:{id}")),
+            _ => None,
+        };
+        let lora = s.lora_name.or(unnamed_lora.as_deref());
+        let seed = HashSeed::new(lora, self.config.cache_salt.as_deref());
         let hasher = BlockHasher::new(block_size).with_seed(seed);
         let blocks = s
             .block_hashes

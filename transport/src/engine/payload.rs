@@ -60,6 +60,9 @@ pub struct BlockStored<'a> {
     pub medium: Option<&'a str>,
     /// The LoRA adapter the blocks were computed under.
     pub lora_name: Option<&'a str>,
+    /// The adapter's integer id (deprecated in vLLM for `lora_name`; older engines send only
+    /// this).
+    pub lora_id: Option<u64>,
     /// vLLM's per-block extra keys (multimodal identifiers, LoRA name, cache salt), as the raw
     /// msgpack of the whole list, for a caller that derives seeds from them.
     pub extra_keys: Option<&'a [u8]>,
@@ -210,6 +213,7 @@ struct Fields<'a> {
     block_size: Option<u64>,
     medium: Option<&'a str>,
     lora_name: Option<&'a str>,
+    lora_id: Option<u64>,
     extra_keys: Option<&'a [u8]>,
     group_idx: Option<u64>,
     spec_kind: Option<&'a str>,
@@ -224,6 +228,7 @@ enum Field {
     BlockSize,
     Medium,
     LoraName,
+    LoraId,
     ExtraKeys,
     GroupIdx,
     SpecKind,
@@ -236,7 +241,7 @@ const STORED_POSITIONS: [Field; 10] = [
     Field::Parent,
     Field::TokenIds,
     Field::BlockSize,
-    Field::Skip, // lora_id: deprecated, superseded by lora_name
+    Field::LoraId,
     Field::Medium,
     Field::LoraName,
     Field::ExtraKeys,
@@ -255,6 +260,7 @@ fn field_of_key(key: &[u8]) -> Field {
         b"block_size" => Field::BlockSize,
         b"medium" => Field::Medium,
         b"lora_name" => Field::LoraName,
+        b"lora_id" => Field::LoraId,
         b"extra_keys" => Field::ExtraKeys,
         b"group_idx" => Field::GroupIdx,
         b"kv_cache_spec_kind" => Field::SpecKind,
@@ -361,6 +367,7 @@ fn build_event(kind: Kind, f: Fields<'_>) -> Result<EngineEvent<'_>, EventError>
                 block_size: f.block_size.ok_or(missing("block_size"))?,
                 medium: f.medium,
                 lora_name: f.lora_name,
+                lora_id: f.lora_id,
                 extra_keys: f.extra_keys,
                 group_idx: f.group_idx,
                 spec_kind: f.spec_kind,
@@ -403,6 +410,21 @@ fn read_field<'a>(r: &mut Reader<'a>, field: Field, f: &mut Fields<'a>) -> Resul
         Field::BlockSize => f.block_size = read_opt_uint(r, "block_size")?,
         Field::Medium => f.medium = read_opt_str(r, "medium")?,
         Field::LoraName => f.lora_name = read_opt_str(r, "lora_name")?,
+        // Deprecated and informational: anything but an integer reads as none.
+        Field::LoraId => {
+            f.lora_id = match next_item(r)? {
+                Item::Uint(u) => Some(u),
+                Item::Array(n) => {
+                    r.skip_rest(n.into()).map_err(malformed)?;
+                    None
+                }
+                Item::Map(n) => {
+                    r.skip_rest(2 * u64::from(n)).map_err(malformed)?;
+                    None
+                }
+                _ => None,
+            }
+        }
         Field::ExtraKeys => {
             let start = r.pos();
             match next_item(r)? {
