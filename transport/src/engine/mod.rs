@@ -16,6 +16,18 @@
 //! router needs, without building a tree per message, and both encodings (maps and positional
 //! arrays) share one field reader.
 //!
+//! What the wire leaves open, and how it is read here:
+//!
+//! * **Hashes** arrive as unsigned integers (vLLM, possibly >= 2^63), signed ones (SGLang: the
+//!   same 64 bits, two's complement) or bytes (vLLM without integer hashes): bytes are named by
+//!   their *last* 8 bytes, big-endian, which is the integer vLLM sends when asked for integers.
+//! * **Token ids** arrive as u32s or, from SGLang under EAGLE, as bigrams `(t[i], t[i+1])`:
+//!   a pair stands for its first token.
+//! * **A gap** in the sequence is filled from the replay socket while the batches ahead of it
+//!   are held (bounded), not dropped; see `sequence.rs`.
+//! * **A restart** (a live seq back below a small bound) clears the worker; the caller also
+//!   forgets the decoder's learned cache groups ([`EngineDecoder::reset_groups`]).
+//!
 //! Module map:
 //!
 //! * `frames.rs`: the multipart layouts, live and replay ([`parse_live`], [`parse_replay`]).

@@ -25,7 +25,9 @@
 //! delivers a batch twice, so a live seq that goes back means a new process. A few of its first
 //! batches may be lost while the subscription reconnects (ZeroMQ's slow joiner), hence "below
 //! `restart_below`" rather than "equal to 0"; a live seq that goes back further is counted as a
-//! duplicate and skipped.
+//! duplicate and skipped. A restart seen late, when the new process has already numbered past
+//! the old one, looks like a gap: seqs alone cannot tell, so the socket side should also treat
+//! a publisher that went away and came back as a restart.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -77,8 +79,8 @@ pub enum Verdict<T> {
         /// The request to send, if one is not already outstanding.
         replay: Option<ReplayRequest>,
     },
-    /// The engine restarted: clear every rank of the worker, then apply this batch. Batches
-    /// held from before the restart were dropped.
+    /// The engine restarted: clear every rank of the worker (and reset its decoder's cache
+    /// groups), then apply this batch. Batches held from before the restart were dropped.
     Restart(T),
     /// The replay no longer holds `missing`: those events are lost. Clear the rank (and hand it
     /// to warm-up), then apply this batch.
