@@ -35,6 +35,7 @@ pub(super) struct Choice {
 impl Choice {
     /// The decision on `req`: booked, unless query-only or pinned to a worker's ranks without
     /// naming one of them.
+    #[inline(always)]
     pub(super) fn decision(
         self,
         req: &RouteRequest<'_>,
@@ -124,7 +125,7 @@ impl Router {
             candidate: scorer.candidate(&pick),
             by,
             evidence,
-            fallback: None,
+            fallback: plan.fallback,
         }))
     }
 

@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use super::{DecidedBy, EvidenceLevel, Mode};
+use super::{DecidedBy, EvidenceLevel, Fallback, Mode};
 use crate::clock::Clock;
 use crate::event::WorkerId;
 use crate::load::RequestId;
@@ -97,5 +97,8 @@ pub(super) struct Plan<'a> {
     pub(super) temperature: f64,
     pub(super) evidence: EvidenceLevel,
     pub(super) mode: Mode,
+    /// The role the fleet lacked and the one that serves instead (a prefill request with no
+    /// prefill worker), for a choice among the fleet's ranks.
+    pub(super) fallback: Option<Fallback>,
     pub(super) now: &'a Now<'a>,
 }

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::choose::{Choice, Selected};
+use super::choose::Selected;
 use super::plan::{Eligible, Gate, Now, PinnedRank, Plan};
 use super::scratch::{Constraints, Prompt, Scratch};
 use super::{
@@ -130,6 +130,7 @@ impl Router {
             temperature,
             evidence: hints.evidence,
             mode: hints.mode,
+            fallback: role_fallback,
             now,
         };
 
@@ -156,10 +157,7 @@ impl Router {
                 &mut s.candidates,
                 &mut rng,
             )? {
-                Selected::Chosen(c) => Choice {
-                    fallback: role_fallback,
-                    ..c
-                },
+                Selected::Chosen(c) => c,
                 Selected::Wait { new_prefill_tokens } => {
                     return Ok(Routed::Wait { new_prefill_tokens })
                 }

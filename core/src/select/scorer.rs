@@ -153,6 +153,7 @@ pub(crate) struct Scorer<'a> {
 impl<'a> Scorer<'a> {
     /// The scorer of `input`'s request over the match `depths`; a pruning gather scores
     /// `known_seed` first when given ([`Scorer::least_after_seed`]).
+    #[inline(always)]
     pub(crate) fn new(
         input: ScoreInput<'a>,
         depths: &'a RankDepths,
@@ -185,6 +186,7 @@ impl<'a> Scorer<'a> {
 impl Scorer<'_> {
     /// The full record of a scored candidate: its tier split, and its cost with the pool's
     /// credit and its preference applied as the score applied them.
+    #[inline]
     pub(crate) fn candidate(&self, c: &Scored) -> Candidate {
         let i = c.fleet_index as usize;
         let entry = &self.fleet.ranks[i];
@@ -422,6 +424,7 @@ impl Scorer<'_> {
     /// above the bar ([`ProbeTargets::cannot_win`]) whatever its load. One block of slack
     /// covers rounding. `None` when no cost is set yet, when a rank holding nothing might
     /// still win, or when holding blocks earns no credit: every rank is visited then.
+    #[inline]
     pub(crate) fn least_winning_blocks(&self, targets: &ProbeTargets) -> Option<u32> {
         let bar = targets.bar();
         if !bar.is_finite() {
