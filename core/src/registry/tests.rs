@@ -98,8 +98,7 @@ fn labels_are_interned_as_bits_and_capped() {
     assert_eq!(f.ranks[0].label_bits, a | h);
     assert_eq!(f.ranks[1].label_bits, b | h);
     assert_eq!(f.label_bit("zone", "c"), None);
-    let many: Vec<(String, String)> =
-        (0..64).map(|i| ("k".to_string(), i.to_string())).collect();
+    let many: Vec<(String, String)> = (0..64).map(|i| ("k".to_string(), i.to_string())).collect();
     let err = reg
         .join(WorkerConfig {
             labels: many,

@@ -55,17 +55,17 @@ mod policy;
 mod probe;
 mod scorer;
 
+pub(crate) use self::candidate::Scored;
 pub(crate) use self::candidate::{filter_busy, filter_unhealthy, BusyOutcome, HealthOutcome};
 pub use self::candidate::{Busy, Candidate};
-pub(crate) use self::candidate::Scored;
 pub(crate) use self::cost::{count_f64, FloorTerms, RequestShape, Weights};
 pub use self::cost::{CostTerms, Overlap, Overrides};
 pub use self::policy::PolicyKind;
 pub(crate) use self::policy::{selector_for, LeastLoaded, SelectInput, Selector};
-pub use self::probe::SHARED_PROBES;
-pub(crate) use self::probe::ProbeTargets;
 #[cfg(test)]
 pub(crate) use self::probe::shared_probe_targets;
+pub(crate) use self::probe::ProbeTargets;
+pub use self::probe::SHARED_PROBES;
 pub(crate) use self::scorer::*;
 
 #[cfg(test)]
