@@ -23,6 +23,8 @@
 //! * `events.rs`: [`EngineEvent`] and its conversion to the router's [`kvroute_core::KvEvent`].
 //! * `timing.rs`: pass duration models ([`TimingModel`]) and their sources.
 //! * `config.rs`: [`EngineConfig`]; `error.rs`: [`SimError`].
+//! * `fleet.rs`: [`Fleet`], engines and the core's router on one virtual clock (the demo's
+//!   discrete-event loop), with its per-request records and [`FleetReport`].
 //! * `tests.rs`: unit tests of the pool and the timing models; behaviour tests are in
 //!   `bins/tests/sim/`.
 
@@ -31,6 +33,7 @@ mod config;
 mod engine;
 mod error;
 mod events;
+mod fleet;
 mod request;
 mod scheduler;
 mod timing;
@@ -43,6 +46,7 @@ pub use config::EngineConfig;
 pub use engine::{ClearMode, Engine, EngineStats, Pass};
 pub use error::SimError;
 pub use events::{EngineBlockHash, EngineEvent, EventBatch, Medium};
+pub use fleet::{Arrival, Fleet, FleetConfig, FleetError, FleetReport, RequestRecord};
 pub use kvroute_core::RequestId;
 pub use request::{EngineRequest, Finish, RequestOutput};
 pub use scheduler::Admission;

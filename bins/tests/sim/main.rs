@@ -14,6 +14,7 @@
 
 mod cache;
 mod events_model;
+mod fleet;
 mod hooks;
 mod scheduling;
 

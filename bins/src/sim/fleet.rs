@@ -1,0 +1,472 @@
+//! A fleet of simulated engines and the core's [`Router`] on one virtual clock, in one
+//! process: the heart of `kvroute demo`.
+//!
+//! ```text
+//!  arrivals ──route (book)──▶ Engine w ──pass──▶ outputs ──▶ guard: prefill_done, finish
+//!     ▲                          │
+//!     │                          └─▶ KV events ──apply──▶ router's index
+//!     └───────── one virtual clock: the earliest of the next arrival and the next pass end
+//! ```
+//!
+//! A discrete-event loop. Two kinds of event move time: an arrival, and the end of an engine's
+//! pass. A pass starts as soon as its engine has work; its outputs and KV events stay inside
+//! the engine until virtual time reaches the pass's end, so the router never learns of a
+//! block before the pass that stored it has ended (as with a live engine, whose events come
+//! after its step). At equal times a pass's end comes before an arrival. An arrival is routed
+//! (which books its load), admitted to the chosen engine, and held by a [`RequestGuard`] that
+//! the engine's outputs drive: the first token reports the prefill done, the finish frees it.
+//!
+//! The router's prediction can miss the engine's truth: a request routed while an earlier one
+//! with the same prefix is still in its prefill on that worker is predicted no hit (the blocks
+//! are not published yet), yet finds them if that prefill ends before its own is scheduled;
+//! and the engine evicts blocks the router still counts until the eviction's pass ends.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::{
+    Clock, EventId, IndexConfig, IndexError, LoadError, ManualClock, PrefixIndex, RequestGuard,
+    RequestId, RouteError, RouteHints, RouteRequest, Router, RouterConfig, RouterError,
+    WorkerConfig, WorkerRank,
+};
+
+use super::config::EngineConfig;
+use super::engine::Engine;
+use super::error::SimError;
+use super::request::{EngineRequest, RequestOutput};
+
+/// How a fleet is built.
+#[derive(Clone, Debug)]
+pub struct FleetConfig {
+    /// Engines, worker ids `0..workers`, each one data-parallel rank (rank 0).
+    pub workers: usize,
+    /// Every engine's configuration.
+    pub engine: EngineConfig,
+    /// The router's configuration; its block size must be the engines'.
+    pub router: RouterConfig,
+}
+
+/// A request to come: when, what, and how many tokens it generates.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Arrival {
+    /// Virtual time of its arrival.
+    pub at: Duration,
+    /// Its identity, unique in the run.
+    pub id: RequestId,
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens it generates.
+    pub max_output_tokens: u32,
+}
+
+/// Why the fleet could not be built or could not run on.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum FleetError {
+    /// The configuration cannot run (no worker, block sizes that differ).
+    #[error("invalid fleet config: {reason}")]
+    Config {
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// An engine refused a call.
+    #[error(transparent)]
+    Engine(#[from] SimError),
+    /// The router could not be built or a worker could not join.
+    #[error(transparent)]
+    Router(#[from] RouterError),
+    /// A request could not be routed.
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    /// The router's index rejected an engine's event.
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    /// The router rejected a lifecycle call.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// A request id was submitted twice.
+    #[error("request {id:?} was already submitted")]
+    Duplicate {
+        /// The request.
+        id: RequestId,
+    },
+    /// An arrival before the fleet's present.
+    #[error("request {id:?} arrives at {at:?}, before the fleet's time {now:?}")]
+    InThePast {
+        /// The request.
+        id: RequestId,
+        /// Its arrival.
+        at: Duration,
+        /// The fleet's time.
+        now: Duration,
+    },
+}
+
+/// What happened to one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestRecord {
+    /// The request.
+    pub id: RequestId,
+    /// The rank the router chose.
+    pub worker: WorkerRank,
+    /// When it arrived.
+    pub arrival: Duration,
+    /// When its first token came, once it has.
+    pub first_token: Option<Duration>,
+    /// When it ended, once it has.
+    pub finished: Option<Duration>,
+    /// Its prompt's length.
+    pub prompt_tokens: u32,
+    /// Tokens it generated so far.
+    pub output_tokens: u32,
+    /// Prompt tokens the router predicted cached on the chosen rank
+    /// (`Decision::overlap.cached_tokens`).
+    pub predicted_cached: u64,
+    /// Prompt tokens the engine found cached (0 until it is scheduled).
+    pub cached: u32,
+}
+
+/// The run in figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FleetReport {
+    /// Requests routed.
+    pub requests: usize,
+    /// Of those, requests that ended.
+    pub finished: usize,
+    /// Prompt tokens the engines found cached ÷ prompt tokens routed.
+    pub hit_rate: f64,
+    /// Mean time from arrival to first token, in milliseconds.
+    pub ttft_mean_ms: f64,
+    /// 99th percentile (nearest rank) of the same, in milliseconds.
+    pub ttft_p99_ms: f64,
+    /// Output tokens ÷ virtual seconds from the first arrival to the last finish.
+    pub throughput: f64,
+    /// Share of decisions whose predicted cached tokens equal the engine's.
+    pub prediction_accuracy: f64,
+    /// Prompt tokens routed to the busiest worker over the run ÷ the mean per worker (1 is
+    /// even; cache hits are not subtracted, so this is the load the router handed out).
+    pub load_imbalance: f64,
+    /// Prompt tokens routed to each worker over the run, by worker id.
+    pub prompt_tokens_per_worker: Vec<u64>,
+    /// Requests the router still counts as active.
+    pub active_requests: usize,
+}
+
+/// The engines, the router and the clock they share.
+#[derive(Debug)]
+pub struct Fleet {
+    router: Arc<Router>,
+    clock: ManualClock,
+    /// The clock's reading at virtual time zero.
+    origin: Instant,
+    engines: Vec<Engine>,
+    /// Per engine: whether a pass is under way (it ends at the engine's `now()`).
+    in_pass: Vec<bool>,
+    /// Per engine: the id of its next KV event.
+    next_event: Vec<u64>,
+    /// Arrivals to come, by time then submission order.
+    pending: BTreeMap<(Duration, u64), Arrival>,
+    submitted: u64,
+    guards: HashMap<RequestId, RequestGuard<Arc<Router>>>,
+    records: Vec<RequestRecord>,
+    record_of: HashMap<RequestId, usize>,
+    now: Duration,
+}
+
+impl Fleet {
+    /// A fleet of `config.workers` idle engines with empty caches, each joined to a router
+    /// on a manual clock at virtual time zero.
+    pub fn new(config: FleetConfig) -> Result<Self, FleetError> {
+        if config.workers == 0 {
+            return Err(FleetError::Config {
+                reason: "a fleet needs a worker",
+            });
+        }
+        if config.router.block_size != config.engine.block_size {
+            return Err(FleetError::Config {
+                reason: "the router's block size must be the engines'",
+            });
+        }
+        let clock = ManualClock::new();
+        let origin = clock.now();
+        let index = PrefixIndex::new(IndexConfig::default());
+        let router = Router::with_clock(config.router, index, Clock::Manual(clock.clone()))?;
+        let mut engines = Vec::with_capacity(config.workers);
+        for id in 0..config.workers {
+            engines.push(Engine::new(config.engine)?);
+            router.join_worker(WorkerConfig::simple(
+                id as u64,
+                u64::from(config.engine.kv_blocks),
+                config.engine.block_size,
+            ))?;
+        }
+        Ok(Fleet {
+            router: Arc::new(router),
+            clock,
+            origin,
+            in_pass: vec![false; config.workers],
+            next_event: vec![0; config.workers],
+            engines,
+            pending: BTreeMap::new(),
+            submitted: 0,
+            guards: HashMap::new(),
+            records: Vec::new(),
+            record_of: HashMap::new(),
+            now: Duration::ZERO,
+        })
+    }
+
+    /// Queues an arrival. Ids must be unique in the run and arrivals not in the past.
+    pub fn submit(&mut self, arrival: Arrival) -> Result<(), FleetError> {
+        if arrival.at < self.now {
+            return Err(FleetError::InThePast {
+                id: arrival.id,
+                at: arrival.at,
+                now: self.now,
+            });
+        }
+        let id = arrival.id;
+        let known = self.record_of.contains_key(&id)
+            || self.pending.values().any(|pending| pending.id == id);
+        if known {
+            return Err(FleetError::Duplicate { id });
+        }
+        self.pending.insert((arrival.at, self.submitted), arrival);
+        self.submitted += 1;
+        Ok(())
+    }
+
+    /// Runs until every arrival has come and every engine is idle.
+    pub fn run_until_idle(&mut self) -> Result<(), FleetError> {
+        self.run_to(Duration::MAX)
+    }
+
+    /// Runs every arrival and pass end at or before `until`, in time order.
+    pub fn run_to(&mut self, until: Duration) -> Result<(), FleetError> {
+        loop {
+            let arrival = self.pending.keys().next().map(|&(at, _)| at);
+            let pass_end = self.next_pass_end();
+            match (arrival, pass_end) {
+                (_, Some((worker, end))) if end <= until && arrival.is_none_or(|a| end <= a) => {
+                    self.end_pass(worker, end)?;
+                }
+                (Some(at), _) if at <= until => self.arrive(at)?,
+                _ => break,
+            }
+        }
+        if until != Duration::MAX {
+            self.now = self.now.max(until);
+        }
+        Ok(())
+    }
+
+    /// The router (for its load, counters and index).
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// The engines, by worker id.
+    pub fn engines(&self) -> &[Engine] {
+        &self.engines
+    }
+
+    /// The virtual time of the last event run.
+    pub fn now(&self) -> Duration {
+        self.now
+    }
+
+    /// Every routed request, in routing order.
+    pub fn records(&self) -> &[RequestRecord] {
+        &self.records
+    }
+
+    /// The run so far in figures.
+    pub fn report(&self) -> FleetReport {
+        report(
+            &self.records,
+            self.engines.len(),
+            self.router.active_requests(),
+        )
+    }
+
+    /// The engine whose pass under way ends first, and when (lowest worker id on ties).
+    fn next_pass_end(&self) -> Option<(usize, Duration)> {
+        self.engines
+            .iter()
+            .enumerate()
+            .filter(|&(w, _)| self.in_pass[w])
+            .map(|(w, e)| (w, e.now()))
+            .min_by_key(|&(w, end)| (end, w))
+    }
+
+    /// Moves virtual time to `t`, on the fleet and the router's clock.
+    fn set_time(&mut self, t: Duration) {
+        self.now = t;
+        self.clock.set(self.origin + t);
+    }
+
+    /// Worker `worker`'s pass ends at `end`: its events reach the router, its outputs the
+    /// requests' guards, and its next pass starts if it has work.
+    fn end_pass(&mut self, worker: usize, end: Duration) -> Result<(), FleetError> {
+        self.set_time(end);
+        self.in_pass[worker] = false;
+        self.publish_events(worker)?;
+        let outputs = self.engines[worker].take_outputs();
+        for output in outputs {
+            self.record_output(&output)?;
+        }
+        self.start_pass(worker);
+        Ok(())
+    }
+
+    /// Starts a pass on `worker` if it has something to compute.
+    fn start_pass(&mut self, worker: usize) {
+        self.in_pass[worker] = self.engines[worker].step().is_some();
+    }
+
+    /// Applies the engine's event batches to the router's index, numbered per worker.
+    fn publish_events(&mut self, worker: usize) -> Result<(), FleetError> {
+        let source = WorkerRank::new(worker as u64, 0);
+        for batch in self.engines[worker].take_events() {
+            for event in &batch.events {
+                let id = EventId(self.next_event[worker]);
+                self.next_event[worker] += 1;
+                self.router.apply_event(&event.to_kv_event(source, id))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Notes what a pass did for one request and moves its lifecycle on.
+    fn record_output(&mut self, output: &RequestOutput) -> Result<(), FleetError> {
+        if let Some(&i) = self.record_of.get(&output.id) {
+            let record = &mut self.records[i];
+            record.output_tokens += output.tokens.len() as u32;
+            record.cached = output.cached_tokens;
+            if output.first_token_at.is_some() {
+                record.first_token = output.first_token_at;
+            }
+            if output.finish.is_some() {
+                record.finished = Some(output.at);
+            }
+        }
+        if output.first_token_at.is_some() {
+            if let Some(guard) = self.guards.get(&output.id) {
+                guard.prefill_done()?;
+            }
+        }
+        if output.finish.is_some() {
+            if let Some(guard) = self.guards.remove(&output.id) {
+                guard.finish()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The first arrival due at `at`: routed, booked, admitted to the chosen engine.
+    fn arrive(&mut self, at: Duration) -> Result<(), FleetError> {
+        let Some((_, arrival)) = self.pending.pop_first() else {
+            return Ok(());
+        };
+        self.set_time(at);
+        let request = RouteRequest {
+            id: arrival.id,
+            tokens: &arrival.prompt,
+            hints: RouteHints::default(),
+        };
+        let decision = self.router.route(&request)?;
+        let mut guard = RequestGuard::new(Arc::clone(&self.router), decision.request);
+        guard.mark_dispatched()?;
+        let worker = decision.worker.worker.0 as usize;
+        let engine = self.engines.get_mut(worker).ok_or(FleetError::Config {
+            reason: "the router chose a worker the fleet does not have",
+        })?;
+        if !self.in_pass[worker] {
+            // Idle: its clock stands at its last pass's end; it starts now.
+            engine.advance_to(at);
+        }
+        engine.admit(EngineRequest {
+            id: arrival.id,
+            prompt: arrival.prompt.clone(),
+            max_output_tokens: arrival.max_output_tokens,
+            arrival: at,
+        })?;
+        self.record_of.insert(arrival.id, self.records.len());
+        self.records.push(RequestRecord {
+            id: arrival.id,
+            worker: decision.worker,
+            arrival: at,
+            first_token: None,
+            finished: None,
+            prompt_tokens: arrival.prompt.len() as u32,
+            output_tokens: 0,
+            predicted_cached: decision.overlap.cached_tokens,
+            cached: 0,
+        });
+        self.guards.insert(arrival.id, guard);
+        if !self.in_pass[worker] {
+            self.start_pass(worker);
+        }
+        Ok(())
+    }
+}
+
+/// The figures of `records` over `workers` workers.
+fn report(records: &[RequestRecord], workers: usize, active_requests: usize) -> FleetReport {
+    let prompt: u64 = records.iter().map(|r| u64::from(r.prompt_tokens)).sum();
+    let cached: u64 = records.iter().map(|r| u64::from(r.cached)).sum();
+    let mut ttft_ms: Vec<f64> = records
+        .iter()
+        .filter_map(|r| r.first_token.map(|t| (t - r.arrival).as_secs_f64() * 1e3))
+        .collect();
+    ttft_ms.sort_by(f64::total_cmp);
+    let first = records.iter().map(|r| r.arrival).min();
+    let last = records.iter().filter_map(|r| r.finished).max();
+    let output: u64 = records.iter().map(|r| u64::from(r.output_tokens)).sum();
+    let span = match (first, last) {
+        (Some(first), Some(last)) => last.saturating_sub(first).as_secs_f64(),
+        _ => 0.0,
+    };
+    let exact = records
+        .iter()
+        .filter(|r| r.predicted_cached == u64::from(r.cached))
+        .count();
+    let mut per_worker = vec![0u64; workers];
+    for r in records {
+        if let Some(slot) = per_worker.get_mut(r.worker.worker.0 as usize) {
+            *slot += u64::from(r.prompt_tokens);
+        }
+    }
+    let mean = per_worker.iter().sum::<u64>() as f64 / workers.max(1) as f64;
+    let max = per_worker.iter().copied().max().unwrap_or(0) as f64;
+    FleetReport {
+        requests: records.len(),
+        finished: records.iter().filter(|r| r.finished.is_some()).count(),
+        hit_rate: ratio(cached as f64, prompt as f64),
+        ttft_mean_ms: ratio(ttft_ms.iter().sum(), ttft_ms.len() as f64),
+        ttft_p99_ms: nearest_rank(&ttft_ms, 0.99),
+        throughput: ratio(output as f64, span),
+        prediction_accuracy: ratio(exact as f64, records.len() as f64),
+        load_imbalance: ratio(max, mean),
+        prompt_tokens_per_worker: per_worker,
+        active_requests,
+    }
+}
+
+/// `a ÷ b`, 0 when `b` is 0.
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// The `q` quantile of sorted `values` by nearest rank, 0 when empty.
+fn nearest_rank(values: &[f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * values.len() as f64).ceil() as usize;
+    values[rank.clamp(1, values.len()) - 1]
+}
