@@ -21,7 +21,7 @@
 //! are not published yet), yet finds them if that prefill ends before its own is scheduled;
 //! and the engine evicts blocks the router still counts until the eviction's pass ends.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -166,6 +166,8 @@ pub struct Fleet {
     next_event: Vec<u64>,
     /// Arrivals to come, by time then submission order.
     pending: BTreeMap<(Duration, u64), Arrival>,
+    /// Every id submitted, to refuse a second use.
+    ids: HashSet<RequestId>,
     submitted: u64,
     guards: HashMap<RequestId, RequestGuard<Arc<Router>>>,
     records: Vec<RequestRecord>,
@@ -208,6 +210,7 @@ impl Fleet {
             next_event: vec![0; config.workers],
             engines,
             pending: BTreeMap::new(),
+            ids: HashSet::new(),
             submitted: 0,
             guards: HashMap::new(),
             records: Vec::new(),
@@ -225,11 +228,8 @@ impl Fleet {
                 now: self.now,
             });
         }
-        let id = arrival.id;
-        let known = self.record_of.contains_key(&id)
-            || self.pending.values().any(|pending| pending.id == id);
-        if known {
-            return Err(FleetError::Duplicate { id });
+        if !self.ids.insert(arrival.id) {
+            return Err(FleetError::Duplicate { id: arrival.id });
         }
         self.pending.insert((arrival.at, self.submitted), arrival);
         self.submitted += 1;

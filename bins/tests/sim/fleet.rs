@@ -118,3 +118,82 @@ fn a_run_is_deterministic() {
     assert_eq!(a, b);
     assert_eq!(first.records(), second.records());
 }
+
+/// A fleet of one engine of 1,000 blocks.
+fn one_engine() -> Fleet {
+    Fleet::new(FleetConfig {
+        workers: 1,
+        engine: EngineConfig {
+            kv_blocks: 1_000,
+            ..EngineConfig::default()
+        },
+        router: RouterConfig::default(),
+    })
+    .unwrap()
+}
+
+/// A 256-token system prompt then 32 tokens of request `i`'s own.
+fn shared_prompt(i: u32) -> Vec<u32> {
+    (0..256)
+        .chain(10_000 * (i + 1)..10_000 * (i + 1) + 32)
+        .collect()
+}
+
+#[test]
+fn the_router_learns_of_blocks_when_the_pass_that_stored_them_ends() {
+    let mut fleet = one_engine();
+    fleet
+        .submit(Arrival {
+            at: Duration::ZERO,
+            id: RequestId(1),
+            prompt: shared_prompt(1),
+            max_output_tokens: 4,
+        })
+        .unwrap();
+    // Request 2 comes while request 1's prefill is under way: the blocks are not published
+    // yet, so the router predicts no hit, but the engine finds them (its prefill starts
+    // after request 1's ended). Request 3 comes after request 1 ended: prediction and truth
+    // agree.
+    fleet.run_to(Duration::from_micros(1)).unwrap();
+    assert!(fleet.engines()[0].now() > Duration::from_micros(1));
+    for (id, at_ms) in [(2, 0), (3, 1_000)] {
+        fleet
+            .submit(Arrival {
+                at: Duration::from_micros(1) + Duration::from_millis(at_ms),
+                id: RequestId(id),
+                prompt: shared_prompt(id as u32),
+                max_output_tokens: 4,
+            })
+            .unwrap();
+    }
+    fleet.run_until_idle().unwrap();
+    let seen: Vec<_> = fleet
+        .records()
+        .iter()
+        .map(|r| (r.id.0, r.predicted_cached, r.cached))
+        .collect();
+    assert_eq!(seen, vec![(1, 0, 0), (2, 0, 256), (3, 256, 256)]);
+    assert_eq!(fleet.report().prediction_accuracy, 2.0 / 3.0);
+}
+
+#[test]
+fn a_request_id_is_submitted_once_and_never_in_the_past() {
+    let mut fleet = one_engine();
+    let arrival = Arrival {
+        at: Duration::from_millis(5),
+        id: RequestId(1),
+        prompt: shared_prompt(1),
+        max_output_tokens: 1,
+    };
+    fleet.submit(arrival.clone()).unwrap();
+    assert!(fleet.submit(arrival.clone()).is_err());
+    fleet.run_until_idle().unwrap();
+    let late = Arrival {
+        at: Duration::ZERO,
+        id: RequestId(2),
+        ..arrival
+    };
+    assert!(fleet.submit(late).is_err());
+    assert_eq!(fleet.report().finished, 1);
+    assert_eq!(fleet.router().active_requests(), 0);
+}
