@@ -141,12 +141,20 @@ pub struct FleetReport {
     pub ttft_p99_ms: f64,
     /// Output tokens ÷ virtual seconds from the first arrival to the last finish.
     pub throughput: f64,
+    /// Mean time between a request's output tokens after its first, in milliseconds (per
+    /// request, then averaged over requests with two tokens or more).
+    pub itl_mean_ms: f64,
     /// Share of decisions whose predicted cached tokens equal the engine's.
     pub prediction_accuracy: f64,
-    /// Prompt tokens routed to the busiest worker over the run ÷ the mean per worker (1 is
-    /// even; cache hits are not subtracted, so this is the load the router handed out).
+    /// Load imbalance: the busiest worker's active tokens (prompt and generated tokens of the
+    /// requests it holds), averaged over virtual time from zero to the fleet's present, ÷ the
+    /// mean over workers
+    /// (1 is even).
     pub load_imbalance: f64,
-    /// Prompt tokens routed to each worker over the run, by worker id.
+    /// Each worker's active tokens averaged over virtual time, by worker id.
+    pub mean_active_tokens: Vec<f64>,
+    /// Prompt tokens routed to each worker over the run, by worker id (cache hits not
+    /// subtracted: the load the router handed out).
     pub prompt_tokens_per_worker: Vec<u64>,
     /// Requests the router still counts as active.
     pub active_requests: usize,
@@ -172,6 +180,10 @@ pub struct Fleet {
     guards: HashMap<RequestId, RequestGuard<Arc<Router>>>,
     records: Vec<RequestRecord>,
     record_of: HashMap<RequestId, usize>,
+    /// Per engine: prompt and generated tokens of the requests it holds.
+    active_tokens: Vec<u64>,
+    /// Per engine: `active_tokens` integrated over virtual time, in token-seconds.
+    active_token_seconds: Vec<f64>,
     now: Duration,
 }
 
@@ -215,6 +227,8 @@ impl Fleet {
             guards: HashMap::new(),
             records: Vec::new(),
             record_of: HashMap::new(),
+            active_tokens: vec![0; config.workers],
+            active_token_seconds: vec![0.0; config.workers],
             now: Duration::ZERO,
         })
     }
@@ -254,8 +268,8 @@ impl Fleet {
                 _ => break,
             }
         }
-        if until != Duration::MAX {
-            self.now = self.now.max(until);
+        if until != Duration::MAX && until > self.now {
+            self.set_time(until);
         }
         Ok(())
     }
@@ -282,9 +296,15 @@ impl Fleet {
 
     /// The run so far in figures.
     pub fn report(&self) -> FleetReport {
+        let seconds = self.now.as_secs_f64();
+        let mean_active_tokens = self
+            .active_token_seconds
+            .iter()
+            .map(|&ts| ratio(ts, seconds))
+            .collect();
         report(
             &self.records,
-            self.engines.len(),
+            mean_active_tokens,
             self.router.active_requests(),
         )
     }
@@ -301,6 +321,14 @@ impl Fleet {
 
     /// Moves virtual time to `t`, on the fleet and the router's clock.
     fn set_time(&mut self, t: Duration) {
+        let dt = t.saturating_sub(self.now).as_secs_f64();
+        for (sum, &tokens) in self
+            .active_token_seconds
+            .iter_mut()
+            .zip(&self.active_tokens)
+        {
+            *sum += tokens as f64 * dt;
+        }
         self.now = t;
         self.clock.set(self.origin + t);
     }
@@ -341,6 +369,16 @@ impl Fleet {
     fn record_output(&mut self, output: &RequestOutput) -> Result<(), FleetError> {
         if let Some(&i) = self.record_of.get(&output.id) {
             let record = &mut self.records[i];
+            let worker = record.worker.worker.0 as usize;
+            if let Some(active) = self.active_tokens.get_mut(worker) {
+                *active += output.tokens.len() as u64;
+                if output.finish.is_some() {
+                    let held = u64::from(record.prompt_tokens)
+                        + u64::from(record.output_tokens)
+                        + output.tokens.len() as u64;
+                    *active = active.saturating_sub(held);
+                }
+            }
             record.output_tokens += output.tokens.len() as u32;
             record.cached = output.cached_tokens;
             if output.first_token_at.is_some() {
@@ -403,6 +441,7 @@ impl Fleet {
             predicted_cached: decision.overlap.cached_tokens,
             cached: 0,
         });
+        self.active_tokens[worker] += arrival.prompt.len() as u64;
         self.guards.insert(arrival.id, guard);
         if !self.in_pass[worker] {
             self.start_pass(worker);
@@ -411,8 +450,13 @@ impl Fleet {
     }
 }
 
-/// The figures of `records` over `workers` workers.
-fn report(records: &[RequestRecord], workers: usize, active_requests: usize) -> FleetReport {
+/// The figures of `records`, with each worker's time-averaged active tokens.
+fn report(
+    records: &[RequestRecord],
+    mean_active_tokens: Vec<f64>,
+    active_requests: usize,
+) -> FleetReport {
+    let workers = mean_active_tokens.len();
     let prompt: u64 = records.iter().map(|r| u64::from(r.prompt_tokens)).sum();
     let cached: u64 = records.iter().map(|r| u64::from(r.cached)).sum();
     let mut ttft_ms: Vec<f64> = records
@@ -431,14 +475,22 @@ fn report(records: &[RequestRecord], workers: usize, active_requests: usize) -> 
         .iter()
         .filter(|r| r.predicted_cached == u64::from(r.cached))
         .count();
+    let itl_ms: Vec<f64> = records
+        .iter()
+        .filter(|r| r.output_tokens >= 2)
+        .filter_map(|r| {
+            let gaps = f64::from(r.output_tokens - 1);
+            Some((r.finished? - r.first_token?).as_secs_f64() * 1e3 / gaps)
+        })
+        .collect();
     let mut per_worker = vec![0u64; workers];
     for r in records {
         if let Some(slot) = per_worker.get_mut(r.worker.worker.0 as usize) {
             *slot += u64::from(r.prompt_tokens);
         }
     }
-    let mean = per_worker.iter().sum::<u64>() as f64 / workers.max(1) as f64;
-    let max = per_worker.iter().copied().max().unwrap_or(0) as f64;
+    let mean = mean_active_tokens.iter().sum::<f64>() / workers.max(1) as f64;
+    let max = mean_active_tokens.iter().copied().fold(0.0, f64::max);
     FleetReport {
         requests: records.len(),
         finished: records.iter().filter(|r| r.finished.is_some()).count(),
@@ -446,8 +498,10 @@ fn report(records: &[RequestRecord], workers: usize, active_requests: usize) -> 
         ttft_mean_ms: ratio(ttft_ms.iter().sum(), ttft_ms.len() as f64),
         ttft_p99_ms: nearest_rank(&ttft_ms, 0.99),
         throughput: ratio(output as f64, span),
+        itl_mean_ms: ratio(itl_ms.iter().sum(), itl_ms.len() as f64),
         prediction_accuracy: ratio(exact as f64, records.len() as f64),
         load_imbalance: ratio(max, mean),
+        mean_active_tokens,
         prompt_tokens_per_worker: per_worker,
         active_requests,
     }

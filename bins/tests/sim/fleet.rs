@@ -79,7 +79,9 @@ fn every_request_finishes_and_load_returns_to_zero() {
     }
     assert!(fleet.engines().iter().all(|e| e.is_idle()));
     assert!(report.ttft_mean_ms > 0.0 && report.ttft_p99_ms >= report.ttft_mean_ms);
-    assert!(report.throughput > 0.0);
+    assert!(report.throughput > 0.0 && report.itl_mean_ms > 0.0);
+    assert!(report.mean_active_tokens.iter().all(|&t| t > 0.0));
+    assert!(report.load_imbalance >= 1.0);
 }
 
 #[test]
