@@ -36,7 +36,7 @@ use anyhow::{bail, Context, Result};
 use kvroute_benches::peers::{Indexer, Kind, Kvroute, PeerConfig};
 use kvroute_benches::trace::{read_trace, trace_stream};
 use kvroute_benches::workload::{
-    builtin_stream, Op, OpStream, Overlap, Placement, SimConfig, WorkloadConfig, PLACEMENT_SEED_MIX,
+    builtin_stream, ChatConfig, Op, OpStream, Overlap, Placement, SimConfig, PLACEMENT_SEED_MIX,
 };
 use kvroute_core::IndexConfig;
 
@@ -251,9 +251,9 @@ fn main() -> Result<()> {
             trace_stream(&rows, sim, BLOCK_SIZE)?
         }
         None => builtin_stream(
-            WorkloadConfig {
+            ChatConfig {
                 seed: SEED,
-                ..WorkloadConfig::default()
+                ..ChatConfig::default()
             },
             sim,
             BLOCK_SIZE,

@@ -543,17 +543,17 @@ impl<C: ChainLike> Indexer for KvIndex<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::{builtin_stream, Op, Placement, SimConfig, WorkloadConfig};
+    use crate::workload::{builtin_stream, ChatConfig, Op, Placement, SimConfig};
 
     /// Given time to apply every event before each query, every indexer answers exactly the
     /// ground truth: the adapters translate events and answers faithfully.
     #[test]
     fn every_indexer_agrees_when_flushed_before_each_query() {
-        let workload = WorkloadConfig {
+        let workload = ChatConfig {
             requests: 400,
             documents: 50,
             open_conversations: 8,
-            ..WorkloadConfig::default()
+            ..ChatConfig::default()
         };
         let sim = SimConfig {
             workers: 4,

@@ -12,103 +12,19 @@
 //! checks this against hashing the fully expanded prompt.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
 
 use kvroute_core::LocalHash;
-use serde::Deserialize;
 
-use crate::workload::{hash_prompt, pseudo_token, OpStream, SimConfig, Simulator};
+pub use kvroute::workload::{block_tokens, read_trace, TraceError, TraceRow, TRACE_BLOCK_TOKENS};
 
-/// Tokens behind one trace block id.
-pub const TRACE_BLOCK_TOKENS: usize = 512;
+use crate::workload::{hash_prompt, OpStream, SimConfig, Simulator};
 
-/// Content stream of [`pseudo_token`] for trace blocks.
-const STREAM_TRACE: u64 = 4;
-
-/// Why a trace could not be used.
+/// The block size does not divide the trace's 512-token blocks.
 #[derive(Debug, thiserror::Error)]
-pub enum TraceError {
-    #[error("cannot read trace {path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{path}:{line}: not a trace row: {source}")]
-    Parse {
-        path: PathBuf,
-        line: usize,
-        source: serde_json::Error,
-    },
-    #[error("{path}:{line}: input_length {input_length} exceeds {ids} blocks of 512 tokens")]
-    TooLong {
-        path: PathBuf,
-        line: usize,
-        input_length: usize,
-        ids: usize,
-    },
-    #[error("block size {block_size} does not divide the trace's 512-token blocks")]
-    BlockSize { block_size: usize },
-}
-
-/// One request of the trace (other fields of the row are ignored).
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-pub struct TraceRow {
-    /// Prompt length in tokens.
-    pub input_length: usize,
-    /// Remapped ids of the prompt's 512-token blocks, the last possibly partial.
-    pub hash_ids: Vec<u64>,
-}
-
-impl TraceRow {
-    /// The prompt's tokens, fully expanded (what [`TraceExpander`] avoids doing).
-    pub fn tokens(&self) -> Vec<u32> {
-        self.hash_ids
-            .iter()
-            .flat_map(|&id| block_tokens(id))
-            .take(self.input_length)
-            .collect()
-    }
-}
-
-/// The 512 pseudo-tokens of trace block `id`.
-pub fn block_tokens(id: u64) -> impl Iterator<Item = u32> {
-    (0..TRACE_BLOCK_TOKENS as u64).map(move |position| pseudo_token(STREAM_TRACE, id, position))
-}
-
-/// Read the first `limit` rows (all when `None`) of a JSON-lines trace.
-pub fn read_trace(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRow>, TraceError> {
-    let io = |source| TraceError::Io {
-        path: path.to_owned(),
-        source,
-    };
-    let reader = BufReader::new(File::open(path).map_err(io)?);
-    let mut rows = Vec::new();
-    for (index, line) in reader.lines().enumerate() {
-        if limit.is_some_and(|limit| rows.len() >= limit) {
-            break;
-        }
-        let line = line.map_err(io)?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let row: TraceRow = serde_json::from_str(&line).map_err(|source| TraceError::Parse {
-            path: path.to_owned(),
-            line: index + 1,
-            source,
-        })?;
-        if row.input_length > row.hash_ids.len() * TRACE_BLOCK_TOKENS {
-            return Err(TraceError::TooLong {
-                path: path.to_owned(),
-                line: index + 1,
-                input_length: row.input_length,
-                ids: row.hash_ids.len(),
-            });
-        }
-        rows.push(row);
-    }
-    Ok(rows)
+#[error("block size {block_size} does not divide the trace's 512-token blocks")]
+pub struct BlockSizeError {
+    /// The block size asked for.
+    pub block_size: usize,
 }
 
 /// Turns trace rows into local hashes, hashing each block id's tokens once.
@@ -123,9 +39,9 @@ pub struct TraceExpander {
 }
 
 impl TraceExpander {
-    pub fn new(block_size: usize) -> Result<Self, TraceError> {
+    pub fn new(block_size: usize) -> Result<Self, BlockSizeError> {
         if block_size == 0 || TRACE_BLOCK_TOKENS % block_size != 0 {
-            return Err(TraceError::BlockSize { block_size });
+            return Err(BlockSizeError { block_size });
         }
         Ok(TraceExpander {
             block_size,
@@ -167,7 +83,7 @@ pub fn trace_stream(
     rows: &[TraceRow],
     sim: SimConfig,
     block_size: usize,
-) -> Result<OpStream, TraceError> {
+) -> Result<OpStream, BlockSizeError> {
     let mut expander = TraceExpander::new(block_size)?;
     let mut simulator = Simulator::new(sim);
     for row in rows {
@@ -184,18 +100,26 @@ mod tests {
     fn cached_expansion_equals_full_hashing() {
         let rows = [
             TraceRow {
+                timestamp: 0,
+                output_length: 0,
                 input_length: 1_300,
                 hash_ids: vec![0, 1, 2],
             },
             TraceRow {
+                timestamp: 0,
+                output_length: 0,
                 input_length: 1_024,
                 hash_ids: vec![0, 1],
             },
             TraceRow {
+                timestamp: 0,
+                output_length: 0,
                 input_length: 700,
                 hash_ids: vec![0, 5],
             },
             TraceRow {
+                timestamp: 0,
+                output_length: 0,
                 input_length: 40,
                 hash_ids: vec![9],
             },
@@ -217,10 +141,14 @@ mod tests {
     fn shared_ids_share_blocks() {
         let mut expander = TraceExpander::new(64).unwrap();
         let a = expander.local_hashes(&TraceRow {
+            timestamp: 0,
+            output_length: 0,
             input_length: 1_024,
             hash_ids: vec![0, 1],
         });
         let b = expander.local_hashes(&TraceRow {
+            timestamp: 0,
+            output_length: 0,
             input_length: 1_024,
             hash_ids: vec![0, 2],
         });

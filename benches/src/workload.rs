@@ -19,7 +19,7 @@
 //! Blocks are keyed, in the caches and in the events, by their chained sequence hash: the engine
 //! block hash of the Dynamo convention, which the positional peer requires.
 //!
-//! The built-in workload ([`WorkloadConfig`]) is a chat service: multi-turn conversations whose
+//! The built-in workload ([`ChatConfig`]) is a chat service: multi-turn conversations whose
 //! prompt grows by the previous reply and a new user message each turn, opened by one of a few
 //! shared system prompts and often by a document drawn from a Zipf-popular library, with many
 //! conversations interleaved.
@@ -27,6 +27,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
+pub use kvroute::workload::{pseudo_token, ChatConfig, ChatWorkload};
 use kvroute_core::{seq_hashes, BlockHasher};
 use kvroute_core::{BlockHash, LocalHash, SeqHash, StoredBlock};
 use rand::rngs::SmallRng;
@@ -46,20 +47,6 @@ pub fn hash_prompt(tokens: &[u32], block_size: usize) -> Vec<LocalHash> {
 /// `seq[i] = xxh3(le(seq[i-1]) ++ le(local[i]))`.
 pub fn chain_hashes(locals: &[LocalHash]) -> Vec<SeqHash> {
     seq_hashes(locals)
-}
-
-/// A pseudo-token: a deterministic 17-bit value (a vocabulary of 131,072) of a content stream,
-/// an item of it and a position in the item. Distinct items give unrelated token runs.
-pub fn pseudo_token(stream: u64, item: u64, position: u64) -> u32 {
-    let mixed = splitmix64(splitmix64(stream.wrapping_shl(56) ^ item) ^ position);
-    (mixed >> 47) as u32
-}
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -524,206 +511,9 @@ impl LruCache {
 // The built-in workload
 // ---------------------------------------------------------------------------------------------
 
-/// Parameters of the built-in chat workload. Ranges are inclusive and sampled uniformly.
-#[derive(Clone, Debug, PartialEq)]
-pub struct WorkloadConfig {
-    /// Requests generated (one per conversation turn).
-    pub requests: usize,
-    /// Seed of everything random in the workload.
-    pub seed: u64,
-    /// Shared system prompts; a conversation opens with one, chosen Zipf(1.0)-popular.
-    pub system_prompts: usize,
-    /// Length of each system prompt, in tokens.
-    pub system_prompt_tokens: (usize, usize),
-    /// Documents in the library.
-    pub documents: usize,
-    /// Zipf exponent of document popularity (rank k drawn with weight 1/k^s).
-    pub document_zipf: f64,
-    /// Length of each document, in tokens.
-    pub document_tokens: (usize, usize),
-    /// Fraction of conversations that put a document after the system prompt.
-    pub document_share: f64,
-    /// Turns of a conversation (one request each).
-    pub turns: (usize, usize),
-    /// Length of a user message, in tokens.
-    pub user_tokens: (usize, usize),
-    /// Length of an assistant reply, in tokens; the reply joins the next turn's prompt.
-    pub reply_tokens: (usize, usize),
-    /// Conversations open at once; each request continues one of them, chosen uniformly, and a
-    /// finished conversation is replaced by a new one.
-    pub open_conversations: usize,
-}
-
-impl Default for WorkloadConfig {
-    fn default() -> Self {
-        WorkloadConfig {
-            requests: 10_000,
-            seed: 42,
-            system_prompts: 4,
-            system_prompt_tokens: (1_024, 3_072),
-            documents: 2_000,
-            document_zipf: 1.1,
-            document_tokens: (1_000, 8_000),
-            document_share: 0.5,
-            turns: (1, 10),
-            user_tokens: (50, 600),
-            reply_tokens: (100, 900),
-            open_conversations: 64,
-        }
-    }
-}
-
-/// Content streams of [`pseudo_token`] for the built-in workload.
-const STREAM_SYSTEM: u64 = 1;
-const STREAM_DOCUMENT: u64 = 2;
-const STREAM_MESSAGE: u64 = 3;
-
-/// Draws ranks `0..n` with probability proportional to `1 / (rank + 1)^s`.
-#[derive(Debug)]
-struct Zipf {
-    cdf: Vec<f64>,
-}
-
-impl Zipf {
-    fn new(n: usize, s: f64) -> Self {
-        let mut total = 0.0;
-        let mut cdf: Vec<f64> = (0..n.max(1))
-            .map(|rank| {
-                total += 1.0 / ((rank + 1) as f64).powf(s);
-                total
-            })
-            .collect();
-        for value in &mut cdf {
-            *value /= total;
-        }
-        Zipf { cdf }
-    }
-
-    fn sample(&self, rng: &mut SmallRng) -> usize {
-        let u: f64 = rng.gen();
-        self.cdf
-            .partition_point(|&c| c <= u)
-            .min(self.cdf.len() - 1)
-    }
-}
-
-#[derive(Debug)]
-struct Conversation {
-    tokens: Vec<u32>,
-    turns_left: usize,
-}
-
-/// Generates the built-in workload's prompts, in request order.
-#[derive(Debug)]
-pub struct BuiltinWorkload {
-    config: WorkloadConfig,
-    rng: SmallRng,
-    system_lengths: Vec<usize>,
-    system_pick: Zipf,
-    document_lengths: Vec<usize>,
-    document_pick: Zipf,
-    open: Vec<Conversation>,
-    next_message: u64,
-    emitted: usize,
-}
-
-impl BuiltinWorkload {
-    pub fn new(config: WorkloadConfig) -> Self {
-        let mut rng = SmallRng::seed_from_u64(config.seed);
-        let system_lengths = (0..config.system_prompts.max(1))
-            .map(|_| uniform(&mut rng, config.system_prompt_tokens))
-            .collect();
-        let document_lengths = (0..config.documents.max(1))
-            .map(|_| uniform(&mut rng, config.document_tokens))
-            .collect();
-        let mut workload = BuiltinWorkload {
-            system_pick: Zipf::new(config.system_prompts, 1.0),
-            document_pick: Zipf::new(config.documents, config.document_zipf),
-            rng,
-            system_lengths,
-            document_lengths,
-            open: Vec::new(),
-            next_message: 0,
-            emitted: 0,
-            config,
-        };
-        workload.open = (0..workload.config.open_conversations.max(1))
-            .map(|_| workload.new_conversation())
-            .collect();
-        workload
-    }
-
-    /// The next request's prompt tokens, or `None` once `requests` prompts were produced.
-    pub fn next_prompt(&mut self) -> Option<&[u32]> {
-        if self.emitted == self.config.requests {
-            return None;
-        }
-        self.emitted += 1;
-        let slot = self.rng.gen_range(0..self.open.len());
-        if self.open[slot].turns_left == 0 {
-            self.open[slot] = self.new_conversation();
-        }
-        // This turn's prompt is the history so far plus a new user message; the reply joins the
-        // history right after, so the next turn's prompt extends this one.
-        let user = uniform(&mut self.rng, self.config.user_tokens);
-        let message = self.message_id();
-        let reply = uniform(&mut self.rng, self.config.reply_tokens);
-        let reply_message = self.message_id();
-        let conversation = &mut self.open[slot];
-        append_item(&mut conversation.tokens, STREAM_MESSAGE, message, user);
-        conversation.turns_left -= 1;
-        let prompt_len = conversation.tokens.len();
-        append_item(
-            &mut conversation.tokens,
-            STREAM_MESSAGE,
-            reply_message,
-            reply,
-        );
-        Some(&conversation.tokens[..prompt_len])
-    }
-
-    fn message_id(&mut self) -> u64 {
-        let id = self.next_message;
-        self.next_message += 1;
-        id
-    }
-
-    fn new_conversation(&mut self) -> Conversation {
-        let mut tokens = Vec::new();
-        let system = self.system_pick.sample(&mut self.rng);
-        append_item(
-            &mut tokens,
-            STREAM_SYSTEM,
-            system as u64,
-            self.system_lengths[system],
-        );
-        if self.rng.gen::<f64>() < self.config.document_share {
-            let document = self.document_pick.sample(&mut self.rng);
-            append_item(
-                &mut tokens,
-                STREAM_DOCUMENT,
-                document as u64,
-                self.document_lengths[document],
-            );
-        }
-        Conversation {
-            tokens,
-            turns_left: uniform(&mut self.rng, self.config.turns).max(1),
-        }
-    }
-}
-
-fn append_item(tokens: &mut Vec<u32>, stream: u64, item: u64, len: usize) {
-    tokens.extend((0..len as u64).map(|position| pseudo_token(stream, item, position)));
-}
-
-fn uniform(rng: &mut SmallRng, (low, high): (usize, usize)) -> usize {
-    rng.gen_range(low..=high.max(low))
-}
-
 /// Simulate the built-in workload on a fleet.
-pub fn builtin_stream(workload: WorkloadConfig, sim: SimConfig, block_size: usize) -> OpStream {
-    let mut generator = BuiltinWorkload::new(workload);
+pub fn builtin_stream(workload: ChatConfig, sim: SimConfig, block_size: usize) -> OpStream {
+    let mut generator = ChatWorkload::new(workload);
     let mut simulator = Simulator::new(sim);
     while let Some(prompt) = generator.next_prompt() {
         let tokens = prompt.len();
@@ -737,13 +527,13 @@ pub fn builtin_stream(workload: WorkloadConfig, sim: SimConfig, block_size: usiz
 mod tests {
     use super::*;
 
-    fn small_workload(seed: u64) -> WorkloadConfig {
-        WorkloadConfig {
+    fn small_workload(seed: u64) -> ChatConfig {
+        ChatConfig {
             requests: 300,
             seed,
             documents: 50,
             open_conversations: 8,
-            ..WorkloadConfig::default()
+            ..ChatConfig::default()
         }
     }
 
@@ -776,7 +566,7 @@ mod tests {
 
     #[test]
     fn conversations_grow_turn_by_turn() {
-        let mut generator = BuiltinWorkload::new(WorkloadConfig {
+        let mut generator = ChatWorkload::new(ChatConfig {
             open_conversations: 1,
             turns: (3, 3),
             ..small_workload(3)

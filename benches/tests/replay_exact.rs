@@ -11,7 +11,7 @@ use kvroute_benches::peers::{Indexer, Kind, Kvroute, PeerConfig};
 use kvroute_benches::replay::{replay, Measurement};
 use kvroute_benches::trace::{read_trace, trace_stream};
 use kvroute_benches::workload::{
-    builtin_stream, Op, Overlap, Placement, Removed, SimConfig, Stored, WorkloadConfig,
+    builtin_stream, ChatConfig, Op, Overlap, Placement, Removed, SimConfig, Stored,
 };
 use kvroute_core::{IndexConfig, IndexStats, LocalHash};
 
@@ -72,9 +72,9 @@ fn kvroute_replay(stream: &kvroute_benches::workload::OpStream) -> Measurement {
 #[test]
 fn kvroute_is_exact_on_the_builtin_workload() {
     let _alone = alone();
-    let workload = WorkloadConfig {
+    let workload = ChatConfig {
         requests: 2_000,
-        ..WorkloadConfig::default()
+        ..ChatConfig::default()
     };
     let stream = builtin_stream(workload, sim(), BLOCK_SIZE);
     check(&kvroute_replay(&stream));
@@ -117,9 +117,9 @@ fn kvroute_accounts_what_the_process_takes() {
         capacity: 16_384,
         ..sim()
     };
-    let workload = WorkloadConfig {
+    let workload = ChatConfig {
         requests: 6_000,
-        ..WorkloadConfig::default()
+        ..ChatConfig::default()
     };
     let stream = builtin_stream(workload, fleet, BLOCK_SIZE);
     settle_heap();
@@ -147,9 +147,9 @@ fn kvroute_accounts_what_the_process_takes() {
 #[test]
 fn kvroute_under_a_memory_budget_never_over_reports() {
     let _alone = alone();
-    let workload = WorkloadConfig {
+    let workload = ChatConfig {
         requests: 2_000,
-        ..WorkloadConfig::default()
+        ..ChatConfig::default()
     };
     let stream = builtin_stream(workload, sim(), BLOCK_SIZE);
     let budget = 400_000;

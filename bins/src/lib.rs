@@ -9,4 +9,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod demo;
 pub mod sim;
+pub mod workload;

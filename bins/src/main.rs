@@ -1,35 +1,147 @@
-//! `kvroute`: the router's programs. The router service, the simulated GPU worker and the trace
-//! replayer are built on the core and the transport; until they land this prints what exists.
+//! `kvroute`: the router's programs. `demo` runs a workload through a simulated fleet under
+//! every routing policy and compares them.
 
 // A program: it prints to its terminal.
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use kvroute::demo::{self, DemoConfig, DemoPolicy};
+use kvroute::sim::EngineConfig;
+use kvroute::workload::{read_trace, ChatConfig, Workload};
 use mimalloc::MiMalloc;
 
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;
 
-const USAGE: &str = "\
-kvroute — KV-cache-aware request router
+/// kvroute — KV-cache-aware request router for LLM inference fleets.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-USAGE: kvroute <COMMAND>
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Route a workload through a simulated fleet (in one process, on a virtual clock) once per
+    /// policy, and compare hit rate, latency and balance.
+    Demo(DemoArgs),
+}
 
-The programs (serve, worker simulator, replay, demo) are not built yet.
-The index benchmark runs with:
-    cargo run --release -p kvroute-benches --bin peer-index
-";
+#[derive(Debug, Args)]
+struct DemoArgs {
+    /// A Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
+    /// hash_ids); without it, the built-in chat workload.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Requests to run: the trace's first N rows, or the built-in workload's length.
+    #[arg(long, value_name = "N")]
+    requests: Option<usize>,
+    /// Arrivals come this many times sooner than the workload's own times.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// The built-in workload's mean arrivals per second (before the speed-up).
+    #[arg(long, default_value_t = 4.0)]
+    rate: f64,
+    /// Seed of the built-in workload and of the peers' random draws.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// KV blocks per worker (default: an H100 serving Llama-3.1-8B, about 393k tokens).
+    #[arg(long, value_name = "N")]
+    kv_blocks: Option<u32>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Policies to compare, comma-separated (default: all). Known: kv-aware, kv-aware-temp,
+    /// dynamo-default, cache-threshold, prefix-hash, least-loaded, power-of-two, round-robin,
+    /// random.
+    #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+    policies: Vec<DemoPolicy>,
+    /// Runs at once (default: the machine's cores).
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// Write the report as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Draw TTFT CDFs, hit rates and per-worker load over time to this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
 
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        None | Some("-h" | "--help" | "help") => {
-            print!("{USAGE}");
-            Ok(())
-        }
-        Some("--version" | "-V") => {
-            println!("kvroute {}", env!("CARGO_PKG_VERSION"));
-            Ok(())
-        }
-        Some(other) => anyhow::bail!("unknown command {other:?}\n\n{USAGE}"),
+    match Cli::parse().command {
+        Command::Demo(args) => run_demo(args),
     }
+}
+
+fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let workload = match &args.trace {
+        Some(path) => {
+            let rows = read_trace(path, args.requests)?;
+            let name = path
+                .file_stem()
+                .map_or_else(|| "trace".to_owned(), |s| s.to_string_lossy().into_owned());
+            Workload::trace(name, rows)
+        }
+        None => Workload::chat(ChatConfig {
+            requests: args.requests.unwrap_or(1_500),
+            seed: args.seed,
+            rate: args.rate,
+            ..ChatConfig::default()
+        }),
+    }
+    .with_speedup(args.speedup);
+    let defaults = DemoConfig::default();
+    let engine = EngineConfig {
+        block_size: args.block_size,
+        kv_blocks: args.kv_blocks.unwrap_or(defaults.engine.kv_blocks),
+        ..defaults.engine
+    };
+    engine.validate()?;
+    let config = DemoConfig {
+        workers: args.workers,
+        engine,
+        policies: if args.policies.is_empty() {
+            defaults.policies
+        } else {
+            args.policies
+        },
+        threads: args.threads.unwrap_or(defaults.threads),
+        load_sample_every: Duration::from_secs(1),
+        seed: args.seed,
+    };
+    eprintln!(
+        "kvroute demo: {} ({} requests, arrivals ×{}) on {} simulated workers, {} policies, {} at a time",
+        workload.name(),
+        workload.len(),
+        workload.speedup(),
+        config.workers,
+        config.policies.len(),
+        config.threads
+    );
+    let report = demo::run(&workload, &config, &|p| {
+        eprintln!(
+            "  {:<16} done in {:>5.1} s: hit rate {:.3}, TTFT mean {:.0} ms",
+            p.name, p.wall_seconds, p.hit_rate, p.ttft_mean_ms
+        );
+    })?;
+    println!();
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        demo::write_svg(&report, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
 }

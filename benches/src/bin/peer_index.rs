@@ -15,7 +15,7 @@ use kvroute_benches::peers::{Kind, PeerConfig};
 use kvroute_benches::replay::{replay, Measurement};
 use kvroute_benches::trace::{read_trace, trace_stream};
 use kvroute_benches::workload::{
-    builtin_stream, OpStream, Placement, SimConfig, WorkloadConfig, PLACEMENT_SEED_MIX,
+    builtin_stream, ChatConfig, OpStream, Placement, SimConfig, PLACEMENT_SEED_MIX,
 };
 
 #[global_allocator]
@@ -35,7 +35,7 @@ struct Args {
 }
 
 fn usage() -> String {
-    let w = WorkloadConfig::default();
+    let w = ChatConfig::default();
     let p = Placement::default();
     let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
     format!(
@@ -175,10 +175,10 @@ fn build_stream(args: &Args) -> Result<OpStream> {
             Ok(trace_stream(&rows, sim, args.block_size)?)
         }
         None => {
-            let workload = WorkloadConfig {
-                requests: args.requests.unwrap_or(WorkloadConfig::default().requests),
+            let workload = ChatConfig {
+                requests: args.requests.unwrap_or(ChatConfig::default().requests),
                 seed: args.seed,
-                ..WorkloadConfig::default()
+                ..ChatConfig::default()
             };
             Ok(builtin_stream(workload, sim, args.block_size))
         }

@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use kvroute_core::RequestId;
+use kvroute_core::{RequestId, SeqHash};
 
 use super::blocks::PoolCounts;
 use super::config::EngineConfig;
@@ -233,6 +233,12 @@ impl Engine {
     /// (unlike admission, which leaves the last token to compute).
     pub fn cached_prefix_blocks(&self, tokens: &[u32]) -> usize {
         self.scheduler.cached_prefix_blocks(tokens)
+    }
+
+    /// How many of `hashes` (a prompt's chained block hashes, from its first block) the cache
+    /// holds as a prefix: the hashing done once for many engines.
+    pub fn cached_prefix_of(&self, hashes: &[SeqHash]) -> usize {
+        self.scheduler.cached_prefix_of(hashes)
     }
 
     /// The state in numbers.

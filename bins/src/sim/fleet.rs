@@ -22,13 +22,14 @@
 //! and the engine evicts blocks the router still counts until the eviction's pass ends.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::{
-    Clock, EventId, IndexConfig, IndexError, LoadError, ManualClock, PrefixIndex, RequestGuard,
-    RequestId, RouteError, RouteHints, RouteRequest, Router, RouterConfig, RouterError,
-    WorkerConfig, WorkerRank,
+    seq_hashes, BlockHasher, Clock, EventId, IndexConfig, IndexError, LoadError, ManualClock,
+    Pinned, PrefixIndex, RequestGuard, RequestId, RouteError, RouteHints, RouteRequest, Router,
+    RouterConfig, RouterError, WorkerConfig, WorkerRank,
 };
 
 use super::config::EngineConfig;
@@ -45,6 +46,20 @@ pub struct FleetConfig {
     pub engine: EngineConfig,
     /// The router's configuration; its block size must be the engines'.
     pub router: RouterConfig,
+}
+
+/// Chooses the rank for each request in place of the router's policy: a peer's selection
+/// logic run on the same fleet. The router then books the request on that rank (a pin), so its
+/// load, lifecycle and predicted overlap are kept exactly as for the router's own choices.
+pub trait Picker: Send + fmt::Debug {
+    /// The rank that serves request `id` with these prompt tokens, from the router's index
+    /// and loads as they stand.
+    fn pick(
+        &mut self,
+        router: &Router,
+        id: RequestId,
+        tokens: &[u32],
+    ) -> Result<WorkerRank, RouteError>;
 }
 
 /// A request to come: when, what, and how many tokens it generates.
@@ -124,6 +139,9 @@ pub struct RequestRecord {
     pub predicted_cached: u64,
     /// Prompt tokens the engine found cached (0 until it is scheduled).
     pub cached: u32,
+    /// The most prompt tokens any engine held at arrival, leaving the last token to compute
+    /// as admission does: what an oracle placing this one request would have found.
+    pub oracle_cached: u32,
 }
 
 /// The run in figures.
@@ -135,6 +153,9 @@ pub struct FleetReport {
     pub finished: usize,
     /// Prompt tokens the engines found cached ÷ prompt tokens routed.
     pub hit_rate: f64,
+    /// The most prompt tokens any engine held at each arrival ÷ prompt tokens routed: the hit
+    /// rate of an oracle that sees every cache, request by request.
+    pub oracle_hit_rate: f64,
     /// Mean time from arrival to first token, in milliseconds.
     pub ttft_mean_ms: f64,
     /// 99th percentile (nearest rank) of the same, in milliseconds.
@@ -185,6 +206,23 @@ pub struct Fleet {
     /// Per engine: `active_tokens` integrated over virtual time, in token-seconds.
     active_token_seconds: Vec<f64>,
     now: Duration,
+    /// Chooses ranks instead of the router's policy, when set.
+    picker: Option<Box<dyn Picker>>,
+    /// Hashes prompts for the oracle, as the engines do.
+    hasher: BlockHasher,
+    /// Wall-clock nanoseconds of each routing decision (the picker's included), in order.
+    route_ns: Vec<u64>,
+    /// Each worker's active tokens every `sample_every` of virtual time, when set.
+    load: LoadSeries,
+}
+
+/// Each worker's active tokens sampled at a fixed step of virtual time.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoadSeries {
+    /// The step (zero: not sampled).
+    pub every: Duration,
+    /// Samples: at `every × (i + 1)`, every worker's active tokens, by worker id.
+    pub samples: Vec<Vec<u64>>,
 }
 
 impl Fleet {
@@ -230,7 +268,33 @@ impl Fleet {
             active_tokens: vec![0; config.workers],
             active_token_seconds: vec![0.0; config.workers],
             now: Duration::ZERO,
+            picker: None,
+            hasher: BlockHasher::new(config.engine.block_size as usize),
+            route_ns: Vec::new(),
+            load: LoadSeries::default(),
         })
+    }
+
+    /// Ranks are chosen by `picker` from now on, and booked through the router as pins.
+    pub fn set_picker(&mut self, picker: Box<dyn Picker>) {
+        self.picker = Some(picker);
+    }
+
+    /// Samples every worker's active tokens each `every` of virtual time from now on (zero
+    /// stops sampling).
+    pub fn sample_load_every(&mut self, every: Duration) {
+        self.load.every = every;
+    }
+
+    /// The load samples taken so far.
+    pub fn load_series(&self) -> &LoadSeries {
+        &self.load
+    }
+
+    /// Wall-clock nanoseconds each routing decision took, in routing order: the router's
+    /// `route` call, with the picker's own work when one is set.
+    pub fn route_times_ns(&self) -> &[u64] {
+        &self.route_ns
     }
 
     /// Queues an arrival. Ids must be unique in the run and arrivals not in the past.
@@ -321,6 +385,14 @@ impl Fleet {
 
     /// Moves virtual time to `t`, on the fleet and the router's clock.
     fn set_time(&mut self, t: Duration) {
+        if !self.load.every.is_zero() {
+            let every = self.load.every;
+            let mut next = every * (self.load.samples.len() as u32 + 1);
+            while next <= t {
+                self.load.samples.push(self.active_tokens.clone());
+                next += every;
+            }
+        }
         let dt = t.saturating_sub(self.now).as_secs_f64();
         for (sum, &tokens) in self
             .active_token_seconds
@@ -407,12 +479,24 @@ impl Fleet {
             return Ok(());
         };
         self.set_time(at);
-        let request = RouteRequest {
+        let oracle_cached = self.oracle_cached(&arrival.prompt);
+        let started = Instant::now();
+        let mut request = RouteRequest {
             id: arrival.id,
             tokens: &arrival.prompt,
             hints: RouteHints::default(),
         };
+        if let Some(picker) = self.picker.as_mut() {
+            let rank = picker.pick(&self.router, arrival.id, &arrival.prompt)?;
+            request.hints.pinned = Pinned {
+                backend_instance: Some(rank.worker),
+                dp_rank: Some(rank.dp_rank),
+                ..Pinned::default()
+            };
+        }
         let decision = self.router.route(&request)?;
+        self.route_ns
+            .push(started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
         let mut guard = RequestGuard::new(Arc::clone(&self.router), decision.request);
         guard.mark_dispatched()?;
         let worker = decision.worker.worker.0 as usize;
@@ -440,6 +524,7 @@ impl Fleet {
             output_tokens: 0,
             predicted_cached: decision.overlap.cached_tokens,
             cached: 0,
+            oracle_cached,
         });
         self.active_tokens[worker] += arrival.prompt.len() as u64;
         self.guards.insert(arrival.id, guard);
@@ -447,6 +532,23 @@ impl Fleet {
             self.start_pass(worker);
         }
         Ok(())
+    }
+}
+
+impl Fleet {
+    /// The most prompt tokens of `prompt` any engine holds now, leaving the last token to
+    /// compute as admission does.
+    fn oracle_cached(&self, prompt: &[u32]) -> u32 {
+        let hashes = seq_hashes(&self.hasher.local_hashes(prompt));
+        let block_size = self.hasher.block_size();
+        let cap = prompt.len().saturating_sub(1) / block_size;
+        let best = self
+            .engines
+            .iter()
+            .map(|e| e.cached_prefix_of(&hashes[..cap.min(hashes.len())]))
+            .max()
+            .unwrap_or(0);
+        (best * block_size) as u32
     }
 }
 
@@ -459,6 +561,7 @@ fn report(
     let workers = mean_active_tokens.len();
     let prompt: u64 = records.iter().map(|r| u64::from(r.prompt_tokens)).sum();
     let cached: u64 = records.iter().map(|r| u64::from(r.cached)).sum();
+    let oracle: u64 = records.iter().map(|r| u64::from(r.oracle_cached)).sum();
     let mut ttft_ms: Vec<f64> = records
         .iter()
         .filter_map(|r| r.first_token.map(|t| (t - r.arrival).as_secs_f64() * 1e3))
@@ -495,6 +598,7 @@ fn report(
         requests: records.len(),
         finished: records.iter().filter(|r| r.finished.is_some()).count(),
         hit_rate: ratio(cached as f64, prompt as f64),
+        oracle_hit_rate: ratio(oracle as f64, prompt as f64),
         ttft_mean_ms: ratio(ttft_ms.iter().sum(), ttft_ms.len() as f64),
         ttft_p99_ms: nearest_rank(&ttft_ms, 0.99),
         throughput: ratio(output as f64, span),

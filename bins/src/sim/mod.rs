@@ -46,7 +46,9 @@ pub use config::EngineConfig;
 pub use engine::{ClearMode, Engine, EngineStats, Pass};
 pub use error::SimError;
 pub use events::{EngineBlockHash, EngineEvent, EventBatch, Medium};
-pub use fleet::{Arrival, Fleet, FleetConfig, FleetError, FleetReport, RequestRecord};
+pub use fleet::{
+    Arrival, Fleet, FleetConfig, FleetError, FleetReport, LoadSeries, Picker, RequestRecord,
+};
 pub use kvroute_core::RequestId;
 pub use request::{EngineRequest, Finish, RequestOutput};
 pub use scheduler::Admission;

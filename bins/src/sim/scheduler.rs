@@ -19,7 +19,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use kvroute_core::{BlockHasher, RequestId};
+use kvroute_core::{BlockHasher, RequestId, SeqHash};
 
 use super::blocks::{BlockId, BlockPool};
 use super::events::{EngineBlockHash, EngineEvent, EventLog, Medium};
@@ -317,6 +317,11 @@ impl Scheduler {
     /// Blocks of the longest cached prefix of `tokens` (whole prompt, no cap).
     pub(crate) fn cached_prefix_blocks(&self, tokens: &[u32]) -> usize {
         let hashes = kvroute_core::seq_hashes(&self.hasher.local_hashes(tokens));
+        self.cached_prefix_of(&hashes)
+    }
+
+    /// How many of the chained block hashes `hashes` the pool holds as a prefix.
+    pub(crate) fn cached_prefix_of(&self, hashes: &[SeqHash]) -> usize {
         hashes
             .iter()
             .take_while(|&&h| self.pool.contains(h))

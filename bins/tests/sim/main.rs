@@ -1,7 +1,8 @@
-//! Behaviour tests of the simulated engine, through its public API: the scheduler's rules
-//! (`scheduling.rs`), the prefix cache and its truth (`cache.rs`), fault hooks and refusals
-//! (`hooks.rs`), and a property test that the router's index built from the engine's events
-//! equals the engine's cache after every pass (`events_model.rs`).
+//! Behaviour tests of the programs' library, through its public API: the simulated engine's
+//! scheduler rules (`scheduling.rs`), its prefix cache and its truth (`cache.rs`), fault hooks
+//! and refusals (`hooks.rs`), a property test that the router's index built from the engine's
+//! events equals the engine's cache after every pass (`events_model.rs`), the fleet on one
+//! virtual clock (`fleet.rs`), workloads and traces (`workload.rs`), and the demo (`demo.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -13,10 +14,12 @@
 )]
 
 mod cache;
+mod demo;
 mod events_model;
 mod fleet;
 mod hooks;
 mod scheduling;
+mod workload;
 
 use std::collections::HashMap;
 use std::time::Duration;

@@ -1,0 +1,190 @@
+//! Workloads the simulated fleet and the replayer run: the built-in chat service and
+//! Mooncake-format traces, each a stream of requests in arrival order, and the ceiling no
+//! routing policy can beat on them.
+//!
+//! ```text
+//!  ChatConfig ──ChatWorkload──┐
+//!                             ├──▶ Workload::requests(): (arrival, prompt tokens, output tokens)…
+//!  trace.jsonl ──read_trace───┘                                   │
+//!                                                      ceiling(): every earlier prompt cached
+//! ```
+//!
+//! Module map:
+//!
+//! * `chat.rs`: [`ChatConfig`] and [`ChatWorkload`], the built-in generator.
+//! * `mooncake.rs`: [`TraceRow`] and [`read_trace`], Mooncake-format traces.
+//! * `tokens.rs`: [`pseudo_token`], the content of every synthetic prompt.
+
+mod chat;
+mod mooncake;
+mod tokens;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::{seq_hashes, BlockHasher};
+
+pub use chat::{ChatConfig, ChatWorkload, Turn};
+pub use mooncake::{block_tokens, read_trace, TraceError, TraceRow, TRACE_BLOCK_TOKENS};
+pub use tokens::pseudo_token;
+
+/// One request of a workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkloadRequest {
+    /// Arrival from the workload's start (already divided by the speed-up).
+    pub at: Duration,
+    /// The prompt's token ids (never empty).
+    pub prompt: Vec<u32>,
+    /// Tokens it generates (at least 1).
+    pub output_tokens: u32,
+}
+
+/// What to run: the built-in chat service or a trace, at a speed-up.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    source: Source,
+    speedup: f64,
+}
+
+#[derive(Clone, Debug)]
+enum Source {
+    Chat(ChatConfig),
+    Trace { name: String, rows: Arc<[TraceRow]> },
+}
+
+impl Workload {
+    /// The built-in chat workload.
+    pub fn chat(config: ChatConfig) -> Self {
+        Workload {
+            source: Source::Chat(config),
+            speedup: 1.0,
+        }
+    }
+
+    /// A trace's rows (read with [`read_trace`]), named for reports.
+    pub fn trace(name: impl Into<String>, rows: Vec<TraceRow>) -> Self {
+        Workload {
+            source: Source::Trace {
+                name: name.into(),
+                rows: rows.into(),
+            },
+            speedup: 1.0,
+        }
+    }
+
+    /// Arrivals come `speedup` times sooner (a positive number; others leave it at 1).
+    pub fn with_speedup(mut self, speedup: f64) -> Self {
+        self.speedup = if speedup.is_finite() && speedup > 0.0 {
+            speedup
+        } else {
+            1.0
+        };
+        self
+    }
+
+    /// The arrival speed-up.
+    pub fn speedup(&self) -> f64 {
+        self.speedup
+    }
+
+    /// A name for reports: `builtin-chat` or the trace's.
+    pub fn name(&self) -> &str {
+        match &self.source {
+            Source::Chat(_) => "builtin-chat",
+            Source::Trace { name, .. } => name,
+        }
+    }
+
+    /// Requests in the workload.
+    pub fn len(&self) -> usize {
+        match &self.source {
+            Source::Chat(config) => config.requests,
+            Source::Trace { rows, .. } => rows.len(),
+        }
+    }
+
+    /// Whether it has no request.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Its requests in arrival order, generated as they are drawn (a trace's prompts are
+    /// expanded one at a time; ties keep the file's order).
+    pub fn requests(&self) -> Box<dyn Iterator<Item = WorkloadRequest> + Send + '_> {
+        let speedup = self.speedup;
+        match &self.source {
+            Source::Chat(config) => {
+                let mut generator = ChatWorkload::new(config.clone());
+                Box::new(std::iter::from_fn(move || {
+                    let turn = generator.next_turn()?;
+                    Some(WorkloadRequest {
+                        at: turn.at.div_f64(speedup),
+                        prompt: turn.prompt.to_vec(),
+                        output_tokens: turn.reply_tokens.max(1) as u32,
+                    })
+                }))
+            }
+            Source::Trace { rows, .. } => {
+                let mut order: Vec<usize> = (0..rows.len()).collect();
+                order.sort_by_key(|&i| rows[i].timestamp);
+                Box::new(order.into_iter().map(move |i| {
+                    let row = &rows[i];
+                    WorkloadRequest {
+                        at: Duration::from_millis(row.timestamp).div_f64(speedup),
+                        prompt: row.tokens(),
+                        output_tokens: row.output_length.clamp(1, u32::MAX as usize) as u32,
+                    }
+                }))
+            }
+        }
+    }
+
+    /// The workload's figures with an infinite cache that every worker shares: prompt tokens
+    /// of blocks some earlier prompt had, counting a prompt's leading blocks only and leaving
+    /// its last token to compute (as an engine does), ÷ prompt tokens. No routing policy can
+    /// beat its hit rate.
+    pub fn ceiling(&self, block_size: u32) -> Ceiling {
+        let hasher = BlockHasher::new(block_size as usize);
+        let mut seen = HashSet::new();
+        let mut ceiling = Ceiling::default();
+        for request in self.requests() {
+            let hashes = seq_hashes(&hasher.local_hashes(&request.prompt));
+            let cap = (request.prompt.len() - 1) / block_size as usize;
+            let hits = hashes.iter().take(cap).take_while(|h| seen.contains(*h));
+            ceiling.cached_tokens += (hits.count() * block_size as usize) as u64;
+            ceiling.prompt_tokens += request.prompt.len() as u64;
+            ceiling.output_tokens += u64::from(request.output_tokens);
+            ceiling.requests += 1;
+            ceiling.span = request.at;
+            seen.extend(hashes);
+        }
+        ceiling
+    }
+}
+
+/// A workload's totals and its infinite-cache ceiling ([`Workload::ceiling`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Ceiling {
+    /// Requests.
+    pub requests: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Prompt tokens an infinite shared cache would have held.
+    pub cached_tokens: u64,
+    /// The last arrival.
+    pub span: Duration,
+}
+
+impl Ceiling {
+    /// Cached ÷ prompt tokens (0 for no prompt).
+    pub fn hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.cached_tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+}
