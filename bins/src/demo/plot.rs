@@ -32,9 +32,16 @@ pub fn write_svg(report: &DemoReport, path: &Path) -> Result<(), PlotError> {
     let (left, right) = bottom.split_horizontally(700);
     ttft_cdf(&cdf, report).map_err(|e| error(&e))?;
     hit_rates(&hits, report).map_err(|e| error(&e))?;
-    let shown = load_policies(report);
-    for (area, policy) in [left, right].iter().zip(shown) {
-        worker_load(area, policy).map_err(|e| error(&e))?;
+    let shown: Vec<(&PolicyReport, Vec<(f64, Vec<f64>)>)> = load_policies(report)
+        .into_iter()
+        .map(|p| (p, windows(p)))
+        .collect();
+    let peak = shown
+        .iter()
+        .flat_map(|(_, w)| w.iter().flat_map(|(_, v)| v.iter().copied()))
+        .fold(1.0, f64::max);
+    for (area, (policy, windows)) in [left, right].iter().zip(&shown) {
+        worker_load(area, policy, windows, peak).map_err(|e| error(&e))?;
     }
     root.present().map_err(|e| error(&e))?;
     Ok(())
@@ -98,44 +105,47 @@ fn ttft_cdf<'a>(area: &Area<'a>, report: &DemoReport) -> DrawResult<'a> {
 
 fn hit_rates<'a>(area: &Area<'a>, report: &DemoReport) -> DrawResult<'a> {
     let n = report.policies.len();
-    let top = report.policies.iter().map(|p| p.hit_rate).fold(
+    let right = report.policies.iter().map(|p| p.hit_rate).fold(
         report.ceiling_hit_rate.max(report.oracle_hit_rate),
         f64::max,
-    ) * 1.15;
+    ) * 1.1;
     let names: Vec<&str> = report.policies.iter().map(|p| p.name.as_str()).collect();
     let mut chart = ChartBuilder::on(area)
         .caption("prefix hit rate", ("sans-serif", 20))
         .margin(12)
-        .x_label_area_size(70)
-        .y_label_area_size(50)
+        .x_label_area_size(40)
+        .y_label_area_size(120)
         .build_cartesian_2d(
+            0.0..right.max(0.01),
             (0..n.saturating_sub(1)).into_segmented(),
-            0.0..top.max(0.01),
         )?;
     chart
         .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n)
-        .x_label_style(
-            ("sans-serif", 12)
-                .into_font()
-                .transform(FontTransform::Rotate90),
-        )
-        .x_label_formatter(&|v| match v {
-            SegmentValue::CenterOf(i) => names.get(*i).copied().unwrap_or("").to_owned(),
+        .disable_y_mesh()
+        .y_labels(n)
+        .y_label_formatter(&|v| match v {
+            // The first policy on top.
+            SegmentValue::CenterOf(i) => names
+                .get(n.saturating_sub(1 + *i))
+                .copied()
+                .unwrap_or("")
+                .to_owned(),
             _ => String::new(),
         })
-        .y_desc("cached prompt tokens ÷ prompt tokens")
+        .x_desc("cached prompt tokens ÷ prompt tokens")
         .draw()?;
     chart.draw_series(report.policies.iter().enumerate().map(|(i, p)| {
         let color = Palette99::pick(i).to_rgba();
-        Rectangle::new(
+        let row = n - 1 - i;
+        let mut bar = Rectangle::new(
             [
-                (SegmentValue::Exact(i), 0.0),
-                (SegmentValue::Exact(i + 1), p.hit_rate),
+                (0.0, SegmentValue::Exact(row)),
+                (p.hit_rate, SegmentValue::Exact(row + 1)),
             ],
             color.filled(),
-        )
+        );
+        bar.set_margin(4, 4, 0, 0);
+        bar
     }))?;
     for (value, label, color) in [
         (report.oracle_hit_rate, "oracle", BLACK),
@@ -143,7 +153,7 @@ fn hit_rates<'a>(area: &Area<'a>, report: &DemoReport) -> DrawResult<'a> {
     ] {
         chart
             .draw_series(LineSeries::new(
-                [(SegmentValue::Exact(0), value), (SegmentValue::Last, value)],
+                [(value, SegmentValue::Exact(0)), (value, SegmentValue::Last)],
                 color.stroke_width(2),
             ))?
             .label(format!("{label} {value:.3}"))
@@ -153,7 +163,7 @@ fn hit_rates<'a>(area: &Area<'a>, report: &DemoReport) -> DrawResult<'a> {
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(SeriesLabelPosition::LowerRight)
         .border_style(BLACK)
         .background_style(WHITE.mix(0.85))
         .draw()?;
@@ -168,12 +178,36 @@ fn load_policies(report: &DemoReport) -> Vec<&PolicyReport> {
     }
 }
 
-fn worker_load<'a>(area: &Area<'a>, p: &PolicyReport) -> DrawResult<'a> {
-    let every = p.load.every.as_secs_f64();
+/// Windows the load plot averages over, at most this many.
+const LOAD_WINDOWS: usize = 120;
+
+/// `p`'s load samples averaged over at most [`LOAD_WINDOWS`] windows of equal length: each
+/// window's end time and every worker's mean active tokens in it.
+fn windows(p: &PolicyReport) -> Vec<(f64, Vec<f64>)> {
     let samples = &p.load.samples;
-    let workers = samples.first().map_or(0, Vec::len);
-    let end = (samples.len() as f64 * every).max(every).max(1e-3);
-    let peak = samples.iter().flatten().copied().max().unwrap_or(0).max(1) as f64;
+    let every = p.load.every.as_secs_f64();
+    let per = samples.len().div_ceil(LOAD_WINDOWS).max(1);
+    samples
+        .chunks(per)
+        .enumerate()
+        .map(|(i, chunk)| {
+            let workers = chunk.first().map_or(0, Vec::len);
+            let mean = (0..workers)
+                .map(|w| chunk.iter().map(|s| s[w] as f64).sum::<f64>() / chunk.len() as f64)
+                .collect();
+            (((i * per) + chunk.len()) as f64 * every, mean)
+        })
+        .collect()
+}
+
+fn worker_load<'a>(
+    area: &Area<'a>,
+    p: &PolicyReport,
+    windows: &[(f64, Vec<f64>)],
+    peak: f64,
+) -> DrawResult<'a> {
+    let workers = windows.first().map_or(0, |(_, v)| v.len());
+    let end = windows.last().map_or(1.0, |(t, _)| *t).max(1e-3);
     let mut chart = ChartBuilder::on(area)
         .caption(
             format!(
@@ -189,16 +223,14 @@ fn worker_load<'a>(area: &Area<'a>, p: &PolicyReport) -> DrawResult<'a> {
     chart
         .configure_mesh()
         .x_desc("virtual time (s)")
-        .y_desc("prompt + generated tokens held")
+        .y_desc("tokens held, window mean")
+        .y_label_formatter(&|v| format!("{:.0}k", v / 1e3))
         .draw()?;
     for w in 0..workers {
         let color = Palette99::pick(w).to_rgba();
-        let points = samples.iter().enumerate().map(|(i, s)| {
-            (
-                (i + 1) as f64 * every,
-                s.get(w).copied().unwrap_or(0) as f64,
-            )
-        });
+        let points = windows
+            .iter()
+            .map(|(t, v)| (*t, v.get(w).copied().unwrap_or(0.0)));
         chart.draw_series(LineSeries::new(points, color.stroke_width(1)))?;
     }
     Ok(())
