@@ -32,7 +32,7 @@ pub fn write_svg(report: &DemoReport, path: &Path) -> Result<(), PlotError> {
     let (left, right) = bottom.split_horizontally(700);
     ttft_cdf(&cdf, report).map_err(|e| error(&e))?;
     hit_rates(&hits, report).map_err(|e| error(&e))?;
-    let shown: Vec<(&PolicyReport, Vec<(f64, Vec<f64>)>)> = load_policies(report)
+    let shown: Vec<(&PolicyReport, Vec<Window>)> = load_policies(report)
         .into_iter()
         .map(|p| (p, windows(p)))
         .collect();
@@ -178,12 +178,15 @@ fn load_policies(report: &DemoReport) -> Vec<&PolicyReport> {
     }
 }
 
+/// A window's end time and every worker's mean active tokens in it.
+type Window = (f64, Vec<f64>);
+
 /// Windows the load plot averages over, at most this many.
 const LOAD_WINDOWS: usize = 120;
 
 /// `p`'s load samples averaged over at most [`LOAD_WINDOWS`] windows of equal length: each
 /// window's end time and every worker's mean active tokens in it.
-fn windows(p: &PolicyReport) -> Vec<(f64, Vec<f64>)> {
+fn windows(p: &PolicyReport) -> Vec<Window> {
     let samples = &p.load.samples;
     let every = p.load.every.as_secs_f64();
     let per = samples.len().div_ceil(LOAD_WINDOWS).max(1);
@@ -203,7 +206,7 @@ fn windows(p: &PolicyReport) -> Vec<(f64, Vec<f64>)> {
 fn worker_load<'a>(
     area: &Area<'a>,
     p: &PolicyReport,
-    windows: &[(f64, Vec<f64>)],
+    windows: &[Window],
     peak: f64,
 ) -> DrawResult<'a> {
     let workers = windows.first().map_or(0, |(_, v)| v.len());
