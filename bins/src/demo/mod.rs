@@ -33,6 +33,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use kvroute_core::RouterConfig;
+
 use crate::sim::{EngineConfig, FleetError};
 use crate::workload::Workload;
 
@@ -48,6 +50,9 @@ pub struct DemoConfig {
     pub workers: usize,
     /// Every engine's model.
     pub engine: EngineConfig,
+    /// The router's configuration under every policy (its block size must be the engines'):
+    /// the KV-aware policies' weights come from here; each policy sets its own selection.
+    pub router: RouterConfig,
     /// The policies, in the report's order.
     pub policies: Vec<DemoPolicy>,
     /// Runs at once (each on its own thread); at least 1.
@@ -63,6 +68,7 @@ impl Default for DemoConfig {
         DemoConfig {
             workers: 8,
             engine: EngineConfig::default(),
+            router: RouterConfig::default(),
             policies: DemoPolicy::ALL.to_vec(),
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             load_sample_every: Duration::from_secs(1),

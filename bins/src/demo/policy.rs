@@ -61,13 +61,12 @@ impl DemoPolicy {
         }
     }
 
-    /// The router's configuration for this policy (block size `block_size`). Dynamo's
-    /// selector runs beside the router, which keeps its defaults and books the choice.
-    pub fn router_config(&self, block_size: u32) -> RouterConfig {
-        let mut config = RouterConfig {
-            block_size,
-            ..RouterConfig::default()
-        };
+    /// The router's configuration for this policy: `base` (its block size, and the cost's
+    /// weights that the KV-aware policies use) with the policy's own settings. Dynamo's
+    /// selector runs beside the router, which books its choice.
+    pub fn router_config(&self, base: &RouterConfig) -> RouterConfig {
+        let block_size = base.block_size;
+        let mut config = base.clone();
         match *self {
             DemoPolicy::KvAware | DemoPolicy::DynamoDefault => {}
             DemoPolicy::KvAwareTemperature(t) => config.temperature = t,

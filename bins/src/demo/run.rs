@@ -71,7 +71,7 @@ pub(super) fn run_policy(
     let mut fleet = Fleet::new(FleetConfig {
         workers: config.workers,
         engine,
-        router: policy.router_config(engine.block_size),
+        router: policy.router_config(&config.router),
     })?;
     if policy == DemoPolicy::DynamoDefault {
         fleet.set_picker(Box::new(DynamoPicker::new(

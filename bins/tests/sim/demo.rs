@@ -6,6 +6,7 @@ use std::time::Duration;
 use kvroute::demo::{self, DemoConfig, DemoPolicy, DemoReport};
 use kvroute::sim::EngineConfig;
 use kvroute::workload::{ChatConfig, Workload};
+use kvroute_core::RouterConfig;
 
 /// 150 turns of chats at 20 requests/s (a busy fleet), on 4 small workers that must evict.
 fn small_demo(policies: Vec<DemoPolicy>) -> DemoReport {
@@ -25,6 +26,7 @@ fn small_demo(policies: Vec<DemoPolicy>) -> DemoReport {
             kv_blocks: 2_048,
             ..EngineConfig::default()
         },
+        router: RouterConfig::default(),
         policies,
         threads: 2,
         load_sample_every: Duration::from_millis(100),
