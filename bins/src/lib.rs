@@ -11,4 +11,5 @@
 
 pub mod demo;
 pub mod sim;
+pub mod worker;
 pub mod workload;

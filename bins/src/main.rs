@@ -10,7 +10,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use kvroute::demo::{self, DemoConfig, DemoPolicy};
-use kvroute::sim::EngineConfig;
+use kvroute::sim::{EngineConfig, TimingModel};
+use kvroute::worker::{PublisherConfig, RunningWorker, WorkerOptions};
 use kvroute::workload::{read_trace, ChatConfig, Workload};
 use kvroute_core::RouterConfig;
 use mimalloc::MiMalloc;
@@ -31,6 +32,48 @@ enum Command {
     /// Route a workload through a simulated fleet (in one process, on a virtual clock) once per
     /// policy, and compare hit rate, latency and balance.
     Demo(DemoArgs),
+    /// A simulated GPU engine behind vLLM's own interfaces: OpenAI HTTP, KV events on vLLM's
+    /// ZeroMQ wire (with a replay socket), Prometheus metrics under vLLM's names, and admin
+    /// routes that inject faults.
+    Worker(WorkerArgs),
+}
+
+#[derive(Debug, Args)]
+struct WorkerArgs {
+    /// Address and port HTTP listens on.
+    #[arg(long, default_value = "127.0.0.1:8000", env = "KVROUTE_WORKER_LISTEN")]
+    listen: std::net::SocketAddr,
+    /// The model name served.
+    #[arg(long, default_value = "kvroute-sim")]
+    model: String,
+    /// Where KV events are published (vLLM's `endpoint`); omit for none.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    kv_events: Option<String>,
+    /// Where the replay socket listens (vLLM's `replay_endpoint`).
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events")]
+    kv_replay: Option<String>,
+    /// The topic of every live KV-event message.
+    #[arg(long, default_value = "")]
+    kv_topic: String,
+    /// KV-event batches kept for replay (vLLM's `buffer_steps`).
+    #[arg(long, default_value_t = 10_000)]
+    kv_buffer: usize,
+    /// KV blocks in the cache (default: an H100 serving Llama-3.1-8B, about 393k tokens).
+    #[arg(long)]
+    kv_blocks: Option<u32>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Passes run this many times faster than the timing model says.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Timing model: `blis-h100` (Llama-3.1-8B on one H100, fitted to real vLLM runs) or
+    /// `dynamo` (Dynamo's mocker polynomial).
+    #[arg(long, default_value = "blis-h100")]
+    timing: String,
+    /// Longest prompt plus output a request may ask for.
+    #[arg(long, default_value_t = 131_072)]
+    max_model_len: u32,
 }
 
 #[derive(Debug, Args)]
@@ -89,7 +132,77 @@ struct DemoArgs {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Demo(args) => run_demo(args),
+        Command::Worker(args) => run_worker(args),
     }
+}
+
+fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
+    init_logs();
+    let defaults = WorkerOptions::default();
+    let timing = match args.timing.as_str() {
+        "blis-h100" => TimingModel::default(),
+        "dynamo" => TimingModel::DynamoPolynomial,
+        other => anyhow::bail!("unknown timing model {other:?}: blis-h100 or dynamo"),
+    };
+    let engine = EngineConfig {
+        block_size: args.block_size,
+        kv_blocks: args.kv_blocks.unwrap_or(defaults.engine.kv_blocks),
+        speedup: args.speedup,
+        timing,
+        ..defaults.engine
+    };
+    engine.validate()?;
+    let options = WorkerOptions {
+        http: args.listen,
+        model: args.model,
+        engine,
+        max_model_len: args.max_model_len,
+        kv_events: args.kv_events.map(|endpoint| PublisherConfig {
+            endpoint,
+            replay_endpoint: args.kv_replay,
+            topic: args.kv_topic,
+            buffer_batches: args.kv_buffer,
+            dp_rank: 0,
+        }),
+        ..defaults
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut worker = RunningWorker::start(options).await?;
+        tracing::info!(
+            http = %worker.http,
+            events = ?worker.events,
+            replay = ?worker.replay,
+            "kvroute worker serving"
+        );
+        let exited = tokio::select! {
+            result = tokio::signal::ctrl_c() => {
+                result?;
+                tracing::info!("interrupted: stopping");
+                false
+            }
+            result = worker.wait() => {
+                result?;
+                true
+            }
+        };
+        if !exited {
+            worker.stop();
+            worker.wait().await?;
+        }
+        Ok(())
+    })
+}
+
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 fn run_demo(args: DemoArgs) -> anyhow::Result<()> {

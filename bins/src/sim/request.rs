@@ -119,7 +119,7 @@ impl Sequence {
         let token = (mix64(self.output_seed ^ mix64(position)) % u64::from(vocab_size)) as u32;
         self.tokens.push(token);
         let size = hasher.block_size();
-        if size > 0 && self.tokens.len() % size == 0 {
+        if size > 0 && self.tokens.len().is_multiple_of(size) {
             let start = self.tokens.len() - size;
             let local = hasher.local_hash(&self.tokens[start..]);
             self.hashes.push(self.chain(local));

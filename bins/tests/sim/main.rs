@@ -2,7 +2,8 @@
 //! scheduler rules (`scheduling.rs`), its prefix cache and its truth (`cache.rs`), fault hooks
 //! and refusals (`hooks.rs`), a property test that the router's index built from the engine's
 //! events equals the engine's cache after every pass (`events_model.rs`), the fleet on one
-//! virtual clock (`fleet.rs`), workloads and traces (`workload.rs`), and the demo (`demo.rs`).
+//! virtual clock (`fleet.rs`), workloads and traces (`workload.rs`), the demo (`demo.rs`), and the
+//! live worker through its HTTP and ZeroMQ interfaces (`worker.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -19,6 +20,7 @@ mod events_model;
 mod fleet;
 mod hooks;
 mod scheduling;
+mod worker;
 mod workload;
 
 use std::collections::HashMap;

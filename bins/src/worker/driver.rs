@@ -1,0 +1,204 @@
+//! The engine in real time: one task owns the [`Engine`], runs its passes, sleeps each pass's
+//! duration, and hands every request's outputs to its caller and every batch of KV events to
+//! the publisher.
+//!
+//! ```text
+//!  HTTP handlers ──Command::Admit (request, output sink)──▶ driver task ──step──▶ Engine
+//!                ──Command::Abort / Fault──────────────────▶     │ sleep(pass)   │
+//!  output sinks ◀── tokens, first token, finish, cached ─────────┘◀── outputs ───┘
+//!  publisher    ◀── event batches
+//! ```
+//!
+//! Requests that arrive during a pass join the next one, as in vLLM. A sink whose receiver is
+//! gone (the client disconnected) has its request aborted at once, so its blocks are freed and
+//! nothing more is computed for it.
+
+use std::collections::HashMap;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::sim::{
+    Admission, ClearMode, Engine, EngineRequest, EngineStats, RequestId, RequestOutput, SimError,
+};
+
+use super::publisher::Publisher;
+
+/// What the driver is asked to do.
+#[derive(Debug)]
+pub(crate) enum Command {
+    /// Admit a request; its outputs go to `sink`. The reply says whether it was admitted.
+    Admit {
+        prompt: Vec<u32>,
+        max_output_tokens: u32,
+        sink: mpsc::UnboundedSender<RequestOutput>,
+        reply: oneshot::Sender<Result<RequestId, SimError>>,
+    },
+    /// Stop a request (its caller went away); unknown or finished ones are ignored.
+    Abort(RequestId),
+    /// Stop or restart admissions.
+    SetAdmission(Admission),
+    /// Drop the prefix cache (vLLM's `/reset_prefix_cache`).
+    ClearCache(oneshot::Sender<Result<(), SimError>>),
+    /// The engine's state in numbers.
+    Stats(oneshot::Sender<DriverStats>),
+}
+
+/// The engine's state and the driver's own counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DriverStats {
+    /// The engine's counters.
+    pub engine: EngineStats,
+    /// Requests admitted since start.
+    pub admitted: u64,
+    /// Requests aborted because their caller went away.
+    pub aborted: u64,
+    /// Requests that generated all their tokens.
+    pub finished: u64,
+    /// Prompt tokens admitted.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generation_tokens: u64,
+}
+
+/// The handle the HTTP side uses.
+#[derive(Debug, Clone)]
+pub(crate) struct Driver {
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+impl Driver {
+    /// Starts the driver task on the current runtime.
+    pub(crate) fn start(engine: Engine, publisher: Option<Publisher>) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(engine, rx, publisher));
+        Driver { commands: tx }
+    }
+
+    /// Sends a command; false when the driver has stopped.
+    pub(crate) fn send(&self, command: Command) -> bool {
+        self.commands.send(command).is_ok()
+    }
+}
+
+struct Task {
+    engine: Engine,
+    publisher: Option<Publisher>,
+    sinks: HashMap<RequestId, mpsc::UnboundedSender<RequestOutput>>,
+    next_id: u64,
+    stats: DriverStats,
+    /// Wall time at engine time zero.
+    origin: Instant,
+}
+
+async fn run(
+    engine: Engine,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    publisher: Option<Publisher>,
+) {
+    let mut task = Task {
+        engine,
+        publisher,
+        sinks: HashMap::new(),
+        next_id: 0,
+        stats: DriverStats::default(),
+        origin: Instant::now(),
+    };
+    loop {
+        // Take everything that came in; wait for a command only when there is nothing to run.
+        while let Ok(command) = commands.try_recv() {
+            task.handle(command);
+        }
+        if task.engine.step().is_none() {
+            task.flush();
+            let Some(command) = commands.recv().await else {
+                return;
+            };
+            // The engine stood idle: its clock catches up with the wall's (no pass runs).
+            task.engine.advance_to(task.origin.elapsed());
+            task.handle(command);
+            continue;
+        }
+        // The pass's outputs are known now; they are delivered when it would have ended.
+        tokio::time::sleep_until(task.origin + task.engine.now()).await;
+        task.flush();
+    }
+}
+
+impl Task {
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Admit {
+                prompt,
+                max_output_tokens,
+                sink,
+                reply,
+            } => {
+                let id = RequestId(self.next_id);
+                self.next_id += 1;
+                let prompt_tokens = prompt.len() as u64;
+                let now = self.origin.elapsed().max(self.engine.now());
+                let result = self
+                    .engine
+                    .admit(EngineRequest {
+                        id,
+                        prompt,
+                        max_output_tokens,
+                        arrival: now,
+                    })
+                    .map(|()| id);
+                if result.is_ok() {
+                    self.sinks.insert(id, sink);
+                    self.stats.admitted += 1;
+                    self.stats.prompt_tokens += prompt_tokens;
+                }
+                let _ = reply.send(result);
+            }
+            Command::Abort(id) => self.abort(id),
+            Command::SetAdmission(admission) => self.engine.set_admission(admission),
+            Command::ClearCache(reply) => {
+                let result = self.engine.clear_cache(ClearMode::PreemptRunning);
+                self.flush();
+                let _ = reply.send(result);
+            }
+            Command::Stats(reply) => {
+                let mut stats = self.stats;
+                stats.engine = self.engine.stats();
+                let _ = reply.send(stats);
+            }
+        }
+    }
+
+    fn abort(&mut self, id: RequestId) {
+        if self.sinks.remove(&id).is_some() && self.engine.abort(id).is_ok() {
+            self.stats.aborted += 1;
+        }
+    }
+
+    /// Hands the outputs to their sinks (aborting requests whose caller left) and the events
+    /// to the publisher.
+    fn flush(&mut self) {
+        for output in self.engine.take_outputs() {
+            self.stats.generation_tokens += output.tokens.len() as u64;
+            let id = output.id;
+            let done = output.finish.is_some();
+            let delivered = match self.sinks.get(&id) {
+                Some(sink) => sink.send(output).is_ok(),
+                None => true,
+            };
+            if done {
+                if self.sinks.remove(&id).is_some() {
+                    self.stats.finished += 1;
+                }
+            } else if !delivered {
+                self.abort(id);
+            }
+        }
+        let batches = self.engine.take_events();
+        if let Some(publisher) = &self.publisher {
+            for batch in batches {
+                publisher.publish(batch);
+            }
+        }
+    }
+}

@@ -1,0 +1,502 @@
+//! The worker's HTTP face: vLLM's OpenAI-compatible routes, its metrics, and the admin routes
+//! through which tests inject faults.
+//!
+//! | route | what |
+//! |---|---|
+//! | `POST /v1/completions` | token-id prompts; streaming (SSE) or not; `usage` with `prompt_tokens_details.cached_tokens` |
+//! | `POST /v1/chat/completions` | refused until the worker has the model's tokenizer and chat template |
+//! | `GET /v1/models`, `GET /health` | as vLLM |
+//! | `GET /metrics` | Prometheus text, vLLM's names |
+//! | `POST /reset_prefix_cache` | as vLLM: drop the prefix cache (`AllBlocksCleared`) |
+//! | `POST /admin/events/drop?batches=N`, `/admin/events/delay?ms=N`, `/admin/events/restart` | faults of the KV-event stream |
+//! | `POST /admin/pause`, `/admin/resume`, `/admin/exit`; `GET /admin/stats` | the engine |
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream};
+use serde::Deserialize;
+use tokio::sync::{mpsc, oneshot, Notify};
+
+use crate::sim::{Admission, Finish, RequestId, RequestOutput};
+
+use super::driver::{Command, Driver, DriverStats};
+use super::metrics::Metrics;
+use super::openai::{
+    Completion, CompletionChoice, CompletionRequest, ErrorBody, ErrorDetail, ModelCard, ModelList,
+    Prompt, Usage,
+};
+use super::publisher::{EventFault, Publisher};
+
+/// What every handler shares.
+#[derive(Debug, Clone)]
+pub(crate) struct AppState {
+    pub driver: Driver,
+    pub publisher: Option<Publisher>,
+    pub metrics: Metrics,
+    pub model: Arc<str>,
+    pub max_model_len: u32,
+    pub shutdown: Arc<Notify>,
+}
+
+/// The routes, with a body limit of `max_body` bytes.
+pub(crate) fn router(state: AppState, max_body: usize) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/admin/events/drop", post(drop_events))
+        .route("/admin/events/delay", post(delay_events))
+        .route("/admin/events/restart", post(restart_events))
+        .route("/admin/pause", post(pause))
+        .route("/admin/resume", post(resume))
+        .route("/admin/exit", post(exit))
+        .route("/admin/stats", get(admin_stats))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+/// An error in OpenAI's shape.
+fn error(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Response {
+    let body = ErrorBody {
+        error: ErrorDetail {
+            message: message.into(),
+            kind,
+            param: None,
+            code: status.as_u16(),
+        },
+    };
+    (status, Json(body)).into_response()
+}
+
+fn bad_request(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, "BadRequestError", message)
+}
+
+fn unavailable() -> Response {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailableError",
+        "the engine has stopped",
+    )
+}
+
+fn now_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The text of a generated token. The simulated engine has no vocabulary of its own: each id
+/// reads as a word of its own, so that lengths and streams behave like real ones.
+fn token_text(id: u32) -> String {
+    format!(" t{id}")
+}
+
+async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+    let request: CompletionRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("malformed completion request: {e}")),
+    };
+    if let Some(model) = &request.model {
+        if model.as_str() != &*state.model {
+            return error(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                format!("The model `{model}` does not exist."),
+            );
+        }
+    }
+    if request.n.is_some_and(|n| n != 1) {
+        return bad_request("only n = 1 is served");
+    }
+    let prompt = match request.prompt {
+        Prompt::Tokens(tokens) if tokens.is_empty() => {
+            return bad_request("the prompt has no tokens")
+        }
+        Prompt::Tokens(tokens) => tokens,
+        Prompt::Text(text) => {
+            return bad_request(format!(
+                "this worker takes token-id prompts only: it has no tokenizer for a text prompt \
+                 ({} characters)",
+                text.chars().count()
+            ))
+        }
+        Prompt::Batch(prompts) => {
+            return bad_request(format!(
+                "one prompt per request (this one has {})",
+                prompts.len()
+            ))
+        }
+    };
+    let max_tokens = request.max_tokens.unwrap_or(16);
+    if max_tokens == 0 {
+        return bad_request("max_tokens must be at least 1");
+    }
+    let total = prompt.len() as u64 + u64::from(max_tokens);
+    if total > u64::from(state.max_model_len) {
+        return bad_request(format!(
+            "This model's maximum context length is {} tokens; the request asks for {total} \
+             ({} in the prompt, {max_tokens} to generate).",
+            state.max_model_len,
+            prompt.len()
+        ));
+    }
+    let prompt_tokens = prompt.len() as u32;
+    let (sink, outputs) = mpsc::unbounded_channel();
+    let (reply, admitted) = oneshot::channel();
+    if !state.driver.send(Command::Admit {
+        prompt,
+        max_output_tokens: max_tokens,
+        sink,
+        reply,
+    }) {
+        return unavailable();
+    }
+    let id = match admitted.await {
+        Ok(Ok(id)) => id,
+        Ok(Err(e)) => return bad_request(e.to_string()),
+        Err(_) => return unavailable(),
+    };
+    let guard = AbortOnDrop {
+        driver: state.driver.clone(),
+        id,
+    };
+    let meta = Meta {
+        id: format!("cmpl-{}", id.0),
+        created: now_seconds(),
+        model: state.model.to_string(),
+        prompt_tokens,
+    };
+    if request.stream {
+        let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
+        stream_completion(meta, outputs, include_usage, guard).into_response()
+    } else {
+        whole_completion(meta, outputs, guard).await
+    }
+}
+
+/// Aborts its request in the engine when dropped: a client that goes away (the handler's
+/// future or the response stream dropped) stops the engine's work at once, as vLLM does. A
+/// request that already finished is unknown to the engine by then, and the abort is a no-op.
+#[derive(Debug)]
+struct AbortOnDrop {
+    driver: Driver,
+    id: RequestId,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.driver.send(Command::Abort(self.id));
+    }
+}
+
+/// What every chunk of one completion repeats.
+#[derive(Debug, Clone)]
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: u32,
+}
+
+impl Meta {
+    fn completion(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Completion {
+        Completion {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+}
+
+fn finish_reason(finish: Option<Finish>) -> Option<&'static str> {
+    match finish {
+        Some(Finish::Length) => Some("length"),
+        Some(Finish::Aborted) => Some("abort"),
+        None => None,
+    }
+}
+
+async fn whole_completion(
+    meta: Meta,
+    mut outputs: mpsc::UnboundedReceiver<RequestOutput>,
+    guard: AbortOnDrop,
+) -> Response {
+    let id = guard.id;
+    let mut text = String::new();
+    let mut generated = 0u32;
+    let mut cached = 0u32;
+    let mut finish = None;
+    while let Some(output) = outputs.recv().await {
+        for &token in &output.tokens {
+            text.push_str(&token_text(token));
+        }
+        generated += output.tokens.len() as u32;
+        cached = output.cached_tokens;
+        if output.finish.is_some() {
+            finish = output.finish;
+            break;
+        }
+    }
+    if finish.is_none() {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            format!("request {} ended without finishing", id.0),
+        );
+    }
+    let choice = CompletionChoice {
+        index: 0,
+        text,
+        logprobs: None,
+        finish_reason: finish_reason(finish),
+        stop_reason: None,
+    };
+    let usage = Usage::new(meta.prompt_tokens, generated, cached);
+    Json(meta.completion(vec![choice], Some(usage))).into_response()
+}
+
+/// Where a streamed completion stands.
+struct Streaming {
+    meta: Meta,
+    outputs: mpsc::UnboundedReceiver<RequestOutput>,
+    include_usage: bool,
+    generated: u32,
+    cached: u32,
+    /// Aborts the request if the client leaves before the end.
+    _guard: AbortOnDrop,
+    /// Chunks ready to go out, in order.
+    queue: std::collections::VecDeque<String>,
+    done: bool,
+}
+
+fn stream_completion(
+    meta: Meta,
+    outputs: mpsc::UnboundedReceiver<RequestOutput>,
+    include_usage: bool,
+    guard: AbortOnDrop,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let start = Streaming {
+        meta,
+        outputs,
+        include_usage,
+        generated: 0,
+        cached: 0,
+        _guard: guard,
+        queue: std::collections::VecDeque::new(),
+        done: false,
+    };
+    let events = stream::unfold(start, |mut s| async move {
+        loop {
+            if let Some(data) = s.queue.pop_front() {
+                return Some((Ok(Event::default().data(data)), s));
+            }
+            if s.done {
+                return None;
+            }
+            match s.outputs.recv().await {
+                Some(output) => s.take(output),
+                None => {
+                    // The engine went away mid-stream: end the stream without [DONE].
+                    s.done = true;
+                }
+            }
+        }
+    });
+    Sse::new(events)
+}
+
+impl Streaming {
+    fn take(&mut self, output: RequestOutput) {
+        self.generated += output.tokens.len() as u32;
+        self.cached = output.cached_tokens;
+        let text: String = output.tokens.iter().map(|&t| token_text(t)).collect();
+        let finish = finish_reason(output.finish);
+        if !text.is_empty() || finish.is_some() {
+            let choice = CompletionChoice {
+                index: 0,
+                text,
+                logprobs: None,
+                finish_reason: finish,
+                stop_reason: None,
+            };
+            self.push(&self.meta.completion(vec![choice], None));
+        }
+        if output.finish.is_some() {
+            if self.include_usage {
+                let usage = Usage::new(self.meta.prompt_tokens, self.generated, self.cached);
+                self.push(&self.meta.completion(Vec::new(), Some(usage)));
+            }
+            self.queue.push_back("[DONE]".to_owned());
+            self.done = true;
+        }
+    }
+
+    fn push(&mut self, chunk: &Completion) {
+        if let Ok(json) = serde_json::to_string(chunk) {
+            self.queue.push_back(json);
+        }
+    }
+}
+
+async fn chat_completions() -> Response {
+    bad_request(
+        "this worker serves /v1/completions with token-id prompts; chat needs the model's \
+         tokenizer and chat template, which it does not have",
+    )
+}
+
+async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: state.model.to_string(),
+            object: "model",
+            created: now_seconds(),
+            owned_by: "kvroute",
+            max_model_len: state.max_model_len,
+        }],
+    })
+}
+
+async fn driver_stats(state: &AppState) -> Option<DriverStats> {
+    let (reply, stats) = oneshot::channel();
+    if !state.driver.send(Command::Stats(reply)) {
+        return None;
+    }
+    stats.await.ok()
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let Some(stats) = driver_stats(&state).await else {
+        return unavailable();
+    };
+    let publisher = match &state.publisher {
+        Some(p) => Some(p.counts().await),
+        None => None,
+    };
+    let text = state.metrics.render(&stats, publisher.as_ref());
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        text,
+    )
+        .into_response()
+}
+
+async fn reset_prefix_cache(State(state): State<AppState>) -> Response {
+    let (reply, done) = oneshot::channel();
+    if !state.driver.send(Command::ClearCache(reply)) {
+        return unavailable();
+    }
+    match done.await {
+        Ok(Ok(())) => StatusCode::OK.into_response(),
+        Ok(Err(e)) => bad_request(e.to_string()),
+        Err(_) => unavailable(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct DropQuery {
+    batches: u32,
+}
+
+#[derive(Debug, Deserialize)]
+struct DelayQuery {
+    ms: u64,
+}
+
+async fn event_fault(state: &AppState, fault: EventFault) -> Response {
+    match &state.publisher {
+        Some(p) => {
+            p.fault(fault).await;
+            StatusCode::OK.into_response()
+        }
+        None => bad_request("this worker publishes no KV events"),
+    }
+}
+
+async fn drop_events(State(state): State<AppState>, Query(q): Query<DropQuery>) -> Response {
+    event_fault(&state, EventFault::Drop(q.batches)).await
+}
+
+async fn delay_events(State(state): State<AppState>, Query(q): Query<DelayQuery>) -> Response {
+    event_fault(&state, EventFault::Delay(Duration::from_millis(q.ms))).await
+}
+
+async fn restart_events(State(state): State<AppState>) -> Response {
+    event_fault(&state, EventFault::Restart).await
+}
+
+async fn pause(State(state): State<AppState>) -> Response {
+    set_admission(&state, Admission::Paused)
+}
+
+async fn resume(State(state): State<AppState>) -> Response {
+    set_admission(&state, Admission::Open)
+}
+
+fn set_admission(state: &AppState, admission: Admission) -> Response {
+    if state.driver.send(Command::SetAdmission(admission)) {
+        StatusCode::OK.into_response()
+    } else {
+        unavailable()
+    }
+}
+
+async fn exit(State(state): State<AppState>) -> StatusCode {
+    state.shutdown.notify_one();
+    StatusCode::OK
+}
+
+async fn admin_stats(State(state): State<AppState>) -> Response {
+    let Some(stats) = driver_stats(&state).await else {
+        return unavailable();
+    };
+    let publisher = match &state.publisher {
+        Some(p) => Some(p.counts().await),
+        None => None,
+    };
+    let e = &stats.engine;
+    Json(serde_json::json!({
+        "running": e.running,
+        "waiting": e.waiting,
+        "passes": e.passes,
+        "preemptions": e.preemptions,
+        "prefix_query_tokens": e.prefix_query_tokens,
+        "prefix_hit_tokens": e.prefix_hit_tokens,
+        "blocks": {
+            "total": e.blocks.total,
+            "in_use": e.blocks.in_use,
+            "cached": e.blocks.cached,
+            "idle": e.blocks.idle,
+        },
+        "admitted": stats.admitted,
+        "aborted": stats.aborted,
+        "finished": stats.finished,
+        "prompt_tokens": stats.prompt_tokens,
+        "generation_tokens": stats.generation_tokens,
+        "events": publisher.map(|p| serde_json::json!({
+            "next_seq": p.next_seq,
+            "sent": p.sent,
+            "dropped": p.dropped,
+            "replays": p.replays,
+            "restarts": p.restarts,
+        })),
+    }))
+    .into_response()
+}

@@ -1,0 +1,167 @@
+//! `kvroute worker`: the simulated engine behind vLLM's own interfaces, so that a router drives
+//! it exactly as it drives `vllm serve`: OpenAI HTTP, KV events on vLLM's ZeroMQ wire with its
+//! replay socket, Prometheus metrics under vLLM's names, and admin routes for faults.
+//!
+//! ```text
+//!  HTTP (axum) ──Command──▶ driver task: Engine passes in real time ──▶ outputs ──▶ HTTP / SSE
+//!                                              └──▶ event batches ──▶ Publisher: PUB + ROUTER
+//! ```
+//!
+//! Module map:
+//!
+//! * `driver.rs`: the task that owns the engine and paces its passes.
+//! * `http.rs`: the routes (OpenAI, metrics, admin).
+//! * `openai.rs`: the request and response shapes.
+//! * `publisher.rs`: [`Publisher`], vLLM's ZeroMQ event wire, with [`encode_batch`].
+//! * `metrics.rs`: the Prometheus registry.
+
+mod driver;
+mod http;
+mod metrics;
+mod openai;
+mod publisher;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use crate::sim::{Engine, EngineConfig, SimError};
+
+pub use driver::DriverStats;
+pub use publisher::{
+    encode_batch, BindError, EventFault, Publisher, PublisherConfig, PublisherCounts,
+};
+
+/// How a worker is set up.
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    /// Where HTTP listens (port 0: the system picks).
+    pub http: SocketAddr,
+    /// The model name served (requests naming another get a 404).
+    pub model: String,
+    /// The engine's model: cache size, limits, timing, speed-up.
+    pub engine: EngineConfig,
+    /// Longest prompt plus output a request may ask for.
+    pub max_model_len: u32,
+    /// The KV-event publisher; none, no events.
+    pub kv_events: Option<PublisherConfig>,
+    /// Largest request body accepted, in bytes.
+    pub max_body: usize,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        WorkerOptions {
+            http: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            model: "kvroute-sim".to_owned(),
+            engine: EngineConfig::default(),
+            max_model_len: 131_072,
+            kv_events: None,
+            max_body: 32 << 20,
+        }
+    }
+}
+
+/// Why a worker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The engine's configuration cannot run.
+    #[error(transparent)]
+    Engine(#[from] SimError),
+    /// The HTTP listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The event publisher could not bind.
+    #[error(transparent)]
+    Events(#[from] BindError),
+    /// The metrics could not be registered.
+    #[error("{0}")]
+    Metrics(String),
+}
+
+/// A worker that is serving.
+#[derive(Debug)]
+pub struct RunningWorker {
+    /// Where its HTTP listens.
+    pub http: SocketAddr,
+    /// Where its live KV events are published, if they are.
+    pub events: Option<String>,
+    /// Where its replay socket listens, if it has one.
+    pub replay: Option<String>,
+    shutdown: Arc<Notify>,
+    server: JoinHandle<std::io::Result<()>>,
+}
+
+impl RunningWorker {
+    /// Binds everything and starts serving on the current tokio runtime.
+    pub async fn start(options: WorkerOptions) -> Result<Self, WorkerError> {
+        let engine = Engine::new(options.engine)?;
+        let (publisher, events, replay) = match options.kv_events.clone() {
+            Some(config) => {
+                let (p, live, replay) = Publisher::start(config).await?;
+                (Some(p), Some(live), replay)
+            }
+            None => (None, None, None),
+        };
+        let listener =
+            TcpListener::bind(options.http)
+                .await
+                .map_err(|source| WorkerError::Listen {
+                    addr: options.http,
+                    source,
+                })?;
+        let http = listener
+            .local_addr()
+            .map_err(|source| WorkerError::Listen {
+                addr: options.http,
+                source,
+            })?;
+        let metrics = metrics::Metrics::new(&options.model)
+            .map_err(|e| WorkerError::Metrics(e.to_string()))?;
+        let shutdown = Arc::new(Notify::new());
+        let state = http::AppState {
+            driver: driver::Driver::start(engine, publisher.clone()),
+            publisher,
+            metrics,
+            model: options.model.as_str().into(),
+            max_model_len: options.max_model_len,
+            shutdown: Arc::clone(&shutdown),
+        };
+        let app = http::router(state, options.max_body);
+        let stop = Arc::clone(&shutdown);
+        let server = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.notified().await })
+                .await
+        });
+        Ok(RunningWorker {
+            http,
+            events,
+            replay,
+            shutdown,
+            server,
+        })
+    }
+
+    /// Asks the server to stop (as `POST /admin/exit` does).
+    pub fn stop(&self) {
+        self.shutdown.notify_one();
+    }
+
+    /// Waits until the server has stopped (after [`RunningWorker::stop`], an exit request, or a
+    /// failure). Call it until it returns once, not again after.
+    pub async fn wait(&mut self) -> std::io::Result<()> {
+        match (&mut self.server).await {
+            Ok(result) => result,
+            Err(e) => Err(std::io::Error::other(e)),
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The OpenAI-compatible shapes the worker reads and writes, as vLLM serves them.
+
+use serde::{Deserialize, Serialize};
+
+/// A prompt: text, or token ids (vLLM takes both; batches of prompts are refused here).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum Prompt {
+    /// Text, tokenized by the model's tokenizer.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// Several prompts (texts or token lists): not served by one request here.
+    Batch(Vec<serde_json::Value>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub(crate) struct StreamOptions {
+    /// Send a last chunk with the usage.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// `POST /v1/completions`: the fields the simulated engine acts on; others are ignored.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    /// Tokens to generate (OpenAI's default, 16, when absent).
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// Choices per prompt: only 1 is served.
+    pub n: Option<u32>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct PromptTokensDetails {
+    /// Prompt tokens found in the prefix cache.
+    pub cached_tokens: u32,
+}
+
+/// `usage`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl Usage {
+    pub(crate) fn new(prompt: u32, completion: u32, cached: u32) -> Self {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
+        }
+    }
+}
+
+/// One choice of a completion (whole or streamed).
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<()>,
+    pub finish_reason: Option<&'static str>,
+    pub stop_reason: Option<()>,
+}
+
+/// A completion, or one chunk of a streamed one.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// The error body, OpenAI's shape.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// The error itself.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: u16,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+/// One model.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: u32,
+}
