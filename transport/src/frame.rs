@@ -382,7 +382,7 @@ impl FrameDecoder {
         frame.advance(HEADER_LEN);
         frame.truncate(len);
         let mut payload = frame.freeze();
-        if payload.as_ptr() as usize % PAYLOAD_ALIGN != 0 {
+        if !(payload.as_ptr() as usize).is_multiple_of(PAYLOAD_ALIGN) {
             let mut aligned = AlignedVec::<PAYLOAD_ALIGN>::with_capacity(len);
             aligned.extend_from_slice(&payload);
             payload = Bytes::from_owner(aligned);

@@ -17,6 +17,8 @@
 //! * [`client`]: the sending side of ingest.
 //! * [`engine`]: KV events from vLLM's and SGLang's own ZeroMQ publishers (msgpack), decoded
 //!   into the core's events, with per-publisher sequence tracking; no I/O.
+//! * [`subscriber`]: the ZeroMQ sockets that follow an engine's publisher (SUB, and DEALER for
+//!   replays) and feed [`engine`]'s decoder into a router.
 //! * [`worker`]: the worker side of request dispatch: routers' requests to an [`Engine`],
 //!   its response streams back.
 //! * [`dispatch`]: the router side: one connection per worker, bounded in-flight requests,
@@ -33,6 +35,7 @@ pub mod engine;
 pub mod frame;
 pub mod ingest;
 mod net;
+pub mod subscriber;
 // Every item written in `wire` is documented; rkyv 0.8's `Archive` derive leaves the fields of
 // a resolver's struct-like variants without docs (`WireEventDataResolver`, `RecoveryFromResolver`).
 #[allow(missing_docs)]
@@ -54,6 +57,7 @@ pub use frame::{
 pub use ingest::{
     IngestConfig, IngestError, IngestReport, IngestServer, IngestStats, IngestTarget,
 };
+pub use subscriber::{SubscriberConfig, SubscriberStats, Subscription};
 pub use wire::{Message, MessageKind, MessageRef, PROTOCOL_VERSION};
 pub use worker::{
     Engine, ResponseSink, SinkClosed, WorkerServer, WorkerServerConfig, WorkerServerError,

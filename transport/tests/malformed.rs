@@ -270,7 +270,7 @@ fn misaligned_receive_buffer_is_realigned() {
     let mut dec = FrameDecoder::default();
     let mut buf = BytesMut::with_capacity(full.len());
     buf.extend_from_slice(&full);
-    let aligned = buf.as_ptr() as usize % 16 == 0;
+    let aligned = (buf.as_ptr() as usize).is_multiple_of(16);
     let frame = dec.decode(&mut buf).expect("framed").expect("complete");
     assert_eq!(dec.stats().realigned, u64::from(!aligned));
     assert!(dec.validate(&frame).is_ok());

@@ -319,3 +319,108 @@ async fn kv_events_arrive_on_vllms_wire_and_a_dropped_batch_is_replayed() {
     let restarted = sub.recv().await.unwrap().into_vec();
     assert_eq!(parse_live(&restarted).unwrap().seq, 0);
 }
+
+/// Blocks of `prompt` the router's index holds on worker 0.
+fn known_blocks(router: &kvroute_core::Router, prompt: &[u32]) -> u32 {
+    let locals = kvroute_core::BlockHasher::new(16).local_hashes(prompt);
+    let scores = kvroute_core::testing::scores_of(
+        &router.index_reader(),
+        &locals,
+        kvroute_core::MatchOptions::default(),
+    );
+    scores
+        .scores
+        .iter()
+        .find(|s| s.rank.worker.0 == 0)
+        .map_or(0, |s| s.blocks)
+}
+
+/// Polls until worker 0 holds `blocks` blocks of `prompt` in the router's index.
+async fn wait_known(router: &kvroute_core::Router, prompt: &[u32], blocks: u32) -> u32 {
+    let mut known = 0;
+    for _ in 0..300 {
+        known = known_blocks(router, prompt);
+        if known == blocks {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    known
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscribed_router_follows_the_engine_through_drops_and_restarts() {
+    use kvroute_core::{IndexConfig, PrefixIndex, Router, RouterConfig, WorkerConfig, WorkerId};
+    use kvroute_transport::{SubscriberConfig, Subscription};
+    let w = worker().await;
+    let client = reqwest::Client::new();
+    let router = std::sync::Arc::new(
+        Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap(),
+    );
+    router
+        .join_worker(WorkerConfig::simple(0, 256, 16))
+        .unwrap();
+    let subscription = Subscription::start(
+        std::sync::Arc::clone(&router),
+        SubscriberConfig {
+            worker: WorkerId(0),
+            dp_rank: kvroute_core::DpRank(0),
+            endpoint: w.events.clone().unwrap(),
+            replay: w.replay.clone(),
+            topic: String::new(),
+            block_size: Some(16),
+            replay_timeout: Duration::from_secs(2),
+            sequence: Default::default(),
+        },
+    )
+    .await
+    .unwrap();
+    // Until the subscription is connected, batches are lost to the slow joiner: send prompts
+    // until one lands.
+    let mut warm = 0u32;
+    while subscription.stats().applied_batches == 0 {
+        warm += 1;
+        assert!(warm < 100, "the subscription never received a batch");
+        let prompt: Vec<u32> = (warm * 100..warm * 100 + 32).collect();
+        complete(&client, &w, json!({"prompt": prompt, "max_tokens": 1})).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let a: Vec<u32> = (900_000..900_080).collect();
+    complete(&client, &w, json!({"prompt": a, "max_tokens": 1})).await;
+    assert_eq!(wait_known(&router, &a, 5).await, 5, "80 tokens: 5 blocks");
+    // A dropped batch is seen as a gap when the next one arrives, and replayed.
+    client
+        .post(url(&w, "/admin/events/drop?batches=1"))
+        .send()
+        .await
+        .unwrap();
+    let b: Vec<u32> = (910_000..910_048).collect();
+    let c: Vec<u32> = (920_000..920_064).collect();
+    complete(&client, &w, json!({"prompt": b, "max_tokens": 1})).await;
+    complete(&client, &w, json!({"prompt": c, "max_tokens": 1})).await;
+    assert_eq!(wait_known(&router, &c, 4).await, 4);
+    assert_eq!(
+        wait_known(&router, &b, 3).await,
+        3,
+        "the dropped batch was replayed"
+    );
+    let s = subscription.stats();
+    assert_eq!(s.sequence.gaps, 1, "{s:?}");
+    assert_eq!(s.ranks_cleared, 0, "{s:?}");
+    // A restarted publisher (seq back to 0) clears the worker: what it held before is gone
+    // from the index until it is stored again.
+    client
+        .post(url(&w, "/admin/events/restart"))
+        .send()
+        .await
+        .unwrap();
+    let d: Vec<u32> = (930_000..930_032).collect();
+    complete(&client, &w, json!({"prompt": d, "max_tokens": 1})).await;
+    assert_eq!(wait_known(&router, &d, 2).await, 2);
+    assert_eq!(known_blocks(&router, &a), 0, "cleared at the restart");
+    assert_eq!(subscription.stats().sequence.restarts, 1);
+}
