@@ -4,12 +4,15 @@
 //!
 //! Modules:
 //!
+//! * [`serve`]: `kvroute serve`, the router in front of OpenAI-compatible engines, fed by their
+//!   ZeroMQ KV events.
 //! * [`sim`]: the simulated GPU engine, an I/O-free model of vLLM's scheduler, block pool, KV
 //!   events and pass timing, driven by calls.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod demo;
+pub mod serve;
 pub mod sim;
 pub mod worker;
 pub mod workload;

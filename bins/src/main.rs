@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use kvroute::demo::{self, DemoConfig, DemoPolicy};
+use kvroute::serve::{parse_worker_flag, RunningServe, ServeFile, ServeOptions};
 use kvroute::sim::{EngineConfig, TimingModel};
 use kvroute::worker::{PublisherConfig, RunningWorker, WorkerOptions};
 use kvroute::workload::{read_trace, ChatConfig, Workload};
@@ -36,8 +37,43 @@ enum Command {
     /// ZeroMQ wire (with a replay socket), Prometheus metrics under vLLM's names, and admin
     /// routes that inject faults.
     Worker(WorkerArgs),
+    /// The router service: OpenAI-compatible HTTP in front of vLLM, SGLang or kvroute workers,
+    /// routing each request by the engines' KV events and load.
+    Serve(ServeArgs),
 }
 
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// A TOML file (see kvroute.example.toml); flags and KVROUTE_* variables override it.
+    #[arg(long, value_name = "FILE", env = "KVROUTE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address and port HTTP listens on [default: 127.0.0.1:8080].
+    #[arg(long, env = "KVROUTE_LISTEN")]
+    listen: Option<std::net::SocketAddr>,
+    /// The model served: requests naming another get a 404.
+    #[arg(long, env = "KVROUTE_MODEL")]
+    model: Option<String>,
+    /// The key clients must send as `Authorization: Bearer KEY`; never forwarded.
+    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// An engine: `url=http://HOST:PORT[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
+    /// [,kv_blocks=N][,block_size=N][,dp_size=N][,topic=T][,api_key=K][,id=N]`. Repeat it.
+    #[arg(long = "worker", value_name = "SPEC")]
+    workers: Vec<String>,
+    /// Routing policy: kv-aware, kv-aware-temp, cache-threshold, prefix-hash, least-loaded,
+    /// power-of-two, round-robin, random [default: kv-aware].
+    #[arg(long, env = "KVROUTE_POLICY")]
+    policy: Option<String>,
+    /// Further workers tried when one fails before answering [default: 1].
+    #[arg(long, env = "KVROUTE_RETRIES")]
+    retries: Option<u32>,
+    /// Largest request body accepted, in bytes (larger ones get a 413) [default: 32 MiB].
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
+    max_body_bytes: Option<usize>,
+    /// Seconds in-flight requests may take to finish after SIGINT or SIGTERM.
+    #[arg(long, default_value_t = 30.0, env = "KVROUTE_GRACE_S")]
+    grace_s: f64,
+}
 #[derive(Debug, Args)]
 struct WorkerArgs {
     /// Address and port HTTP listens on.
@@ -133,6 +169,84 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Demo(args) => run_demo(args),
         Command::Worker(args) => run_worker(args),
+        Command::Serve(args) => run_serve(args),
+    }
+}
+
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    init_logs();
+    let mut options = ServeOptions::default();
+    if let Some(path) = &args.config {
+        options = ServeFile::read(path)?.apply(options)?;
+    }
+    let flags = ServeFile {
+        listen: args.listen,
+        model: args.model,
+        api_key: args.api_key,
+        retries: args.retries,
+        policy: args.policy,
+        max_body_bytes: args.max_body_bytes,
+        workers: args
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| parse_worker_flag(w, (options.workers.len() + i) as u64))
+            .collect::<Result<_, _>>()?,
+        ..ServeFile::default()
+    };
+    options = flags.apply(options)?;
+    if options.workers.is_empty() {
+        tracing::warn!("no worker configured: add some with POST /v1/workers");
+    }
+    let grace = std::time::Duration::from_secs_f64(args.grace_s.max(0.0));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut serve = RunningServe::start(options).await?;
+        tracing::info!(listen = %serve.listen, "kvroute serve listening");
+        let stopped = tokio::select! {
+            () = shutdown_signal() => false,
+            result = serve.wait() => {
+                result?;
+                true
+            }
+        };
+        if !stopped {
+            tracing::info!(
+                grace_s = grace.as_secs_f64(),
+                "stopping: draining requests in flight"
+            );
+            serve.stop();
+            if tokio::time::timeout(grace, serve.wait()).await.is_err() {
+                tracing::warn!("grace period over: exiting with requests in flight");
+            }
+        }
+        Ok(())
+    })
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
     }
 }
 
@@ -178,8 +292,7 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
             "kvroute worker serving"
         );
         let exited = tokio::select! {
-            result = tokio::signal::ctrl_c() => {
-                result?;
+            () = shutdown_signal() => {
                 tracing::info!("interrupted: stopping");
                 false
             }

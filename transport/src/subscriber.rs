@@ -24,6 +24,7 @@ use bytes::Bytes;
 use kvroute_core::{
     DpRank, EventHeader, EventId, KvEvent, KvEventData, Router, StorageTier, WorkerId, WorkerRank,
 };
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
@@ -68,7 +69,8 @@ pub struct SubscriberStats {
     pub rejected_events: u64,
     /// Replays that did not end in time.
     pub replay_timeouts: u64,
-    /// Ranks cleared for lost events (gaps the replay could not fill).
+    /// Ranks cleared: for lost events (gaps the replay could not fill), or on request
+    /// ([`Subscription::clear_index`]).
     pub ranks_cleared: u64,
     /// The sequence tracker's counts (gaps, replays, duplicates, restarts, lost).
     pub sequence: SequenceCounts,
@@ -82,6 +84,7 @@ pub struct SubscriberStats {
 #[derive(Debug)]
 pub struct Subscription {
     stats: Arc<Mutex<SubscriberStats>>,
+    clear: Arc<Notify>,
     task: JoinHandle<()>,
 }
 
@@ -104,7 +107,9 @@ impl Subscription {
             None => None,
         };
         let stats = Arc::new(Mutex::new(SubscriberStats::default()));
+        let clear = Arc::new(Notify::new());
         let follower = Follower {
+            clear: Arc::clone(&clear),
             decoder: EngineDecoder::new(DecoderConfig {
                 worker: config.worker,
                 dp_rank: config.dp_rank,
@@ -120,12 +125,18 @@ impl Subscription {
             config,
         };
         let task = tokio::spawn(follower.run(sub, dealer));
-        Ok(Subscription { stats, task })
+        Ok(Subscription { stats, clear, task })
     }
 
     /// What it has seen so far.
     pub fn stats(&self) -> SubscriberStats {
         self.stats.lock().map_or_else(|e| *e.into_inner(), |s| *s)
+    }
+
+    /// Drops what the router's index holds of this rank, in the order of the stream (the
+    /// worker is gone, or its cache is; later events are applied as they come).
+    pub fn clear_index(&self) {
+        self.clear.notify_one();
     }
 
     /// Stops following (the sockets close).
@@ -142,6 +153,7 @@ impl Drop for Subscription {
 
 struct Follower {
     config: SubscriberConfig,
+    clear: Arc<Notify>,
     decoder: EngineDecoder,
     tracker: SeqTracker<Bytes>,
     router: Arc<Router>,
@@ -154,7 +166,15 @@ struct Follower {
 impl Follower {
     async fn run(mut self, mut sub: SubSocket, mut dealer: Option<DealerSocket>) {
         loop {
-            let Ok(message) = sub.recv().await else {
+            let received = tokio::select! {
+                received = sub.recv() => received,
+                () = self.clear.notified() => {
+                    self.clear_rank();
+                    self.publish();
+                    continue;
+                }
+            };
+            let Ok(message) = received else {
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             };

@@ -3,7 +3,8 @@
 //! and refusals (`hooks.rs`), a property test that the router's index built from the engine's
 //! events equals the engine's cache after every pass (`events_model.rs`), the fleet on one
 //! virtual clock (`fleet.rs`), workloads and traces (`workload.rs`), the demo (`demo.rs`), and the
-//! live worker through its HTTP and ZeroMQ interfaces (`worker.rs`).
+//! live worker through its HTTP and ZeroMQ interfaces (`worker.rs`), and `kvroute serve` end to end
+//! with workers as real processes (`serve.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -20,6 +21,7 @@ mod events_model;
 mod fleet;
 mod hooks;
 mod scheduling;
+mod serve;
 mod worker;
 mod workload;
 

@@ -1,0 +1,275 @@
+//! The operator's routes: the decision alone (`/v1/route`), the workers (`/v1/workers`),
+//! metrics, liveness and readiness.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kvroute_core::{Mode, RequestId, RouteHints, RouteRequest, WorkerId, WorkerRank};
+use serde_json::{json, Value};
+
+use super::backends::BackendSpec;
+use super::proxy::{authorized, error, read_prompt};
+use super::AppState;
+
+/// `POST /v1/route`: where a request would go, and what the router predicts it finds there.
+/// `"book": true` books its load as a routed request (free it with
+/// `DELETE /v1/route/{request_id}`).
+pub(crate) async fn route(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    const ROUTE: &str = "route";
+    if !authorized(&state, &headers) {
+        return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
+    }
+    let (value, routed) = match read_prompt(&state, &body) {
+        Ok(x) => x,
+        Err(refusal) => return refusal.respond(&state, ROUTE),
+    };
+    let book = value.get("book").and_then(Value::as_bool).unwrap_or(false);
+    let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
+    let request = RouteRequest {
+        id,
+        tokens: &routed.tokens,
+        hints: RouteHints {
+            mode: if book { Mode::Book } else { Mode::QueryOnly },
+            expected_output_tokens: routed.expected_output,
+            ..RouteHints::default()
+        },
+    };
+    match state.router.route(&request) {
+        Ok(d) => {
+            state
+                .metrics
+                .requests
+                .with_label_values(&[ROUTE, "ok"])
+                .inc();
+            let url = state
+                .backends
+                .get(d.worker.worker.0)
+                .map(|b| b.spec.url.clone());
+            Json(json!({
+                "request_id": id.0,
+                "worker": d.worker.worker.0,
+                "dp_rank": d.worker.dp_rank.0,
+                "url": url,
+                "predicted_cached_tokens": d.overlap.cached_tokens,
+                "overlap_blocks": d.overlap.blocks,
+                "booked": book,
+                "decided_by": format!("{:?}", d.decided_by),
+                "cost": {
+                    "prefill_blocks": d.cost.prefill_blocks,
+                    "prefill_cost": d.cost.prefill_cost,
+                    "decode_cost": d.cost.decode_cost,
+                    "total": d.cost.total,
+                },
+            }))
+            .into_response()
+        }
+        Err(e) => error(
+            &state,
+            ROUTE,
+            StatusCode::SERVICE_UNAVAILABLE,
+            e.to_string(),
+        ),
+    }
+}
+
+/// `DELETE /v1/route/{request_id}`: frees a booking made by `/v1/route`.
+pub(crate) async fn free_route(State(state): State<AppState>, Path(id): Path<u64>) -> Response {
+    match state.router.free(RequestId(id)) {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => error(&state, "route", StatusCode::NOT_FOUND, e.to_string()),
+    }
+}
+
+/// `GET /v1/workers`.
+pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
+    let fleet = state.router.fleet();
+    let draining = state.draining();
+    let workers: Vec<Value> = state
+        .backends
+        .all()
+        .iter()
+        .map(|b| {
+            let events = b.event_stats();
+            let ranks: Vec<Value> = (0..b.spec.dp_size)
+                .map(|r| {
+                    let rank = WorkerRank::new(b.spec.id, r);
+                    let entry = fleet.rank_index(rank).map(|i| &fleet.ranks[i]);
+                    let load = state.router.load(rank);
+                    let stream = events.get(r as usize);
+                    json!({
+                        "dp_rank": r,
+                        "health": entry.map(|e| format!("{:?}", e.state.health())),
+                        "index_blocks": entry.map(|e| e.state.reported_blocks()),
+                        "load": load.map(|l| json!({
+                            "requests": l.requests,
+                            "prefill_tokens": l.prefill_tokens,
+                            "decode_blocks": l.decode_blocks(),
+                        })),
+                        "events": stream.map(|s| json!({
+                            "connected": s.live,
+                            "received": s.received,
+                            "applied_batches": s.applied_batches,
+                            "gaps": s.sequence.gaps,
+                            "replayed": s.sequence.replayed,
+                            "duplicates": s.sequence.duplicates,
+                            "restarts": s.sequence.restarts,
+                            "lost_batches": s.sequence.lost_batches,
+                            "ranks_cleared": s.ranks_cleared,
+                            "decode_errors": s.decode.bad_payloads + s.decode.malformed_events,
+                        })),
+                    })
+                })
+                .collect();
+            json!({
+                "id": b.spec.id,
+                "url": b.spec.url,
+                "draining": draining.contains(&WorkerId(b.spec.id)),
+                "kv_events": b.spec.kv_events,
+                "kv_blocks": b.spec.kv_blocks,
+                "block_size": b.spec.block_size,
+                "labels": b.spec.labels,
+                "ranks": ranks,
+            })
+        })
+        .collect();
+    Json(json!({ "workers": workers }))
+}
+
+/// `POST /v1/workers`: adds a worker (a [`BackendSpec`] in JSON).
+pub(crate) async fn add_worker(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !authorized(&state, &headers) {
+        return error(
+            &state,
+            "workers",
+            StatusCode::UNAUTHORIZED,
+            "invalid API key",
+        );
+    }
+    let spec: BackendSpec = match serde_json::from_slice(&body) {
+        Ok(s) => s,
+        Err(e) => {
+            return error(
+                &state,
+                "workers",
+                StatusCode::BAD_REQUEST,
+                format!("not a worker: {e}"),
+            )
+        }
+    };
+    match state
+        .backends
+        .add(&state.router, spec, state.options.replay_timeout)
+        .await
+    {
+        Ok(b) => (StatusCode::CREATED, Json(json!({"id": b.spec.id}))).into_response(),
+        Err(e) => error(&state, "workers", StatusCode::BAD_REQUEST, e.to_string()),
+    }
+}
+
+/// `DELETE /v1/workers/{id}`: no new request goes to it; once its requests have ended (or the
+/// drain timeout passed) it leaves, and its blocks leave the index.
+pub(crate) async fn remove_worker(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<u64>,
+) -> Response {
+    if !authorized(&state, &headers) {
+        return error(
+            &state,
+            "workers",
+            StatusCode::UNAUTHORIZED,
+            "invalid API key",
+        );
+    }
+    let Some(backend) = state.backends.get(id) else {
+        return error(
+            &state,
+            "workers",
+            StatusCode::NOT_FOUND,
+            format!("worker {id} does not exist"),
+        );
+    };
+    state.set_draining(WorkerId(id), true);
+    let deadline = tokio::time::Instant::now() + state.options.drain_timeout;
+    loop {
+        let active: u64 = (0..backend.spec.dp_size)
+            .filter_map(|r| state.router.load(WorkerRank::new(id, r)))
+            .map(|l| l.requests)
+            .sum();
+        if active == 0 || tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let result = state.backends.remove(&state.router, id);
+    state.set_draining(WorkerId(id), false);
+    match result {
+        Ok(blocks) => Json(json!({"id": id, "blocks_removed": blocks})).into_response(),
+        Err(e) => error(&state, "workers", StatusCode::NOT_FOUND, e.to_string()),
+    }
+}
+
+/// `GET /metrics`.
+pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        state.metrics.render(&state.router, &state.backends),
+    )
+        .into_response()
+}
+
+/// `GET /ready`: once a worker has been heard from (its events, or it publishes none).
+pub(crate) async fn ready(State(state): State<AppState>) -> StatusCode {
+    let heard = state
+        .backends
+        .all()
+        .iter()
+        .any(|b| b.spec.kv_events.is_none() || b.event_stats().iter().any(|s| s.live));
+    if heard {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+/// `GET /v1/models`: the served model, when one is configured; else the first worker's list.
+pub(crate) async fn models(State(state): State<AppState>) -> Response {
+    if let Some(model) = &state.options.model {
+        return Json(json!({
+            "object": "list",
+            "data": [{"id": model, "object": "model", "owned_by": "kvroute"}],
+        }))
+        .into_response();
+    }
+    for b in state.backends.all() {
+        if let Ok(r) = state
+            .client
+            .get(format!("{}/v1/models", b.spec.url))
+            .send()
+            .await
+        {
+            if let Ok(v) = r.json::<Value>().await {
+                return Json(v).into_response();
+            }
+        }
+    }
+    error(
+        &state,
+        "models",
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no worker answered",
+    )
+}

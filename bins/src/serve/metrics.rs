@@ -1,0 +1,138 @@
+//! The router service's Prometheus metrics (`kvroute_*`): requests by outcome, decision time,
+//! predicted overlap, and per worker its load, index blocks and event-stream counts, read
+//! from the router and the subscriptions at each scrape.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+use kvroute_core::{Router, WorkerRank};
+
+use super::backends::Backends;
+
+/// The service's metrics.
+#[derive(Debug, Clone)]
+pub(crate) struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub decision_seconds: Histogram,
+    pub predicted_cached_tokens: Histogram,
+    pub retries: IntCounterVec,
+    load: IntGaugeVec,
+    events: IntGaugeVec,
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new("kvroute_requests_total", "Requests by route and outcome."),
+            &["route", "outcome"],
+        )?;
+        let decision_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvroute_decision_seconds",
+                "Time to decide where a request goes (hashing included).",
+            )
+            .buckets(vec![1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2]),
+        )?;
+        let predicted_cached_tokens = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvroute_predicted_cached_tokens",
+                "Prompt tokens the chosen worker was predicted to hold.",
+            )
+            .buckets(vec![0.0, 16.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0]),
+        )?;
+        let retries = IntCounterVec::new(
+            Opts::new(
+                "kvroute_upstream_failures_total",
+                "Upstream attempts that failed before the first byte, by kind.",
+            ),
+            &["kind"],
+        )?;
+        let load = IntGaugeVec::new(
+            Opts::new(
+                "kvroute_worker_load",
+                "Per worker rank: the router's load view.",
+            ),
+            &["worker", "dp_rank", "kind"],
+        )?;
+        let events = IntGaugeVec::new(
+            Opts::new(
+                "kvroute_worker_kv_events",
+                "Per worker rank: KV-event stream counts (received, applied, gaps, replays, \
+                 lost, restarts, duplicates, decode errors).",
+            ),
+            &["worker", "dp_rank", "kind"],
+        )?;
+        for m in [&requests, &retries] {
+            registry.register(Box::new(m.clone()))?;
+        }
+        registry.register(Box::new(decision_seconds.clone()))?;
+        registry.register(Box::new(predicted_cached_tokens.clone()))?;
+        registry.register(Box::new(load.clone()))?;
+        registry.register(Box::new(events.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests,
+            decision_seconds,
+            predicted_cached_tokens,
+            retries,
+            load,
+            events,
+        })
+    }
+
+    /// The text exposition, per-worker gauges refreshed first.
+    pub(crate) fn render(&self, router: &Router, backends: &Backends) -> String {
+        self.load.reset();
+        self.events.reset();
+        let fleet = router.fleet();
+        for entry in &fleet.ranks {
+            let WorkerRank { worker, dp_rank } = entry.rank;
+            let (w, r) = (worker.0.to_string(), dp_rank.0.to_string());
+            if let Some(load) = router.load(entry.rank) {
+                for (kind, value) in [
+                    ("requests", load.requests),
+                    ("prefill_tokens", load.prefill_tokens),
+                    ("decode_blocks", load.decode_blocks()),
+                ] {
+                    self.load
+                        .with_label_values(&[&w, &r, kind])
+                        .set(value as i64);
+                }
+            }
+        }
+        for backend in backends.all() {
+            let w = backend.spec.id.to_string();
+            for (rank, s) in backend.event_stats().iter().enumerate() {
+                let r = rank.to_string();
+                for (kind, value) in [
+                    ("received", s.received),
+                    ("applied_batches", s.applied_batches),
+                    ("applied_events", s.applied_events),
+                    ("rejected_events", s.rejected_events),
+                    ("bad_frames", s.bad_frames),
+                    ("gaps", s.sequence.gaps),
+                    ("replay_requests", s.sequence.replay_requests),
+                    ("replayed", s.sequence.replayed),
+                    ("duplicates", s.sequence.duplicates),
+                    ("restarts", s.sequence.restarts),
+                    ("lost_batches", s.sequence.lost_batches),
+                    ("replay_timeouts", s.replay_timeouts),
+                    ("ranks_cleared", s.ranks_cleared),
+                    ("bad_payloads", s.decode.bad_payloads),
+                    ("unknown_types", s.decode.unknown_types),
+                    ("malformed_events", s.decode.malformed_events),
+                ] {
+                    self.events
+                        .with_label_values(&[&w, &r, kind])
+                        .set(value as i64);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}

@@ -1,0 +1,423 @@
+//! The OpenAI routes: the request is read only for what routing needs (the prompt's tokens,
+//! the expected output length), routed by the core, and sent to the chosen engine unchanged;
+//! the engine's answer (status, SSE chunks as they come, usage, errors) comes back unchanged.
+//!
+//! ```text
+//!  body ──prompt tokens──▶ Router::route (books load) ──▶ RequestGuard
+//!    └──────────unchanged──────────▶ engine ──▶ first chunk: prefill_done ──▶ end: finish
+//!                                       connection refused / 5xx before a byte: mark the
+//!                                       worker down, free, route again without it
+//!  a client that goes away drops the body stream: the guard frees, the upstream connection
+//!  closes, and the engine stops the request
+//! ```
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use kvroute_core::{
+    RequestGuard, RequestId, RouteError, RouteHints, RouteRequest, Router, WorkerId,
+};
+use serde_json::Value;
+
+use super::backends::mark_unreachable;
+use super::AppState;
+
+/// An error in OpenAI's shape, counted under `route`.
+pub(crate) fn error(
+    state: &AppState,
+    route: &str,
+    status: StatusCode,
+    message: impl Into<String>,
+) -> Response {
+    let outcome = if status.is_client_error() {
+        "client_error"
+    } else {
+        "server_error"
+    };
+    state
+        .metrics
+        .requests
+        .with_label_values(&[route, outcome])
+        .inc();
+    let kind = match status {
+        StatusCode::BAD_REQUEST => "BadRequestError",
+        StatusCode::UNAUTHORIZED => "AuthenticationError",
+        StatusCode::NOT_FOUND => "NotFoundError",
+        StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
+        _ => "ServiceUnavailableError",
+    };
+    let body = serde_json::json!({
+        "error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+/// Checks the client's key when the service has one.
+pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    match &state.options.api_key {
+        None => true,
+        Some(key) => headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| given == key),
+    }
+}
+
+/// What routing reads of a request body.
+pub(crate) struct Routed {
+    pub tokens: Vec<u32>,
+    pub expected_output: Option<u32>,
+}
+
+/// A request refused before routing: its status and why.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    status: StatusCode,
+    message: String,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Refusal {
+            status,
+            message: message.into(),
+        }
+    }
+
+    /// The refusal as an error response, counted under `route`.
+    pub(crate) fn respond(self, state: &AppState, route: &str) -> Response {
+        error(state, route, self.status, self.message)
+    }
+}
+
+/// Reads the prompt's token ids and the output length, or the client's error.
+pub(crate) fn read_prompt(state: &AppState, body: &[u8]) -> Result<(Value, Routed), Refusal> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, format!("malformed JSON: {e}")))?;
+    let Some(object) = value.as_object() else {
+        return Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "the body must be a JSON object",
+        ));
+    };
+    if let (Some(served), Some(model)) = (&state.options.model, object.get("model")) {
+        if model.as_str() != Some(served.as_str()) {
+            return Err(Refusal::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "The model `{}` does not exist.",
+                    model.as_str().unwrap_or("?")
+                ),
+            ));
+        }
+    }
+    let tokens = match object.get("prompt") {
+        Some(Value::Array(items)) if items.iter().all(Value::is_u64) => items
+            .iter()
+            .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| {
+                Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
+            })?,
+        Some(Value::String(_)) => {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "kvroute serve routes token-id prompts; text prompts need the model's \
+                 tokenizer, which this build does not load yet",
+            ))
+        }
+        Some(_) => {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "prompt must be a list of token ids (one prompt per request)",
+            ))
+        }
+        None => {
+            return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt"));
+        }
+    };
+    if tokens.is_empty() {
+        return Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "the prompt has no tokens",
+        ));
+    }
+    let expected_output = object
+        .get("max_tokens")
+        .and_then(Value::as_u64)
+        .and_then(|n| u32::try_from(n).ok());
+    Ok((
+        value,
+        Routed {
+            tokens,
+            expected_output,
+        },
+    ))
+}
+
+fn route_error(state: &AppState, route: &str, e: &RouteError) -> Response {
+    match e {
+        RouteError::NoTokens { .. } | RouteError::InvalidHint { .. } => {
+            error(state, route, StatusCode::BAD_REQUEST, e.to_string())
+        }
+        RouteError::ResourceExhausted { .. } => {
+            let mut r = error(state, route, StatusCode::TOO_MANY_REQUESTS, e.to_string());
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        }
+        _ => error(state, route, StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+pub(crate) async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    const ROUTE: &str = "completions";
+    if !authorized(&state, &headers) {
+        return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
+    }
+    let routed = match read_prompt(&state, &body) {
+        Ok((_, routed)) => routed,
+        Err(refusal) => return refusal.respond(&state, ROUTE),
+    };
+    forward(&state, ROUTE, "/v1/completions", body, &routed).await
+}
+
+pub(crate) async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Response {
+    const ROUTE: &str = "chat_completions";
+    if !authorized(&state, &headers) {
+        return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
+    }
+    error(
+        &state,
+        ROUTE,
+        StatusCode::BAD_REQUEST,
+        "chat requests are routed by the model's chat template and tokenizer, which this build \
+         of kvroute serve does not load yet; send /v1/completions with token ids",
+    )
+}
+
+/// Routes and sends `body` to the chosen engine's `path`, retrying on another worker when
+/// the chosen one fails before answering.
+async fn forward(
+    state: &AppState,
+    route: &'static str,
+    path: &str,
+    body: Bytes,
+    routed: &Routed,
+) -> Response {
+    let mut excluded: Vec<WorkerId> = Vec::new();
+    let attempts = state.options.retries + 1;
+    for attempt in 0..attempts {
+        let allowed: Option<Vec<WorkerId>> = if excluded.is_empty() {
+            None
+        } else {
+            let rest: Vec<WorkerId> = state
+                .backends
+                .all()
+                .iter()
+                .map(|b| WorkerId(b.spec.id))
+                .filter(|w| !excluded.contains(w))
+                .collect();
+            if rest.is_empty() {
+                break;
+            }
+            Some(rest)
+        };
+        let draining = state.draining();
+        let allowed = match (allowed, draining.is_empty()) {
+            (a, true) => a,
+            (Some(a), false) => Some(a.into_iter().filter(|w| !draining.contains(w)).collect()),
+            (None, false) => Some(
+                state
+                    .backends
+                    .all()
+                    .iter()
+                    .map(|b| WorkerId(b.spec.id))
+                    .filter(|w| !draining.contains(w))
+                    .collect(),
+            ),
+        };
+        let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
+        let request = RouteRequest {
+            id,
+            tokens: &routed.tokens,
+            hints: RouteHints {
+                expected_output_tokens: routed.expected_output,
+                allowed: allowed.as_deref(),
+                ..RouteHints::default()
+            },
+        };
+        let started = Instant::now();
+        let decision = match state.router.route(&request) {
+            Ok(d) => d,
+            Err(e) => return route_error(state, route, &e),
+        };
+        state
+            .metrics
+            .decision_seconds
+            .observe(started.elapsed().as_secs_f64());
+        state
+            .metrics
+            .predicted_cached_tokens
+            .observe(decision.overlap.cached_tokens as f64);
+        let mut guard = RequestGuard::new(Arc::clone(&state.router), decision.request);
+        let worker = decision.worker.worker;
+        let Some(backend) = state.backends.get(worker.0) else {
+            excluded.push(worker);
+            continue;
+        };
+        let mut upstream = state
+            .client
+            .post(format!("{}{path}", backend.spec.url))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body.clone());
+        if let Some(key) = &backend.spec.api_key {
+            upstream = upstream.bearer_auth(key);
+        }
+        let response = match upstream.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(worker = worker.0, attempt, error = %e, "upstream failed");
+                state.metrics.retries.with_label_values(&["connect"]).inc();
+                mark_unreachable(&state.router, &state.backends, worker.0);
+                excluded.push(worker);
+                continue;
+            }
+        };
+        let status = response.status();
+        if status.is_server_error()
+            && status != reqwest::StatusCode::SERVICE_UNAVAILABLE
+            && attempt + 1 < attempts
+        {
+            state
+                .metrics
+                .retries
+                .with_label_values(&["server_error"])
+                .inc();
+            mark_unreachable(&state.router, &state.backends, worker.0);
+            excluded.push(worker);
+            continue;
+        }
+        let _ = guard.mark_dispatched();
+        return relay(state, route, response, guard, worker).await;
+    }
+    error(
+        state,
+        route,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no worker could take the request",
+    )
+}
+
+/// Sends the engine's answer back as it comes, moving the request's lifecycle along.
+async fn relay(
+    state: &AppState,
+    route: &'static str,
+    response: reqwest::Response,
+    guard: RequestGuard<Arc<Router>>,
+    worker: WorkerId,
+) -> Response {
+    let status = StatusCode::from_u16(response.status().as_u16())
+        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let content_type = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .cloned();
+    let streaming = content_type
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let outcome = if status.is_success() {
+        "ok"
+    } else if status.is_client_error() {
+        "upstream_client_error"
+    } else {
+        "upstream_error"
+    };
+    state
+        .metrics
+        .requests
+        .with_label_values(&[route, outcome])
+        .inc();
+    let mut builder = Response::builder().status(status);
+    if let Some(ct) = content_type {
+        if let Ok(v) = HeaderValue::from_bytes(ct.as_bytes()) {
+            builder = builder.header(header::CONTENT_TYPE, v);
+        }
+    }
+    if !streaming {
+        let bytes = response.bytes().await;
+        let body = match bytes {
+            Ok(b) => {
+                let _ = guard.prefill_done();
+                let _ = guard.finish();
+                b
+            }
+            Err(_) => {
+                mark_unreachable(&state.router, &state.backends, worker.0);
+                drop(guard);
+                return error(
+                    state,
+                    route,
+                    StatusCode::BAD_GATEWAY,
+                    "the worker failed while answering",
+                );
+            }
+        };
+        return builder
+            .body(Body::from(body))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    let router = Arc::clone(&state.router);
+    let backends = Arc::clone(&state.backends);
+    let chunks = response.bytes_stream();
+    let body = futures_util::stream::unfold(
+        (chunks, Some(guard), false),
+        move |(mut chunks, mut guard, mut started)| {
+            let router = Arc::clone(&router);
+            let backends = Arc::clone(&backends);
+            async move {
+                match chunks.next().await {
+                    Some(Ok(chunk)) => {
+                        if !started {
+                            started = true;
+                            if let Some(g) = &guard {
+                                let _ = g.prefill_done();
+                            }
+                        }
+                        Some((Ok::<Bytes, std::io::Error>(chunk), (chunks, guard, started)))
+                    }
+                    Some(Err(e)) => {
+                        // The worker went away mid-stream: only this request fails.
+                        mark_unreachable(&router, &backends, worker.0);
+                        drop(guard.take());
+                        Some((Err(std::io::Error::other(e)), (chunks, None, started)))
+                    }
+                    None => {
+                        if let Some(g) = guard.take() {
+                            let _ = g.finish();
+                        }
+                        None
+                    }
+                }
+            }
+        },
+    );
+    builder
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}

@@ -1,0 +1,449 @@
+//! `kvroute serve` end to end on loopback, every part a real process: three `kvroute worker`
+//! engines (vLLM's HTTP and ZeroMQ interfaces) and the router service in front of them, driven
+//! by an HTTP client.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+/// A child process killed when dropped.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn kvroute(args: &[String]) -> Process {
+    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(args)
+        .env("KVROUTE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    Process(child)
+}
+
+/// One engine: its process, its HTTP URL and its event endpoints.
+struct Engine {
+    process: Process,
+    url: String,
+    events: String,
+    replay: String,
+}
+
+fn engine() -> Engine {
+    let (http, events, replay) = (free_port(), free_port(), free_port());
+    let process = kvroute(&[
+        "worker".into(),
+        "--listen".into(),
+        format!("127.0.0.1:{http}"),
+        "--kv-events".into(),
+        format!("tcp://127.0.0.1:{events}"),
+        "--kv-replay".into(),
+        format!("tcp://127.0.0.1:{replay}"),
+        "--kv-blocks".into(),
+        "4096".into(),
+        "--speedup".into(),
+        "20".into(),
+    ]);
+    Engine {
+        process,
+        url: format!("http://127.0.0.1:{http}"),
+        events: format!("tcp://127.0.0.1:{events}"),
+        replay: format!("tcp://127.0.0.1:{replay}"),
+    }
+}
+
+async fn wait_for(client: &reqwest::Client, url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(r) = client.get(url).send().await {
+            if r.status().is_success() {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "{url} never answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Serve and three engines, ready.
+struct Fleet {
+    engines: Vec<Engine>,
+    url: String,
+    _serve: Process,
+    client: reqwest::Client,
+}
+
+async fn fleet() -> Fleet {
+    let client = reqwest::Client::new();
+    let engines: Vec<Engine> = (0..3).map(|_| engine()).collect();
+    for e in &engines {
+        wait_for(&client, &format!("{}/health", e.url)).await;
+    }
+    let port = free_port();
+    let mut args: Vec<String> = vec![
+        "serve".into(),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--model".into(),
+        "kvroute-sim".into(),
+        "--max-body-bytes".into(),
+        "1000000".into(),
+    ];
+    for e in &engines {
+        args.push("--worker".into());
+        args.push(format!(
+            "url={},events={},replay={},kv_blocks=4096",
+            e.url, e.events, e.replay
+        ));
+    }
+    let serve = kvroute(&args);
+    let url = format!("http://127.0.0.1:{port}");
+    wait_for(&client, &format!("{url}/health")).await;
+    Fleet {
+        engines,
+        url,
+        _serve: serve,
+        client,
+    }
+}
+
+impl Fleet {
+    async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.client
+            .post(format!("{}{path}", self.url))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn workers(&self) -> Value {
+        self.client
+            .get(format!("{}/v1/workers", self.url))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// Requests the router still holds, over every worker.
+    async fn active(&self) -> u64 {
+        let w = self.workers().await;
+        w["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|w| w["ranks"].as_array().unwrap().clone())
+            .map(|r| r["load"]["requests"].as_u64().unwrap_or(0))
+            .sum()
+    }
+
+    async fn wait_idle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.active().await != 0 {
+            assert!(Instant::now() < deadline, "load never returned to zero");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Prompt `i` of family `family`: 512 shared tokens, then 40 of its own.
+fn prompt(family: u32, i: u32) -> Vec<u32> {
+    let mut p: Vec<u32> = (family * 10_000..family * 10_000 + 512).collect();
+    p.extend(1_000_000 + i * 100..1_000_000 + i * 100 + 40);
+    p
+}
+
+/// Sends one completion, streaming or not, and returns its usage.
+async fn complete(f: &Fleet, tokens: Vec<u32>, stream: bool) -> Value {
+    let body = json!({
+        "model": "kvroute-sim",
+        "prompt": tokens,
+        "max_tokens": 4,
+        "stream": stream,
+        "stream_options": {"include_usage": true},
+    });
+    let response = f.post("/v1/completions", &body).await;
+    assert_eq!(response.status(), 200);
+    if !stream {
+        let v: Value = response.json().await.unwrap();
+        return v["usage"].clone();
+    }
+    let text = response.text().await.unwrap();
+    let mut usage = Value::Null;
+    for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
+    }
+    assert!(text.contains("[DONE]"), "{text}");
+    usage
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_land_where_their_prefix_is_and_load_returns_to_zero() {
+    let f = fleet().await;
+    // The first request of each of 6 families stores its prefix on some engine, in turn.
+    for family in 0..6 {
+        complete(&f, prompt(family, family), family % 2 == 0).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // 180 more, 8 at a time, streaming and not: each should find its family's 512 tokens.
+    let mut cached = 0u64;
+    let mut prompt_tokens = 0u64;
+    let requests: Vec<(u32, u32)> = (0..180u32).map(|i| (i % 6, 100 + i)).collect();
+    for batch in requests.chunks(8) {
+        let usages = futures_util::future::join_all(
+            batch
+                .iter()
+                .map(|&(family, i)| complete(&f, prompt(family, i), i % 2 == 0)),
+        )
+        .await;
+        for u in usages {
+            cached += u["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            prompt_tokens += u["prompt_tokens"].as_u64().unwrap();
+        }
+    }
+    // Each prompt is 552 tokens of which 512 are its family's: 0.93 at best.
+    let hit = cached as f64 / prompt_tokens as f64;
+    assert!(hit > 0.85, "hit rate {hit}");
+    // The decision alone names the engine holding the prefix.
+    let decision: Value = f
+        .post("/v1/route", &json!({"prompt": prompt(3, 9_999)}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(decision["predicted_cached_tokens"], 512, "{decision}");
+    assert_eq!(decision["booked"], false);
+    f.wait_idle().await;
+    let metrics = f
+        .client
+        .get(format!("{}/metrics", f.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_requests_total{outcome=\"ok\",route=\"completions\"} 186"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_a_clear_4xx_and_book_nothing() {
+    let f = fleet().await;
+    let raw = |body: String| {
+        f.client
+            .post(format!("{}/v1/completions", f.url))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    for (body, status) in [
+        ("{oops".to_owned(), 400),
+        (json!({"prompt": []}).to_string(), 400),
+        (json!({"model": "gpt-x", "prompt": [1, 2]}).to_string(), 404),
+        (json!({"prompt": "text"}).to_string(), 400),
+        (json!({"max_tokens": 3}).to_string(), 400),
+        (json!({"prompt": vec![7u32; 600_000]}).to_string(), 413),
+    ] {
+        let r = raw(body).await.unwrap();
+        assert_eq!(r.status().as_u16(), status);
+        if status != 413 {
+            let v: Value = r.json().await.unwrap();
+            assert!(v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()));
+        }
+    }
+    assert_eq!(f.active().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_frees_its_load_and_the_engine_stops() {
+    let f = fleet().await;
+    let response = f
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt(1, 1), "max_tokens": 20_000, "stream": true}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let _first = body.next().await.unwrap().unwrap();
+    assert_eq!(f.active().await, 1);
+    drop(body);
+    f.wait_idle().await;
+    // The engine saw the connection close and aborted the request.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut aborted = 0;
+        for e in &f.engines {
+            let s: Value = f
+                .client
+                .get(format!("{}/admin/stats", e.url))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            aborted += s["aborted"].as_u64().unwrap();
+        }
+        if aborted == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no engine aborted the request");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_fails_only_its_own_requests_and_leaves_the_index() {
+    let mut f = fleet().await;
+    // One long stream per engine's family, started after each family is stored.
+    for family in 0..3 {
+        complete(&f, prompt(family, family), false).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let workers = f.workers().await;
+    let holder = |w: &Value| w["ranks"][0]["index_blocks"].as_u64().unwrap_or(0);
+    assert!(
+        workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| holder(w) > 0),
+        "{workers}"
+    );
+    let mut streams = Vec::new();
+    for family in 0..3 {
+        let r = f
+            .post(
+                "/v1/completions",
+                &json!({"prompt": prompt(family, 50 + family), "max_tokens": 400, "stream": true}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        streams.push(r.bytes_stream());
+    }
+    for s in &mut streams {
+        s.next().await.unwrap().unwrap();
+    }
+    // Kill the engine serving family 2's stream: find it by its load.
+    let victim = {
+        let w = f.workers().await;
+        let decision: Value = f
+            .post("/v1/route", &json!({"prompt": prompt(2, 7)}))
+            .await
+            .json()
+            .await
+            .unwrap();
+        let id = decision["worker"].as_u64().unwrap() as usize;
+        assert!(
+            w["workers"][id]["ranks"][0]["load"]["requests"]
+                .as_u64()
+                .unwrap()
+                >= 1
+        );
+        id
+    };
+    let engine = f.engines.remove(victim);
+    drop(engine.process);
+    let mut failed = 0;
+    let mut finished = 0;
+    for s in streams {
+        let chunks: Vec<_> = s.collect().await;
+        if chunks.iter().any(|c| c.is_err()) {
+            failed += 1;
+        } else {
+            finished += 1;
+        }
+    }
+    assert_eq!(
+        (failed, finished),
+        (1, 2),
+        "only the killed engine's stream fails"
+    );
+    f.wait_idle().await;
+    let w = f.workers().await;
+    let dead = &w["workers"][victim]["ranks"][0];
+    assert_eq!(dead["health"], "Unreachable", "{w}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while holder(&f.workers().await["workers"][victim]) != 0 {
+        assert!(Instant::now() < deadline, "its blocks stayed in the index");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // New requests go to the living.
+    for i in 0..6 {
+        complete(&f, prompt(i % 3, 300 + i), false).await;
+    }
+}
+
+#[test]
+fn the_example_config_and_worker_flags_read_as_documented() {
+    use kvroute::serve::{parse_worker_flag, ServeFile, ServeOptions};
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../kvroute.example.toml");
+    let options = ServeFile::read(&path)
+        .unwrap()
+        .apply(ServeOptions::default())
+        .unwrap();
+    assert_eq!(options.workers.len(), 2);
+    assert_eq!(
+        options.workers[0].kv_replay.as_deref(),
+        Some("tcp://10.0.0.11:5558")
+    );
+    assert_eq!(options.workers[0].labels["zone"], "a");
+    assert_eq!(
+        options.model.as_deref(),
+        Some("meta-llama/Llama-3.1-8B-Instruct")
+    );
+    assert_eq!(options.retries, 1);
+    let w = parse_worker_flag("url=http://h:1,events=tcp://h:2,kv_blocks=9,dp_size=2", 3).unwrap();
+    assert_eq!((w.id, w.kv_blocks, w.dp_size), (3, 9, 2));
+    assert!(parse_worker_flag("events=tcp://h:2", 0).is_err(), "no url");
+    assert!(parse_worker_flag("url=http://h:1,colour=blue", 0).is_err());
+    let bad = ServeFile {
+        policy: Some("fastest".into()),
+        ..ServeFile::default()
+    };
+    assert!(bad.apply(ServeOptions::default()).is_err());
+    let unknown_key = "listen = \"127.0.0.1:1\"\nlisten_port = 3\n";
+    assert!(toml_parse(unknown_key).is_err(), "unknown keys are refused");
+}
+
+fn toml_parse(text: &str) -> Result<kvroute::serve::ServeFile, ()> {
+    let dir = std::env::temp_dir().join(format!("kvroute-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("c.toml");
+    std::fs::write(&path, text).unwrap();
+    kvroute::serve::ServeFile::read(&path).map_err(|_| ())
+}
