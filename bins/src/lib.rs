@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+pub mod chat;
 pub mod demo;
 pub mod serve;
 pub mod sim;

@@ -4,7 +4,8 @@
 //! events equals the engine's cache after every pass (`events_model.rs`), the fleet on one
 //! virtual clock (`fleet.rs`), workloads and traces (`workload.rs`), the demo (`demo.rs`), and the
 //! live worker through its HTTP and ZeroMQ interfaces (`worker.rs`), and `kvroute serve` end to end
-//! with workers as real processes (`serve.rs`).
+//! with workers as real processes (`serve.rs`); the chat template and tokenizer against
+//! transformers (`chat.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -16,6 +17,7 @@
 )]
 
 mod cache;
+mod chat;
 mod demo;
 mod events_model;
 mod fleet;

