@@ -67,6 +67,10 @@ struct ServeArgs {
     /// Further workers tried when one fails before answering [default: 1].
     #[arg(long, env = "KVROUTE_RETRIES")]
     retries: Option<u32>,
+    /// The model's tokenizer files (a directory with tokenizer.json and
+    /// tokenizer_config.json), to route chat requests and text prompts as the engine sees them.
+    #[arg(long, value_name = "DIR", env = "KVROUTE_TOKENIZER")]
+    tokenizer: Option<PathBuf>,
     /// Largest request body accepted, in bytes (larger ones get a 413) [default: 32 MiB].
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     max_body_bytes: Option<usize>,
@@ -110,6 +114,10 @@ struct WorkerArgs {
     /// Longest prompt plus output a request may ask for.
     #[arg(long, default_value_t = 131_072)]
     max_model_len: u32,
+    /// The model's tokenizer files (a directory with tokenizer.json and
+    /// tokenizer_config.json): text prompts and chat requests need them.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -186,6 +194,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         retries: args.retries,
         policy: args.policy,
         max_body_bytes: args.max_body_bytes,
+        tokenizer: args.tokenizer,
         workers: args
             .workers
             .iter()
@@ -271,6 +280,7 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
         model: args.model,
         engine,
         max_model_len: args.max_model_len,
+        tokenizer: args.tokenizer,
         kv_events: args.kv_events.map(|endpoint| PublisherConfig {
             endpoint,
             replay_endpoint: args.kv_replay,

@@ -28,7 +28,7 @@ pub(crate) async fn route(
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
-    let (value, routed) = match read_prompt(&state, &body) {
+    let (value, routed) = match read_prompt(&state, &body, value_is_chat(&body)) {
         Ok(x) => x,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
@@ -79,6 +79,11 @@ pub(crate) async fn route(
             e.to_string(),
         ),
     }
+}
+
+/// Whether a `/v1/route` body is a chat (it has `messages`).
+fn value_is_chat(body: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(body).is_ok_and(|v| v.get("messages").is_some())
 }
 
 /// `DELETE /v1/route/{request_id}`: frees a booking made by `/v1/route`.

@@ -39,6 +39,8 @@ pub struct ServeFile {
     pub drain_timeout_s: Option<f64>,
     /// Largest request body, in bytes.
     pub max_body_bytes: Option<usize>,
+    /// The directory of the model's `tokenizer.json` and `tokenizer_config.json`.
+    pub tokenizer: Option<std::path::PathBuf>,
     /// The engines.
     #[serde(default)]
     pub workers: Vec<BackendSpec>,
@@ -133,6 +135,9 @@ impl ServeFile {
         }
         if let Some(v) = self.max_body_bytes {
             options.max_body = v;
+        }
+        if self.tokenizer.is_some() {
+            options.tokenizer = self.tokenizer;
         }
         options.workers.extend(self.workers);
         options

@@ -9,8 +9,8 @@
 //!
 //! Module map:
 //!
-//! * `proxy.rs`: `/v1/completions` (and the refusal of chat until the tokenizer lands):
-//!   routing, forwarding, retries, the request lifecycle.
+//! * `proxy.rs`: `/v1/completions` and `/v1/chat/completions`: the prompt's tokens (chat
+//!   rendered by the model's template), routing, forwarding, retries, the request lifecycle.
 //! * `admin.rs`: `/v1/route`, `/v1/workers`, `/v1/models`, `/metrics`, `/ready`.
 //! * `backends.rs`: [`BackendSpec`] and the registry of engines and their subscriptions.
 //! * `config.rs`: [`ServeFile`], the TOML file, and the `--worker` flag's syntax.
@@ -33,6 +33,8 @@ use axum::http::StatusCode;
 use axum::routing::{delete, get, post};
 use kvroute_core::{Health, IndexConfig, PrefixIndex, Router, RouterConfig, RouterError, WorkerId};
 use tokio::net::TcpListener;
+
+use crate::chat::ModelText;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -63,6 +65,9 @@ pub struct ServeOptions {
     pub probe_every: Duration,
     /// Largest request body, in bytes.
     pub max_body: usize,
+    /// The model's tokenizer and chat template (a directory with `tokenizer.json` and
+    /// `tokenizer_config.json`): needed to route chat requests and text prompts.
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Default for ServeOptions {
@@ -78,6 +83,7 @@ impl Default for ServeOptions {
             drain_timeout: Duration::from_secs(30),
             probe_every: Duration::from_secs(1),
             max_body: 32 << 20,
+            tokenizer: None,
         }
     }
 }
@@ -91,6 +97,7 @@ pub(crate) struct AppState {
     pub metrics: metrics::Metrics,
     pub options: Arc<ServeOptions>,
     pub next_id: Arc<AtomicU64>,
+    pub text: Option<Arc<ModelText>>,
     draining: Arc<RwLock<HashSet<WorkerId>>>,
 }
 
@@ -128,6 +135,9 @@ pub enum ServeError {
         /// Why.
         source: std::io::Error,
     },
+    /// The tokenizer or chat template could not be loaded.
+    #[error(transparent)]
+    Text(#[from] crate::chat::ModelTextError),
     /// The HTTP client or the metrics could not be built.
     #[error("{0}")]
     Setup(String),
@@ -151,6 +161,10 @@ impl RunningServe {
             options.router.clone(),
             PrefixIndex::new(IndexConfig::default()),
         )?);
+        let text = match &options.tokenizer {
+            Some(dir) => Some(Arc::new(ModelText::load(dir)?)),
+            None => None,
+        };
         let backends = Arc::new(backends::Backends::default());
         for spec in &options.workers {
             backends
@@ -180,6 +194,7 @@ impl RunningServe {
             metrics: metrics::Metrics::new().map_err(|e| ServeError::Setup(e.to_string()))?,
             options: Arc::new(options.clone()),
             next_id: Arc::new(AtomicU64::new(0)),
+            text,
             draining: Arc::default(),
         };
         let app = axum::Router::new()

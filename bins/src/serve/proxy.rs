@@ -98,7 +98,11 @@ impl Refusal {
 }
 
 /// Reads the prompt's token ids and the output length, or the client's error.
-pub(crate) fn read_prompt(state: &AppState, body: &[u8]) -> Result<(Value, Routed), Refusal> {
+pub(crate) fn read_prompt(
+    state: &AppState,
+    body: &[u8],
+    chat: bool,
+) -> Result<(Value, Routed), Refusal> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, format!("malformed JSON: {e}")))?;
     let Some(object) = value.as_object() else {
@@ -118,31 +122,45 @@ pub(crate) fn read_prompt(state: &AppState, body: &[u8]) -> Result<(Value, Route
             ));
         }
     }
-    let tokens = match object.get("prompt") {
-        Some(Value::Array(items)) if items.iter().all(Value::is_u64) => items
-            .iter()
-            .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
-            .collect::<Option<Vec<u32>>>()
-            .ok_or_else(|| {
-                Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
-            })?,
-        Some(Value::String(_)) => {
-            return Err(Refusal::new(
-                StatusCode::BAD_REQUEST,
-                "kvroute serve routes token-id prompts; text prompts need the model's \
-                 tokenizer, which this build does not load yet",
-            ))
-        }
-        Some(_) => {
-            return Err(Refusal::new(
-                StatusCode::BAD_REQUEST,
-                "prompt must be a list of token ids (one prompt per request)",
-            ))
-        }
-        None => {
-            return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt"));
-        }
-    };
+    let tokens =
+        if chat {
+            let Some(text) = &state.text else {
+                return Err(Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    "chat requests are routed by the model's chat template and tokenizer: start \
+                 kvroute serve with --tokenizer DIR",
+                ));
+            };
+            text.chat_ids(&value)
+                .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?
+        } else {
+            match object.get("prompt") {
+                Some(Value::Array(items)) if items.iter().all(Value::is_u64) => items
+                    .iter()
+                    .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .ok_or_else(|| {
+                        Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
+                    })?,
+                Some(Value::String(prompt)) => match &state.text {
+                    Some(text) => text
+                        .text_ids(prompt)
+                        .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?,
+                    None => return Err(Refusal::new(
+                        StatusCode::BAD_REQUEST,
+                        "text prompts are routed by the model's tokenizer: start kvroute serve \
+                         with --tokenizer DIR, or send token ids",
+                    )),
+                },
+                Some(_) => {
+                    return Err(Refusal::new(
+                        StatusCode::BAD_REQUEST,
+                        "prompt must be a string or a list of token ids (one prompt per request)",
+                    ))
+                }
+                None => return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+            }
+        };
     if tokens.is_empty() {
         return Err(Refusal::new(
             StatusCode::BAD_REQUEST,
@@ -151,6 +169,7 @@ pub(crate) fn read_prompt(state: &AppState, body: &[u8]) -> Result<(Value, Route
     }
     let expected_output = object
         .get("max_tokens")
+        .or_else(|| object.get("max_completion_tokens"))
         .and_then(Value::as_u64)
         .and_then(|n| u32::try_from(n).ok());
     Ok((
@@ -186,7 +205,7 @@ pub(crate) async fn completions(
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
-    let routed = match read_prompt(&state, &body) {
+    let routed = match read_prompt(&state, &body, false) {
         Ok((_, routed)) => routed,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
@@ -196,18 +215,17 @@ pub(crate) async fn completions(
 pub(crate) async fn chat_completions(
     State(state): State<AppState>,
     headers: HeaderMap,
+    body: Bytes,
 ) -> Response {
     const ROUTE: &str = "chat_completions";
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
-    error(
-        &state,
-        ROUTE,
-        StatusCode::BAD_REQUEST,
-        "chat requests are routed by the model's chat template and tokenizer, which this build \
-         of kvroute serve does not load yet; send /v1/completions with token ids",
-    )
+    let routed = match read_prompt(&state, &body, true) {
+        Ok((_, routed)) => routed,
+        Err(refusal) => return refusal.respond(&state, ROUTE),
+    };
+    forward(&state, ROUTE, "/v1/chat/completions", body, &routed).await
 }
 
 /// Routes and sends `body` to the chosen engine's `path`, retrying on another worker when

@@ -3,8 +3,8 @@
 //!
 //! | route | what |
 //! |---|---|
-//! | `POST /v1/completions` | token-id prompts; streaming (SSE) or not; `usage` with `prompt_tokens_details.cached_tokens` |
-//! | `POST /v1/chat/completions` | refused until the worker has the model's tokenizer and chat template |
+//! | `POST /v1/completions` | token-id or text prompts; streaming (SSE) or not; `usage` with `prompt_tokens_details.cached_tokens` |
+//! | `POST /v1/chat/completions` | messages rendered by the model's chat template; the same answers in chat's shape |
 //! | `GET /v1/models`, `GET /health` | as vLLM |
 //! | `GET /metrics` | Prometheus text, vLLM's names |
 //! | `POST /reset_prefix_cache` | as vLLM: drop the prefix cache (`AllBlocksCleared`) |
@@ -30,11 +30,10 @@ use crate::sim::{Admission, Finish, RequestId, RequestOutput};
 
 use super::driver::{Command, Driver, DriverStats};
 use super::metrics::Metrics;
-use super::openai::{
-    Completion, CompletionChoice, CompletionRequest, ErrorBody, ErrorDetail, ModelCard, ModelList,
-    Prompt, Usage,
-};
+use super::openai::{ErrorBody, ErrorDetail, ModelCard, ModelList, Prompt, Usage};
 use super::publisher::{EventFault, Publisher};
+use crate::chat::ModelText;
+use serde_json::Value;
 
 /// What every handler shares.
 #[derive(Debug, Clone)]
@@ -45,6 +44,7 @@ pub(crate) struct AppState {
     pub model: Arc<str>,
     pub max_model_len: u32,
     pub shutdown: Arc<Notify>,
+    pub text: Option<Arc<ModelText>>,
 }
 
 /// The routes, with a body limit of `max_body` bytes.
@@ -98,19 +98,73 @@ fn now_seconds() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The text of a generated token. The simulated engine has no vocabulary of its own: each id
-/// reads as a word of its own, so that lengths and streams behave like real ones.
-fn token_text(id: u32) -> String {
-    format!(" t{id}")
+/// What a request asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `/v1/completions`.
+    Completion,
+    /// `/v1/chat/completions`.
+    Chat,
 }
 
 async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
-    let request: CompletionRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => return bad_request(format!("malformed completion request: {e}")),
+    generate(state, Kind::Completion, body).await
+}
+
+async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+    generate(state, Kind::Chat, body).await
+}
+
+/// The prompt's token ids: a completion's token ids or text, a chat's rendered messages.
+fn prompt_ids(state: &AppState, kind: Kind, request: &Value) -> Result<Vec<u32>, String> {
+    let text = state.text.as_deref();
+    let no_tokenizer = |what: &str| {
+        format!("{what} need the model's tokenizer: start the worker with --tokenizer DIR")
     };
-    if let Some(model) = &request.model {
-        if model.as_str() != &*state.model {
+    let ids = match kind {
+        Kind::Chat => {
+            let Some(text) = text else {
+                return Err(no_tokenizer("chat requests"));
+            };
+            text.chat_ids(request).map_err(|e| e.to_string())?
+        }
+        Kind::Completion => {
+            let prompt: Prompt = match request.get("prompt") {
+                Some(p) => serde_json::from_value(p.clone())
+                    .map_err(|_| "prompt must be a string or a list of token ids".to_owned())?,
+                None => return Err("no prompt".to_owned()),
+            };
+            match prompt {
+                Prompt::Tokens(tokens) => tokens,
+                Prompt::Text(prompt) => {
+                    let Some(text) = text else {
+                        return Err(no_tokenizer("text prompts"));
+                    };
+                    text.text_ids(&prompt).map_err(|e| e.to_string())?
+                }
+                Prompt::Batch(prompts) => {
+                    return Err(format!(
+                        "one prompt per request (this one has {})",
+                        prompts.len()
+                    ))
+                }
+            }
+        }
+    };
+    if ids.is_empty() {
+        return Err("the prompt has no tokens".to_owned());
+    }
+    Ok(ids)
+}
+
+async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
+    let request: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        Ok(_) => return bad_request("the body must be a JSON object"),
+        Err(e) => return bad_request(format!("malformed request: {e}")),
+    };
+    if let Some(model) = request.get("model").and_then(Value::as_str) {
+        if model != &*state.model {
             return error(
                 StatusCode::NOT_FOUND,
                 "NotFoundError",
@@ -118,29 +172,22 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
             );
         }
     }
-    if request.n.is_some_and(|n| n != 1) {
+    if request
+        .get("n")
+        .and_then(Value::as_u64)
+        .is_some_and(|n| n != 1)
+    {
         return bad_request("only n = 1 is served");
     }
-    let prompt = match request.prompt {
-        Prompt::Tokens(tokens) if tokens.is_empty() => {
-            return bad_request("the prompt has no tokens")
-        }
-        Prompt::Tokens(tokens) => tokens,
-        Prompt::Text(text) => {
-            return bad_request(format!(
-                "this worker takes token-id prompts only: it has no tokenizer for a text prompt \
-                 ({} characters)",
-                text.chars().count()
-            ))
-        }
-        Prompt::Batch(prompts) => {
-            return bad_request(format!(
-                "one prompt per request (this one has {})",
-                prompts.len()
-            ))
-        }
+    let prompt = match prompt_ids(&state, kind, &request) {
+        Ok(p) => p,
+        Err(message) => return bad_request(message),
     };
-    let max_tokens = request.max_tokens.unwrap_or(16);
+    let max_tokens = request
+        .get("max_tokens")
+        .or_else(|| request.get("max_completion_tokens"))
+        .and_then(Value::as_u64)
+        .map_or(16, |n| n.min(u64::from(u32::MAX)) as u32);
     if max_tokens == 0 {
         return bad_request("max_tokens must be at least 1");
     }
@@ -174,13 +221,25 @@ async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
         id,
     };
     let meta = Meta {
-        id: format!("cmpl-{}", id.0),
+        kind,
+        id: match kind {
+            Kind::Completion => format!("cmpl-{}", id.0),
+            Kind::Chat => format!("chatcmpl-{}", id.0),
+        },
         created: now_seconds(),
         model: state.model.to_string(),
         prompt_tokens,
+        text: state.text.clone(),
     };
-    if request.stream {
-        let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
+    let stream = request
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if stream {
+        let include_usage = request
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         stream_completion(meta, outputs, include_usage, guard).into_response()
     } else {
         whole_completion(meta, outputs, guard).await
@@ -205,22 +264,94 @@ impl Drop for AbortOnDrop {
 /// What every chunk of one completion repeats.
 #[derive(Debug, Clone)]
 struct Meta {
+    kind: Kind,
     id: String,
     created: u64,
     model: String,
     prompt_tokens: u32,
+    text: Option<Arc<ModelText>>,
 }
 
 impl Meta {
-    fn completion(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Completion {
-        Completion {
-            id: self.id.clone(),
-            object: "text_completion",
-            created: self.created,
-            model: self.model.clone(),
-            choices,
-            usage,
+    /// The text of generated ids: the tokenizer's, or (without one) a word per id, so that
+    /// lengths and streams behave like real ones.
+    fn text_of(&self, ids: &[u32]) -> String {
+        if let Some(text) = &self.text {
+            if let Ok(decoded) = text.tokenizer.decode(ids) {
+                return decoded;
+            }
         }
+        ids.iter().map(|id| format!(" t{id}")).collect()
+    }
+
+    fn envelope(&self, object: &str, choices: Value, usage: Option<Usage>) -> Value {
+        let mut v = serde_json::json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let (Some(usage), Some(map)) = (usage, v.as_object_mut()) {
+            map.insert(
+                "usage".to_owned(),
+                serde_json::to_value(usage).unwrap_or(Value::Null),
+            );
+        }
+        v
+    }
+
+    /// The whole answer.
+    fn whole(&self, text: String, finish: Option<&str>, usage: Usage) -> Value {
+        match self.kind {
+            Kind::Completion => self.envelope(
+                "text_completion",
+                serde_json::json!([{"index": 0, "text": text, "logprobs": null,
+                    "finish_reason": finish, "stop_reason": null}]),
+                Some(usage),
+            ),
+            Kind::Chat => self.envelope(
+                "chat.completion",
+                serde_json::json!([{"index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": null, "finish_reason": finish, "stop_reason": null}]),
+                Some(usage),
+            ),
+        }
+    }
+
+    /// One streamed chunk (`first`: the chat's opening delta carries the role).
+    fn chunk(&self, text: String, finish: Option<&str>, first: bool) -> Value {
+        match self.kind {
+            Kind::Completion => self.envelope(
+                "text_completion",
+                serde_json::json!([{"index": 0, "text": text, "logprobs": null,
+                    "finish_reason": finish, "stop_reason": null}]),
+                None,
+            ),
+            Kind::Chat => {
+                let delta = if first {
+                    serde_json::json!({"role": "assistant", "content": text})
+                } else {
+                    serde_json::json!({"content": text})
+                };
+                self.envelope(
+                    "chat.completion.chunk",
+                    serde_json::json!([{"index": 0, "delta": delta, "logprobs": null,
+                        "finish_reason": finish}]),
+                    None,
+                )
+            }
+        }
+    }
+
+    /// The last streamed chunk: the usage alone.
+    fn usage_chunk(&self, usage: Usage) -> Value {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        self.envelope(object, serde_json::json!([]), Some(usage))
     }
 }
 
@@ -238,15 +369,11 @@ async fn whole_completion(
     guard: AbortOnDrop,
 ) -> Response {
     let id = guard.id;
-    let mut text = String::new();
-    let mut generated = 0u32;
+    let mut ids = Vec::new();
     let mut cached = 0u32;
     let mut finish = None;
     while let Some(output) = outputs.recv().await {
-        for &token in &output.tokens {
-            text.push_str(&token_text(token));
-        }
-        generated += output.tokens.len() as u32;
+        ids.extend_from_slice(&output.tokens);
         cached = output.cached_tokens;
         if output.finish.is_some() {
             finish = output.finish;
@@ -260,15 +387,9 @@ async fn whole_completion(
             format!("request {} ended without finishing", id.0),
         );
     }
-    let choice = CompletionChoice {
-        index: 0,
-        text,
-        logprobs: None,
-        finish_reason: finish_reason(finish),
-        stop_reason: None,
-    };
-    let usage = Usage::new(meta.prompt_tokens, generated, cached);
-    Json(meta.completion(vec![choice], Some(usage))).into_response()
+    let usage = Usage::new(meta.prompt_tokens, ids.len() as u32, cached);
+    let text = meta.text_of(&ids);
+    Json(meta.whole(text, finish_reason(finish), usage)).into_response()
 }
 
 /// Where a streamed completion stands.
@@ -323,42 +444,33 @@ fn stream_completion(
 
 impl Streaming {
     fn take(&mut self, output: RequestOutput) {
+        let first = self.generated == 0;
         self.generated += output.tokens.len() as u32;
         self.cached = output.cached_tokens;
-        let text: String = output.tokens.iter().map(|&t| token_text(t)).collect();
+        let text = if output.tokens.is_empty() {
+            String::new()
+        } else {
+            self.meta.text_of(&output.tokens)
+        };
         let finish = finish_reason(output.finish);
         if !text.is_empty() || finish.is_some() {
-            let choice = CompletionChoice {
-                index: 0,
-                text,
-                logprobs: None,
-                finish_reason: finish,
-                stop_reason: None,
-            };
-            self.push(&self.meta.completion(vec![choice], None));
+            let chunk = self.meta.chunk(text, finish, first);
+            self.push(&chunk);
         }
         if output.finish.is_some() {
             if self.include_usage {
                 let usage = Usage::new(self.meta.prompt_tokens, self.generated, self.cached);
-                self.push(&self.meta.completion(Vec::new(), Some(usage)));
+                let chunk = self.meta.usage_chunk(usage);
+                self.push(&chunk);
             }
             self.queue.push_back("[DONE]".to_owned());
             self.done = true;
         }
     }
 
-    fn push(&mut self, chunk: &Completion) {
-        if let Ok(json) = serde_json::to_string(chunk) {
-            self.queue.push_back(json);
-        }
+    fn push(&mut self, chunk: &Value) {
+        self.queue.push_back(chunk.to_string());
     }
-}
-
-async fn chat_completions() -> Response {
-    bad_request(
-        "this worker serves /v1/completions with token-id prompts; chat needs the model's \
-         tokenizer and chat template, which it does not have",
-    )
 }
 
 async fn models(State(state): State<AppState>) -> Json<ModelList> {

@@ -50,6 +50,9 @@ pub struct WorkerOptions {
     pub kv_events: Option<PublisherConfig>,
     /// Largest request body accepted, in bytes.
     pub max_body: usize,
+    /// The model's tokenizer files (`tokenizer.json`, `tokenizer_config.json`): text prompts
+    /// and chat requests need them.
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Default for WorkerOptions {
@@ -61,6 +64,7 @@ impl Default for WorkerOptions {
             max_model_len: 131_072,
             kv_events: None,
             max_body: 32 << 20,
+            tokenizer: None,
         }
     }
 }
@@ -82,6 +86,9 @@ pub enum WorkerError {
     /// The event publisher could not bind.
     #[error(transparent)]
     Events(#[from] BindError),
+    /// The tokenizer or chat template could not be loaded.
+    #[error(transparent)]
+    Text(#[from] crate::chat::ModelTextError),
     /// The metrics could not be registered.
     #[error("{0}")]
     Metrics(String),
@@ -104,6 +111,10 @@ impl RunningWorker {
     /// Binds everything and starts serving on the current tokio runtime.
     pub async fn start(options: WorkerOptions) -> Result<Self, WorkerError> {
         let engine = Engine::new(options.engine)?;
+        let text = match &options.tokenizer {
+            Some(dir) => Some(Arc::new(crate::chat::ModelText::load(dir)?)),
+            None => None,
+        };
         let (publisher, events, replay) = match options.kv_events.clone() {
             Some(config) => {
                 let (p, live, replay) = Publisher::start(config).await?;
@@ -134,6 +145,7 @@ impl RunningWorker {
             model: options.model.as_str().into(),
             max_model_len: options.max_model_len,
             shutdown: Arc::clone(&shutdown),
+            text,
         };
         let app = http::router(state, options.max_body);
         let stop = Arc::clone(&shutdown);

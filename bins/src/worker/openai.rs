@@ -1,4 +1,5 @@
-//! The OpenAI-compatible shapes the worker reads and writes, as vLLM serves them.
+//! The OpenAI-compatible shapes the worker reads and writes, as vLLM serves them (the
+//! completions' and chats' own bodies are built in `http.rs`).
 
 use serde::{Deserialize, Serialize};
 
@@ -12,28 +13,6 @@ pub(crate) enum Prompt {
     Tokens(Vec<u32>),
     /// Several prompts (texts or token lists): not served by one request here.
     Batch(Vec<serde_json::Value>),
-}
-
-/// `stream_options`.
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-pub(crate) struct StreamOptions {
-    /// Send a last chunk with the usage.
-    #[serde(default)]
-    pub include_usage: bool,
-}
-
-/// `POST /v1/completions`: the fields the simulated engine acts on; others are ignored.
-#[derive(Debug, Clone, Deserialize)]
-pub(crate) struct CompletionRequest {
-    pub model: Option<String>,
-    pub prompt: Prompt,
-    /// Tokens to generate (OpenAI's default, 16, when absent).
-    pub max_tokens: Option<u32>,
-    #[serde(default)]
-    pub stream: bool,
-    pub stream_options: Option<StreamOptions>,
-    /// Choices per prompt: only 1 is served.
-    pub n: Option<u32>,
 }
 
 /// `usage.prompt_tokens_details`.
@@ -63,28 +42,6 @@ impl Usage {
             },
         }
     }
-}
-
-/// One choice of a completion (whole or streamed).
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct CompletionChoice {
-    pub index: u32,
-    pub text: String,
-    pub logprobs: Option<()>,
-    pub finish_reason: Option<&'static str>,
-    pub stop_reason: Option<()>,
-}
-
-/// A completion, or one chunk of a streamed one.
-#[derive(Debug, Clone, Serialize)]
-pub(crate) struct Completion {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<CompletionChoice>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Usage>,
 }
 
 /// The error body, OpenAI's shape.

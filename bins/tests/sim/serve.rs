@@ -46,9 +46,9 @@ struct Engine {
     replay: String,
 }
 
-fn engine() -> Engine {
+fn engine(extra: &[String]) -> Engine {
     let (http, events, replay) = (free_port(), free_port(), free_port());
-    let process = kvroute(&[
+    let mut args: Vec<String> = vec![
         "worker".into(),
         "--listen".into(),
         format!("127.0.0.1:{http}"),
@@ -60,7 +60,9 @@ fn engine() -> Engine {
         "4096".into(),
         "--speedup".into(),
         "20".into(),
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let process = kvroute(&args);
     Engine {
         process,
         url: format!("http://127.0.0.1:{http}"),
@@ -91,8 +93,13 @@ struct Fleet {
 }
 
 async fn fleet() -> Fleet {
+    fleet_with(&[]).await
+}
+
+/// Serve and three engines, each also given `extra` flags.
+async fn fleet_with(extra: &[String]) -> Fleet {
     let client = reqwest::Client::new();
-    let engines: Vec<Engine> = (0..3).map(|_| engine()).collect();
+    let engines: Vec<Engine> = (0..3).map(|_| engine(extra)).collect();
     for e in &engines {
         wait_for(&client, &format!("{}/health", e.url)).await;
     }
@@ -106,6 +113,7 @@ async fn fleet() -> Fleet {
         "--max-body-bytes".into(),
         "1000000".into(),
     ];
+    args.extend_from_slice(extra);
     for e in &engines {
         args.push("--worker".into());
         args.push(format!(
@@ -446,4 +454,89 @@ fn toml_parse(text: &str) -> Result<kvroute::serve::ServeFile, ()> {
     let path = dir.join("c.toml");
     std::fs::write(&path, text).unwrap();
     kvroute::serve::ServeFile::read(&path).map_err(|_| ())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chats_are_routed_by_the_conversation_the_engine_renders() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/fixtures/qwen3");
+    if !dir.join("tokenizer.json").exists() {
+        eprintln!("skipped: no {} (run scripts/fixtures.sh)", dir.display());
+        return;
+    }
+    let f = fleet_with(&["--tokenizer".into(), dir.display().to_string()]).await;
+    let system = |i: usize| {
+        format!(
+            "You are assistant number {i}. {}",
+            "Answer carefully and cite the manual. ".repeat(40)
+        )
+    };
+    // Four conversations, three turns each, one turn of every conversation at a time.
+    let mut history: Vec<Vec<Value>> = (0..4)
+        .map(|i| vec![json!({"role": "system", "content": system(i)})])
+        .collect();
+    let mut usages = Vec::new();
+    for turn in 0..3 {
+        for (i, messages) in history.iter_mut().enumerate() {
+            messages.push(
+                json!({"role": "user", "content": format!("Turn {turn} of chat {i}: go on.")}),
+            );
+            let body = json!({"model": "kvroute-sim", "messages": messages, "max_tokens": 3,
+                "stream": turn % 2 == 1, "stream_options": {"include_usage": true}});
+            let r = f.post("/v1/chat/completions", &body).await;
+            assert_eq!(r.status(), 200);
+            let usage = if turn % 2 == 1 {
+                let text = r.text().await.unwrap();
+                assert!(text.contains("chat.completion.chunk") && text.contains("[DONE]"));
+                let last = text
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .filter(|d| *d != "[DONE]")
+                    .last()
+                    .unwrap()
+                    .to_owned();
+                serde_json::from_str::<Value>(&last).unwrap()["usage"].clone()
+            } else {
+                let v: Value = r.json().await.unwrap();
+                assert_eq!(v["object"], "chat.completion");
+                let content = v["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned();
+                messages.push(json!({"role": "assistant", "content": content}));
+                v["usage"].clone()
+            };
+            if turn % 2 == 1 {
+                messages.push(json!({"role": "assistant", "content": "Noted."}));
+            }
+            usages.push((turn, usage));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // After the first turn, each conversation's history is cached where it went.
+    for (turn, usage) in &usages {
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let prompt = usage["prompt_tokens"].as_u64().unwrap();
+        if *turn > 0 {
+            assert!(
+                cached * 10 >= prompt * 8,
+                "turn {turn}: {cached} of {prompt} cached"
+            );
+        }
+    }
+    // The router's own prediction for a follow-up names the conversation's worker.
+    let mut follow = history[2].clone();
+    follow.push(json!({"role": "user", "content": "One more?"}));
+    let decision: Value = f
+        .post("/v1/route", &json!({"messages": follow}))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        decision["predicted_cached_tokens"].as_u64().unwrap() > 300,
+        "{decision}"
+    );
+    f.wait_idle().await;
 }

@@ -169,7 +169,7 @@ async fn bad_requests_get_a_clear_error_and_admit_nothing() {
             404,
             "does not exist",
         ),
-        (json!({"prompt": "text"}).to_string(), 400, "token-id"),
+        (json!({"prompt": "text"}).to_string(), 400, "tokenizer"),
         (json!({"prompt": [1], "n": 2}).to_string(), 400, "n = 1"),
         (
             json!({"prompt": [1], "max_tokens": 5000}).to_string(),
