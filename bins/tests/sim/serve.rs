@@ -490,8 +490,7 @@ async fn chats_are_routed_by_the_conversation_the_engine_renders() {
                 let last = text
                     .lines()
                     .filter_map(|l| l.strip_prefix("data: "))
-                    .filter(|d| *d != "[DONE]")
-                    .last()
+                    .rfind(|d| *d != "[DONE]")
                     .unwrap()
                     .to_owned();
                 serde_json::from_str::<Value>(&last).unwrap()["usage"].clone()
