@@ -40,7 +40,7 @@ pub struct TraceExpander {
 
 impl TraceExpander {
     pub fn new(block_size: usize) -> Result<Self, BlockSizeError> {
-        if block_size == 0 || TRACE_BLOCK_TOKENS % block_size != 0 {
+        if block_size == 0 || !TRACE_BLOCK_TOKENS.is_multiple_of(block_size) {
             return Err(BlockSizeError { block_size });
         }
         Ok(TraceExpander {

@@ -84,7 +84,7 @@ impl Sim {
 
 fn prompt(id: u64, len: usize) -> Vec<u32> {
     // A quarter of the requests share one of 16 system prompts of 512 tokens.
-    let sys = (id % 4 == 0).then_some((id / 4) % 16);
+    let sys = id.is_multiple_of(4).then_some((id / 4) % 16);
     (0..len as u32)
         .map(|i| match sys {
             Some(s) if i < 512 => (s as u32) << 20 | i,
