@@ -1,0 +1,343 @@
+//! What `kvroute serve` adds to a request: a fake engine that answers at once, called
+//! directly, through kvroute serve, and (with `--sglang`) through SGLang's router
+//! (`sglang-router` 0.3.2 from PyPI, `--policy cache_aware`), at 1 and 64 requests in flight,
+//! streaming and not, in one run.
+//!
+//! ```text
+//! cargo run --release -p kvroute-benches --bin serve-overhead
+//! cargo run --release -p kvroute-benches --bin serve-overhead -- --text --sglang --seconds 5
+//! ```
+//!
+//! SGLang's router takes text prompts only, so `--sglang` needs `--text`: every path then
+//! sends text (16 documents of about 1,000 tokens), and kvroute serve tokenizes it with the
+//! model's tokenizer (`scripts/fixtures.sh` fetches Qwen3's) to route; SGLang's router matches
+//! characters and tokenizes nothing.
+//!
+//! The fake engine (axum) answers `/v1/completions` with a fixed completion: one JSON body, or
+//! four SSE chunks and `[DONE]`. Prompts are 1,024 token ids (no tokenizing), one of 16 shared
+//! prefixes. A request's latency runs from sending it to having read its whole body. `added`
+//! is a path's percentile less the direct path's; requests/s are completed requests over the
+//! measured seconds. kvroute serve runs in this process on a runtime of its own; SGLang's
+//! router is a process of its own, in a venv the benchmark makes (target/bench-venv).
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use axum::body::Bytes;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use kvroute::serve::{BackendSpec, RunningServe, ServeOptions};
+use serde_json::{json, Value};
+
+async fn fake_completion(body: Bytes) -> axum::response::Response {
+    let stream = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v.get("stream").and_then(Value::as_bool))
+        .unwrap_or(false);
+    let chunk = |text: &str, finish: Value| {
+        json!({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "fake",
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
+    };
+    if stream {
+        let mut out = String::new();
+        for (i, t) in [" a", " b", " c", " d"].iter().enumerate() {
+            let finish = if i == 3 { json!("length") } else { Value::Null };
+            out.push_str(&format!("data: {}\n\n", chunk(t, finish)));
+        }
+        out.push_str("data: [DONE]\n\n");
+        ([("content-type", "text/event-stream")], out).into_response()
+    } else {
+        let mut v = chunk(" a b c d", json!("length"));
+        v["usage"] = json!({"prompt_tokens": 1024, "completion_tokens": 4, "total_tokens": 1028});
+        axum::Json(v).into_response()
+    }
+}
+
+async fn fake_engine() -> Result<SocketAddr> {
+    let app = axum::Router::new()
+        .route("/v1/completions", post(fake_completion))
+        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/v1/models",
+            get(|| async { axum::Json(json!({"object": "list", "data": [{"id": "fake"}]})) }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(addr)
+}
+
+struct Figures {
+    p50_ms: f64,
+    p99_ms: f64,
+    rps: f64,
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// `concurrency` loops sending requests to `url` for `seconds` (after a short warm-up).
+async fn load(
+    url: &str,
+    concurrency: usize,
+    stream: bool,
+    seconds: f64,
+    text: bool,
+) -> Result<Figures> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .tcp_nodelay(true)
+        .build()?;
+    let bodies: Arc<Vec<Bytes>> = Arc::new(
+        (0..16u32)
+            .map(|p| {
+                let prompt = if text {
+                    // About 1,000 tokens of text, one of 16 documents.
+                    json!(format!(
+                        "Document {p}. {}",
+                        "The router reads the prompt. ".repeat(170)
+                    ))
+                } else {
+                    json!((p * 100_000..p * 100_000 + 1_024).collect::<Vec<u32>>())
+                };
+                Bytes::from(
+                    json!({"model": "fake", "prompt": prompt, "max_tokens": 4, "stream": stream})
+                        .to_string(),
+                )
+            })
+            .collect(),
+    );
+    let run = |duration: Duration| {
+        let client = client.clone();
+        let bodies = Arc::clone(&bodies);
+        let url = url.to_owned();
+        async move {
+            let tasks: Vec<_> = (0..concurrency)
+                .map(|c| {
+                    let client = client.clone();
+                    let bodies = Arc::clone(&bodies);
+                    let url = url.clone();
+                    tokio::spawn(async move {
+                        let mut latencies = Vec::new();
+                        let end = Instant::now() + duration;
+                        let mut i = c;
+                        while Instant::now() < end {
+                            let body = bodies[i % bodies.len()].clone();
+                            i += concurrency;
+                            let t = Instant::now();
+                            let r = client
+                                .post(&url)
+                                .header("content-type", "application/json")
+                                .body(body)
+                                .send()
+                                .await?;
+                            if !r.status().is_success() {
+                                bail!("status {}", r.status());
+                            }
+                            r.bytes().await?;
+                            latencies.push(t.elapsed().as_secs_f64() * 1e3);
+                        }
+                        Ok::<_, anyhow::Error>(latencies)
+                    })
+                })
+                .collect();
+            let mut all = Vec::new();
+            for t in tasks {
+                all.extend(t.await??);
+            }
+            Ok::<_, anyhow::Error>(all)
+        }
+    };
+    run(Duration::from_millis(300)).await?;
+    let started = Instant::now();
+    let mut latencies = run(Duration::from_secs_f64(seconds)).await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    latencies.sort_by(f64::total_cmp);
+    Ok(Figures {
+        p50_ms: percentile(&latencies, 0.5),
+        p99_ms: percentile(&latencies, 0.99),
+        rps: latencies.len() as f64 / elapsed,
+    })
+}
+
+/// SGLang's router in a venv of its own, in front of `engine`.
+fn sglang_router(engine: SocketAddr, port: u16) -> Result<Child> {
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-venv");
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        let ok = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()?
+            .success();
+        let pip = venv.join("bin/pip");
+        if !ok
+            || !Command::new(&pip)
+                .args([
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "sglang-router==0.3.2",
+                ])
+                .status()?
+                .success()
+        {
+            bail!("could not install sglang-router 0.3.2");
+        }
+    }
+    Command::new(python)
+        .args([
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+        ])
+        .arg(port.to_string())
+        .arg("--worker-urls")
+        .arg(format!("http://{engine}"))
+        .args([
+            "--policy",
+            "cache_aware",
+            "--log-level",
+            "warn",
+            "--prometheus-port",
+        ])
+        .arg(
+            std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port()
+                .to_string(),
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting sglang_router")
+}
+
+async fn wait_healthy(url: &str) -> Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Ok(r) = client.get(url).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("{url} never answered")
+}
+
+fn main() -> Result<()> {
+    let mut seconds = 3.0;
+    let mut sglang = false;
+    let mut text = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--seconds" => seconds = args.next().unwrap_or_default().parse()?,
+            "--sglang" => sglang = true,
+            "--text" => text = true,
+            other => bail!("unknown argument {other}; --seconds S, --sglang, --text"),
+        }
+    }
+    // The load and the fake engine on one runtime, kvroute serve on its own.
+    let load_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let serve_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let engine = load_rt.block_on(fake_engine())?;
+    let serve = serve_rt.block_on(RunningServe::start(ServeOptions {
+        listen: "127.0.0.1:0".parse()?,
+        workers: vec![BackendSpec {
+            id: 0,
+            url: format!("http://{engine}"),
+            kv_events: None,
+            kv_replay: None,
+            topic: String::new(),
+            dp_size: 1,
+            kv_blocks: 1 << 20,
+            block_size: 16,
+            api_key: None,
+            labels: Default::default(),
+        }],
+        tokenizer: text.then(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/fixtures/qwen3")
+        }),
+        ..ServeOptions::default()
+    }))?;
+    let mut paths = vec![
+        ("direct", format!("http://{engine}/v1/completions")),
+        ("kvroute", format!("http://{}/v1/completions", serve.listen)),
+    ];
+    let mut router_process = None;
+    if sglang && !text {
+        bail!("SGLang's router takes text prompts only: add --text");
+    }
+    if sglang {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        router_process = Some(sglang_router(engine, port)?);
+        load_rt.block_on(wait_healthy(&format!("http://127.0.0.1:{port}/health")))?;
+        paths.push((
+            "sglang-router",
+            format!("http://127.0.0.1:{port}/v1/completions"),
+        ));
+    }
+    println!(
+        "serve-overhead: {seconds} s per cell, {} prompts, a fake engine that answers at once",
+        if text {
+            "text (about 1,000 tokens; kvroute tokenizes them with Qwen3's tokenizer)"
+        } else {
+            "1,024-token-id"
+        }
+    );
+    println!(
+        "{:<14} {:>3} {:>6} {:>9} {:>9} {:>10} {:>10} {:>9}",
+        "path", "in", "stream", "p50 ms", "p99 ms", "added p50", "added p99", "req/s"
+    );
+    for concurrency in [1usize, 64] {
+        for stream in [false, true] {
+            let mut direct: Option<Figures> = None;
+            for (name, url) in &paths {
+                let f = load_rt.block_on(load(url, concurrency, stream, seconds, text))?;
+                let (a50, a99) = match &direct {
+                    Some(d) => (f.p50_ms - d.p50_ms, f.p99_ms - d.p99_ms),
+                    None => (0.0, 0.0),
+                };
+                println!(
+                    "{name:<14} {concurrency:>3} {:>6} {:>9.3} {:>9.3} {:>10.3} {:>10.3} {:>9.0}",
+                    if stream { "yes" } else { "no" },
+                    f.p50_ms,
+                    f.p99_ms,
+                    a50,
+                    a99,
+                    f.rps
+                );
+                if direct.is_none() {
+                    direct = Some(f);
+                }
+            }
+        }
+    }
+    if let Some(mut p) = router_process {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+    serve.stop();
+    Ok(())
+}
