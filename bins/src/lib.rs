@@ -4,6 +4,7 @@
 //!
 //! Modules:
 //!
+//! * [`replay`]: `kvroute replay`, a workload sent to a live router over HTTP, and its figures.
 //! * [`serve`]: `kvroute serve`, the router in front of OpenAI-compatible engines, fed by their
 //!   ZeroMQ KV events.
 //! * [`sim`]: the simulated GPU engine, an I/O-free model of vLLM's scheduler, block pool, KV
@@ -13,6 +14,7 @@
 
 pub mod chat;
 pub mod demo;
+pub mod replay;
 pub mod serve;
 pub mod sim;
 pub mod worker;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use kvroute::demo::{self, DemoConfig, DemoPolicy};
+use kvroute::replay::{self, ReplayOptions};
 use kvroute::serve::{parse_worker_flag, RunningServe, ServeFile, ServeOptions};
 use kvroute::sim::{EngineConfig, TimingModel};
 use kvroute::worker::{PublisherConfig, RunningWorker, WorkerOptions};
@@ -40,6 +41,46 @@ enum Command {
     /// The router service: OpenAI-compatible HTTP in front of vLLM, SGLang or kvroute workers,
     /// routing each request by the engines' KV events and load.
     Serve(ServeArgs),
+    /// Send a workload (a Mooncake-format trace or the built-in chat workload) to a live router
+    /// or engine over HTTP, streaming, and report hit rate, latency, balance and predictions.
+    Replay(ReplayArgs),
+}
+
+#[derive(Debug, Args)]
+struct ReplayArgs {
+    /// The router's (or an engine's) base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// A Mooncake-format trace; without it, the built-in chat workload.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Requests: the trace's first N rows, or the built-in workload's length [default: 500].
+    #[arg(long, value_name = "N")]
+    requests: Option<usize>,
+    /// Arrivals come this many times sooner than the workload's own times (open loop).
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// The built-in workload's mean arrivals per second (before the speed-up).
+    #[arg(long, default_value_t = 5.0)]
+    rate: f64,
+    /// Seed of the built-in workload.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Closed loop: this many requests in flight, ignoring the workload's times.
+    #[arg(long, value_name = "N")]
+    concurrency: Option<usize>,
+    /// The model name sent with every request.
+    #[arg(long)]
+    model: Option<String>,
+    /// Bearer key sent to the router.
+    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Longest a request may take, in seconds.
+    #[arg(long, default_value_t = 600.0)]
+    timeout_s: f64,
+    /// Write the report and every request's record as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -178,7 +219,70 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => run_demo(args),
         Command::Worker(args) => run_worker(args),
         Command::Serve(args) => run_serve(args),
+        Command::Replay(args) => run_replay(args),
     }
+}
+
+fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
+    let workload = match &args.trace {
+        Some(path) => {
+            let rows = read_trace(path, args.requests)?;
+            let name = path
+                .file_stem()
+                .map_or_else(|| "trace".to_owned(), |s| s.to_string_lossy().into_owned());
+            Workload::trace(name, rows)
+        }
+        None => Workload::chat(ChatConfig {
+            requests: args.requests.unwrap_or(500),
+            seed: args.seed,
+            rate: args.rate,
+            ..ChatConfig::default()
+        }),
+    }
+    .with_speedup(args.speedup);
+    let options = ReplayOptions {
+        url: args.url.trim_end_matches('/').to_owned(),
+        model: args.model,
+        concurrency: args.concurrency,
+        timeout: std::time::Duration::from_secs_f64(args.timeout_s.max(0.001)),
+        api_key: args.api_key,
+    };
+    let bar = indicatif::ProgressBar::new(workload.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {pos}/{len} requests answered",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let (records, report) = runtime.block_on(replay::run(&workload, &options, &|done, _| {
+        bar.set_position(done as u64);
+    }))?;
+    bar.finish_and_clear();
+    print!("{}", replay::table(&report, workload.name()));
+    if let Some(path) = &args.json {
+        let json = serde_json::json!({
+            "workload": workload.name(),
+            "url": options.url,
+            "speedup": workload.speedup(),
+            "concurrency": options.concurrency,
+            "report": report,
+            "requests": records,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if report.failed > 0 {
+        let first = records
+            .iter()
+            .find_map(|r| r.error.clone())
+            .unwrap_or_default();
+        eprintln!("{} requests failed; the first: {first}", report.failed);
+    }
+    Ok(())
 }
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {

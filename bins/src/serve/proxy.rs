@@ -331,7 +331,8 @@ async fn forward(
             continue;
         }
         let _ = guard.mark_dispatched();
-        return relay(state, route, response, guard, worker).await;
+        let predicted = decision.overlap.cached_tokens;
+        return relay(state, route, response, guard, worker, predicted).await;
     }
     error(
         state,
@@ -348,6 +349,7 @@ async fn relay(
     response: reqwest::Response,
     guard: RequestGuard<Arc<Router>>,
     worker: WorkerId,
+    predicted: u64,
 ) -> Response {
     let status = StatusCode::from_u16(response.status().as_u16())
         .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -371,7 +373,12 @@ async fn relay(
         .requests
         .with_label_values(&[route, outcome])
         .inc();
-    let mut builder = Response::builder().status(status);
+    // Where the request went and what the router expected there: for clients that measure
+    // (kvroute replay), and for logs.
+    let mut builder = Response::builder()
+        .status(status)
+        .header(crate::replay::WORKER_HEADER, worker.0)
+        .header(crate::replay::PREDICTED_HEADER, predicted);
     if let Some(ct) = content_type {
         if let Ok(v) = HeaderValue::from_bytes(ct.as_bytes()) {
             builder = builder.header(header::CONTENT_TYPE, v);

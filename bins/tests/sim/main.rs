@@ -5,7 +5,7 @@
 //! virtual clock (`fleet.rs`), workloads and traces (`workload.rs`), the demo (`demo.rs`), and the
 //! live worker through its HTTP and ZeroMQ interfaces (`worker.rs`), and `kvroute serve` end to end
 //! with workers as real processes (`serve.rs`); the chat template and tokenizer against
-//! transformers (`chat.rs`).
+//! transformers (`chat.rs`); replay's figures and a replay against a worker (`replay.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -22,6 +22,7 @@ mod demo;
 mod events_model;
 mod fleet;
 mod hooks;
+mod replay;
 mod scheduling;
 mod serve;
 mod worker;

@@ -1,0 +1,381 @@
+//! `kvroute replay`: a workload (a Mooncake-format trace or the built-in chat workload) sent
+//! to a live router or engine over HTTP, open loop at the workload's times ÷ the speed-up or
+//! closed loop at a concurrency, streaming, and what came back in figures.
+//!
+//! ```text
+//!  Workload ──at its times (or N at a time)──▶ POST /v1/completions (token ids, streamed)
+//!     each answer: first chunk (TTFT), chunks (ITL), end (latency), usage.cached_tokens,
+//!     kvroute's x-kvroute-worker / x-kvroute-predicted-cached-tokens headers
+//!  ──▶ ReplayReport: hit rate, TTFT, ITL, latency, throughput, imbalance, prediction accuracy
+//! ```
+//!
+//! Prompts are sent as token ids, so every router and engine sees the same tokens and no
+//! tokenizer is needed. The hit rate is the engines' own (`cached_tokens` ÷ prompt tokens).
+//! Load imbalance and prediction accuracy need to know where each request went: kvroute serve
+//! says so in its response headers; other routers leave them out.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use crate::workload::{Workload, WorkloadRequest};
+
+/// Response headers kvroute serve sets on every routed answer.
+pub const WORKER_HEADER: &str = "x-kvroute-worker";
+/// The prompt tokens the router predicted the chosen worker holds.
+pub const PREDICTED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
+
+/// How to replay.
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    /// The router's (or engine's) base URL.
+    pub url: String,
+    /// The model name sent (none: no `model` field).
+    pub model: Option<String>,
+    /// Closed loop at this many requests in flight (none: open loop at the workload's times).
+    pub concurrency: Option<usize>,
+    /// Longest a request may take.
+    pub timeout: Duration,
+    /// Bearer key, when the router wants one.
+    pub api_key: Option<String>,
+}
+
+/// What happened to one request.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ReplayRecord {
+    /// Its position in the workload.
+    pub index: usize,
+    /// When it was sent, from the replay's start.
+    pub sent_ms: f64,
+    /// Time to its first chunk.
+    pub ttft_ms: Option<f64>,
+    /// Time to its end.
+    pub latency_ms: Option<f64>,
+    /// Chunks that carried text.
+    pub chunks: u32,
+    /// Prompt tokens sent.
+    pub prompt_tokens: u32,
+    /// Tokens generated (the usage's, else the chunks counted).
+    pub output_tokens: u32,
+    /// The engine's `cached_tokens`.
+    pub cached_tokens: u32,
+    /// The worker kvroute chose.
+    pub worker: Option<u64>,
+    /// The prompt tokens kvroute predicted cached there.
+    pub predicted_cached_tokens: Option<u64>,
+    /// HTTP status (0: no answer).
+    pub status: u16,
+    /// Why it failed, when it did.
+    pub error: Option<String>,
+}
+
+/// The run in figures.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ReplayReport {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that ended with a 2xx and a whole answer.
+    pub ok: usize,
+    /// Requests that failed.
+    pub failed: usize,
+    /// Engines' cached prompt tokens ÷ prompt tokens (answered requests).
+    pub hit_rate: f64,
+    /// Mean time to first token, ms.
+    pub ttft_mean_ms: f64,
+    /// Median time to first token, ms.
+    pub ttft_p50_ms: f64,
+    /// 99th percentile time to first token, ms.
+    pub ttft_p99_ms: f64,
+    /// Mean inter-token latency, ms.
+    pub itl_mean_ms: f64,
+    /// Mean request latency (send to last byte), ms.
+    pub latency_mean_ms: f64,
+    /// Output tokens per second of the run.
+    pub throughput_tok_s: f64,
+    /// The busiest worker's time-averaged active tokens ÷ the mean worker's (from kvroute's
+    /// headers; 0 without them).
+    pub imbalance: f64,
+    /// Share of answered requests whose predicted cached tokens equal the engine's (0 without
+    /// kvroute's headers).
+    pub prediction_accuracy: f64,
+    /// Seconds the run took.
+    pub wall_seconds: f64,
+}
+
+/// Replays `workload` against `options.url`; `progress(done, total)` after each answer.
+pub async fn run(
+    workload: &Workload,
+    options: &ReplayOptions,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> anyhow::Result<(Vec<ReplayRecord>, ReplayReport)> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .tcp_nodelay(true)
+        .timeout(options.timeout)
+        .build()?;
+    let total = workload.len();
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let gate = options
+        .concurrency
+        .map(|n| Arc::new(Semaphore::new(n.max(1))));
+    let mut tasks = Vec::with_capacity(total);
+    for (index, request) in workload.requests().enumerate() {
+        let permit = match &gate {
+            Some(gate) => Some(Arc::clone(gate).acquire_owned().await?),
+            None => {
+                let due = started + request.at;
+                tokio::time::sleep_until(due.into()).await;
+                None
+            }
+        };
+        let client = client.clone();
+        let options = options.clone();
+        let answered = Arc::clone(&done);
+        tasks.push(tokio::spawn(async move {
+            let record = send(&client, &options, index, request, started).await;
+            drop(permit);
+            answered.fetch_add(1, Ordering::Relaxed);
+            record
+        }));
+        progress(done.load(Ordering::Relaxed) as usize, total);
+    }
+    let mut records = Vec::with_capacity(total);
+    for task in tasks {
+        records.push(task.await?);
+        progress(records.len(), total);
+    }
+    let report = figures(&records, started.elapsed().as_secs_f64());
+    Ok((records, report))
+}
+
+async fn send(
+    client: &reqwest::Client,
+    options: &ReplayOptions,
+    index: usize,
+    request: WorkloadRequest,
+    started: Instant,
+) -> ReplayRecord {
+    let mut record = ReplayRecord {
+        index,
+        prompt_tokens: request.prompt.len() as u32,
+        ..ReplayRecord::default()
+    };
+    let mut body = json!({
+        "prompt": request.prompt,
+        "max_tokens": request.output_tokens,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if let (Some(model), Some(map)) = (&options.model, body.as_object_mut()) {
+        map.insert("model".to_owned(), Value::String(model.clone()));
+    }
+    let sent = Instant::now();
+    record.sent_ms = sent.duration_since(started).as_secs_f64() * 1e3;
+    let mut post = client
+        .post(format!("{}/v1/completions", options.url))
+        .json(&body);
+    if let Some(key) = &options.api_key {
+        post = post.bearer_auth(key);
+    }
+    let response = match post.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            record.error = Some(e.to_string());
+            return record;
+        }
+    };
+    record.status = response.status().as_u16();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    record.worker = header(WORKER_HEADER);
+    record.predicted_cached_tokens = header(PREDICTED_HEADER);
+    if !response.status().is_success() {
+        record.error = Some(response.text().await.unwrap_or_default());
+        return record;
+    }
+    let mut stream = response.bytes_stream();
+    let mut buffer = Vec::new();
+    let mut finished = false;
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                record.error = Some(e.to_string());
+                return record;
+            }
+        };
+        buffer.extend_from_slice(&chunk);
+        while let Some(end) = find_event_end(&buffer) {
+            let event: Vec<u8> = buffer.drain(..end).collect();
+            for line in String::from_utf8_lossy(&event).lines() {
+                let Some(data) = line.strip_prefix("data: ") else {
+                    continue;
+                };
+                if data.trim() == "[DONE]" {
+                    finished = true;
+                    continue;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
+                let has_text = v["choices"]
+                    .get(0)
+                    .and_then(|c| c["text"].as_str())
+                    .is_some_and(|t| !t.is_empty());
+                if has_text {
+                    if record.ttft_ms.is_none() {
+                        record.ttft_ms = Some(sent.elapsed().as_secs_f64() * 1e3);
+                    }
+                    record.chunks += 1;
+                }
+                if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
+                    record.output_tokens = usage["completion_tokens"].as_u64().unwrap_or(0) as u32;
+                    record.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0) as u32;
+                }
+            }
+        }
+    }
+    if finished {
+        record.latency_ms = Some(sent.elapsed().as_secs_f64() * 1e3);
+        if record.output_tokens == 0 {
+            record.output_tokens = record.chunks;
+        }
+    } else {
+        record.error = Some("the stream ended before [DONE]".to_owned());
+    }
+    record
+}
+
+/// The end (past the blank line) of the first whole SSE event in `buffer`.
+fn find_event_end(buffer: &[u8]) -> Option<usize> {
+    buffer.windows(2).position(|w| w == b"\n\n").map(|p| p + 2)
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        sum / n as f64
+    }
+}
+
+/// The report of `records` over `wall` seconds.
+pub fn figures(records: &[ReplayRecord], wall: f64) -> ReplayReport {
+    let ok: Vec<&ReplayRecord> = records
+        .iter()
+        .filter(|r| r.error.is_none() && r.latency_ms.is_some())
+        .collect();
+    let prompt: u64 = ok.iter().map(|r| u64::from(r.prompt_tokens)).sum();
+    let cached: u64 = ok.iter().map(|r| u64::from(r.cached_tokens)).sum();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
+    ttft.sort_by(f64::total_cmp);
+    let itl = mean(
+        ok.iter()
+            .filter(|r| r.chunks >= 2)
+            .filter_map(|r| Some((r.latency_ms? - r.ttft_ms?) / f64::from(r.chunks - 1))),
+    );
+    let output: u64 = ok.iter().map(|r| u64::from(r.output_tokens)).sum();
+    let predicted: Vec<&&ReplayRecord> = ok
+        .iter()
+        .filter(|r| r.predicted_cached_tokens.is_some())
+        .collect();
+    let exact = predicted
+        .iter()
+        .filter(|r| r.predicted_cached_tokens == Some(u64::from(r.cached_tokens)))
+        .count();
+    ReplayReport {
+        requests: records.len(),
+        ok: ok.len(),
+        failed: records.len() - ok.len(),
+        hit_rate: if prompt == 0 {
+            0.0
+        } else {
+            cached as f64 / prompt as f64
+        },
+        ttft_mean_ms: mean(ttft.iter().copied()),
+        ttft_p50_ms: quantile(&ttft, 0.5),
+        ttft_p99_ms: quantile(&ttft, 0.99),
+        itl_mean_ms: itl,
+        latency_mean_ms: mean(ok.iter().filter_map(|r| r.latency_ms)),
+        throughput_tok_s: if wall > 0.0 {
+            output as f64 / wall
+        } else {
+            0.0
+        },
+        imbalance: imbalance(&ok),
+        prediction_accuracy: if predicted.is_empty() {
+            0.0
+        } else {
+            exact as f64 / predicted.len() as f64
+        },
+        wall_seconds: wall,
+    }
+}
+
+/// Max ÷ mean over workers of each one's active tokens (prompt + output of the requests it
+/// held) integrated over its requests' lifetimes; 0 without worker headers.
+fn imbalance(ok: &[&ReplayRecord]) -> f64 {
+    let mut per_worker: std::collections::BTreeMap<u64, f64> = Default::default();
+    for r in ok {
+        let (Some(w), Some(latency)) = (r.worker, r.latency_ms) else {
+            continue;
+        };
+        let tokens = f64::from(r.prompt_tokens + r.output_tokens);
+        *per_worker.entry(w).or_default() += tokens * latency;
+    }
+    if per_worker.is_empty() {
+        return 0.0;
+    }
+    let max = per_worker.values().copied().fold(0.0, f64::max);
+    let mean = per_worker.values().sum::<f64>() / per_worker.len() as f64;
+    if mean > 0.0 {
+        max / mean
+    } else {
+        0.0
+    }
+}
+
+/// The report as the terminal shows it.
+pub fn table(report: &ReplayReport, name: &str) -> String {
+    format!(
+        "{name}: {} requests, {} ok, {} failed in {:.1} s\n\
+         hit rate {:.3}   TTFT mean {:.0} ms, p50 {:.0} ms, p99 {:.0} ms   ITL {:.1} ms   \
+         latency {:.0} ms\nthroughput {:.0} tok/s   imbalance {:.2}   predicted exactly {:.1}%\n",
+        report.requests,
+        report.ok,
+        report.failed,
+        report.wall_seconds,
+        report.hit_rate,
+        report.ttft_mean_ms,
+        report.ttft_p50_ms,
+        report.ttft_p99_ms,
+        report.itl_mean_ms,
+        report.latency_mean_ms,
+        report.throughput_tok_s,
+        report.imbalance,
+        report.prediction_accuracy * 100.0
+    )
+}

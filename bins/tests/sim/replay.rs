@@ -1,0 +1,122 @@
+//! `kvroute replay`: its figures on records computed by hand, and a replay of a small trace
+//! against a live worker over HTTP.
+
+use std::time::Duration;
+
+use kvroute::replay::{figures, run, ReplayOptions, ReplayRecord};
+use kvroute::sim::EngineConfig;
+use kvroute::worker::{RunningWorker, WorkerOptions};
+use kvroute::workload::{TraceRow, Workload};
+
+fn record(
+    prompt: u32,
+    cached: u32,
+    ttft: f64,
+    latency: f64,
+    chunks: u32,
+    worker: u64,
+    predicted: u64,
+) -> ReplayRecord {
+    ReplayRecord {
+        prompt_tokens: prompt,
+        cached_tokens: cached,
+        ttft_ms: Some(ttft),
+        latency_ms: Some(latency),
+        chunks,
+        output_tokens: chunks,
+        worker: Some(worker),
+        predicted_cached_tokens: Some(predicted),
+        status: 200,
+        ..ReplayRecord::default()
+    }
+}
+
+#[test]
+fn the_figures_of_four_requests_are_what_a_hand_count_gives() {
+    let records = vec![
+        record(100, 0, 10.0, 30.0, 3, 0, 0),
+        record(100, 96, 20.0, 60.0, 5, 1, 96),
+        record(200, 0, 40.0, 40.0, 1, 1, 64),
+        ReplayRecord {
+            prompt_tokens: 50,
+            status: 500,
+            error: Some("boom".into()),
+            ..ReplayRecord::default()
+        },
+    ];
+    let r = figures(&records, 2.0);
+    assert_eq!((r.requests, r.ok, r.failed), (4, 3, 1));
+    // Failed requests count in neither the hit rate nor the latencies.
+    assert!((r.hit_rate - 96.0 / 400.0).abs() < 1e-12);
+    assert!((r.ttft_mean_ms - 70.0 / 3.0).abs() < 1e-9);
+    assert_eq!((r.ttft_p50_ms, r.ttft_p99_ms), (20.0, 40.0));
+    // (30 - 10) / 2 and (60 - 20) / 4; one chunk has no inter-token gap.
+    assert!((r.itl_mean_ms - 10.0).abs() < 1e-12);
+    assert!((r.latency_mean_ms - 130.0 / 3.0).abs() < 1e-9);
+    assert!((r.throughput_tok_s - 9.0 / 2.0).abs() < 1e-12);
+    assert!((r.prediction_accuracy - 2.0 / 3.0).abs() < 1e-12);
+    // Token-milliseconds: worker 0 103 × 30; worker 1 105 × 60 + 201 × 40.
+    let (w0, w1) = (103.0 * 30.0, 105.0 * 60.0 + 201.0 * 40.0);
+    assert!((r.imbalance - w1 / ((w0 + w1) / 2.0)).abs() < 1e-12);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_trace_replayed_against_a_worker_finds_its_shared_blocks() {
+    let worker = RunningWorker::start(WorkerOptions {
+        http: "127.0.0.1:0".parse().unwrap(),
+        engine: EngineConfig {
+            kv_blocks: 1_024,
+            speedup: 50.0,
+            ..EngineConfig::default()
+        },
+        ..WorkerOptions::default()
+    })
+    .await
+    .unwrap();
+    // Three requests 200 ms apart: the second shares its first 512-token block with the first,
+    // the third its first two blocks.
+    let rows = vec![
+        TraceRow {
+            timestamp: 0,
+            input_length: 1_024,
+            output_length: 4,
+            hash_ids: vec![0, 1],
+        },
+        TraceRow {
+            timestamp: 200,
+            input_length: 1_024,
+            output_length: 4,
+            hash_ids: vec![0, 2],
+        },
+        TraceRow {
+            timestamp: 400,
+            input_length: 1_300,
+            output_length: 4,
+            hash_ids: vec![0, 1, 3],
+        },
+    ];
+    let options = ReplayOptions {
+        url: format!("http://{}", worker.http),
+        model: Some("kvroute-sim".into()),
+        concurrency: None,
+        timeout: Duration::from_secs(30),
+        api_key: None,
+    };
+    let (records, report) = run(&Workload::trace("small", rows), &options, &|_, _| {})
+        .await
+        .unwrap();
+    assert_eq!((report.ok, report.failed), (3, 0), "{records:?}");
+    let cached: Vec<u32> = records.iter().map(|r| r.cached_tokens).collect();
+    assert_eq!(cached, [0, 512, 1_024]);
+    assert!((report.hit_rate - 1_536.0 / 3_348.0).abs() < 1e-12);
+    assert!(records
+        .iter()
+        .all(|r| r.output_tokens == 4 && r.chunks == 4));
+    // Open loop: sent at the trace's times.
+    assert!(
+        records[2].sent_ms >= 400.0 && records[2].sent_ms < 1_000.0,
+        "{records:?}"
+    );
+    // A worker sets no routing headers: no prediction to score.
+    assert_eq!(report.prediction_accuracy, 0.0);
+}
