@@ -5,7 +5,8 @@
 //! virtual clock (`fleet.rs`), workloads and traces (`workload.rs`), the demo (`demo.rs`), and the
 //! live worker through its HTTP and ZeroMQ interfaces (`worker.rs`), and `kvroute serve` end to end
 //! with workers as real processes (`serve.rs`); the chat template and tokenizer against
-//! transformers (`chat.rs`); replay's figures and a replay against a worker (`replay.rs`).
+//! transformers (`chat.rs`); replay's figures and a replay against a worker (`replay.rs`); SGLang's own KV-event
+//! publisher feeding serve (`sglang.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -25,6 +26,7 @@ mod hooks;
 mod replay;
 mod scheduling;
 mod serve;
+mod sglang;
 mod worker;
 mod workload;
 
