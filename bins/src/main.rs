@@ -212,6 +212,17 @@ struct DemoArgs {
     /// Draw TTFT CDFs, hit rates and per-worker load over time to this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
+    /// Run through real processes on loopback instead (N `kvroute worker`, one `kvroute
+    /// serve`, a replay client), for the first policy given (default kv-aware), and compare
+    /// with the in-process run.
+    #[arg(long)]
+    live: bool,
+    /// With --live: wall time runs this many times faster than the engines' model.
+    #[arg(long, default_value_t = 10.0)]
+    time_scale: f64,
+    /// With --live: drop event batches, restart a worker and kill another mid-run.
+    #[arg(long, requires = "live")]
+    faults: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -363,6 +374,110 @@ async fn shutdown_signal() {
     }
 }
 
+fn run_live_demo(
+    workload: &Workload,
+    config: DemoConfig,
+    time_scale: f64,
+    faults: bool,
+    json: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let policy = config
+        .policies
+        .first()
+        .copied()
+        .unwrap_or(DemoPolicy::KvAware);
+    if policy == DemoPolicy::DynamoDefault {
+        anyhow::bail!(
+            "--live serves with kvroute's own policies; dynamo-default runs in process only"
+        );
+    }
+    let in_process = DemoConfig {
+        policies: vec![policy],
+        ..config.clone()
+    };
+    eprintln!(
+        "in process: {} on {} simulated workers",
+        policy, config.workers
+    );
+    let local = demo::run(workload, &in_process, &|_| {})?;
+    let options = demo::LiveOptions {
+        exe: std::env::current_exe()?,
+        workers: config.workers,
+        engine: config.engine,
+        time_scale,
+        policy: policy.name().to_owned(),
+        faults,
+    };
+    eprintln!(
+        "live: {} kvroute worker processes, kvroute serve, replay at ×{time_scale}{}",
+        config.workers,
+        if faults { ", faults injected" } else { "" }
+    );
+    let bar = indicatif::ProgressBar::new(workload.len() as u64);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let live = runtime.block_on(demo::run_live(workload, &options, &|done, _| {
+        bar.set_position(done as u64);
+    }))?;
+    bar.finish_and_clear();
+    let l = &local.policies[0];
+    let r = &live.replay;
+    println!("{}: {} requests, {policy}", workload.name(), workload.len());
+    println!("                 hit rate  TTFT mean  TTFT p99  ITL mean  imbalance  predicted");
+    println!(
+        "in process       {:>8.3}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
+        l.hit_rate,
+        l.ttft_mean_ms,
+        l.ttft_p99_ms,
+        l.itl_mean_ms,
+        l.imbalance,
+        l.prediction_accuracy * 100.0
+    );
+    // Live times are wall times at the time scale: brought back to the model's.
+    println!(
+        "live             {:>8.3}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
+        r.hit_rate,
+        r.ttft_mean_ms * time_scale,
+        r.ttft_p99_ms * time_scale,
+        r.itl_mean_ms * time_scale,
+        r.imbalance,
+        r.prediction_accuracy * 100.0
+    );
+    println!(
+        "live ÷ in process hit rate: {:.3}; requests {} ok, {} failed; load at the end: {} requests",
+        if l.hit_rate > 0.0 { r.hit_rate / l.hit_rate } else { 0.0 },
+        r.ok,
+        r.failed,
+        live.active_at_end
+    );
+    for f in &live.faults {
+        println!("fault at {f}");
+    }
+    for (worker, n) in &live.failed_by_worker {
+        match worker {
+            Some(w) => println!("{n} requests failed on worker {w}"),
+            None => println!("{n} requests failed before being routed"),
+        }
+    }
+    for c in &live.caches {
+        println!(
+            "worker {}: engine caches {} blocks, the router's index holds {}",
+            c.worker,
+            c.engine_blocks
+                .map_or("(gone)".to_owned(), |b| b.to_string()),
+            c.index_blocks
+        );
+    }
+    if let Some(path) = json {
+        let out = serde_json::json!({"in_process": local, "live": live, "time_scale": time_scale});
+        std::fs::write(path, serde_json::to_string_pretty(&out)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
     init_logs();
     let defaults = WorkerOptions::default();
@@ -489,6 +604,16 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         config.policies.len(),
         config.threads
     );
+    if args.live {
+        eprintln!("(the in-process run below is the first policy's only)");
+        return run_live_demo(
+            &workload,
+            config,
+            args.time_scale,
+            args.faults,
+            args.json.as_deref(),
+        );
+    }
     let report = demo::run(&workload, &config, &|p| {
         eprintln!(
             "  {:<16} done in {:>5.1} s: hit rate {:.3}, TTFT mean {:.0} ms",

@@ -18,10 +18,12 @@
 //! * `policy.rs`: [`DemoPolicy`], the policies compared and their settings.
 //! * `dynamo.rs`: [`DynamoPicker`], Dynamo's own selector on the same fleet.
 //! * `run.rs`: one policy's run and its [`PolicyReport`].
+//! * `live.rs`: [`run_live`], the same through real processes (`demo --live`).
 //! * `table.rs`: the report as the terminal shows it.
 //! * `plot.rs`: the report as an SVG picture.
 
 mod dynamo;
+mod live;
 mod plot;
 mod policy;
 mod run;
@@ -39,6 +41,7 @@ use crate::sim::{EngineConfig, FleetError};
 use crate::workload::Workload;
 
 pub use dynamo::DynamoPicker;
+pub use live::{run_live, CacheCheck, LiveOptions, LiveReport};
 pub use plot::{write_svg, PlotError};
 pub use policy::{DemoPolicy, UnknownPolicy};
 pub use run::PolicyReport;

@@ -130,6 +130,7 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
                             "lost_batches": s.sequence.lost_batches,
                             "ranks_cleared": s.ranks_cleared,
                             "decode_errors": s.decode.bad_payloads + s.decode.malformed_events,
+                            "rejected_events": s.rejected_events,
                         })),
                     })
                 })

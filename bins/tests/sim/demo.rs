@@ -168,3 +168,73 @@ fn nothing_to_run_is_an_error_not_a_panic() {
     };
     assert!(demo::run(&workload, &none, &|_| {}).is_err());
 }
+
+#[test]
+fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
+    let json = std::env::temp_dir().join(format!("kvroute-live-{}.json", std::process::id()));
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "demo",
+            "--live",
+            "--faults",
+            "--requests",
+            "240",
+            "--rate",
+            "20",
+            "--workers",
+            "3",
+            "--kv-blocks",
+            "4096",
+            "--time-scale",
+            "10",
+            "--json",
+        ])
+        .arg(&json)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let live = &report["live"];
+    let replay = &live["replay"];
+    // Every request was answered, a success or an error; none was left hanging.
+    assert_eq!(replay["requests"], 240);
+    assert_eq!(
+        replay["ok"].as_u64().unwrap() + replay["failed"].as_u64().unwrap(),
+        240
+    );
+    // Only the killed worker's requests failed, and the load returned to zero.
+    for failed in live["failed_by_worker"].as_array().unwrap() {
+        assert_eq!(failed[0], 2, "{failed}");
+    }
+    assert_eq!(live["active_at_end"], 0);
+    assert_eq!(live["faults"].as_array().unwrap().len(), 3);
+    // Repaired: worker 0's dropped batches were replayed and its index equals its cache; the
+    // killed worker left the index. Worker 1, restarted under load, saw its restart; its
+    // block count can still drift from the engine's (an open problem: README, "Known limits").
+    let caches = live["caches"].as_array().unwrap();
+    assert_eq!(
+        caches[0]["index_blocks"], caches[0]["engine_blocks"],
+        "{}",
+        caches[0]
+    );
+    assert!(
+        caches[0]["events"]["replayed"].as_u64().unwrap() >= 1,
+        "{}",
+        caches[0]
+    );
+    assert_eq!(caches[1]["events"]["restarts"], 1, "{}", caches[1]);
+    assert_eq!(caches[2]["engine_blocks"], serde_json::Value::Null);
+    assert_eq!(caches[2]["index_blocks"], 0, "{}", caches[2]);
+    let in_process = report["in_process"]["policies"][0]["hit_rate"]
+        .as_f64()
+        .unwrap();
+    let hit = replay["hit_rate"].as_f64().unwrap();
+    assert!(
+        hit > 0.8 * in_process,
+        "live {hit} against in process {in_process}"
+    );
+    std::fs::remove_file(&json).unwrap();
+}
