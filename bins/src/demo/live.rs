@@ -43,7 +43,8 @@ pub struct LiveOptions {
 pub struct CacheCheck {
     /// The worker.
     pub worker: usize,
-    /// Distinct blocks the engine caches (none when it was killed).
+    /// Blocks the engine caches, each copy of a block counted as the events name them (none
+    /// when it was killed).
     pub engine_blocks: Option<u64>,
     /// Blocks the router's index holds for it.
     pub index_blocks: u64,
@@ -197,11 +198,7 @@ pub async fn run_live(
             tokio::time::sleep(at(0.5).saturating_sub(started.elapsed())).await;
             // A restarted engine: its cache empty, its sequence back to 0.
             let _ = client
-                .post(format!("{}/reset_prefix_cache", urls[1]))
-                .send()
-                .await;
-            let _ = client
-                .post(format!("{}/admin/events/restart", urls[1]))
+                .post(format!("{}/admin/restart", urls[1]))
                 .send()
                 .await;
             note("worker 1 restarts (cache emptied, event sequence back to 0)".into());
@@ -242,7 +239,7 @@ pub async fn run_live(
         active += rank["load"]["requests"].as_u64().unwrap_or(0);
         let engine = get_json(&client, &format!("{url}/admin/stats"))
             .await
-            .and_then(|s| s["blocks"]["cached"].as_u64());
+            .and_then(|s| s["blocks"]["cached_copies"].as_u64());
         caches.push(CacheCheck {
             worker: w,
             engine_blocks: engine,

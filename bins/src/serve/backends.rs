@@ -60,6 +60,8 @@ fn sixteen() -> u32 {
 pub(crate) struct Backend {
     pub spec: BackendSpec,
     pub subscriptions: Vec<Subscription>,
+    /// Whether its blocks were dropped from the index since it was last seen up.
+    pub forgotten: std::sync::atomic::AtomicBool,
 }
 
 /// Why a backend could not be added.
@@ -178,6 +180,7 @@ impl Backends {
         let backend = Arc::new(Backend {
             spec,
             subscriptions,
+            forgotten: std::sync::atomic::AtomicBool::new(false),
         });
         if let Ok(mut map) = self.by_id.write() {
             map.insert(backend.spec.id, Arc::clone(&backend));
@@ -219,21 +222,36 @@ impl Backend {
     }
 }
 
-/// Marks a worker down after a failed connection (the prober brings it back), and drops what
-/// the index holds of it: a worker that cannot be reached has most likely lost its cache, and
-/// one that comes back publishes what it stores from then on.
-pub(crate) fn mark_unreachable(router: &Router, backends: &Backends, id: u64) {
+/// Marks a worker down after a failed request; the prober brings it back, or, if it cannot
+/// connect either, drops the worker's blocks from the index ([`Backend::forget`]).
+pub(crate) fn mark_unreachable(router: &Router, id: u64) {
     if let Ok(before) = router.set_health(WorkerId(id), Health::Unreachable) {
         if before != Health::Unreachable {
+            tracing::warn!(worker = id, "worker unreachable: marked down");
+        }
+    }
+}
+
+impl Backend {
+    /// Drops what the index holds of this worker, once per time it is down: a worker the
+    /// prober cannot even connect to has most likely lost its cache, and one that comes back
+    /// publishes what it stores from then on (a restarted engine's sequence clears it anyway).
+    pub(crate) fn forget(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.forgotten.swap(true, Ordering::Relaxed) {
             tracing::warn!(
-                worker = id,
-                "worker unreachable: marked down, its blocks dropped"
+                worker = self.spec.id,
+                "worker still unreachable: its blocks dropped"
             );
-            if let Some(backend) = backends.get(id) {
-                for s in &backend.subscriptions {
-                    s.clear_index();
-                }
+            for s in &self.subscriptions {
+                s.clear_index();
             }
         }
+    }
+
+    /// It answers again: a later outage may drop its blocks again.
+    pub(crate) fn remembered(&self) {
+        self.forgotten
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 }

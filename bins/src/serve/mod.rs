@@ -275,14 +275,22 @@ async fn probe(
             if !down {
                 continue;
             }
-            let healthy = client
+            let answer = client
                 .get(format!("{}/health", backend.spec.url))
                 .timeout(Duration::from_secs(2))
                 .send()
-                .await
-                .is_ok_and(|r| r.status().is_success());
-            if healthy && router.set_health(id, Health::Healthy).is_ok() {
-                tracing::info!(worker = id.0, "worker answers again: marked up");
+                .await;
+            match answer {
+                Ok(r) if r.status().is_success() => {
+                    if router.set_health(id, Health::Healthy).is_ok() {
+                        backend.remembered();
+                        tracing::info!(worker = id.0, "worker answers again: marked up");
+                    }
+                }
+                // It answers, but not well: alive, its cache likely kept.
+                Ok(_) => {}
+                // Not even a connection: its blocks leave the index.
+                Err(_) => backend.forget(),
             }
         }
     }

@@ -6,7 +6,8 @@
 //!  body ──prompt tokens──▶ Router::route (books load) ──▶ RequestGuard
 //!    └──────────unchanged──────────▶ engine ──▶ first chunk: prefill_done ──▶ end: finish
 //!                                       connection refused / 5xx before a byte: mark the
-//!                                       worker down, free, route again without it
+//!                                       worker down, free, route again without it (the
+//!                                       prober drops its blocks if it stays unreachable)
 //!  a client that goes away drops the body stream: the guard frees, the upstream connection
 //!  closes, and the engine stops the request
 //! ```
@@ -311,7 +312,7 @@ async fn forward(
             Err(e) => {
                 tracing::debug!(worker = worker.0, attempt, error = %e, "upstream failed");
                 state.metrics.retries.with_label_values(&["connect"]).inc();
-                mark_unreachable(&state.router, &state.backends, worker.0);
+                mark_unreachable(&state.router, worker.0);
                 excluded.push(worker);
                 continue;
             }
@@ -326,7 +327,7 @@ async fn forward(
                 .retries
                 .with_label_values(&["server_error"])
                 .inc();
-            mark_unreachable(&state.router, &state.backends, worker.0);
+            mark_unreachable(&state.router, worker.0);
             excluded.push(worker);
             continue;
         }
@@ -393,7 +394,7 @@ async fn relay(
                 b
             }
             Err(_) => {
-                mark_unreachable(&state.router, &state.backends, worker.0);
+                mark_unreachable(&state.router, worker.0);
                 drop(guard);
                 return error(
                     state,
@@ -408,13 +409,11 @@ async fn relay(
             .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
     }
     let router = Arc::clone(&state.router);
-    let backends = Arc::clone(&state.backends);
     let chunks = response.bytes_stream();
     let body = futures_util::stream::unfold(
         (chunks, Some(guard), false),
         move |(mut chunks, mut guard, mut started)| {
             let router = Arc::clone(&router);
-            let backends = Arc::clone(&backends);
             async move {
                 match chunks.next().await {
                     Some(Ok(chunk)) => {
@@ -428,7 +427,7 @@ async fn relay(
                     }
                     Some(Err(e)) => {
                         // The worker went away mid-stream: only this request fails.
-                        mark_unreachable(&router, &backends, worker.0);
+                        mark_unreachable(&router, worker.0);
                         drop(guard.take());
                         Some((Err(std::io::Error::other(e)), (chunks, None, started)))
                     }

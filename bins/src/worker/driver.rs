@@ -40,6 +40,9 @@ pub(crate) enum Command {
     SetAdmission(Admission),
     /// Drop the prefix cache (vLLM's `/reset_prefix_cache`).
     ClearCache(oneshot::Sender<Result<(), SimError>>),
+    /// The engine process restarts: running requests are preempted, the cache is emptied and
+    /// the event sequence starts again at 0, in that order on the event stream.
+    Restart(oneshot::Sender<Result<(), SimError>>),
     /// The engine's state in numbers.
     Stats(oneshot::Sender<DriverStats>),
 }
@@ -157,6 +160,17 @@ impl Task {
             Command::Abort(id) => self.abort(id),
             Command::SetAdmission(admission) => self.engine.set_admission(admission),
             Command::ClearCache(reply) => {
+                let result = self.engine.clear_cache(ClearMode::PreemptRunning);
+                self.flush();
+                let _ = reply.send(result);
+            }
+            Command::Restart(reply) => {
+                // Everything published so far keeps its numbering; the cleared batch and what
+                // follows are the new process's, from 0.
+                self.flush();
+                if let Some(publisher) = &self.publisher {
+                    publisher.restart_in_stream();
+                }
                 let result = self.engine.clear_cache(ClearMode::PreemptRunning);
                 self.flush();
                 let _ = reply.send(result);

@@ -9,6 +9,7 @@
 //! | `GET /metrics` | Prometheus text, vLLM's names |
 //! | `POST /reset_prefix_cache` | as vLLM: drop the prefix cache (`AllBlocksCleared`) |
 //! | `POST /admin/events/drop?batches=N`, `/admin/events/delay?ms=N`, `/admin/events/restart` | faults of the KV-event stream |
+//! | `POST /admin/restart` | the engine as a restarted process: cache emptied, event sequence from 0 |
 //! | `POST /admin/pause`, `/admin/resume`, `/admin/exit`; `GET /admin/stats` | the engine |
 
 use std::convert::Infallible;
@@ -59,6 +60,7 @@ pub(crate) fn router(state: AppState, max_body: usize) -> Router {
         .route("/admin/events/drop", post(drop_events))
         .route("/admin/events/delay", post(delay_events))
         .route("/admin/events/restart", post(restart_events))
+        .route("/admin/restart", post(restart_engine))
         .route("/admin/pause", post(pause))
         .route("/admin/resume", post(resume))
         .route("/admin/exit", post(exit))
@@ -522,6 +524,18 @@ async fn reset_prefix_cache(State(state): State<AppState>) -> Response {
     }
 }
 
+async fn restart_engine(State(state): State<AppState>) -> Response {
+    let (reply, done) = oneshot::channel();
+    if !state.driver.send(Command::Restart(reply)) {
+        return unavailable();
+    }
+    match done.await {
+        Ok(Ok(())) => StatusCode::OK.into_response(),
+        Ok(Err(e)) => bad_request(e.to_string()),
+        Err(_) => unavailable(),
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct DropQuery {
     batches: u32,
@@ -595,6 +609,7 @@ async fn admin_stats(State(state): State<AppState>) -> Response {
             "total": e.blocks.total,
             "in_use": e.blocks.in_use,
             "cached": e.blocks.cached,
+            "cached_copies": e.blocks.cached_copies,
             "idle": e.blocks.idle,
         },
         "admitted": stats.admitted,

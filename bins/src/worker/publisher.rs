@@ -154,10 +154,19 @@ struct State {
     delay: Duration,
 }
 
+/// What the live task takes, in stream order.
+#[derive(Debug)]
+enum Item {
+    Batch(EventBatch),
+    /// The engine process restarted: numbering starts again at 0, the ring empties, before
+    /// the next batch.
+    Restart,
+}
+
 /// A running publisher: send it batches and faults.
 #[derive(Debug, Clone)]
 pub struct Publisher {
-    batches: mpsc::UnboundedSender<EventBatch>,
+    batches: mpsc::UnboundedSender<Item>,
     state: Arc<Mutex<State>>,
 }
 
@@ -215,7 +224,13 @@ impl Publisher {
 
     /// Queues a batch for publication (a closed publisher drops it).
     pub fn publish(&self, batch: EventBatch) {
-        let _ = self.batches.send(batch);
+        let _ = self.batches.send(Item::Batch(batch));
+    }
+
+    /// A restart of the engine process, in stream order: every batch published before this
+    /// call keeps its old numbering, every batch after it is numbered from 0 again.
+    pub fn restart_in_stream(&self) {
+        let _ = self.batches.send(Item::Restart);
     }
 
     /// Injects a fault.
@@ -240,12 +255,22 @@ impl Publisher {
 
 async fn serve_live(
     mut socket: PubSocket,
-    mut batches: mpsc::UnboundedReceiver<EventBatch>,
+    mut batches: mpsc::UnboundedReceiver<Item>,
     state: Arc<Mutex<State>>,
     config: PublisherConfig,
 ) {
     let topic = Bytes::from(config.topic.clone().into_bytes());
-    while let Some(batch) = batches.recv().await {
+    while let Some(item) = batches.recv().await {
+        let batch = match item {
+            Item::Batch(batch) => batch,
+            Item::Restart => {
+                let mut state = state.lock().await;
+                state.ring.clear();
+                state.counts.next_seq = 0;
+                state.counts.restarts += 1;
+                continue;
+            }
+        };
         let payload = Bytes::from(encode_batch(&batch, config.dp_rank, wall_seconds()));
         let (seq, delay, send) = {
             let mut state = state.lock().await;

@@ -7,6 +7,7 @@
 //!  live seq == next                    Apply                     next += 1
 //!  live seq  > next  (a gap)           Held { replay: from next } (one replay at a time)
 //!  live seq  < next, seq < restart_below   Restart: clear the worker, apply, next = seq + 1
+//!                                      (unless a replay fetched it: see below)
 //!  live seq  < next, otherwise         Duplicate (skipped)
 //!  replayed seq == next                Apply
 //!  replayed seq  > next                Lost: the replay buffer no longer reaches back; clear the
@@ -20,6 +21,12 @@
 //! simpler, but a replay answers with what the publisher held when it was asked: batches
 //! published while the answer is on its way arrive live, and a subscriber that dropped them
 //! would find a new gap after every replay and never catch up under steady load.
+//!
+//! **Replays run ahead of the live stream.** A replay answers with everything the publisher
+//! holds, so it fetches batches whose live copies are still queued in the SUB socket; those
+//! copies then arrive with seqs below the expected one. They are duplicates, even when their
+//! seqs are small enough to look like a restart: a live seq at or past the first seq a replay
+//! applied (since the live stream last caught up) is never read as a restart.
 //!
 //! **Restarts.** A publisher numbers its batches from 0 per process, and PUB/SUB never
 //! delivers a batch twice, so a live seq that goes back means a new process. A few of its first
@@ -138,6 +145,9 @@ pub struct SeqTracker<T> {
     next: Option<u64>,
     /// Whether a replay request is outstanding.
     replaying: bool,
+    /// The lowest seq a replay applied since the live stream last caught up: live copies of
+    /// replayed batches arrive after them, and are duplicates, not a restart.
+    replayed_from: Option<u64>,
     held: BTreeMap<u64, T>,
     counts: SequenceCounts,
 }
@@ -149,6 +159,7 @@ impl<T> SeqTracker<T> {
             config,
             next: None,
             replaying: false,
+            replayed_from: None,
             held: BTreeMap::new(),
             counts: SequenceCounts::default(),
         }
@@ -184,10 +195,13 @@ impl<T> SeqTracker<T> {
         if seq == next {
             self.next = Some(next.wrapping_add(1));
             self.counts.applied += 1;
+            // The live stream has caught up with what replays fetched.
+            self.replayed_from = None;
             return Verdict::Apply(batch);
         }
         if seq < next {
-            if seq < self.config.restart_below {
+            let replayed = self.replayed_from.is_some_and(|from| seq >= from);
+            if seq < self.config.restart_below && !replayed {
                 return self.restart(seq, batch);
             }
             self.counts.duplicates += 1;
@@ -204,6 +218,7 @@ impl<T> SeqTracker<T> {
             return Verdict::Duplicate;
         }
         self.next = Some(seq.wrapping_add(1));
+        self.replayed_from = Some(self.replayed_from.map_or(seq, |from| from.min(seq)));
         if seq == next {
             self.counts.replayed += 1;
             return Verdict::Apply(batch);
@@ -255,6 +270,7 @@ impl<T> SeqTracker<T> {
     }
 
     fn restart(&mut self, seq: u64, batch: T) -> Verdict<T> {
+        self.replayed_from = None;
         self.counts.restarts += 1;
         self.counts.dropped_at_restart += self.held.len() as u64;
         self.held.clear();

@@ -245,3 +245,30 @@ mod replay_model {
         }
     }
 }
+
+#[test]
+fn live_copies_of_replayed_batches_are_duplicates_even_near_zero() {
+    let mut t = tracker();
+    assert_eq!(t.offer_live(0, "0"), Verdict::Apply("0"));
+    // Seq 1 is lost; seq 2 arrives and is held while 1.. is replayed.
+    assert!(matches!(
+        t.offer_live(2, "2"),
+        Verdict::Held { replay: Some(_) }
+    ));
+    // The replay answers with everything the publisher holds, ahead of the live stream.
+    assert_eq!(t.offer_replayed(1, "1"), Verdict::Apply("1"));
+    assert_eq!(t.offer_replayed(2, "2"), Verdict::Apply("2"));
+    assert_eq!(t.offer_replayed(3, "3"), Verdict::Apply("3"));
+    assert!(t.replay_end().apply.is_empty());
+    // Seq 3's live copy arrives after it: below the expected 4 and the restart bound, yet a
+    // duplicate, because the replay fetched it.
+    assert_eq!(t.offer_live(3, "3 again"), Verdict::Duplicate);
+    assert_eq!(t.counts().restarts, 0);
+    // The live stream catches up; a real restart afterwards is still seen.
+    assert_eq!(t.offer_live(4, "4"), Verdict::Apply("4"));
+    assert!(matches!(
+        t.offer_live(0, "new 0"),
+        Verdict::Restart("new 0")
+    ));
+    assert_eq!(t.counts().restarts, 1);
+}
