@@ -112,6 +112,16 @@ struct ServeArgs {
     /// tokenizer_config.json), to route chat requests and text prompts as the engine sees them.
     #[arg(long, value_name = "DIR", env = "KVROUTE_TOKENIZER")]
     tokenizer: Option<PathBuf>,
+    /// A worker is busy past this fraction of its batch's tokens waiting for prefill.
+    #[arg(long, value_name = "X", env = "KVROUTE_BUSY_PREFILL_FRACTION")]
+    busy_prefill_fraction: Option<f64>,
+    /// A worker is busy past this fraction of its KV blocks held by active requests.
+    #[arg(long, value_name = "X", env = "KVROUTE_BUSY_DECODE_FRACTION")]
+    busy_decode_fraction: Option<f64>,
+    /// With a busy threshold: requests wait in the admission queue while every worker is busy,
+    /// up to this many prompt tokens queued; past it they get a 429 with Retry-After.
+    #[arg(long, value_name = "N", env = "KVROUTE_QUEUE_MAX_TOKENS")]
+    queue_max_tokens: Option<u64>,
     /// Largest request body accepted, in bytes (larger ones get a 413) [default: 32 MiB].
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     max_body_bytes: Option<usize>,
@@ -310,6 +320,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         policy: args.policy,
         max_body_bytes: args.max_body_bytes,
         tokenizer: args.tokenizer,
+        busy_prefill_fraction: args.busy_prefill_fraction,
+        busy_decode_fraction: args.busy_decode_fraction,
+        queue_max_tokens: args.queue_max_tokens,
         workers: args
             .workers
             .iter()

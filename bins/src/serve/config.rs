@@ -41,6 +41,14 @@ pub struct ServeFile {
     pub max_body_bytes: Option<usize>,
     /// The directory of the model's `tokenizer.json` and `tokenizer_config.json`.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// A worker is busy past this fraction of its KV blocks held by active requests.
+    pub busy_decode_fraction: Option<f64>,
+    /// A worker is busy past this fraction of its batch's tokens waiting for prefill.
+    pub busy_prefill_fraction: Option<f64>,
+    /// With a busy threshold: requests wait in the router's admission queue while every worker
+    /// is busy, up to this many prompt tokens queued; past it they get a 429 with
+    /// `Retry-After`.
+    pub queue_max_tokens: Option<u64>,
     /// The engines.
     #[serde(default)]
     pub workers: Vec<BackendSpec>,
@@ -138,6 +146,18 @@ impl ServeFile {
         }
         if self.tokenizer.is_some() {
             options.tokenizer = self.tokenizer;
+        }
+        if self.busy_decode_fraction.is_some() {
+            options.router.busy.decode_blocks_fraction = self.busy_decode_fraction;
+        }
+        if self.busy_prefill_fraction.is_some() {
+            options.router.busy.prefill_tokens_fraction = self.busy_prefill_fraction;
+        }
+        if let Some(cap) = self.queue_max_tokens {
+            options.router.queue = kvroute_core::Queueing::On {
+                max_queued_tokens: cap,
+                order: kvroute_core::QueueOrder::Fcfs,
+            };
         }
         options.workers.extend(self.workers);
         options

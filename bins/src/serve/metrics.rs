@@ -18,6 +18,8 @@ pub(crate) struct Metrics {
     pub decision_seconds: Histogram,
     pub predicted_cached_tokens: Histogram,
     pub retries: IntCounterVec,
+    pub queue_wait_seconds: Histogram,
+    queue_depth: prometheus::IntGauge,
     load: IntGaugeVec,
     events: IntGaugeVec,
 }
@@ -65,6 +67,19 @@ impl Metrics {
             ),
             &["worker", "dp_rank", "kind"],
         )?;
+        let queue_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvroute_queue_wait_seconds",
+                "Time queued requests waited for a worker.",
+            )
+            .buckets(vec![1e-3, 1e-2, 0.1, 0.5, 1.0, 5.0, 30.0]),
+        )?;
+        let queue_depth = prometheus::IntGauge::new(
+            "kvroute_queue_depth",
+            "Requests waiting in the admission queue.",
+        )?;
+        registry.register(Box::new(queue_wait_seconds.clone()))?;
+        registry.register(Box::new(queue_depth.clone()))?;
         for m in [&requests, &retries] {
             registry.register(Box::new(m.clone()))?;
         }
@@ -78,6 +93,8 @@ impl Metrics {
             decision_seconds,
             predicted_cached_tokens,
             retries,
+            queue_wait_seconds,
+            queue_depth,
             load,
             events,
         })
@@ -87,6 +104,7 @@ impl Metrics {
     pub(crate) fn render(&self, router: &Router, backends: &Backends) -> String {
         self.load.reset();
         self.events.reset();
+        self.queue_depth.set(router.queue_depth() as i64);
         let fleet = router.fleet();
         for entry in &fleet.ranks {
             let WorkerRank { worker, dp_rank } = entry.rank;

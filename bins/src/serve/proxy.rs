@@ -22,7 +22,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use kvroute_core::{
-    RequestGuard, RequestId, RouteError, RouteHints, RouteRequest, Router, WorkerId,
+    Admission, RequestGuard, RequestId, RouteError, RouteHints, RouteRequest, Router, WorkerId,
 };
 use serde_json::Value;
 
@@ -281,14 +281,30 @@ async fn forward(
             },
         };
         let started = Instant::now();
-        let decision = match state.router.route(&request) {
-            Ok(d) => d,
+        let decision = match state.router.submit(&request) {
+            Ok(Admission::Routed(d)) => {
+                state
+                    .metrics
+                    .decision_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                d
+            }
+            // Every eligible worker is busy: wait in the admission queue (dropping this
+            // future, when the client goes away, takes the request out of it).
+            Ok(Admission::Queued(ticket)) => {
+                match Router::wait(Arc::clone(&state.router), ticket).await {
+                    Ok(d) => {
+                        state
+                            .metrics
+                            .queue_wait_seconds
+                            .observe(started.elapsed().as_secs_f64());
+                        d
+                    }
+                    Err(e) => return route_error(state, route, &e),
+                }
+            }
             Err(e) => return route_error(state, route, &e),
         };
-        state
-            .metrics
-            .decision_seconds
-            .observe(started.elapsed().as_secs_f64());
         state
             .metrics
             .predicted_cached_tokens

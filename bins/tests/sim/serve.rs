@@ -539,3 +539,66 @@ async fn chats_are_routed_by_the_conversation_the_engine_renders() {
     );
     f.wait_idle().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_fleet_queues_requests_and_refuses_past_the_cap_with_a_429() {
+    let client = reqwest::Client::new();
+    let engines: Vec<Engine> = (0..2).map(|_| engine(&[])).collect();
+    for e in &engines {
+        wait_for(&client, &format!("{}/health", e.url)).await;
+    }
+    let port = free_port();
+    // Busy as soon as a worker has a request in prefill; at most ~5 prompts queued.
+    let mut args: Vec<String> = vec![
+        "serve".into(),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--busy-prefill-fraction".into(),
+        "0.01".into(),
+        "--queue-max-tokens".into(),
+        "3000".into(),
+    ];
+    for e in &engines {
+        args.push("--worker".into());
+        args.push(format!("url={},kv_blocks=4096", e.url));
+    }
+    let _serve = kvroute(&args);
+    let url = format!("http://127.0.0.1:{port}");
+    wait_for(&client, &format!("{url}/health")).await;
+    let responses = futures_util::future::join_all((0..16u32).map(|i| {
+        let client = client.clone();
+        let url = url.clone();
+        async move {
+            let r = client
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({"prompt": prompt(i % 4, i), "max_tokens": 64}))
+                .send()
+                .await
+                .unwrap();
+            let retry_after = r.headers().get("retry-after").is_some();
+            (r.status().as_u16(), retry_after)
+        }
+    }))
+    .await;
+    let ok = responses.iter().filter(|(s, _)| *s == 200).count();
+    let refused: Vec<_> = responses.iter().filter(|(s, _)| *s == 429).collect();
+    assert_eq!(ok + refused.len(), 16, "{responses:?}");
+    assert!(ok > 2, "queued requests were served: {responses:?}");
+    assert!(!refused.is_empty(), "past the cap: {responses:?}");
+    assert!(refused.iter().all(|(_, retry)| *retry), "{responses:?}");
+    let metrics = client
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let waited = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvroute_queue_wait_seconds_count "))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(waited >= 1, "{metrics}");
+    assert!(metrics.contains("kvroute_queue_depth 0"), "{metrics}");
+}
