@@ -81,6 +81,10 @@ struct ReplayArgs {
     /// Write the report and every request's record as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Send text prompts, decoded with this model's tokenizer files (a directory with
+    /// tokenizer.json), for routers that take no token ids.
+    #[arg(long, value_name = "DIR")]
+    text_with: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -267,6 +271,10 @@ fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
         concurrency: args.concurrency,
         timeout: std::time::Duration::from_secs_f64(args.timeout_s.max(0.001)),
         api_key: args.api_key,
+        text: match &args.text_with {
+            Some(dir) => Some(std::sync::Arc::new(kvroute::chat::ModelText::load(dir)?)),
+            None => None,
+        },
     };
     let bar = indicatif::ProgressBar::new(workload.len() as u64);
     bar.set_style(

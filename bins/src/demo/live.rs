@@ -216,6 +216,7 @@ pub async fn run_live(
         concurrency: None,
         timeout: Duration::from_secs(600),
         api_key: None,
+        text: None,
     };
     let (records, report) = replay::run(&scaled, &replay_options, progress).await?;
     let mut failed: std::collections::BTreeMap<Option<u64>, usize> = Default::default();

@@ -43,6 +43,10 @@ pub struct ReplayOptions {
     pub timeout: Duration,
     /// Bearer key, when the router wants one.
     pub api_key: Option<String>,
+    /// Send text instead of token ids: each prompt decoded with this model's tokenizer, for
+    /// routers that take text only. The engines then tokenize it themselves, and the record's
+    /// prompt tokens are the engine's count (`usage.prompt_tokens`).
+    pub text: Option<std::sync::Arc<crate::chat::ModelText>>,
 }
 
 /// What happened to one request.
@@ -166,8 +170,18 @@ async fn send(
         prompt_tokens: request.prompt.len() as u32,
         ..ReplayRecord::default()
     };
+    let prompt = match &options.text {
+        Some(text) => match text.tokenizer.decode(&request.prompt) {
+            Ok(decoded) => Value::String(decoded),
+            Err(e) => {
+                record.error = Some(e.to_string());
+                return record;
+            }
+        },
+        None => json!(request.prompt),
+    };
     let mut body = json!({
-        "prompt": request.prompt,
+        "prompt": prompt,
         "max_tokens": request.output_tokens,
         "ignore_eos": true,
         "stream": true,
@@ -241,6 +255,9 @@ async fn send(
                     record.chunks += 1;
                 }
                 if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
+                    if let Some(p) = usage["prompt_tokens"].as_u64() {
+                        record.prompt_tokens = p as u32;
+                    }
                     record.output_tokens = usage["completion_tokens"].as_u64().unwrap_or(0) as u32;
                     record.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
                         .as_u64()

@@ -101,6 +101,7 @@ async fn a_small_trace_replayed_against_a_worker_finds_its_shared_blocks() {
         concurrency: None,
         timeout: Duration::from_secs(30),
         api_key: None,
+        text: None,
     };
     let (records, report) = run(&Workload::trace("small", rows), &options, &|_, _| {})
         .await
