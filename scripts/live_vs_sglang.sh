@@ -1,30 +1,51 @@
 #!/usr/bin/env bash
-# Live path, text prompts: kvroute serve vs SGLang's router (cache_aware) in front of the same
-# three kvroute workers (fresh each run), same workload.
+# The live path, text prompts: kvroute serve against SGLang's router (sglang-router 0.3.2,
+# --policy cache_aware) in front of the same three kvroute workers (started fresh for each
+# run), the same built-in workload replayed by kvroute replay. SGLang's router takes text only,
+# so prompts are decoded with Qwen3's tokenizer and every part tokenizes them itself.
+# Needs: cargo build --release; scripts/fixtures.sh (the tokenizer); target/bench-venv with
+# sglang-router 0.3.2 (the serve-overhead bench's --sglang makes it).
+# Knobs: N requests, RATE per second (before the time scale), SCALE (engines and arrivals),
+# SERVE_EXTRA (more kvroute serve flags, e.g. "--config weights.toml").
 set -u
+cd "$(dirname "$0")/.."
 K=./target/release/kvroute
 TOK=target/fixtures/qwen3
 N=${N:-300}; RATE=${RATE:-2}; SCALE=${SCALE:-10}
 start_workers() {
   for i in 0 1 2; do
-    $K worker --listen 127.0.0.1:2110$i --kv-events tcp://127.0.0.1:2120$i --kv-replay tcp://127.0.0.1:2130$i \
-      --speedup $SCALE --kv-blocks 8192 --tokenizer $TOK > /dev/null 2>&1 &
+    $K worker --listen 127.0.0.1:2110$i --kv-events tcp://127.0.0.1:2120$i \
+      --kv-replay tcp://127.0.0.1:2130$i --speedup "$SCALE" --kv-blocks 8192 --tokenizer $TOK \
+      > /dev/null 2>&1 &
   done
   for i in 0 1 2; do until curl -s -o /dev/null localhost:2110$i/health; do sleep 0.1; done; done
 }
 stop_all() { pkill -f "kvroute worker"; pkill -f "kvroute serve"; pkill -f sglang_router; sleep 1; }
+workers=""
+for i in 0 1 2; do
+  workers="$workers --worker url=http://127.0.0.1:2110$i,events=tcp://127.0.0.1:2120$i,replay=tcp://127.0.0.1:2130$i,kv_blocks=8192"
+done
+replay() {
+  $K replay --url "$1" --requests "$N" --rate "$RATE" --speedup "$SCALE" --model kvroute-sim \
+    --text-with $TOK --json "$2" 2>/dev/null
+}
+
 stop_all
 start_workers
-$K serve --listen 127.0.0.1:21080 --tokenizer $TOK ${SERVE_EXTRA:-} $(for i in 0 1 2; do echo --worker url=http://127.0.0.1:2110$i,events=tcp://127.0.0.1:2120$i,replay=tcp://127.0.0.1:2130$i,kv_blocks=8192; done) > /dev/null 2>&1 &
-until curl -s -o /dev/null localhost:21080/health; do sleep 0.1; done; sleep 0.5
+# shellcheck disable=SC2086
+$K serve --listen 127.0.0.1:21080 --tokenizer $TOK ${SERVE_EXTRA:-} $workers > /dev/null 2>&1 &
+until curl -s -o /dev/null localhost:21080/health; do sleep 0.1; done
+sleep 0.5
 echo "== kvroute serve"
-$K replay --url http://127.0.0.1:21080 --requests $N --rate $RATE --speedup $SCALE --model kvroute-sim --text-with $TOK --json /tmp/cmp-kvroute.json 2>/dev/null
+replay http://127.0.0.1:21080 target/live-kvroute.json
 stop_all
+
 start_workers
 target/bench-venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port 21081 \
   --worker-urls http://127.0.0.1:21100 http://127.0.0.1:21101 http://127.0.0.1:21102 \
   --policy cache_aware --prometheus-port 21089 --log-level warn > /dev/null 2>&1 &
-until curl -s -o /dev/null localhost:21081/health; do sleep 0.2; done; sleep 1
-echo "== sglang-router 0.3.2 cache_aware"
-$K replay --url http://127.0.0.1:21081 --requests $N --rate $RATE --speedup $SCALE --model kvroute-sim --text-with $TOK --json /tmp/cmp-sglang.json 2>/dev/null
+until curl -s -o /dev/null localhost:21081/health; do sleep 0.2; done
+sleep 1
+echo "== sglang-router 0.3.2, cache_aware"
+replay http://127.0.0.1:21081 target/live-sglang.json
 stop_all
