@@ -248,22 +248,40 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
-    let workload = match &args.trace {
+/// A Mooncake-format trace's first `requests` rows, or the built-in chat workload of
+/// `requests` (else `default_requests`) turns at `rate` a second from `seed`.
+fn workload(
+    trace: Option<&std::path::Path>,
+    requests: Option<usize>,
+    default_requests: usize,
+    seed: u64,
+    rate: f64,
+) -> anyhow::Result<Workload> {
+    Ok(match trace {
         Some(path) => {
-            let rows = read_trace(path, args.requests)?;
+            let rows = read_trace(path, requests)?;
             let name = path
                 .file_stem()
                 .map_or_else(|| "trace".to_owned(), |s| s.to_string_lossy().into_owned());
             Workload::trace(name, rows)
         }
         None => Workload::chat(ChatConfig {
-            requests: args.requests.unwrap_or(500),
-            seed: args.seed,
-            rate: args.rate,
+            requests: requests.unwrap_or(default_requests),
+            seed,
+            rate,
             ..ChatConfig::default()
         }),
-    }
+    })
+}
+
+fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
+    let workload = workload(
+        args.trace.as_deref(),
+        args.requests,
+        500,
+        args.seed,
+        args.rate,
+    )?
     .with_speedup(args.speedup);
     let options = ReplayOptions {
         url: args.url.trim_end_matches('/').to_owned(),
@@ -569,21 +587,13 @@ fn init_logs() {
 }
 
 fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
-    let workload = match &args.trace {
-        Some(path) => {
-            let rows = read_trace(path, args.requests)?;
-            let name = path
-                .file_stem()
-                .map_or_else(|| "trace".to_owned(), |s| s.to_string_lossy().into_owned());
-            Workload::trace(name, rows)
-        }
-        None => Workload::chat(ChatConfig {
-            requests: args.requests.unwrap_or(4_000),
-            seed: args.seed,
-            rate: args.rate,
-            ..ChatConfig::default()
-        }),
-    }
+    let workload = workload(
+        args.trace.as_deref(),
+        args.requests,
+        4_000,
+        args.seed,
+        args.rate,
+    )?
     .with_speedup(args.speedup);
     let defaults = DemoConfig::default();
     let engine = EngineConfig {

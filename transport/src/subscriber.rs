@@ -181,8 +181,9 @@ impl Follower {
             self.stats.received += 1;
             self.stats.live = true;
             let frames = message.into_vec();
+            // The payload frame is kept by reference count, not copied.
             let (seq, payload) = match parse_live(&frames) {
-                Ok(m) => (m.seq, Bytes::copy_from_slice(m.payload)),
+                Ok(m) => (m.seq, frames[2].clone()),
                 Err(_) => {
                     self.stats.bad_frames += 1;
                     self.publish();
@@ -265,7 +266,8 @@ impl Follower {
             let frames = reply.into_vec();
             match parse_replay(&frames) {
                 Ok(ReplayReply::Batch(m)) => {
-                    let payload = Bytes::copy_from_slice(m.payload);
+                    // The payload is the last frame in both layouts: kept, not copied.
+                    let payload = frames.last().cloned().unwrap_or_default();
                     match self.tracker.offer_replayed(m.seq, payload) {
                         Verdict::Apply(batch) => self.apply(&batch),
                         Verdict::Lost { batch, .. } => {

@@ -119,3 +119,23 @@ pub fn removed_since(engine: &mut Engine) -> Vec<u64> {
         .map(|h| h.0)
         .collect()
 }
+
+/// A child process killed when dropped.
+#[derive(Debug)]
+pub struct Process(pub std::process::Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A loopback port free now (the system's choice).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

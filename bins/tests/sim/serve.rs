@@ -2,30 +2,13 @@
 //! engines (vLLM's HTTP and ZeroMQ interfaces) and the router service in front of them, driven
 //! by an HTTP client.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
-/// A child process killed when dropped.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use super::{free_port, Process};
 
 fn kvroute(args: &[String]) -> Process {
     let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))

@@ -4,20 +4,13 @@
 //! publisher clears the worker.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use super::{free_port, Process};
 
 struct Publisher {
     child: Child,
@@ -38,15 +31,6 @@ impl Drop for Publisher {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-struct Serve(Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 
@@ -132,7 +116,7 @@ async fn sglangs_own_publisher_feeds_the_index_through_loss_and_restart() {
         stdout: BufReader::new(child.stdout.take().unwrap()),
         child,
     };
-    let _serve = Serve(
+    let _serve = Process(
         Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["serve", "--listen", &format!("127.0.0.1:{http}")])
             .arg("--worker")
