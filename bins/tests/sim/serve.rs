@@ -71,16 +71,16 @@ async fn wait_for(client: &reqwest::Client, url: &str) {
 struct Fleet {
     engines: Vec<Engine>,
     url: String,
-    _serve: Process,
+    serve: Process,
     client: reqwest::Client,
 }
 
 async fn fleet() -> Fleet {
-    fleet_with(&[]).await
+    fleet_with(&[], &[]).await
 }
 
-/// Serve and three engines, each also given `extra` flags.
-async fn fleet_with(extra: &[String]) -> Fleet {
+/// Serve and three engines, each also given `extra` flags, and serve `serve_extra` too.
+async fn fleet_with(extra: &[String], serve_extra: &[String]) -> Fleet {
     let client = reqwest::Client::new();
     let engines: Vec<Engine> = (0..3).map(|_| engine(extra)).collect();
     for e in &engines {
@@ -97,6 +97,7 @@ async fn fleet_with(extra: &[String]) -> Fleet {
         "1000000".into(),
     ];
     args.extend_from_slice(extra);
+    args.extend_from_slice(serve_extra);
     for e in &engines {
         args.push("--worker".into());
         args.push(format!(
@@ -110,7 +111,7 @@ async fn fleet_with(extra: &[String]) -> Fleet {
     Fleet {
         engines,
         url,
-        _serve: serve,
+        serve,
         client,
     }
 }
@@ -446,7 +447,7 @@ async fn chats_are_routed_by_the_conversation_the_engine_renders() {
         eprintln!("skipped: no {} (run scripts/fixtures.sh)", dir.display());
         return;
     }
-    let f = fleet_with(&["--tokenizer".into(), dir.display().to_string()]).await;
+    let f = fleet_with(&["--tokenizer".into(), dir.display().to_string()], &[]).await;
     let system = |i: usize| {
         format!(
             "You are assistant number {i}. {}",
@@ -584,4 +585,106 @@ async fn a_busy_fleet_queues_requests_and_refuses_past_the_cap_with_a_429() {
         .unwrap_or(0);
     assert!(waited >= 1, "{metrics}");
     assert!(metrics.contains("kvroute_queue_depth 0"), "{metrics}");
+}
+
+/// Sends `signal` (a name `kill` knows) to a process.
+fn signal(process: &Process, signal: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(process.0.id().to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_accepting_lets_requests_in_flight_finish_and_exits_0() {
+    let mut f = fleet().await;
+    // A stream of a few thousand tokens: about a second at the engines' ×20.
+    let response = f
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt(1, 1), "max_tokens": 3_000, "stream": true}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let mut text = String::from_utf8(body.next().await.unwrap().unwrap().to_vec()).unwrap();
+    signal(&f.serve, "TERM");
+    // New connections are refused once the signal is handled...
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let fresh = reqwest::Client::new();
+        if fresh.get(format!("{}/health", f.url)).send().await.is_err() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "serve still accepts after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ...while the request in flight streams to its end.
+    while let Some(chunk) = body.next().await {
+        text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+    }
+    assert!(text.contains("[DONE]"), "the stream was cut: {text}");
+    let tokens = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter(|c| c["choices"][0]["text"].is_string())
+        .count();
+    assert!(tokens >= 2_900, "only {tokens} chunks arrived");
+    // Then serve exits by itself, with status 0.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = f.serve.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "serve did not exit after draining"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_grace_period_serve_exits_with_requests_in_flight() {
+    let mut f = fleet_with(&[], &["--grace-s".into(), "0.3".into()]).await;
+    let response = f
+        .post(
+            "/v1/completions",
+            &json!({"prompt": prompt(1, 1), "max_tokens": 20_000, "stream": true}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let mut body = response.bytes_stream();
+    let _first = body.next().await.unwrap().unwrap();
+    let sent = Instant::now();
+    signal(&f.serve, "INT");
+    let status = loop {
+        if let Some(status) = f.serve.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(10),
+            "serve never exited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}");
+    assert!(
+        sent.elapsed() >= Duration::from_millis(300),
+        "no grace given"
+    );
+    // The stream ends without its [DONE].
+    let mut text = String::new();
+    while let Some(Ok(chunk)) = body.next().await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(!text.contains("[DONE]"));
 }
