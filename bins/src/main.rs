@@ -205,11 +205,12 @@ struct DemoArgs {
     #[arg(long, default_value_t = 16)]
     block_size: u32,
     /// The KV-aware cost's credit per cached block (kv-aware and kv-aware-temp; default: the
-    /// router's, 1).
+    /// router's, 2; the reference router's is 1).
     #[arg(long, value_name = "X")]
     overlap_credit: Option<f64>,
     /// The KV-aware cost's weight of prefill blocks against decode blocks (kv-aware and
-    /// kv-aware-temp; default: the router's, 1). Higher favours time to first token.
+    /// kv-aware-temp; default: the router's, 8; the reference router's is 1). Higher favours
+    /// time to first token.
     #[arg(long, value_name = "X")]
     prefill_load_scale: Option<f64>,
     /// Policies to compare, comma-separated (default: all). Known: kv-aware, kv-aware-temp,

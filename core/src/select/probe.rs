@@ -45,6 +45,8 @@ pub(crate) struct ProbeTargets {
     n: usize,
     bounds: [f64; SHARED_PROBES],
     indices: [u32; SHARED_PROBES],
+    /// The kept candidates' fleet indices, which order equal bounds.
+    fleet: [u32; SHARED_PROBES],
     /// Candidates scored, load and all, and then refused.
     loaded_losers: u32,
 }
@@ -60,6 +62,7 @@ impl ProbeTargets {
             n: 0,
             bounds: [f64::INFINITY; SHARED_PROBES],
             indices: [0; SHARED_PROBES],
+            fleet: [0; SHARED_PROBES],
             loaded_losers: 0,
         }
     }
@@ -129,20 +132,38 @@ impl ProbeTargets {
             self.loaded_losers += 1;
             return false;
         }
-        if room == 0 || bound >= self.bounds[SHARED_PROBES - 1] {
+        let last = SHARED_PROBES - 1;
+        if room == 0 || !Self::precedes(bound, c.fleet_index, self.bounds[last], self.fleet[last]) {
             return true;
         }
         // Insert in order; when full, the highest bound drops out.
-        let mut at = self.n.min(SHARED_PROBES - 1);
-        while at > 0 && self.bounds[at - 1] > bound {
+        let mut at = self.n.min(last);
+        while at > 0
+            && Self::precedes(
+                bound,
+                c.fleet_index,
+                self.bounds[at - 1],
+                self.fleet[at - 1],
+            )
+        {
             self.bounds[at] = self.bounds[at - 1];
             self.indices[at] = self.indices[at - 1];
+            self.fleet[at] = self.fleet[at - 1];
             at -= 1;
         }
         self.bounds[at] = bound;
         self.indices[at] = index as u32;
+        self.fleet[at] = c.fleet_index;
         self.n = (self.n + 1).min(SHARED_PROBES);
         true
+    }
+
+    /// The order of the kept bounds: lowest first, equal bounds by fleet index. A total order
+    /// on the ranks, so the kept set is the same whatever order the candidates come in (a
+    /// pruning gather offers them in another order than a full one).
+    #[inline(always)]
+    fn precedes(bound: f64, fleet: u32, other: f64, other_fleet: u32) -> bool {
+        bound < other || (bound == other && fleet < other_fleet)
     }
 
     /// True when pruning and a rank whose probe bound is at least `floor`

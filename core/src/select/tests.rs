@@ -10,8 +10,15 @@ use crate::registry::RankEntry;
 use crate::registry::WorkerConfig;
 use crate::rng::Rng;
 
+/// The reference router's weights (overlap credit 1, prefill load scale 1), which the
+/// arithmetic below is worked out in.
 fn weights() -> Weights {
-    Weights::new(&RouterConfig::default(), &Overrides::default())
+    let reference = RouterConfig {
+        overlap_credit: 1.0,
+        prefill_load_scale: 1.0,
+        ..RouterConfig::default()
+    };
+    Weights::new(&reference, &Overrides::default())
 }
 
 fn shape(tokens: u64) -> RequestShape {

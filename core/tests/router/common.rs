@@ -3,6 +3,16 @@
 pub use kvroute_core::testing::scores_of;
 pub use kvroute_core::*;
 
+/// The default configuration with the reference router's cost weights (overlap credit 1,
+/// prefill load scale 1), which the tests of the cost's arithmetic are worked out in.
+pub fn reference_weights() -> RouterConfig {
+    RouterConfig {
+        overlap_credit: 1.0,
+        prefill_load_scale: 1.0,
+        ..RouterConfig::default()
+    }
+}
+
 /// Stores `locals` as one chain on `rank` (block names by position and tier).
 pub fn store(r: &Router, rank: WorkerRank, tier: StorageTier, locals: &[LocalHash], id: u64) {
     let blocks: Vec<StoredBlock> = locals

@@ -85,7 +85,7 @@ fn required_labels_filter_and_none_eligible_is_a_clear_error() {
 
 #[test]
 fn preferred_labels_lower_the_cost_by_their_weight() {
-    let r = router(RouterConfig::default(), 1000);
+    let r = router(reference_weights(), 1000);
     let t: Vec<u32> = (0..64).collect();
     let prefer = [PreferredLabel {
         label: Label {

@@ -7,7 +7,7 @@ const BS: u32 = 16;
 
 fn setup() -> (Router, Vec<u32>) {
     let r = Router::new(
-        RouterConfig::default(),
+        reference_weights(),
         PrefixIndex::new(IndexConfig::default()),
     )
     .unwrap();

@@ -198,7 +198,7 @@ fn overlaps_follow_their_ranks_across_leaves_joins_and_routers() {
 /// but has the query's first 10 blocks active in a request past its expected output.
 #[test]
 fn a_decayed_rank_is_not_pruned_on_a_floor_that_ignores_decay() {
-    let r = router(RouterConfig::default());
+    let r = router(reference_weights());
     let t = tokens(20 * BS as usize);
     let locals = BlockHasher::new(BS as usize).local_hashes(&t);
     for w in 0..2 {
@@ -275,6 +275,10 @@ fn preferences_and_pool_hits_lower_the_floors_pruning_uses() {
     assert_eq!(picks(&q), [0, 1, 2].into());
 }
 
+/// Cost weights the selection tests draw from, (overlap credit, prefill load scale): the
+/// reference router's, the defaults, and two others.
+const WEIGHTS: [(f64, f64); 4] = [(1.0, 1.0), (2.0, 8.0), (0.5, 3.0), (4.0, 0.7)];
+
 /// Selection that reads only the ranks the match gave enough blocks to win, and only the
 /// records deep enough to matter, picks what the full evidence says: 48 workers with
 /// overlaps spread over every depth (so the least winning depth falls among them), tier
@@ -292,7 +296,10 @@ fn selection_from_the_deep_ranks_picks_what_the_full_evidence_says() {
         // events: records then raise overlaps, the shallow ones unread where pruning
         // finds them unable to win.
         let records = round % 8 >= 4;
+        let (overlap_credit, prefill_load_scale) = WEIGHTS[rng.below(4) as usize];
         let r = router(RouterConfig {
+            overlap_credit,
+            prefill_load_scale,
             pool_credit: [0.5, 1.0, 0.9][round as usize % 3],
             approximate: Approximate {
                 speculative: if records {
@@ -406,7 +413,10 @@ fn pruned_selection_picks_what_the_full_evidence_says() {
         let all_busy = round % 4 == 3;
         // Prefill booked on every worker: the floors count it (`Ledger::prefill_floor`).
         let loaded_everywhere = round % 8 < 2;
+        let (overlap_credit, prefill_load_scale) = WEIGHTS[rng.below(4) as usize];
         let r = router(RouterConfig {
+            overlap_credit,
+            prefill_load_scale,
             busy: BusyThresholds {
                 decode_blocks_fraction: busy.then_some(0.5),
                 prefill_tokens_fraction: None,
