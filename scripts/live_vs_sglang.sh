@@ -6,12 +6,14 @@
 # Needs: cargo build --release; scripts/fixtures.sh (the tokenizer); target/bench-venv with
 # sglang-router 0.3.2 (the serve-overhead bench's --sglang makes it).
 # Knobs: N requests, RATE per second (before the time scale), SCALE (engines and arrivals),
-# SERVE_EXTRA (more kvroute serve flags, e.g. "--config weights.toml").
+# TRACE (a Mooncake-format trace instead of the built-in workload, its first N rows) and SPEEDUP
+# (its arrivals this many times sooner, before the time scale), SERVE_EXTRA (more kvroute serve
+# flags, e.g. "--config weights.toml").
 set -u
 cd "$(dirname "$0")/.."
 K=./target/release/kvroute
 TOK=target/fixtures/qwen3
-N=${N:-300}; RATE=${RATE:-2}; SCALE=${SCALE:-10}
+N=${N:-300}; RATE=${RATE:-2}; SCALE=${SCALE:-10}; TRACE=${TRACE:-}; SPEEDUP=${SPEEDUP:-1}
 start_workers() {
   for i in 0 1 2; do
     $K worker --listen 127.0.0.1:2110$i --kv-events tcp://127.0.0.1:2120$i \
@@ -20,13 +22,21 @@ start_workers() {
   done
   for i in 0 1 2; do until curl -s -o /dev/null localhost:2110$i/health; do sleep 0.1; done; done
 }
-stop_all() { pkill -f "kvroute worker"; pkill -f "kvroute serve"; pkill -f sglang_router; sleep 1; }
+stop_all() {
+  pkill -f "kvroute worker"; pkill -f "kvroute serve"; pkill -f sglang_router; pkill -f "sglang::router"
+  sleep 1
+}
 workers=""
 for i in 0 1 2; do
   workers="$workers --worker url=http://127.0.0.1:2110$i,events=tcp://127.0.0.1:2120$i,replay=tcp://127.0.0.1:2130$i,kv_blocks=8192"
 done
 replay() {
-  $K replay --url "$1" --requests "$N" --rate "$RATE" --speedup "$SCALE" --model kvroute-sim \
+  if [ -n "$TRACE" ]; then
+    workload=(--trace "$TRACE" --speedup "$(echo "$SPEEDUP * $SCALE" | bc -l)")
+  else
+    workload=(--rate "$RATE" --speedup "$SCALE")
+  fi
+  $K replay --url "$1" --requests "$N" "${workload[@]}" --model kvroute-sim \
     --text-with $TOK --json "$2" 2>/dev/null
 }
 

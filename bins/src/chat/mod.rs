@@ -113,14 +113,10 @@ impl ModelText {
         Ok(self.tokenizer.encode(&text)?)
     }
 
-    /// The ids of a text prompt (no special tokens added, as vLLM's completions do for models
-    /// without a BOS token; a BOS the tokenizer adds is added here too).
+    /// The ids of a text prompt, with the special tokens the tokenizer adds (a BOS, where it
+    /// has one), as vLLM's completions tokenize it; through the piece cache when it adds none.
     pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, ModelTextError> {
-        self.tokenizer
-            .tokenizer()
-            .encode(text, true)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| ModelTextError::Tokenize(TokenizeError(e.to_string())))
+        Ok(self.tokenizer.encode_with_special(text)?)
     }
 }
 

@@ -7,18 +7,106 @@
 //! Only added tokens the tokenizer matches on the raw text and strips nothing around
 //! (`normalized`, `lstrip`, `rstrip` and `single_word` all false) split pieces here: exactly
 //! where the tokenizer itself splits. Tests check the ids against a fresh tokenization.
+//!
+//! A long piece (a text prompt is one) is cut further into *chunks*, where the tokenizer's
+//! pre-tokenizer is known to cut too, so that a prompt that grows from request to request (a
+//! conversation sent as text) tokenizes only its new end. That holds for the byte-level BPE
+//! tokenizers whose pre-tokenizer splits by one of the regular expressions in
+//! [`CHUNKED_PATTERNS`] (Qwen2 and 3, Llama 3, GPT-2): no alternative of theirs matches a line
+//! break followed by a character other than whitespace, so a pre-token always starts after
+//! such a break; BPE works within pre-tokens, and NFC, the one normalizer allowed, never
+//! composes across a line break. A chunk ends at the first such break at least
+//! [`CHUNK_BYTES`] into it, so chunks are cut from the left the same way in a text and in any
+//! text that extends it. Other tokenizers keep whole pieces.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use tokenizers::Tokenizer;
+use tokenizers::{PostProcessor, Tokenizer};
 
 /// A tokenizer with a cache of its pieces' ids.
 pub struct PieceTokenizer {
     tokenizer: Tokenizer,
     /// Split tokens, longest first (the leftmost-longest match wins).
     splits: Vec<(String, u32)>,
+    /// Pieces are cut into chunks at line breaks (see the module comment).
+    chunked: bool,
+    /// The tokenizer adds no special tokens of its own (no BOS), so a text's ids with them
+    /// asked for are its ids without.
+    adds_nothing: bool,
     cache: Mutex<PieceCache>,
+}
+
+/// The pre-tokenizer patterns after which pieces are cut at line breaks: Qwen2's and Qwen3's,
+/// Llama 3's, and GPT-2's byte-level default.
+pub(crate) const CHUNKED_PATTERNS: [&str; 3] = [
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+];
+
+/// The fewest bytes of a chunk before a line break may end it.
+pub(crate) const CHUNK_BYTES: usize = 512;
+
+/// True when `tokenizer` pre-tokenizes as the module comment requires for chunks: byte-level
+/// BPE split by one of [`CHUNKED_PATTERNS`] (or byte-level's own, which is GPT-2's), no prefix
+/// space, no normalizer but NFC, and no normalized added token holding a line break.
+fn chunkable(tokenizer: &Tokenizer) -> bool {
+    let json = |v: Option<serde_json::Value>| v.unwrap_or(serde_json::Value::Null);
+    let pre = json(
+        tokenizer
+            .get_pre_tokenizer()
+            .and_then(|p| serde_json::to_value(p).ok()),
+    );
+    let normalizer = json(
+        tokenizer
+            .get_normalizer()
+            .and_then(|n| serde_json::to_value(n).ok()),
+    );
+    let byte_level = |v: &serde_json::Value, regex: bool| {
+        v["type"] == "ByteLevel" && v["add_prefix_space"] == false && v["use_regex"] == regex
+    };
+    let pre_ok = if byte_level(&pre, true) {
+        true
+    } else if pre["type"] == "Sequence" {
+        match pre["pretokenizers"].as_array().map(Vec::as_slice) {
+            Some([split, bytes]) => {
+                split["type"] == "Split"
+                    && split["behavior"] == "Isolated"
+                    && split["invert"] == false
+                    && split["pattern"]["Regex"]
+                        .as_str()
+                        .is_some_and(|r| CHUNKED_PATTERNS.contains(&r))
+                    && byte_level(bytes, false)
+            }
+            _ => false,
+        }
+    } else {
+        false
+    };
+    let normalizer_ok = normalizer.is_null() || normalizer["type"] == "NFC";
+    let added_ok = tokenizer
+        .get_added_tokens_decoder()
+        .values()
+        .all(|t| !t.normalized || !t.content.contains(['\n', '\r']));
+    pre_ok && normalizer_ok && added_ok
+}
+
+/// Where `piece` is cut into chunks: byte offsets just after a line break and before a
+/// character that cannot be whitespace, each at least [`CHUNK_BYTES`] after the last.
+fn chunk_ends(piece: &str) -> impl Iterator<Item = usize> + '_ {
+    let bytes = piece.as_bytes();
+    let mut last = 0;
+    (1..bytes.len()).filter(move |&i| {
+        let cut = i - last >= CHUNK_BYTES
+            && matches!(bytes[i - 1], b'\n' | b'\r')
+            && (bytes[i].is_ascii_graphic()
+                || piece[i..].chars().next().is_some_and(char::is_alphanumeric));
+        if cut {
+            last = i;
+        }
+        cut
+    })
 }
 
 impl std::fmt::Debug for PieceTokenizer {
@@ -69,11 +157,34 @@ impl PieceTokenizer {
             .map(|(&id, t)| (t.content.clone(), id))
             .collect();
         splits.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let chunked = chunkable(&tokenizer);
+        let adds_nothing = tokenizer
+            .get_post_processor()
+            .is_none_or(|p| p.added_tokens(false) == 0);
         PieceTokenizer {
             tokenizer,
             splits,
+            chunked,
+            adds_nothing,
             cache: Mutex::new(PieceCache::default()),
         }
+    }
+
+    /// True when long pieces are cut into chunks at line breaks (see the module comment).
+    pub fn chunked(&self) -> bool {
+        self.chunked
+    }
+
+    /// `text`'s ids as the tokenizer gives them with its special tokens added (as vLLM
+    /// tokenizes a completion's text): through the cache when the tokenizer adds none.
+    pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        if self.adds_nothing {
+            return self.encode(text);
+        }
+        self.tokenizer
+            .encode(text, true)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError(e.to_string()))
     }
 
     /// The wrapped tokenizer.
@@ -146,9 +257,22 @@ impl PieceTokenizer {
         )
     }
 
-    /// Appends the ids of one piece (text with no split token), from the cache when it is
-    /// there.
+    /// Appends the ids of one piece (text with no split token), chunk by chunk where the
+    /// tokenizer allows it.
     fn piece(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), TokenizeError> {
+        if !self.chunked || piece.len() < 2 * CHUNK_BYTES {
+            return self.chunk(piece, out);
+        }
+        let mut at = 0;
+        for end in chunk_ends(piece) {
+            self.chunk(&piece[at..end], out)?;
+            at = end;
+        }
+        self.chunk(&piece[at..], out)
+    }
+
+    /// Appends the ids of one chunk, from the cache when it is there.
+    fn chunk(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), TokenizeError> {
         if piece.is_empty() {
             return Ok(());
         }

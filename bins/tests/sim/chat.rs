@@ -136,3 +136,73 @@ fn a_follow_up_turn_reuses_the_earlier_messages_pieces() {
             .push(serde_json::json!({"role": "assistant", "content": format!("Answer {turn}.")}));
     }
 }
+
+/// Text of `n` fragments drawn from ones that test the pre-tokenizer's edges: words, spaces
+/// and tabs before and after line breaks, `\r\n`, punctuation ending a line, digits, accents
+/// written with combining marks, CJK, emoji, and apostrophes.
+fn fragments(rng: &mut kvroute_core::Rng, n: usize) -> String {
+    const PARTS: [&str; 24] = [
+        "the", " routing", " cache", "\n", "\n\n", "\r\n", " \n", "\n ", "\t", ".\n", ":\n\n",
+        "  ", "12345", " 7", "e\u{301}", "\u{301}", "路由", "🚀", "'s", "'LL", "x", "}\n", "\n\t",
+        " - ",
+    ];
+    (0..n)
+        .map(|_| PARTS[rng.below(PARTS.len() as u64) as usize])
+        .collect()
+}
+
+#[test]
+fn long_text_is_cut_where_the_tokenizer_cuts_and_gives_a_fresh_tokenizations_ids() {
+    let Some(model) = model() else { return };
+    assert!(
+        model.tokenizer.chunked(),
+        "Qwen3's pre-tokenizer is one that chunks"
+    );
+    let mut rng = kvroute_core::Rng::new(5);
+    for round in 0..60 {
+        let text = fragments(&mut rng, 200 + 40 * round);
+        // Twice: the second pass comes from the cache, chunk by chunk.
+        for _ in 0..2 {
+            assert_eq!(
+                model.tokenizer.encode(&text).unwrap(),
+                model.tokenizer.encode_fresh(&text).unwrap(),
+                "{text:?}"
+            );
+        }
+        let fresh = model
+            .tokenizer
+            .tokenizer()
+            .encode(text.as_str(), true)
+            .unwrap();
+        assert_eq!(model.text_ids(&text).unwrap(), fresh.get_ids(), "{text:?}");
+    }
+}
+
+#[test]
+fn a_growing_text_prompt_tokenizes_only_its_new_end() {
+    let Some(model) = model() else { return };
+    let mut rng = kvroute_core::Rng::new(9);
+    let mut text = String::new();
+    let mut before = model.tokenizer.stats();
+    for turn in 0..6 {
+        let added = fragments(&mut rng, 1_500);
+        text.push_str(&added);
+        let ids = model.text_ids(&text).unwrap();
+        assert_eq!(ids, model.tokenizer.encode_fresh(&text).unwrap());
+        let after = model.tokenizer.stats();
+        if turn > 0 {
+            // The earlier text's chunks come from the cache: only its last chunk (now longer)
+            // and the new text's (at least 512 bytes each) are tokenized.
+            let new_chunks = 2 + added.len() / 512;
+            assert!(
+                after.misses - before.misses <= new_chunks as u64,
+                "{before:?} -> {after:?}"
+            );
+            assert!(
+                after.hits - before.hits >= turn as u64,
+                "{before:?} -> {after:?}"
+            );
+        }
+        before = after;
+    }
+}
