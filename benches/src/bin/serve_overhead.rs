@@ -9,9 +9,11 @@
 //! ```
 //!
 //! SGLang's router takes text prompts only, so `--sglang` needs `--text`: every path then
-//! sends text (16 documents of about 1,000 tokens), and kvroute serve tokenizes it with the
-//! model's tokenizer (`scripts/fixtures.sh` fetches Qwen3's) to route; SGLang's router matches
-//! characters and tokenizes nothing.
+//! sends text (one of 16 documents of about 1,000 tokens in 17 lines, then a line of the
+//! request's own), and kvroute serve tokenizes it with the model's tokenizer
+//! (`scripts/fixtures.sh` fetches Qwen3's) to route, the documents' lines from its cache of
+//! chunks after their first requests; SGLang's router matches characters and tokenizes
+//! nothing.
 //!
 //! The fake engine (axum) answers `/v1/completions` with a fixed completion: one JSON body, or
 //! four SSE chunks and `[DONE]`. Prompts are 1,024 token ids (no tokenizing), one of 16 shared
@@ -96,41 +98,51 @@ async fn load(
         .pool_max_idle_per_host(256)
         .tcp_nodelay(true)
         .build()?;
-    let bodies: Arc<Vec<Bytes>> = Arc::new(
+    // Token ids: one of 16 prompts. Text: one of 16 documents of about 1,000 tokens in 17
+    // lines, then a line of the request's own, so no two texts are alike.
+    let prompts: Arc<Vec<Value>> = Arc::new(
         (0..16u32)
             .map(|p| {
-                let prompt = if text {
-                    // About 1,000 tokens of text, one of 16 documents.
+                if text {
                     json!(format!(
-                        "Document {p}. {}",
-                        "The router reads the prompt. ".repeat(170)
+                        "Document {p}.\n{}",
+                        format!("{}\n", "The router reads the prompt. ".repeat(10)).repeat(17)
                     ))
                 } else {
                     json!((p * 100_000..p * 100_000 + 1_024).collect::<Vec<u32>>())
-                };
-                Bytes::from(
-                    json!({"model": "fake", "prompt": prompt, "max_tokens": 4, "stream": stream})
-                        .to_string(),
-                )
+                }
             })
             .collect(),
     );
+    let body_of = move |prompts: &[Value], i: usize| -> Bytes {
+        let p = &prompts[i % prompts.len()];
+        let prompt = match p.as_str() {
+            Some(doc) => json!(format!(
+                "{doc}Request {i}: what does the router read first?"
+            )),
+            None => p.clone(),
+        };
+        Bytes::from(
+            json!({"model": "fake", "prompt": prompt, "max_tokens": 4, "stream": stream})
+                .to_string(),
+        )
+    };
     let run = |duration: Duration| {
         let client = client.clone();
-        let bodies = Arc::clone(&bodies);
+        let prompts = Arc::clone(&prompts);
         let url = url.to_owned();
         async move {
             let tasks: Vec<_> = (0..concurrency)
                 .map(|c| {
                     let client = client.clone();
-                    let bodies = Arc::clone(&bodies);
+                    let prompts = Arc::clone(&prompts);
                     let url = url.clone();
                     tokio::spawn(async move {
                         let mut latencies = Vec::new();
                         let end = Instant::now() + duration;
                         let mut i = c;
                         while Instant::now() < end {
-                            let body = bodies[i % bodies.len()].clone();
+                            let body = body_of(&prompts, i);
                             i += concurrency;
                             let t = Instant::now();
                             let r = client
