@@ -126,6 +126,10 @@ struct ServeArgs {
     /// up to this many prompt tokens queued; past it they get a 429 with Retry-After.
     #[arg(long, value_name = "N", env = "KVROUTE_QUEUE_MAX_TOKENS")]
     queue_max_tokens: Option<u64>,
+    /// Seconds each routing decision counts as cached on its worker until the worker's KV
+    /// events arrive, so that requests sharing a prefix still in prefill follow it (0: off).
+    #[arg(long, value_name = "S", env = "KVROUTE_SPECULATIVE_S")]
+    speculative_s: Option<f64>,
     /// Largest request body accepted, in bytes (larger ones get a 413) [default: 32 MiB].
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     max_body_bytes: Option<usize>,
@@ -350,6 +354,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         busy_prefill_fraction: args.busy_prefill_fraction,
         busy_decode_fraction: args.busy_decode_fraction,
         queue_max_tokens: args.queue_max_tokens,
+        speculative_s: args.speculative_s,
         workers: args
             .workers
             .iter()

@@ -68,6 +68,11 @@ async fn fake_engine() -> Result<SocketAddr> {
         );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
+    // TCP_NODELAY, as the engines' servers set it (uvicorn's asyncio transports do): a
+    // stream's chunks must not wait for the router's delayed ACK.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(addr)
 }

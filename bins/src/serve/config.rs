@@ -49,6 +49,9 @@ pub struct ServeFile {
     /// is busy, up to this many prompt tokens queued; past it they get a 429 with
     /// `Retry-After`.
     pub queue_max_tokens: Option<u64>,
+    /// Seconds each routing decision counts as cached on its worker, until the worker's own KV
+    /// events arrive (speculative records; 0 or absent: off).
+    pub speculative_s: Option<f64>,
     /// The engines.
     #[serde(default)]
     pub workers: Vec<BackendSpec>,
@@ -157,6 +160,14 @@ impl ServeFile {
             options.router.queue = kvroute_core::Queueing::On {
                 max_queued_tokens: cap,
                 order: kvroute_core::QueueOrder::Fcfs,
+            };
+        }
+        if let Some(v) = self.speculative_s {
+            let ttl = secs("speculative_s", v)?;
+            options.router.approximate.speculative = if ttl.is_zero() {
+                kvroute_core::Speculative::Off
+            } else {
+                kvroute_core::Speculative::On { ttl }
             };
         }
         options.workers.extend(self.workers);

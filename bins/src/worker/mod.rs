@@ -150,6 +150,11 @@ impl RunningWorker {
         let app = http::router(state, options.max_body);
         let stop = Arc::clone(&shutdown);
         let server = tokio::spawn(async move {
+            // Small writes (SSE chunks, a response's head) go out at once: with Nagle's
+            // algorithm a chunk waits for the peer's delayed ACK, some 40 ms.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             axum::serve(listener, app)
                 .with_graceful_shutdown(async move { stop.notified().await })
                 .await

@@ -428,6 +428,26 @@ fn the_example_config_and_worker_flags_read_as_documented() {
         ..ServeFile::default()
     };
     assert!(bad.apply(ServeOptions::default()).is_err());
+    let speculative = ServeFile {
+        speculative_s: Some(1.5),
+        ..ServeFile::default()
+    };
+    assert_eq!(
+        speculative
+            .apply(ServeOptions::default())
+            .unwrap()
+            .router
+            .approximate
+            .speculative,
+        kvroute_core::Speculative::On {
+            ttl: Duration::from_millis(1_500)
+        }
+    );
+    let negative = ServeFile {
+        speculative_s: Some(-1.0),
+        ..ServeFile::default()
+    };
+    assert!(negative.apply(ServeOptions::default()).is_err());
     let unknown_key = "listen = \"127.0.0.1:1\"\nlisten_port = 3\n";
     assert!(toml_parse(unknown_key).is_err(), "unknown keys are refused");
 }
