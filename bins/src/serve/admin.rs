@@ -13,7 +13,7 @@ use kvroute_core::{Mode, RequestId, RouteHints, RouteRequest, WorkerId, WorkerRa
 use serde_json::{json, Value};
 
 use super::backends::BackendSpec;
-use super::proxy::{authorized, error, read_prompt};
+use super::proxy::{authorized, error, read_prompt_async};
 use super::AppState;
 
 /// `POST /v1/route`: where a request would go, and what the router predicts it finds there.
@@ -28,7 +28,7 @@ pub(crate) async fn route(
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
-    let (value, routed) = match read_prompt(&state, &body, value_is_chat(&body)) {
+    let (value, routed) = match read_prompt_async(&state, &body, value_is_chat(&body)).await {
         Ok(x) => x,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };

@@ -98,6 +98,30 @@ impl Refusal {
     }
 }
 
+/// Bodies past this many bytes are read and tokenized on a blocking thread, so that a long
+/// text's tokenization does not hold up the runtime thread other requests are on.
+const BLOCKING_BODY_BYTES: usize = 16 << 10;
+
+/// [`read_prompt`], on a blocking thread when the body is long and may need tokenizing.
+pub(crate) async fn read_prompt_async(
+    state: &AppState,
+    body: &Bytes,
+    chat: bool,
+) -> Result<(Value, Routed), Refusal> {
+    if state.text.is_none() || body.len() <= BLOCKING_BODY_BYTES {
+        return read_prompt(state, body, chat);
+    }
+    let (state, body) = (state.clone(), body.clone());
+    tokio::task::spawn_blocking(move || read_prompt(&state, &body, chat))
+        .await
+        .unwrap_or_else(|e| {
+            Err(Refusal::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("reading the prompt failed: {e}"),
+            ))
+        })
+}
+
 /// Reads the prompt's token ids and the output length, or the client's error.
 pub(crate) fn read_prompt(
     state: &AppState,
@@ -206,7 +230,7 @@ pub(crate) async fn completions(
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
-    let routed = match read_prompt(&state, &body, false) {
+    let routed = match read_prompt_async(&state, &body, false).await {
         Ok((_, routed)) => routed,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
@@ -222,7 +246,7 @@ pub(crate) async fn chat_completions(
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
-    let routed = match read_prompt(&state, &body, true) {
+    let routed = match read_prompt_async(&state, &body, true).await {
         Ok((_, routed)) => routed,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };

@@ -708,3 +708,46 @@ async fn past_the_grace_period_serve_exits_with_requests_in_flight() {
     }
     assert!(!text.contains("[DONE]"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/fixtures/qwen3");
+    if !dir.join("tokenizer.json").exists() {
+        eprintln!("skipped: no {} (run scripts/fixtures.sh)", dir.display());
+        return;
+    }
+    let f = fleet_with(&["--tokenizer".into(), dir.display().to_string()], &[]).await;
+    // Documents of some 24 KB in lines: read and tokenized off serve's runtime threads, in
+    // chunks cut at line breaks.
+    let document = |i: usize| {
+        (0..360)
+            .map(|l| format!("Document {i}, line {l}: the router reads what the engine reads.\n"))
+            .collect::<String>()
+            + &"  indented, then a blank line\n\n".repeat(30)
+    };
+    for round in 0..2 {
+        for i in 0..4 {
+            let body = json!({"model": "kvroute-sim", "max_tokens": 2,
+                "prompt": format!("{}Question {round}: what comes first?", document(i))});
+            assert!(body.to_string().len() > 20_000);
+            let r = f.post("/v1/completions", &body).await;
+            assert_eq!(r.status(), 200);
+            let predicted: u64 = r.headers()["x-kvroute-predicted-cached-tokens"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            let v: Value = r.json().await.unwrap();
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert_eq!(predicted, cached, "round {round}, document {i}");
+            if round == 1 {
+                assert!(cached * 10 >= prompt * 9, "{cached} of {prompt} cached");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    f.wait_idle().await;
+}
