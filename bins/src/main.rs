@@ -98,6 +98,15 @@ struct ServeArgs {
     /// The model served: requests naming another get a 404.
     #[arg(long, env = "KVROUTE_MODEL")]
     model: Option<String>,
+    /// LoRA adapters the engines serve (vLLM's `--lora-modules` names), comma-separated or
+    /// repeated: a request naming one as its model is routed by the adapter's KV blocks.
+    #[arg(
+        long = "lora-adapter",
+        value_name = "NAME",
+        value_delimiter = ',',
+        env = "KVROUTE_LORA_ADAPTERS"
+    )]
+    lora_adapters: Vec<String>,
     /// The key clients must send as `Authorization: Bearer KEY`; never forwarded.
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -346,6 +355,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
     let flags = ServeFile {
         listen: args.listen,
         model: args.model,
+        lora_adapters: (!args.lora_adapters.is_empty()).then_some(args.lora_adapters),
         api_key: args.api_key,
         retries: args.retries,
         policy: args.policy,

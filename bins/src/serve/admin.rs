@@ -40,6 +40,7 @@ pub(crate) async fn route(
         hints: RouteHints {
             mode: if book { Mode::Book } else { Mode::QueryOnly },
             expected_output_tokens: routed.expected_output,
+            lora_name: routed.lora.as_deref(),
             ..RouteHints::default()
         },
     };
@@ -254,9 +255,15 @@ pub(crate) async fn ready(State(state): State<AppState>) -> StatusCode {
 /// `GET /v1/models`: the served model, when one is configured; else the first worker's list.
 pub(crate) async fn models(State(state): State<AppState>) -> Response {
     if let Some(model) = &state.options.model {
+        // The adapters as vLLM lists them: each with the base model as its parent.
+        let adapters = state.options.lora_adapters.iter().map(|a| {
+            json!({"id": a, "object": "model", "owned_by": "kvroute", "root": a, "parent": model})
+        });
+        let base = json!({"id": model, "object": "model", "owned_by": "kvroute", "root": model,
+            "parent": null});
         return Json(json!({
             "object": "list",
-            "data": [{"id": model, "object": "model", "owned_by": "kvroute"}],
+            "data": std::iter::once(base).chain(adapters).collect::<Vec<_>>(),
         }))
         .into_response();
     }

@@ -19,6 +19,8 @@ pub struct ServeFile {
     pub listen: Option<SocketAddr>,
     /// The model served (requests naming another get a 404).
     pub model: Option<String>,
+    /// LoRA adapters the engines serve, by the names requests give as `model`.
+    pub lora_adapters: Option<Vec<String>>,
     /// The key clients must send.
     pub api_key: Option<String>,
     /// Further workers tried when one fails before answering.
@@ -111,6 +113,14 @@ impl ServeFile {
         }
         if self.api_key.is_some() {
             options.api_key = self.api_key;
+        }
+        if let Some(adapters) = self.lora_adapters {
+            if adapters.iter().any(|a| a.is_empty()) {
+                return Err(ConfigError::Invalid(
+                    "a LoRA adapter's name is empty".to_owned(),
+                ));
+            }
+            options.lora_adapters = adapters;
         }
         if let Some(v) = self.retries {
             options.retries = v;

@@ -48,6 +48,9 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     /// The model served: requests naming another get a 404 (none: any name passes).
     pub model: Option<String>,
+    /// LoRA adapters the engines serve (vLLM's `--lora-modules` names): a request naming one
+    /// is routed by the adapter's KV blocks, which the engines publish under its name.
+    pub lora_adapters: Vec<String>,
     /// The key clients must send as `Authorization: Bearer …` (none: no check). It is never
     /// forwarded; each worker gets its own `api_key`.
     pub api_key: Option<String>,
@@ -75,6 +78,7 @@ impl Default for ServeOptions {
         ServeOptions {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             model: None,
+            lora_adapters: Vec::new(),
             api_key: None,
             workers: Vec::new(),
             router: RouterConfig::default(),

@@ -75,6 +75,8 @@ pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
 pub(crate) struct Routed {
     pub tokens: Vec<u32>,
     pub expected_output: Option<u32>,
+    /// The LoRA adapter the request names (its blocks are hashed under it).
+    pub lora: Option<String>,
 }
 
 /// A request refused before routing: its status and why.
@@ -136,8 +138,12 @@ pub(crate) fn read_prompt(
             "the body must be a JSON object",
         ));
     };
+    let named = object.get("model").and_then(Value::as_str);
+    let lora = named
+        .filter(|m| state.options.lora_adapters.iter().any(|a| a == m))
+        .map(str::to_owned);
     if let (Some(served), Some(model)) = (&state.options.model, object.get("model")) {
-        if model.as_str() != Some(served.as_str()) {
+        if model.as_str() != Some(served.as_str()) && lora.is_none() {
             return Err(Refusal::new(
                 StatusCode::NOT_FOUND,
                 format!(
@@ -202,6 +208,7 @@ pub(crate) fn read_prompt(
         Routed {
             tokens,
             expected_output,
+            lora,
         },
     ))
 }
@@ -300,6 +307,7 @@ async fn forward(
             tokens: &routed.tokens,
             hints: RouteHints {
                 expected_output_tokens: routed.expected_output,
+                lora_name: routed.lora.as_deref(),
                 allowed: allowed.as_deref(),
                 ..RouteHints::default()
             },

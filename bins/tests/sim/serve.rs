@@ -751,3 +751,57 @@ async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
     }
     f.wait_idle().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_adapter_is_served_by_name_and_routed_by_its_own_blocks() {
+    let f = fleet_with(&[], &["--lora-adapter".into(), "sql-lora,chat-lora".into()]).await;
+    complete(&f, prompt(1, 1), false).await;
+    let route = |model: &'static str| {
+        let f = &f;
+        async move {
+            f.post(
+                "/v1/route",
+                &json!({"model": model, "prompt": prompt(1, 2), "max_tokens": 1}),
+            )
+            .await
+        }
+    };
+    // The base model's blocks are known once the engine's events arrive.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = route("kvroute-sim").await;
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        if v["predicted_cached_tokens"].as_u64().unwrap() >= 512 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the base prefix never showed: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The same tokens under an adapter are other KV blocks: none is cached.
+    let r = route("sql-lora").await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["predicted_cached_tokens"], 0, "{v}");
+    assert_eq!(route("no-such-lora").await.status(), 404);
+    let models: Value = f
+        .client
+        .get(format!("{}/v1/models", f.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["kvroute-sim", "sql-lora", "chat-lora"]);
+    assert_eq!(models["data"][1]["parent"], "kvroute-sim");
+}
