@@ -100,6 +100,9 @@ impl Refusal {
     }
 }
 
+/// The header that sends a request to one data-parallel rank of an engine.
+pub(crate) const DP_RANK_HEADER: &str = "X-Data-Parallel-Rank";
+
 /// Bodies past this many bytes are read and tokenized on a blocking thread, so that a long
 /// text's tokenization does not hold up the runtime thread other requests are on.
 const BLOCKING_BODY_BYTES: usize = 16 << 10;
@@ -354,6 +357,10 @@ async fn forward(
             .body(body.clone());
         if let Some(key) = &backend.spec.api_key {
             upstream = upstream.bearer_auth(key);
+        }
+        if backend.spec.dp_size > 1 {
+            // The rank chosen, for the engine's own balancer: vLLM and SGLang both take it.
+            upstream = upstream.header(DP_RANK_HEADER, decision.worker.dp_rank.0);
         }
         let response = match upstream.send().await {
             Ok(r) => r,

@@ -805,3 +805,63 @@ async fn a_lora_adapter_is_served_by_name_and_routed_by_its_own_blocks() {
     assert_eq!(ids, ["kvroute-sim", "sql-lora", "chat-lora"]);
     assert_eq!(models["data"][1]["parent"], "kvroute-sim");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_data_parallel_ranks_is_told_the_rank_chosen() {
+    use std::sync::{Arc, Mutex};
+    // A stand-in engine with two data-parallel ranks and no KV events: it records the rank
+    // header of each request and answers after 0.4 s, so both requests are in flight at once.
+    let seen: Arc<Mutex<Vec<Option<String>>>> = Arc::default();
+    let record = Arc::clone(&seen);
+    let app = axum::Router::new()
+        .route(
+            "/v1/completions",
+            axum::routing::post(move |headers: axum::http::HeaderMap| {
+                let record = Arc::clone(&record);
+                async move {
+                    let rank = headers
+                        .get("x-data-parallel-rank")
+                        .map(|v| v.to_str().unwrap().to_owned());
+                    record.lock().unwrap().push(rank);
+                    tokio::time::sleep(Duration::from_millis(400)).await;
+                    axum::Json(json!({"object": "text_completion", "choices": [],
+                        "usage": {"prompt_tokens": 552, "completion_tokens": 1}}))
+                }
+            }),
+        )
+        .route("/health", axum::routing::get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let port = free_port();
+    let _serve = kvroute(&[
+        "serve".into(),
+        "--listen".into(),
+        format!("127.0.0.1:{port}"),
+        "--worker".into(),
+        format!("url={engine},dp_size=2,kv_blocks=4096"),
+    ]);
+    let url = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    wait_for(&client, &format!("{url}/health")).await;
+    let send = |family: u32| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            client
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({"prompt": prompt(family, 1), "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    let (a, b) = tokio::join!(send(1), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        send(2).await
+    });
+    assert_eq!((a.as_u16(), b.as_u16()), (200, 200));
+    let mut ranks = seen.lock().unwrap().clone();
+    ranks.sort();
+    assert_eq!(ranks, [Some("0".to_owned()), Some("1".to_owned())]);
+}
