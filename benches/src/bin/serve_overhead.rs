@@ -34,11 +34,16 @@ use axum::routing::{get, post};
 use kvroute::serve::{BackendSpec, RunningServe, ServeOptions};
 use serde_json::{json, Value};
 
+/// The one field the fake engine reads (the rest is skipped as it is parsed: the engine
+/// should cost the machine as little as it can, since the router shares its cores).
+#[derive(serde::Deserialize)]
+struct StreamField {
+    #[serde(default)]
+    stream: bool,
+}
+
 async fn fake_completion(body: Bytes) -> axum::response::Response {
-    let stream = serde_json::from_slice::<Value>(&body)
-        .ok()
-        .and_then(|v| v.get("stream").and_then(Value::as_bool))
-        .unwrap_or(false);
+    let stream = serde_json::from_slice::<StreamField>(&body).is_ok_and(|f| f.stream);
     let chunk = |text: &str, finish: Value| {
         json!({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "fake",
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}]})
@@ -119,35 +124,46 @@ async fn load(
             })
             .collect(),
     );
-    let body_of = move |prompts: &[Value], i: usize| -> Bytes {
-        let p = &prompts[i % prompts.len()];
-        let prompt = match p.as_str() {
-            Some(doc) => json!(format!(
-                "{doc}Request {i}: what does the router read first?"
-            )),
-            None => p.clone(),
-        };
-        Bytes::from(
-            json!({"model": "fake", "prompt": prompt, "max_tokens": 4, "stream": stream})
+    // Token-id bodies are made once; a text body gets its own last line per request.
+    let fixed: Arc<Vec<Bytes>> = Arc::new(
+        prompts
+            .iter()
+            .map(|p| {
+                Bytes::from(
+                    json!({"model": "fake", "prompt": p, "max_tokens": 4, "stream": stream})
+                        .to_string(),
+                )
+            })
+            .collect(),
+    );
+    let body_of = move |prompts: &[Value], fixed: &[Bytes], i: usize| -> Bytes {
+        match prompts[i % prompts.len()].as_str() {
+            Some(doc) => Bytes::from(
+                json!({"model": "fake", "max_tokens": 4, "stream": stream,
+                    "prompt": format!("{doc}Request {i}: what does the router read first?")})
                 .to_string(),
-        )
+            ),
+            None => fixed[i % fixed.len()].clone(),
+        }
     };
     let run = |duration: Duration| {
         let client = client.clone();
         let prompts = Arc::clone(&prompts);
+        let fixed = Arc::clone(&fixed);
         let url = url.to_owned();
         async move {
             let tasks: Vec<_> = (0..concurrency)
                 .map(|c| {
                     let client = client.clone();
                     let prompts = Arc::clone(&prompts);
+                    let fixed = Arc::clone(&fixed);
                     let url = url.clone();
                     tokio::spawn(async move {
                         let mut latencies = Vec::new();
                         let end = Instant::now() + duration;
                         let mut i = c;
                         while Instant::now() < end {
-                            let body = body_of(&prompts, i);
+                            let body = body_of(&prompts, &fixed, i);
                             i += concurrency;
                             let t = Instant::now();
                             let r = client

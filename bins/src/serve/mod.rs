@@ -18,6 +18,7 @@
 
 mod admin;
 mod backends;
+mod body;
 mod config;
 mod metrics;
 mod proxy;

@@ -107,17 +107,38 @@ pub(crate) const DP_RANK_HEADER: &str = "X-Data-Parallel-Rank";
 /// text's tokenization does not hold up the runtime thread other requests are on.
 const BLOCKING_BODY_BYTES: usize = 16 << 10;
 
+/// [`read_completion`], on a blocking thread when the body is long and may need tokenizing.
+pub(crate) async fn read_completion_async(
+    state: &AppState,
+    body: &Bytes,
+) -> Result<Routed, Refusal> {
+    read_off_thread(state, body, read_completion).await
+}
+
 /// [`read_prompt`], on a blocking thread when the body is long and may need tokenizing.
 pub(crate) async fn read_prompt_async(
     state: &AppState,
     body: &Bytes,
     chat: bool,
 ) -> Result<(Value, Routed), Refusal> {
+    read_off_thread(state, body, move |state, body| {
+        read_prompt(state, body, chat)
+    })
+    .await
+}
+
+/// `read` on the body: here when it is short or nothing needs tokenizing, else on a blocking
+/// thread.
+async fn read_off_thread<T, F>(state: &AppState, body: &Bytes, read: F) -> Result<T, Refusal>
+where
+    T: Send + 'static,
+    F: FnOnce(&AppState, &[u8]) -> Result<T, Refusal> + Send + 'static,
+{
     if state.text.is_none() || body.len() <= BLOCKING_BODY_BYTES {
-        return read_prompt(state, body, chat);
+        return read(state, body);
     }
     let (state, body) = (state.clone(), body.clone());
-    tokio::task::spawn_blocking(move || read_prompt(&state, &body, chat))
+    tokio::task::spawn_blocking(move || read(&state, &body))
         .await
         .unwrap_or_else(|e| {
             Err(Refusal::new(
@@ -125,6 +146,79 @@ pub(crate) async fn read_prompt_async(
                 format!("reading the prompt failed: {e}"),
             ))
         })
+}
+
+/// A completion's token ids and output length, or the client's error: its routing fields
+/// read straight from the body where they have the usual shapes, else by [`read_prompt`].
+pub(crate) fn read_completion(state: &AppState, body: &[u8]) -> Result<Routed, Refusal> {
+    let Some(fields) = super::body::completion_fields(body) else {
+        return read_prompt(state, body, false).map(|(_, routed)| routed);
+    };
+    let lora = model_lora(state, fields.model.as_deref(), fields.model.is_some())?;
+    let tokens = match fields.prompt {
+        Some(super::body::Prompt::Ids(ids)) => ids,
+        Some(super::body::Prompt::Text(text)) => text_tokens(state, &text)?,
+        None => return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+    };
+    let expected_output = fields
+        .max_tokens
+        .or(fields.max_completion_tokens)
+        .and_then(|n| u32::try_from(n).ok());
+    routed(tokens, expected_output, lora)
+}
+
+/// The LoRA adapter a request's `model` names (`named`, when it is a string; `present`, when
+/// the field is there at all), or a 404 when it names neither the served model nor an adapter.
+fn model_lora(
+    state: &AppState,
+    named: Option<&str>,
+    present: bool,
+) -> Result<Option<String>, Refusal> {
+    let lora = named
+        .filter(|m| state.options.lora_adapters.iter().any(|a| a == m))
+        .map(str::to_owned);
+    if let Some(served) = &state.options.model {
+        if present && named != Some(served.as_str()) && lora.is_none() {
+            return Err(Refusal::new(
+                StatusCode::NOT_FOUND,
+                format!("The model `{}` does not exist.", named.unwrap_or("?")),
+            ));
+        }
+    }
+    Ok(lora)
+}
+
+/// A text prompt's ids, or why it cannot be routed.
+fn text_tokens(state: &AppState, prompt: &str) -> Result<Vec<u32>, Refusal> {
+    match &state.text {
+        Some(text) => text
+            .text_ids(prompt)
+            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string())),
+        None => Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "text prompts are routed by the model's tokenizer: start kvroute serve with \
+             --tokenizer DIR, or send token ids",
+        )),
+    }
+}
+
+/// The routing input, unless the prompt has no tokens.
+fn routed(
+    tokens: Vec<u32>,
+    expected_output: Option<u32>,
+    lora: Option<String>,
+) -> Result<Routed, Refusal> {
+    if tokens.is_empty() {
+        return Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "the prompt has no tokens",
+        ));
+    }
+    Ok(Routed {
+        tokens,
+        expected_output,
+        lora,
+    })
 }
 
 /// Reads the prompt's token ids and the output length, or the client's error.
@@ -141,79 +235,44 @@ pub(crate) fn read_prompt(
             "the body must be a JSON object",
         ));
     };
-    let named = object.get("model").and_then(Value::as_str);
-    let lora = named
-        .filter(|m| state.options.lora_adapters.iter().any(|a| a == m))
-        .map(str::to_owned);
-    if let (Some(served), Some(model)) = (&state.options.model, object.get("model")) {
-        if model.as_str() != Some(served.as_str()) && lora.is_none() {
+    let model = object.get("model");
+    let lora = model_lora(state, model.and_then(Value::as_str), model.is_some())?;
+    let tokens = if chat {
+        let Some(text) = &state.text else {
             return Err(Refusal::new(
-                StatusCode::NOT_FOUND,
-                format!(
-                    "The model `{}` does not exist.",
-                    model.as_str().unwrap_or("?")
-                ),
+                StatusCode::BAD_REQUEST,
+                "chat requests are routed by the model's chat template and tokenizer: start \
+                 kvroute serve with --tokenizer DIR",
             ));
-        }
-    }
-    let tokens =
-        if chat {
-            let Some(text) = &state.text else {
+        };
+        text.chat_ids(&value)
+            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?
+    } else {
+        match object.get("prompt") {
+            Some(Value::Array(items)) if items.iter().all(Value::is_u64) => items
+                .iter()
+                .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| {
+                    Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
+                })?,
+            Some(Value::String(prompt)) => text_tokens(state, prompt)?,
+            Some(_) => {
                 return Err(Refusal::new(
                     StatusCode::BAD_REQUEST,
-                    "chat requests are routed by the model's chat template and tokenizer: start \
-                 kvroute serve with --tokenizer DIR",
-                ));
-            };
-            text.chat_ids(&value)
-                .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?
-        } else {
-            match object.get("prompt") {
-                Some(Value::Array(items)) if items.iter().all(Value::is_u64) => items
-                    .iter()
-                    .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
-                    .collect::<Option<Vec<u32>>>()
-                    .ok_or_else(|| {
-                        Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
-                    })?,
-                Some(Value::String(prompt)) => match &state.text {
-                    Some(text) => text
-                        .text_ids(prompt)
-                        .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?,
-                    None => return Err(Refusal::new(
-                        StatusCode::BAD_REQUEST,
-                        "text prompts are routed by the model's tokenizer: start kvroute serve \
-                         with --tokenizer DIR, or send token ids",
-                    )),
-                },
-                Some(_) => {
-                    return Err(Refusal::new(
-                        StatusCode::BAD_REQUEST,
-                        "prompt must be a string or a list of token ids (one prompt per request)",
-                    ))
-                }
-                None => return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+                    "prompt must be a string or a list of token ids (one prompt per request)",
+                ))
             }
-        };
-    if tokens.is_empty() {
-        return Err(Refusal::new(
-            StatusCode::BAD_REQUEST,
-            "the prompt has no tokens",
-        ));
-    }
+            None => return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+        }
+    };
     let expected_output = object
         .get("max_tokens")
         .or_else(|| object.get("max_completion_tokens"))
         .and_then(Value::as_u64)
         .and_then(|n| u32::try_from(n).ok());
-    Ok((
-        value,
-        Routed {
-            tokens,
-            expected_output,
-            lora,
-        },
-    ))
+    let routed = routed(tokens, expected_output, lora)?;
+    Ok((value, routed))
 }
 
 fn route_error(state: &AppState, route: &str, e: &RouteError) -> Response {
@@ -240,8 +299,8 @@ pub(crate) async fn completions(
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
-    let routed = match read_prompt_async(&state, &body, false).await {
-        Ok((_, routed)) => routed,
+    let routed = match read_completion_async(&state, &body).await {
+        Ok(routed) => routed,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
     forward(&state, ROUTE, "/v1/completions", body, &routed).await
