@@ -68,3 +68,6 @@ impl<'de: 'a, 'a> Visitor<'de> for PromptVisitor<'a> {
 pub(crate) fn completion_fields(body: &[u8]) -> Option<CompletionFields<'_>> {
     serde_json::from_slice(body).ok()
 }
+
+#[cfg(test)]
+mod tests;
