@@ -1,6 +1,3 @@
-// A test: it may unwrap and panic (the library code may not).
-#![allow(clippy::unwrap_used, clippy::panic)]
-
 use super::*;
 
 fn ids(body: &str) -> Vec<u32> {
