@@ -5,6 +5,7 @@
 # so prompts are decoded with Qwen3's tokenizer and every part tokenizes them itself.
 # Needs: cargo build --release; scripts/fixtures.sh (the tokenizer); target/bench-venv with
 # sglang-router 0.3.2 (the serve-overhead bench's --sglang makes it).
+# Writes target/live-kvroute.json, target/live-sglang.json and target/live-vs-sglang.svg.
 # Knobs: N requests, RATE per second (before the time scale), SCALE (engines and arrivals),
 # TRACE (a Mooncake-format trace instead of the built-in workload, its first N rows) and SPEEDUP
 # (its arrivals this many times sooner, before the time scale), SERVE_EXTRA (more kvroute serve
@@ -37,7 +38,7 @@ replay() {
     workload=(--rate "$RATE" --speedup "$SCALE")
   fi
   $K replay --url "$1" --requests "$N" "${workload[@]}" --model kvroute-sim \
-    --text-with $TOK --json "$2" 2>/dev/null
+    --text-with $TOK --json "$2" --label "$3" "${@:4}" 2>/dev/null
 }
 
 stop_all
@@ -47,7 +48,7 @@ $K serve --listen 127.0.0.1:21080 --tokenizer $TOK ${SERVE_EXTRA:-} $workers > /
 until curl -s -o /dev/null localhost:21080/health; do sleep 0.1; done
 sleep 0.5
 echo "== kvroute serve"
-replay http://127.0.0.1:21080 target/live-kvroute.json
+replay http://127.0.0.1:21080 target/live-kvroute.json "kvroute serve"
 stop_all
 
 start_workers
@@ -57,5 +58,6 @@ target/bench-venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --p
 until curl -s -o /dev/null localhost:21081/health; do sleep 0.2; done
 sleep 1
 echo "== sglang-router 0.3.2, cache_aware"
-replay http://127.0.0.1:21081 target/live-sglang.json
+replay http://127.0.0.1:21081 target/live-sglang.json "sglang-router cache_aware" \
+  --plot target/live-vs-sglang.svg --plot-with target/live-kvroute.json
 stop_all

@@ -4,6 +4,7 @@
 //!
 //! Modules:
 //!
+//! * [`plot`]: runs compared in one SVG picture (the demo's policies, replays side by side).
 //! * [`replay`]: `kvroute replay`, a workload sent to a live router over HTTP, and its figures.
 //! * [`serve`]: `kvroute serve`, the router in front of OpenAI-compatible engines, fed by their
 //!   ZeroMQ KV events.
@@ -14,6 +15,7 @@
 
 pub mod chat;
 pub mod demo;
+pub mod plot;
 pub mod replay;
 pub mod serve;
 pub mod sim;

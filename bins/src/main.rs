@@ -85,6 +85,16 @@ struct ReplayArgs {
     /// tokenizer.json), for routers that take no token ids.
     #[arg(long, value_name = "DIR")]
     text_with: Option<PathBuf>,
+    /// This run's name in the JSON file and the plot [default: the URL].
+    #[arg(long, value_name = "NAME")]
+    label: Option<String>,
+    /// Draw the TTFT distribution, the hit rate and the workers' load over time to this SVG
+    /// file, with the runs of --plot-with beside this one.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Earlier runs to draw beside this one: files written by `replay --json`. Repeat it.
+    #[arg(long, value_name = "FILE.json")]
+    plot_with: Vec<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -323,9 +333,11 @@ fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
     }))?;
     bar.finish_and_clear();
     print!("{}", replay::table(&report, workload.name()));
+    let label = args.label.clone().unwrap_or_else(|| options.url.clone());
     if let Some(path) = &args.json {
         let json = serde_json::json!({
             "workload": workload.name(),
+            "label": label,
             "url": options.url,
             "speedup": workload.speedup(),
             "concurrency": options.concurrency,
@@ -334,6 +346,29 @@ fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
         });
         std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        let mut runs = Vec::new();
+        for file in &args.plot_with {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let value: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not replay's JSON", file.display()))?;
+            let stem = file
+                .file_stem()
+                .map_or_else(String::new, |s| s.to_string_lossy().into());
+            runs.push(replay::PlottedRun::from_json(&value, &stem)?);
+        }
+        runs.insert(
+            0,
+            replay::PlottedRun {
+                label: label.clone(),
+                records: records.clone(),
+                report: report.clone(),
+            },
+        );
+        replay::write_plot(&runs, path)?;
         eprintln!("wrote {}", path.display());
     }
     if report.failed > 0 {

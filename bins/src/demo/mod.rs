@@ -40,9 +40,10 @@ use kvroute_core::RouterConfig;
 use crate::sim::{EngineConfig, FleetError};
 use crate::workload::Workload;
 
+pub use crate::plot::PlotError;
 pub use dynamo::DynamoPicker;
 pub use live::{run_live, CacheCheck, LiveOptions, LiveReport};
-pub use plot::{write_svg, PlotError};
+pub use plot::write_svg;
 pub use policy::{DemoPolicy, UnknownPolicy};
 pub use run::PolicyReport;
 

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
@@ -50,7 +50,8 @@ pub struct ReplayOptions {
 }
 
 /// What happened to one request.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ReplayRecord {
     /// Its position in the workload.
     pub index: usize,
@@ -79,7 +80,8 @@ pub struct ReplayRecord {
 }
 
 /// The run in figures.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ReplayReport {
     /// Requests sent.
     pub requests: usize,
@@ -373,6 +375,109 @@ fn imbalance(ok: &[&ReplayRecord]) -> f64 {
     } else {
         0.0
     }
+}
+
+/// One replay, as `--plot` draws it: its label, its records and its figures.
+#[derive(Clone, Debug)]
+pub struct PlottedRun {
+    /// The legend's name for it.
+    pub label: String,
+    /// Its requests.
+    pub records: Vec<ReplayRecord>,
+    /// Its figures.
+    pub report: ReplayReport,
+}
+
+impl PlottedRun {
+    /// A run from a file `replay --json` wrote (labelled by its `label`, else `fallback`).
+    pub fn from_json(value: &Value, fallback: &str) -> anyhow::Result<Self> {
+        Ok(PlottedRun {
+            label: value["label"].as_str().unwrap_or(fallback).to_owned(),
+            records: serde_json::from_value(value["requests"].clone())?,
+            report: serde_json::from_value(value["report"].clone())?,
+        })
+    }
+}
+
+/// Draws `runs` to an SVG file (see [`crate::plot::write_svg`]): each run's TTFT distribution
+/// and hit rate, and the load over wall time of the first two runs that say where their
+/// requests went (kvroute's headers).
+pub fn write_plot(
+    runs: &[PlottedRun],
+    path: &std::path::Path,
+) -> Result<(), crate::plot::PlotError> {
+    let ttfts: Vec<Vec<f64>> = runs
+        .iter()
+        .map(|r| {
+            let mut t: Vec<f64> = r.records.iter().filter_map(|r| r.ttft_ms).collect();
+            t.sort_by(f64::total_cmp);
+            t
+        })
+        .collect();
+    let picture = crate::plot::Picture {
+        runs: runs
+            .iter()
+            .zip(&ttfts)
+            .map(|(r, t)| crate::plot::Run {
+                name: &r.label,
+                ttft_sorted_ms: t,
+                hit_rate: r.report.hit_rate,
+            })
+            .collect(),
+        marks: Vec::new(),
+        loads: runs
+            .iter()
+            .map(|r| crate::plot::Load {
+                name: &r.label,
+                imbalance: r.report.imbalance,
+                windows: load_windows(&r.records, LOAD_WINDOWS),
+            })
+            .filter(|l| !l.windows.is_empty())
+            .take(2)
+            .collect(),
+        time_axis: "wall time (s)",
+    };
+    crate::plot::write_svg(&picture, path)
+}
+
+/// Windows the load panels average over.
+const LOAD_WINDOWS: usize = 120;
+
+/// Every worker's active tokens (prompt and output of the requests it was serving, from
+/// sending to the last byte) averaged over `n` equal windows of the run's wall time: each
+/// window's end in seconds and the workers' means, workers in id order. Empty without
+/// kvroute's worker headers.
+pub fn load_windows(records: &[ReplayRecord], n: usize) -> Vec<crate::plot::Window> {
+    let held: Vec<(u64, f64, f64, f64)> = records
+        .iter()
+        .filter_map(|r| {
+            let tokens = f64::from(r.prompt_tokens) + f64::from(r.output_tokens);
+            Some((r.worker?, r.sent_ms, r.sent_ms + r.latency_ms?, tokens))
+        })
+        .collect();
+    let ids: std::collections::BTreeSet<u64> = held.iter().map(|h| h.0).collect();
+    let index: std::collections::BTreeMap<u64, usize> =
+        ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    let end = held.iter().map(|h| h.2).fold(0.0, f64::max);
+    if index.is_empty() || end <= 0.0 || n == 0 {
+        return Vec::new();
+    }
+    let step = end / n as f64;
+    let mut windows = vec![vec![0.0; index.len()]; n];
+    for &(id, from, to, tokens) in &held {
+        let w = index[&id];
+        let first = ((from / step) as usize).min(n - 1);
+        let last = ((to / step) as usize).min(n - 1);
+        for (k, window) in windows.iter_mut().enumerate().take(last + 1).skip(first) {
+            let (a, b) = (k as f64 * step, (k + 1) as f64 * step);
+            window[w] += tokens * (to.min(b) - from.max(a)).max(0.0) / step;
+        }
+    }
+    windows
+        .into_iter()
+        .enumerate()
+        .map(|(k, v)| ((k + 1) as f64 * step / 1e3, v))
+        .collect()
 }
 
 /// The report as the terminal shows it.

@@ -121,3 +121,41 @@ async fn a_small_trace_replayed_against_a_worker_finds_its_shared_blocks() {
     // A worker sets no routing headers: no prediction to score.
     assert_eq!(report.prediction_accuracy, 0.0);
 }
+
+#[test]
+fn the_load_over_time_is_what_a_hand_count_gives() {
+    // Worker 7 holds 100 tokens from 0 to 1,000 ms, worker 3 holds 300 from 500 to 1,000 ms;
+    // two windows of 500 ms.
+    let mut a = record(90, 0, 10.0, 1_000.0, 10, 7, 0);
+    a.sent_ms = 0.0;
+    let mut b = record(290, 0, 10.0, 500.0, 10, 3, 0);
+    b.sent_ms = 500.0;
+    let windows = kvroute::replay::load_windows(&[a.clone(), b.clone()], 2);
+    // Workers in id order: 3, then 7.
+    assert_eq!(
+        windows,
+        [(0.5, vec![0.0, 100.0]), (1.0, vec![300.0, 100.0])]
+    );
+    // Without worker headers there is nothing to draw.
+    let mut c = a.clone();
+    c.worker = None;
+    assert!(kvroute::replay::load_windows(&[c], 2).is_empty());
+    // The plot names every run, and a run read back from replay's JSON is the same run.
+    let run = kvroute::replay::PlottedRun {
+        label: "through kvroute".into(),
+        records: vec![a.clone(), b.clone()],
+        report: kvroute::replay::figures(&[a, b], 1.0),
+    };
+    let json =
+        serde_json::json!({"label": "earlier", "requests": run.records, "report": run.report});
+    let earlier = kvroute::replay::PlottedRun::from_json(&json, "file").unwrap();
+    assert_eq!(earlier.label, "earlier");
+    assert_eq!(earlier.records.len(), 2);
+    assert_eq!(earlier.report.hit_rate, run.report.hit_rate);
+    let path = std::env::temp_dir().join(format!("kvroute-replay-{}.svg", std::process::id()));
+    kvroute::replay::write_plot(&[run, earlier], &path).unwrap();
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(svg.contains("through kvroute") && svg.contains("earlier"));
+    assert!(svg.contains("wall time (s)"));
+    std::fs::remove_file(&path).unwrap();
+}
