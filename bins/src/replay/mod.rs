@@ -29,6 +29,9 @@ use crate::workload::{Workload, WorkloadRequest};
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
 /// The prompt tokens the router predicted the chosen worker holds.
 pub const PREDICTED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
+/// How long kvroute's routing decision took, in microseconds (absent when the request waited
+/// in the admission queue).
+pub const DECISION_HEADER: &str = "x-kvroute-decision-us";
 
 /// How to replay.
 #[derive(Clone, Debug)]
@@ -73,6 +76,8 @@ pub struct ReplayRecord {
     pub worker: Option<u64>,
     /// The prompt tokens kvroute predicted cached there.
     pub predicted_cached_tokens: Option<u64>,
+    /// How long kvroute's decision took, µs.
+    pub decision_us: Option<f64>,
     /// HTTP status (0: no answer).
     pub status: u16,
     /// Why it failed, when it did.
@@ -109,6 +114,10 @@ pub struct ReplayReport {
     /// Share of answered requests whose predicted cached tokens equal the engine's (0 without
     /// kvroute's headers).
     pub prediction_accuracy: f64,
+    /// Median and 99th percentile of kvroute's decision time, µs (0 without its headers).
+    pub decision_p50_us: f64,
+    /// See `decision_p50_us`.
+    pub decision_p99_us: f64,
     /// Seconds the run took.
     pub wall_seconds: f64,
 }
@@ -217,6 +226,11 @@ async fn send(
     };
     record.worker = header(WORKER_HEADER);
     record.predicted_cached_tokens = header(PREDICTED_HEADER);
+    record.decision_us = response
+        .headers()
+        .get(DECISION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<f64>().ok());
     if !response.status().is_success() {
         record.error = Some(response.text().await.unwrap_or_default());
         return record;
@@ -325,6 +339,8 @@ pub fn figures(records: &[ReplayRecord], wall: f64) -> ReplayReport {
         .iter()
         .filter(|r| r.predicted_cached_tokens == Some(u64::from(r.cached_tokens)))
         .count();
+    let mut decisions: Vec<f64> = ok.iter().filter_map(|r| r.decision_us).collect();
+    decisions.sort_by(f64::total_cmp);
     ReplayReport {
         requests: records.len(),
         ok: ok.len(),
@@ -350,6 +366,8 @@ pub fn figures(records: &[ReplayRecord], wall: f64) -> ReplayReport {
         } else {
             exact as f64 / predicted.len() as f64
         },
+        decision_p50_us: quantile(&decisions, 0.5),
+        decision_p99_us: quantile(&decisions, 0.99),
         wall_seconds: wall,
     }
 }
@@ -485,7 +503,8 @@ pub fn table(report: &ReplayReport, name: &str) -> String {
     format!(
         "{name}: {} requests, {} ok, {} failed in {:.1} s\n\
          hit rate {:.3}   TTFT mean {:.0} ms, p50 {:.0} ms, p99 {:.0} ms   ITL {:.1} ms   \
-         latency {:.0} ms\nthroughput {:.0} tok/s   imbalance {:.2}   predicted exactly {:.1}%\n",
+         latency {:.0} ms\nthroughput {:.0} tok/s   imbalance {:.2}   predicted exactly {:.1}%   \
+         decision p50 {:.1} µs, p99 {:.1} µs\n",
         report.requests,
         report.ok,
         report.failed,
@@ -498,6 +517,8 @@ pub fn table(report: &ReplayReport, name: &str) -> String {
         report.latency_mean_ms,
         report.throughput_tok_s,
         report.imbalance,
-        report.prediction_accuracy * 100.0
+        report.prediction_accuracy * 100.0,
+        report.decision_p50_us,
+        report.decision_p99_us
     )
 }

@@ -375,12 +375,12 @@ async fn forward(
             },
         };
         let started = Instant::now();
+        let mut decided_in = None;
         let decision = match state.router.submit(&request) {
             Ok(Admission::Routed(d)) => {
-                state
-                    .metrics
-                    .decision_seconds
-                    .observe(started.elapsed().as_secs_f64());
+                let took = started.elapsed();
+                state.metrics.decision_seconds.observe(took.as_secs_f64());
+                decided_in = Some(took);
                 d
             }
             // Every eligible worker is busy: wait in the admission queue (dropping this
@@ -446,8 +446,12 @@ async fn forward(
             continue;
         }
         let _ = guard.mark_dispatched();
-        let predicted = decision.overlap.cached_tokens;
-        return relay(state, route, response, guard, worker, predicted).await;
+        let placed = Placement {
+            worker,
+            predicted: decision.overlap.cached_tokens,
+            decided_in,
+        };
+        return relay(state, route, response, guard, placed).await;
     }
     error(
         state,
@@ -457,15 +461,28 @@ async fn forward(
     )
 }
 
+/// Where a request went, as its answer's headers tell the client.
+struct Placement {
+    worker: WorkerId,
+    /// Prompt tokens the router predicted cached there.
+    predicted: u64,
+    /// How long the decision took (none: it waited in the admission queue).
+    decided_in: Option<std::time::Duration>,
+}
+
 /// Sends the engine's answer back as it comes, moving the request's lifecycle along.
 async fn relay(
     state: &AppState,
     route: &'static str,
     response: reqwest::Response,
     guard: RequestGuard<Arc<Router>>,
-    worker: WorkerId,
-    predicted: u64,
+    placed: Placement,
 ) -> Response {
+    let Placement {
+        worker,
+        predicted,
+        decided_in,
+    } = placed;
     let status = StatusCode::from_u16(response.status().as_u16())
         .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let content_type = response
@@ -494,6 +511,10 @@ async fn relay(
         .status(status)
         .header(crate::replay::WORKER_HEADER, worker.0)
         .header(crate::replay::PREDICTED_HEADER, predicted);
+    if let Some(took) = decided_in {
+        let micros = format!("{:.1}", took.as_secs_f64() * 1e6);
+        builder = builder.header(crate::replay::DECISION_HEADER, micros);
+    }
     if let Some(ct) = content_type {
         if let Ok(v) = HeaderValue::from_bytes(ct.as_bytes()) {
             builder = builder.header(header::CONTENT_TYPE, v);

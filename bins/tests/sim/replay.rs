@@ -131,6 +131,12 @@ fn the_load_over_time_is_what_a_hand_count_gives() {
     let mut b = record(290, 0, 10.0, 500.0, 10, 3, 0);
     b.sent_ms = 500.0;
     let windows = kvroute::replay::load_windows(&[a.clone(), b.clone()], 2);
+    // Decision times (µs) as the headers gave them; a request without one is left out.
+    let (mut c, mut d) = (a.clone(), b.clone());
+    c.decision_us = Some(4.0);
+    d.decision_us = Some(9.0);
+    let report = kvroute::replay::figures(&[c, d, a.clone()], 1.0);
+    assert_eq!((report.decision_p50_us, report.decision_p99_us), (4.0, 9.0));
     // Workers in id order: 3, then 7.
     assert_eq!(
         windows,

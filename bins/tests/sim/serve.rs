@@ -737,6 +737,12 @@ async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
                 .unwrap()
                 .parse()
                 .unwrap();
+            let decision_us: f64 = r.headers()["x-kvroute-decision-us"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(decision_us > 0.0 && decision_us < 1e6, "{decision_us}");
             let v: Value = r.json().await.unwrap();
             let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
