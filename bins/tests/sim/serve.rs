@@ -54,17 +54,57 @@ fn engine(extra: &[String]) -> Engine {
     }
 }
 
-async fn wait_for(client: &reqwest::Client, url: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
+/// Waits until `url` answers; false when `process` exits first (its port was taken between
+/// [`free_port`] and its bind, say: the caller starts it again on other ports).
+async fn answers(client: &reqwest::Client, url: &str, process: &mut Process) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let Ok(r) = client.get(url).send().await {
             if r.status().is_success() {
-                return;
+                return true;
             }
+        }
+        if process.0.try_wait().unwrap().is_some() {
+            return false;
         }
         assert!(Instant::now() < deadline, "{url} never answered");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// `n` engines given `extra` flags, each answering; one that could not start is started again
+/// on other ports.
+async fn ready_engines(client: &reqwest::Client, n: usize, extra: &[String]) -> Vec<Engine> {
+    let mut engines: Vec<Engine> = (0..n).map(|_| engine(extra)).collect();
+    for e in &mut engines {
+        let mut tries = 1;
+        while !answers(client, &format!("{}/health", e.url), &mut e.process).await {
+            assert!(tries < 3, "an engine would not start");
+            tries += 1;
+            *e = engine(extra);
+        }
+    }
+    engines
+}
+
+/// `kvroute serve` with `args` after `--listen`, answering on the URL returned; started again
+/// on another port if it could not start.
+async fn ready_serve(client: &reqwest::Client, args: &[String]) -> (Process, String) {
+    for _ in 0..3 {
+        let port = free_port();
+        let mut all: Vec<String> = vec![
+            "serve".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+        ];
+        all.extend_from_slice(args);
+        let mut process = kvroute(&all);
+        let url = format!("http://127.0.0.1:{port}");
+        if answers(client, &format!("{url}/health"), &mut process).await {
+            return (process, url);
+        }
+    }
+    panic!("kvroute serve would not start");
 }
 
 /// Serve and three engines, ready.
@@ -82,15 +122,8 @@ async fn fleet() -> Fleet {
 /// Serve and three engines, each also given `extra` flags, and serve `serve_extra` too.
 async fn fleet_with(extra: &[String], serve_extra: &[String]) -> Fleet {
     let client = reqwest::Client::new();
-    let engines: Vec<Engine> = (0..3).map(|_| engine(extra)).collect();
-    for e in &engines {
-        wait_for(&client, &format!("{}/health", e.url)).await;
-    }
-    let port = free_port();
+    let engines = ready_engines(&client, 3, extra).await;
     let mut args: Vec<String> = vec![
-        "serve".into(),
-        "--listen".into(),
-        format!("127.0.0.1:{port}"),
         "--model".into(),
         "kvroute-sim".into(),
         "--max-body-bytes".into(),
@@ -105,9 +138,7 @@ async fn fleet_with(extra: &[String], serve_extra: &[String]) -> Fleet {
             e.url, e.events, e.replay
         ));
     }
-    let serve = kvroute(&args);
-    let url = format!("http://127.0.0.1:{port}");
-    wait_for(&client, &format!("{url}/health")).await;
+    let (serve, url) = ready_serve(&client, &args).await;
     Fleet {
         engines,
         url,
@@ -547,16 +578,9 @@ async fn chats_are_routed_by_the_conversation_the_engine_renders() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_fleet_queues_requests_and_refuses_past_the_cap_with_a_429() {
     let client = reqwest::Client::new();
-    let engines: Vec<Engine> = (0..2).map(|_| engine(&[])).collect();
-    for e in &engines {
-        wait_for(&client, &format!("{}/health", e.url)).await;
-    }
-    let port = free_port();
+    let engines = ready_engines(&client, 2, &[]).await;
     // Busy as soon as a worker has a request in prefill; at most ~5 prompts queued.
     let mut args: Vec<String> = vec![
-        "serve".into(),
-        "--listen".into(),
-        format!("127.0.0.1:{port}"),
         "--busy-prefill-fraction".into(),
         "0.01".into(),
         "--queue-max-tokens".into(),
@@ -566,9 +590,7 @@ async fn a_busy_fleet_queues_requests_and_refuses_past_the_cap_with_a_429() {
         args.push("--worker".into());
         args.push(format!("url={},kv_blocks=4096", e.url));
     }
-    let _serve = kvroute(&args);
-    let url = format!("http://127.0.0.1:{port}");
-    wait_for(&client, &format!("{url}/health")).await;
+    let (_serve, url) = ready_serve(&client, &args).await;
     let responses = futures_util::future::join_all((0..16u32).map(|i| {
         let client = client.clone();
         let url = url.clone();
@@ -839,17 +861,15 @@ async fn a_worker_with_data_parallel_ranks_is_told_the_rank_chosen() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let engine = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
-    let port = free_port();
-    let _serve = kvroute(&[
-        "serve".into(),
-        "--listen".into(),
-        format!("127.0.0.1:{port}"),
-        "--worker".into(),
-        format!("url={engine},dp_size=2,kv_blocks=4096"),
-    ]);
-    let url = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();
-    wait_for(&client, &format!("{url}/health")).await;
+    let (_serve, url) = ready_serve(
+        &client,
+        &[
+            "--worker".into(),
+            format!("url={engine},dp_size=2,kv_blocks=4096"),
+        ],
+    )
+    .await;
     let send = |family: u32| {
         let (client, url) = (client.clone(), url.clone());
         async move {
