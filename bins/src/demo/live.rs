@@ -99,17 +99,38 @@ fn spawn(exe: &PathBuf, args: &[String]) -> std::io::Result<Process> {
     Ok(Process(Some(child)))
 }
 
-async fn wait_healthy(client: &reqwest::Client, url: &str) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if let Ok(r) = client.get(url).send().await {
-            if r.status().is_success() {
-                return Ok(());
+/// Starts a process from `build` (its arguments, its base URL and what the caller keeps of
+/// it, for fresh ports each time) and waits for its `/health`. One that exits first (a port
+/// taken between choosing it and binding it) is started again on other ports, twice at most.
+async fn start<T>(
+    client: &reqwest::Client,
+    exe: &PathBuf,
+    mut build: impl FnMut() -> std::io::Result<(Vec<String>, String, T)>,
+) -> anyhow::Result<(Process, String, T)> {
+    for _ in 0..3 {
+        let (args, url, kept) = build()?;
+        let mut process = spawn(exe, &args)?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = client.get(format!("{url}/health")).send().await {
+                if r.status().is_success() {
+                    return Ok((process, url, kept));
+                }
             }
+            let exited = match process.0.as_mut() {
+                Some(child) => child.try_wait()?.is_some(),
+                None => true,
+            };
+            if exited {
+                break;
+            }
+            if Instant::now() >= deadline {
+                anyhow::bail!("{url} never answered");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    anyhow::bail!("{url} never answered")
+    anyhow::bail!("{} would not start", exe.display())
 }
 
 async fn get_json(client: &reqwest::Client, url: &str) -> Option<Value> {
@@ -128,48 +149,51 @@ pub async fn run_live(
     let mut urls = Vec::new();
     let mut specs = Vec::new();
     for _ in 0..options.workers {
-        let (http, events, replay) = (free_port()?, free_port()?, free_port()?);
-        let args: Vec<String> = vec![
-            "worker".into(),
-            "--listen".into(),
-            format!("127.0.0.1:{http}"),
-            "--kv-events".into(),
-            format!("tcp://127.0.0.1:{events}"),
-            "--kv-replay".into(),
-            format!("tcp://127.0.0.1:{replay}"),
-            "--kv-blocks".into(),
-            options.engine.kv_blocks.to_string(),
-            "--block-size".into(),
-            options.engine.block_size.to_string(),
-            "--speedup".into(),
-            scale.to_string(),
-        ];
-        workers.push(spawn(&options.exe, &args)?);
-        let url = format!("http://127.0.0.1:{http}");
-        specs.push(format!(
-            "url={url},events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay},kv_blocks={},block_size={}",
-            options.engine.kv_blocks, options.engine.block_size
-        ));
+        let build = || {
+            let (http, events, replay) = (free_port()?, free_port()?, free_port()?);
+            let args: Vec<String> = vec![
+                "worker".into(),
+                "--listen".into(),
+                format!("127.0.0.1:{http}"),
+                "--kv-events".into(),
+                format!("tcp://127.0.0.1:{events}"),
+                "--kv-replay".into(),
+                format!("tcp://127.0.0.1:{replay}"),
+                "--kv-blocks".into(),
+                options.engine.kv_blocks.to_string(),
+                "--block-size".into(),
+                options.engine.block_size.to_string(),
+                "--speedup".into(),
+                scale.to_string(),
+            ];
+            let url = format!("http://127.0.0.1:{http}");
+            let spec = format!(
+                "url={url},events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay},kv_blocks={},block_size={}",
+                options.engine.kv_blocks, options.engine.block_size
+            );
+            Ok((args, url, spec))
+        };
+        let (process, url, spec) = start(&client, &options.exe, build).await?;
+        workers.push(process);
+        specs.push(spec);
         urls.push(url);
     }
-    for url in &urls {
-        wait_healthy(&client, &format!("{url}/health")).await?;
-    }
-    let port = free_port()?;
-    let mut args: Vec<String> = vec![
-        "serve".into(),
-        "--listen".into(),
-        format!("127.0.0.1:{port}"),
-        "--policy".into(),
-        options.policy.clone(),
-    ];
-    for spec in specs {
-        args.push("--worker".into());
-        args.push(spec);
-    }
-    let _serve = spawn(&options.exe, &args)?;
-    let serve_url = format!("http://127.0.0.1:{port}");
-    wait_healthy(&client, &format!("{serve_url}/health")).await?;
+    let build = || {
+        let port = free_port()?;
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--policy".into(),
+            options.policy.clone(),
+        ];
+        for spec in &specs {
+            args.push("--worker".into());
+            args.push(spec.clone());
+        }
+        Ok((args, format!("http://127.0.0.1:{port}"), ()))
+    };
+    let (_serve, serve_url, ()) = start(&client, &options.exe, build).await?;
     // Let the subscriptions connect before the first stores (ZeroMQ's slow joiner).
     tokio::time::sleep(Duration::from_millis(500)).await;
 
