@@ -148,6 +148,18 @@ async fn fleet_with(extra: &[String], serve_extra: &[String]) -> Fleet {
 }
 
 impl Fleet {
+    /// A streamed completion of `max_tokens` tokens, answered 200: its body as it arrives.
+    async fn stream(
+        &self,
+        tokens: Vec<u32>,
+        max_tokens: u32,
+    ) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> {
+        let body = json!({"prompt": tokens, "max_tokens": max_tokens, "stream": true});
+        let response = self.post("/v1/completions", &body).await;
+        assert_eq!(response.status(), 200);
+        response.bytes_stream()
+    }
+
     async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
         self.client
             .post(format!("{}{path}", self.url))
@@ -313,14 +325,7 @@ async fn bad_requests_get_a_clear_4xx_and_book_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_frees_its_load_and_the_engine_stops() {
     let f = fleet().await;
-    let response = f
-        .post(
-            "/v1/completions",
-            &json!({"prompt": prompt(1, 1), "max_tokens": 20_000, "stream": true}),
-        )
-        .await;
-    assert_eq!(response.status(), 200);
-    let mut body = response.bytes_stream();
+    let mut body = f.stream(prompt(1, 1), 20_000).await;
     let _first = body.next().await.unwrap().unwrap();
     assert_eq!(f.active().await, 1);
     drop(body);
@@ -479,6 +484,14 @@ fn the_example_config_and_worker_flags_read_as_documented() {
         ..ServeFile::default()
     };
     assert!(negative.apply(ServeOptions::default()).is_err());
+    let unnamed = ServeFile {
+        lora_adapters: Some(vec!["sql-lora".into(), String::new()]),
+        ..ServeFile::default()
+    };
+    assert!(
+        unnamed.apply(ServeOptions::default()).is_err(),
+        "an empty adapter name"
+    );
     let unknown_key = "listen = \"127.0.0.1:1\"\nlisten_port = 3\n";
     assert!(toml_parse(unknown_key).is_err(), "unknown keys are refused");
 }
@@ -629,6 +642,18 @@ async fn a_busy_fleet_queues_requests_and_refuses_past_the_cap_with_a_429() {
     assert!(metrics.contains("kvroute_queue_depth 0"), "{metrics}");
 }
 
+/// How `process` exited, waiting up to 10 s for it to.
+async fn exit_status(process: &mut Process) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = process.0.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "the process did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Sends `signal` (a name `kill` knows) to a process.
 fn signal(process: &Process, signal: &str) {
     let status = Command::new("kill")
@@ -643,14 +668,7 @@ fn signal(process: &Process, signal: &str) {
 async fn sigterm_stops_accepting_lets_requests_in_flight_finish_and_exits_0() {
     let mut f = fleet().await;
     // A stream of a few thousand tokens: about a second at the engines' ×20.
-    let response = f
-        .post(
-            "/v1/completions",
-            &json!({"prompt": prompt(1, 1), "max_tokens": 3_000, "stream": true}),
-        )
-        .await;
-    assert_eq!(response.status(), 200);
-    let mut body = response.bytes_stream();
+    let mut body = f.stream(prompt(1, 1), 3_000).await;
     let mut text = String::from_utf8(body.next().await.unwrap().unwrap().to_vec()).unwrap();
     signal(&f.serve, "TERM");
     // New connections are refused once the signal is handled...
@@ -680,44 +698,18 @@ async fn sigterm_stops_accepting_lets_requests_in_flight_finish_and_exits_0() {
         .count();
     assert!(tokens >= 2_900, "only {tokens} chunks arrived");
     // Then serve exits by itself, with status 0.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = f.serve.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "serve did not exit after draining"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = exit_status(&mut f.serve).await;
     assert!(status.success(), "{status}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_grace_period_serve_exits_with_requests_in_flight() {
     let mut f = fleet_with(&[], &["--grace-s".into(), "0.3".into()]).await;
-    let response = f
-        .post(
-            "/v1/completions",
-            &json!({"prompt": prompt(1, 1), "max_tokens": 20_000, "stream": true}),
-        )
-        .await;
-    assert_eq!(response.status(), 200);
-    let mut body = response.bytes_stream();
+    let mut body = f.stream(prompt(1, 1), 20_000).await;
     let _first = body.next().await.unwrap().unwrap();
     let sent = Instant::now();
     signal(&f.serve, "INT");
-    let status = loop {
-        if let Some(status) = f.serve.0.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            sent.elapsed() < Duration::from_secs(10),
-            "serve never exited"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = exit_status(&mut f.serve).await;
     assert!(status.success(), "{status}");
     assert!(
         sent.elapsed() >= Duration::from_millis(300),
