@@ -200,7 +200,7 @@ impl Follower {
                 }
                 Verdict::Restart(batch) => {
                     self.clear_worker();
-                    self.decoder.reset_groups();
+                    self.decoder.reset();
                     self.apply(&batch);
                 }
                 Verdict::Lost { batch, .. } => {
@@ -313,6 +313,7 @@ impl Follower {
             worker: self.config.worker,
             dp_rank: self.config.dp_rank,
         };
+        self.decoder.forget_rank(rank.dp_rank);
         self.clear(rank);
     }
 

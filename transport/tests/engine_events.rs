@@ -682,7 +682,7 @@ fn a_stored_event_with_the_wrong_token_count_or_block_size_is_skipped_and_counte
 }
 
 #[test]
-fn lora_names_seed_the_hashes_and_extra_keys_are_carried_and_counted() {
+fn lora_names_seed_the_hashes_and_multimodal_keys_make_blocks_opaque() {
     let extra = V::A(vec![V::A(vec![V::S("mm-hash"), V::U(0)]), V::Nil]);
     let payload = batch(vec![stored_map(
         &[1, 2],
@@ -704,9 +704,13 @@ fn lora_names_seed_the_hashes_and_extra_keys_are_carried_and_counted() {
     let KvEventData::Stored { blocks, .. } = &out[0].data else {
         panic!("a Stored")
     };
-    assert_eq!(blocks[0].local_hash, hasher.local_hash(&[0, 1, 2, 3]));
+    // The first block holds an image: no request's hash may match it (another image of the
+    // same size has the same placeholder tokens). The second is the adapter's as usual; it
+    // lies below the opaque one in the index, out of every request's reach.
+    assert_ne!(blocks[0].local_hash, hasher.local_hash(&[0, 1, 2, 3]));
     assert_ne!(blocks[0].local_hash, local(&[0, 1, 2, 3]));
-    assert_eq!(counts.extra_keys_blocks, 1);
+    assert_eq!(blocks[1].local_hash, hasher.local_hash(&[4, 5, 6, 7]));
+    assert_eq!((counts.opaque_blocks, counts.salted_blocks), (1, 0));
     // Older engines name the adapter by id only: its blocks must not pass for the base model's.
     let by_id = batch(vec![V::A(vec![
         V::S("BlockStored"),
@@ -722,6 +726,130 @@ fn lora_names_seed_the_hashes_and_extra_keys_are_carried_and_counted() {
     };
     let by_id_hasher = BlockHasher::new(4).with_seed(HashSeed::new(Some("lora-id:3"), None));
     assert_eq!(blocks[0].local_hash, by_id_hasher.local_hash(&[0, 1, 2, 3]));
+}
+
+/// The local hashes of a Stored event's blocks.
+fn locals(event: &KvEvent) -> Vec<kvroute_core::LocalHash> {
+    let KvEventData::Stored { blocks, .. } = &event.data else {
+        panic!("a Stored: {event:?}")
+    };
+    blocks.iter().map(|b| b.local_hash).collect()
+}
+
+fn decode_one(decoder: &mut EngineDecoder, event: V) -> KvEvent {
+    let mut out = Vec::new();
+    decoder
+        .decode(&batch(vec![event]), &mut EventId(0), &mut out)
+        .unwrap();
+    assert_eq!(out.len(), 1, "{out:?}");
+    out.remove(0)
+}
+
+#[test]
+fn a_cache_salt_on_a_chains_first_block_seeds_the_chain_as_a_salted_request_is_hashed() {
+    let salted = BlockHasher::new(4).with_seed(HashSeed::new(None, Some("tenant-a")));
+    let mut decoder = decoder();
+    // vLLM puts the salt in the first block's extra keys only.
+    let first = stored_map(
+        &[1, 2],
+        None,
+        tokens(0..8),
+        vec![(
+            "extra_keys",
+            V::A(vec![V::A(vec![V::S("tenant-a")]), V::Nil]),
+        )],
+    );
+    let e = decode_one(&mut decoder, first);
+    assert_eq!(
+        locals(&e),
+        [
+            salted.local_hash(&[0, 1, 2, 3]),
+            salted.local_hash(&[4, 5, 6, 7])
+        ]
+    );
+    assert_eq!(decoder.salted_blocks_held(), 2);
+    // A later event continuing the chain carries no keys: it is seeded from its parent.
+    let next = stored_map(&[3], Some(2), tokens(8..12), vec![]);
+    assert_eq!(
+        locals(&decode_one(&mut decoder, next)),
+        [salted.local_hash(&[8, 9, 10, 11])]
+    );
+    // One continuing an unsalted block, or a block the decoder never saw, is unsalted.
+    let other = stored_map(&[9], Some(77), tokens(8..12), vec![]);
+    assert_eq!(
+        locals(&decode_one(&mut decoder, other)),
+        [local(&[8, 9, 10, 11])]
+    );
+    // Removed blocks are forgotten: what continues them now is unsalted.
+    let removed = V::M(vec![
+        ("type", V::S("BlockRemoved")),
+        ("block_hashes", uints(&[3])),
+        ("medium", V::S("GPU")),
+    ]);
+    decode_one(&mut decoder, removed);
+    assert_eq!(decoder.salted_blocks_held(), 2);
+    let after = stored_map(&[4], Some(3), tokens(12..16), vec![]);
+    assert_eq!(
+        locals(&decode_one(&mut decoder, after)),
+        [local(&[12, 13, 14, 15])]
+    );
+    // A clear forgets the rank's salted blocks.
+    decode_one(&mut decoder, V::M(vec![("type", V::S("AllBlocksCleared"))]));
+    assert_eq!(decoder.salted_blocks_held(), 0);
+    assert_eq!(decoder.counts().salted_blocks, 3);
+    assert_eq!(decoder.counts().opaque_blocks, 0);
+}
+
+#[test]
+fn a_salt_under_an_adapter_seeds_with_both_and_keys_elsewhere_are_opaque() {
+    let both = BlockHasher::new(4).with_seed(HashSeed::new(Some("adapter"), Some("s")));
+    let mut decoder = decoder();
+    // vLLM's order: multimodal keys, the LoRA name, the salt.
+    let e = decode_one(
+        &mut decoder,
+        stored_map(
+            &[1],
+            None,
+            tokens(0..4),
+            vec![
+                ("lora_name", V::S("adapter")),
+                (
+                    "extra_keys",
+                    V::A(vec![V::A(vec![V::S("adapter"), V::S("s")])]),
+                ),
+            ],
+        ),
+    );
+    assert_eq!(locals(&e), [both.local_hash(&[0, 1, 2, 3])]);
+    // A salt past a chain's first block is not a salt the router could hash: opaque, as are
+    // an image identifier with its offset and two strings on a first block.
+    let plain = |t: &[u32]| local(t);
+    for (parent, keys) in [
+        (Some(5), V::A(vec![V::S("s")])),
+        (None, V::A(vec![V::A(vec![V::S("img"), V::U(3)])])),
+        (None, V::A(vec![V::S("img"), V::S("s")])),
+        (None, V::S("not an array")),
+    ] {
+        let e = decode_one(
+            &mut decoder,
+            stored_map(
+                &[2],
+                parent,
+                tokens(0..4),
+                vec![("extra_keys", V::A(vec![keys]))],
+            ),
+        );
+        assert_ne!(locals(&e), [plain(&[0, 1, 2, 3])]);
+    }
+    assert_eq!(decoder.counts().opaque_blocks, 4);
+    // Keys that are not a list are a malformed event: skipped and counted.
+    let mut out = Vec::new();
+    let bad = stored_map(&[3], None, tokens(0..4), vec![("extra_keys", V::U(7))]);
+    decoder
+        .decode(&batch(vec![bad]), &mut EventId(0), &mut out)
+        .unwrap();
+    assert!(out.is_empty());
+    assert_eq!(decoder.counts().malformed_events, 1);
 }
 
 #[test]

@@ -16,16 +16,23 @@
 //! * **Event ids.** The core wants one id per event, consecutive per rank; the engine numbers
 //!   batches. The caller hands in the rank's next id and the decoder numbers the events it
 //!   produces from it, so events skipped here leave no gap.
-//! * **Extra keys.** vLLM's per-block `extra_keys` (multimodal identifiers, cache salt) are not
-//!   hashed in: the request side cannot yet derive the same keys. Blocks that carry them are
-//!   counted ([`DecodeCounts::extra_keys_blocks`]), and [`decode_batch`] hands the raw keys
-//!   to a caller that wants them.
+//! * **Extra keys.** vLLM names, per block, what else entered its hash (`extra_keys`): the LoRA
+//!   name, a request's `cache_salt` (on its first block only: the engine's chained hashes carry
+//!   it on), multimodal identifiers, prompt-embedding hashes. The LoRA name seeds every block
+//!   already. A salt on a chain's first block seeds that block and every block stored below it,
+//!   as a salted request's hashes are seeded ([`HashSeed::new`]); the decoder remembers the
+//!   salted blocks of each rank by engine hash, so that a later event continuing one (its
+//!   `parent_block_hash`) is seeded alike, and forgets them as they are removed. Any other key
+//!   (an image's identifier, a salt past the first block) makes the block *opaque*: hashed
+//!   with a seed drawn from its keys, so that no request the router can hash matches it or
+//!   anything below it, rather than matching a different image's blocks by their placeholder
+//!   tokens. Opaque blocks are counted ([`DecodeCounts::opaque_blocks`]).
 
 use std::collections::HashMap;
 
 use kvroute_core::{
-    BlockHasher, DpRank, EventHeader, EventId, HashSeed, KvEvent, KvEventData, StorageTier,
-    StoredBlock, WorkerId, WorkerRank,
+    BlockHash, BlockHasher, DpRank, EventHeader, EventId, HashSeed, KvEvent, KvEventData,
+    StorageTier, StoredBlock, WorkerId, WorkerRank,
 };
 
 use super::error::{EventError, PayloadError};
@@ -104,8 +111,11 @@ pub struct DecodeCounts {
     pub block_size: u64,
     /// Other events that could not be read (missing fields, wrong types, bad tokens).
     pub malformed_events: u64,
-    /// Blocks stored with extra keys that were not hashed in.
-    pub extra_keys_blocks: u64,
+    /// Blocks stored with extra keys other than the LoRA name and a chain's cache salt: hashed
+    /// so that no request matches them (multimodal inputs).
+    pub opaque_blocks: u64,
+    /// Blocks stored under a request's cache salt.
+    pub salted_blocks: u64,
 }
 
 impl DecodeCounts {
@@ -137,6 +147,9 @@ pub struct EngineDecoder {
     config: DecoderConfig,
     /// Whether each cache group seen on a Stored event is full attention.
     groups: HashMap<u64, bool>,
+    /// The seed of each stored block hashed under a request's cache salt, by rank and engine
+    /// hash: what a Stored event continuing it is seeded with.
+    salted: HashMap<(DpRank, BlockHash), HashSeed>,
     counts: DecodeCounts,
 }
 
@@ -146,6 +159,7 @@ impl EngineDecoder {
         EngineDecoder {
             config,
             groups: HashMap::new(),
+            salted: HashMap::new(),
             counts: DecodeCounts::default(),
         }
     }
@@ -160,9 +174,23 @@ impl EngineDecoder {
         self.counts
     }
 
-    /// Forgets the cache groups learned (after the engine restarted).
-    pub fn reset_groups(&mut self) {
+    /// Forgets what it learned of the engine: its cache groups and its salted blocks (after
+    /// the engine restarted).
+    pub fn reset(&mut self) {
         self.groups.clear();
+        self.salted.clear();
+    }
+
+    /// Forgets the salted blocks of one rank (its blocks left the index).
+    pub fn forget_rank(&mut self, dp_rank: DpRank) {
+        if !self.salted.is_empty() {
+            self.salted.retain(|&(rank, _), _| rank != dp_rank);
+        }
+    }
+
+    /// Salted blocks remembered, over all ranks.
+    pub fn salted_blocks_held(&self) -> usize {
+        self.salted.len()
     }
 
     /// Decodes one payload and appends its core events to `out`, numbered from `next_id`
@@ -201,7 +229,7 @@ impl EngineDecoder {
         };
         for event in &batch.events {
             let converted = match event {
-                Ok(event) => self.convert_event(event),
+                Ok(event) => self.convert_event(source.dp_rank, event),
                 Err(e) => Err(e.clone()),
             };
             match converted {
@@ -259,17 +287,22 @@ impl EngineDecoder {
     /// One event: its tier and payload, `None` for a group that does not route, or why not.
     fn convert_event(
         &mut self,
+        rank: DpRank,
         event: &EngineEvent<'_>,
     ) -> Result<Option<(StorageTier, KvEventData)>, EventError> {
         match event {
-            EngineEvent::Stored(stored) => self.convert_stored(stored),
-            EngineEvent::Removed(removed) => self.convert_removed(removed),
-            EngineEvent::AllCleared => Ok(Some((StorageTier::Device, KvEventData::Cleared))),
+            EngineEvent::Stored(stored) => self.convert_stored(rank, stored),
+            EngineEvent::Removed(removed) => self.convert_removed(rank, removed),
+            EngineEvent::AllCleared => {
+                self.forget_rank(rank);
+                Ok(Some((StorageTier::Device, KvEventData::Cleared)))
+            }
         }
     }
 
     fn convert_stored(
         &mut self,
+        rank: DpRank,
         s: &BlockStored<'_>,
     ) -> Result<Option<(StorageTier, KvEventData)>, EventError> {
         let tier = tier(s.medium)?;
@@ -304,23 +337,52 @@ impl EngineDecoder {
                 block_size: s.block_size,
             });
         }
-        self.counts.extra_keys_blocks += blocks_with_extra_keys(s.extra_keys);
         let unnamed_lora = match (s.lora_name, s.lora_id) {
             (None, Some(id)) => Some(format!("lora-id:{id}")),
             _ => None,
         };
         let lora = s.lora_name.or(unnamed_lora.as_deref());
-        let seed = HashSeed::new(lora, self.config.cache_salt.as_deref());
-        let hasher = BlockHasher::new(block_size).with_seed(seed);
-        let blocks = s
+        let base = HashSeed::new(lora, self.config.cache_salt.as_deref());
+        let keys = match s.extra_keys {
+            Some(raw) => block_keys(raw, s.lora_name)?,
+            None => Vec::new(),
+        };
+        // The seed the chain carries: a salted parent's, else the worker's.
+        let mut chain = match s.parent {
+            Some(parent) if !self.salted.is_empty() => {
+                self.salted.get(&(rank, parent)).copied().unwrap_or(base)
+            }
+            _ => base,
+        };
+        let mut blocks = Vec::with_capacity(s.block_hashes.len());
+        for (i, (&block_hash, tokens)) in s
             .block_hashes
             .iter()
             .zip(s.token_ids.chunks_exact(block_size))
-            .map(|(&block_hash, tokens)| StoredBlock {
+            .enumerate()
+        {
+            let seed = match keys.get(i).copied().unwrap_or(BlockKeys::Plain) {
+                BlockKeys::Plain => chain,
+                BlockKeys::Salt(salt) if i == 0 && s.parent.is_none() => {
+                    chain = HashSeed::new(lora, Some(salt));
+                    chain
+                }
+                BlockKeys::Salt(salt) => opaque_seed(chain, salt.as_bytes()),
+                BlockKeys::Opaque(raw) => opaque_seed(chain, raw),
+            };
+            if seed == chain && chain != base {
+                self.salted.insert((rank, block_hash), chain);
+                self.counts.salted_blocks += 1;
+            } else if seed != chain {
+                self.counts.opaque_blocks += 1;
+            }
+            blocks.push(StoredBlock {
                 block_hash,
-                local_hash: hasher.local_hash(tokens),
-            })
-            .collect();
+                local_hash: BlockHasher::new(block_size)
+                    .with_seed(seed)
+                    .local_hash(tokens),
+            });
+        }
         Ok(Some((
             tier,
             KvEventData::Stored {
@@ -332,11 +394,17 @@ impl EngineDecoder {
 
     fn convert_removed(
         &mut self,
+        rank: DpRank,
         r: &BlockRemoved<'_>,
     ) -> Result<Option<(StorageTier, KvEventData)>, EventError> {
         let tier = tier(r.medium)?;
         if !self.group_routes(r.group_idx) {
             return Ok(None);
+        }
+        if !self.salted.is_empty() {
+            for &hash in &r.block_hashes {
+                self.salted.remove(&(rank, hash));
+            }
         }
         Ok(Some((
             tier,
@@ -359,27 +427,83 @@ fn tier(medium: Option<&str>) -> Result<StorageTier, EventError> {
     })
 }
 
-/// How many entries of a raw `extra_keys` list are not nil.
-fn blocks_with_extra_keys(raw: Option<&[u8]>) -> u64 {
-    let Some(raw) = raw else { return 0 };
-    let mut r = Reader::new(raw);
-    let Ok(Item::Array(n)) = r.read() else {
-        return 0;
+/// What one block's extra keys add to its hash, beyond the LoRA name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BlockKeys<'a> {
+    /// Nothing.
+    Plain,
+    /// One string: a cache salt where it opens a chain.
+    Salt(&'a str),
+    /// Anything else (multimodal identifiers, embeddings), as its msgpack bytes.
+    Opaque(&'a [u8]),
+}
+
+/// Each block's [`BlockKeys`] from a raw `extra_keys` list (one entry per block, nil or an
+/// array), the event's `lora_name` taken out of each entry once.
+fn block_keys<'a>(raw: &'a [u8], lora: Option<&str>) -> Result<Vec<BlockKeys<'a>>, EventError> {
+    let malformed = |found: &'static str| EventError::WrongType {
+        field: "extra_keys",
+        found,
     };
-    let mut with_keys = 0;
+    let mut r = Reader::new(raw);
+    let n = match r.read() {
+        Ok(Item::Array(n)) => n,
+        Ok(Item::Nil) => return Ok(Vec::new()),
+        Ok(other) => return Err(malformed(other.kind())),
+        Err(_) => return Err(malformed("bad msgpack")),
+    };
+    let mut keys = Vec::with_capacity(r.capacity_for(n));
     for _ in 0..n {
-        let before = r.clone();
-        match r.read() {
-            Ok(Item::Nil) => {}
-            Ok(_) => {
-                with_keys += 1;
-                r = before;
-                if r.skip().is_err() {
-                    break;
+        let start = r.pos();
+        let at_start = r.clone();
+        let entry = match r.read() {
+            Ok(Item::Nil) => BlockKeys::Plain,
+            Ok(Item::Array(m)) => {
+                let mut lora_seen = false;
+                let (mut strings, mut others) = (Vec::new(), 0u32);
+                for _ in 0..m {
+                    let before = r.clone();
+                    match r.read() {
+                        Ok(Item::Str(s))
+                            if !lora_seen && lora.is_some_and(|l| l.as_bytes() == s) =>
+                        {
+                            lora_seen = true;
+                        }
+                        Ok(Item::Str(s)) => strings.push(s),
+                        Ok(_) => {
+                            r = before;
+                            r.skip().map_err(|_| malformed("bad msgpack"))?;
+                            others += 1;
+                        }
+                        Err(_) => return Err(malformed("bad msgpack")),
+                    }
+                }
+                match (strings.as_slice(), others) {
+                    ([], 0) => BlockKeys::Plain,
+                    ([salt], 0) => match std::str::from_utf8(salt) {
+                        Ok(salt) if !salt.is_empty() => BlockKeys::Salt(salt),
+                        _ => BlockKeys::Opaque(r.since(start)),
+                    },
+                    _ => BlockKeys::Opaque(r.since(start)),
                 }
             }
-            Err(_) => break,
-        }
+            Ok(_) => {
+                r = at_start;
+                r.skip().map_err(|_| malformed("bad msgpack"))?;
+                BlockKeys::Opaque(r.since(start))
+            }
+            Err(_) => return Err(malformed("bad msgpack")),
+        };
+        keys.push(entry);
     }
-    with_keys
+    Ok(keys)
+}
+
+/// The seed of an opaque block: the chain's, moved by its keys' bytes (FNV-1a, then mixed),
+/// so that it equals no seed a request is hashed with.
+fn opaque_seed(chain: HashSeed, keys: &[u8]) -> HashSeed {
+    let fnv = keys.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    HashSeed(kvroute_core::mix64(chain.0 ^ fnv ^ 0x6f70_6171_7565))
 }

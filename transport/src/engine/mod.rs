@@ -26,7 +26,7 @@
 //! * **A gap** in the sequence is filled from the replay socket while the batches ahead of it
 //!   are held (bounded), not dropped; see `sequence.rs`.
 //! * **A restart** (a live seq back below a small bound) clears the worker; the caller also
-//!   forgets the decoder's learned cache groups ([`EngineDecoder::reset_groups`]).
+//!   forgets the decoder's learned cache groups ([`EngineDecoder::reset`]).
 //!
 //! Module map:
 //!
