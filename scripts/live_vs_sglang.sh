@@ -9,12 +9,15 @@
 # Knobs: N requests, RATE per second (before the time scale), SCALE (engines and arrivals),
 # TRACE (a Mooncake-format trace instead of the built-in workload, its first N rows) and SPEEDUP
 # (its arrivals this many times sooner, before the time scale), SERVE_EXTRA (more kvroute serve
-# flags, e.g. "--config weights.toml").
+# flags, e.g. "--config weights.toml"), ORACLE=0 (no oracle: by default replay asks the three
+# workers before each request how much of its prompt they hold, which costs each of them a
+# tokenization of the prompt).
 set -u
 cd "$(dirname "$0")/.."
 K=./target/release/kvroute
 TOK=target/fixtures/qwen3
 N=${N:-300}; RATE=${RATE:-2}; SCALE=${SCALE:-10}; TRACE=${TRACE:-}; SPEEDUP=${SPEEDUP:-1}
+ORACLE=${ORACLE:-1}
 start_workers() {
   for i in 0 1 2; do
     $K worker --listen 127.0.0.1:2110$i --kv-events tcp://127.0.0.1:2120$i \
@@ -36,6 +39,9 @@ replay() {
     workload=(--trace "$TRACE" --speedup "$(echo "$SPEEDUP * $SCALE" | bc -l)")
   else
     workload=(--rate "$RATE" --speedup "$SCALE")
+  fi
+  if [ "$ORACLE" = 1 ]; then
+    workload+=(--oracle-worker http://127.0.0.1:21100,http://127.0.0.1:21101,http://127.0.0.1:21102)
   fi
   $K replay --url "$1" --requests "$N" "${workload[@]}" --model kvroute-sim \
     --text-with $TOK --json "$2" --label "$3" "${@:4}" 2>/dev/null

@@ -95,6 +95,11 @@ struct ReplayArgs {
     /// Earlier runs to draw beside this one: files written by `replay --json`. Repeat it.
     #[arg(long, value_name = "FILE.json")]
     plot_with: Vec<PathBuf>,
+    /// A worker behind the router (`kvroute worker`'s base URL), asked at each sending how
+    /// many of the prompt's tokens it holds: with every worker named, the report gives the
+    /// oracle's hit rate. Comma-separated or repeated.
+    #[arg(long = "oracle-worker", value_name = "URL", value_delimiter = ',')]
+    oracle_workers: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -261,6 +266,10 @@ struct DemoArgs {
     /// With --live: drop event batches, restart a worker and kill another mid-run.
     #[arg(long, requires = "live")]
     faults: bool,
+    /// With --live: ask every worker before each request how much of its prompt it holds,
+    /// for the hit rate over the oracle. It loads the workers: use a lower --time-scale.
+    #[arg(long, requires = "live")]
+    oracle: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -317,6 +326,11 @@ fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
             Some(dir) => Some(std::sync::Arc::new(kvroute::chat::ModelText::load(dir)?)),
             None => None,
         },
+        oracle: args
+            .oracle_workers
+            .iter()
+            .map(|u| u.trim_end_matches('/').to_owned())
+            .collect(),
     };
     let bar = indicatif::ProgressBar::new(workload.len() as u64);
     bar.set_style(
@@ -469,6 +483,7 @@ fn run_live_demo(
     config: DemoConfig,
     time_scale: f64,
     faults: bool,
+    oracle: bool,
     json: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let policy = config
@@ -497,6 +512,7 @@ fn run_live_demo(
         time_scale,
         policy: policy.name().to_owned(),
         faults,
+        oracle,
     };
     eprintln!(
         "live: {} kvroute worker processes, kvroute serve, replay at ×{time_scale}{}",
@@ -514,10 +530,14 @@ fn run_live_demo(
     let l = &local.policies[0];
     let r = &live.replay;
     println!("{}: {} requests, {policy}", workload.name(), workload.len());
-    println!("                 hit rate  TTFT mean  TTFT p99  ITL mean  imbalance  predicted");
     println!(
-        "in process       {:>8.3}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
+        "                 hit rate  of oracle  TTFT mean  TTFT p99  ITL mean  imbalance  predicted"
+    );
+    let of = |hit: f64, oracle: f64| if oracle > 0.0 { hit / oracle } else { 0.0 };
+    println!(
+        "in process       {:>8.3}  {:>9.3}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
         l.hit_rate,
+        of(l.hit_rate, l.oracle_hit_rate),
         l.ttft_mean_ms,
         l.ttft_p99_ms,
         l.itl_mean_ms,
@@ -526,8 +546,13 @@ fn run_live_demo(
     );
     // Live times are wall times at the time scale: brought back to the model's.
     println!(
-        "live             {:>8.3}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
+        "live             {:>8.3}  {:>9}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
         r.hit_rate,
+        if oracle {
+            format!("{:.3}", r.hit_over_oracle)
+        } else {
+            "-".to_owned()
+        },
         r.ttft_mean_ms * time_scale,
         r.ttft_p99_ms * time_scale,
         r.itl_mean_ms * time_scale,
@@ -693,6 +718,7 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
             config,
             args.time_scale,
             args.faults,
+            args.oracle,
             args.json.as_deref(),
         );
     }

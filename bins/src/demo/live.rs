@@ -36,6 +36,10 @@ pub struct LiveOptions {
     /// worker 1 restarted (cache emptied, event sequence back to 0) at half, worker 2 killed at
     /// two thirds.
     pub faults: bool,
+    /// Ask every worker, before each request is sent, how much of its prompt it holds (the
+    /// replay's oracle). Each worker then reads every prompt once more: at a high time scale
+    /// on few cores that load slows the fleet it measures.
+    pub oracle: bool,
 }
 
 /// One worker's cache as the engine holds it and as the router's index holds it.
@@ -241,6 +245,11 @@ pub async fn run_live(
         timeout: Duration::from_secs(600),
         api_key: None,
         text: None,
+        oracle: if options.oracle {
+            urls.clone()
+        } else {
+            Vec::new()
+        },
     };
     let (records, report) = replay::run(&scaled, &replay_options, progress).await?;
     let mut failed: std::collections::BTreeMap<Option<u64>, usize> = Default::default();

@@ -7,12 +7,17 @@
 //!     each answer: first chunk (TTFT), chunks (ITL), end (latency), usage.cached_tokens,
 //!     kvroute's x-kvroute-worker / x-kvroute-predicted-cached-tokens headers
 //!  ──▶ ReplayReport: hit rate, TTFT, ITL, latency, throughput, imbalance, prediction accuracy
+//!  with --oracle-worker URL...: the same body to each worker's POST /admin/cached at sending
+//!  ──▶ the most prompt tokens any worker held: the oracle's hit rate
 //! ```
 //!
 //! Prompts are sent as token ids, so every router and engine sees the same tokens and no
 //! tokenizer is needed. The hit rate is the engines' own (`cached_tokens` ÷ prompt tokens).
 //! Load imbalance and prediction accuracy need to know where each request went: kvroute serve
-//! says so in its response headers; other routers leave them out.
+//! says so in its response headers; other routers leave them out. The oracle needs workers that
+//! answer `POST /admin/cached` (`kvroute worker`), whichever router is in front of them: all
+//! are asked, and have answered, just before the request is sent (its send time and TTFT start
+//! after that), so the request's own blocks are not yet anywhere.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -50,6 +55,9 @@ pub struct ReplayOptions {
     /// routers that take text only. The engines then tokenize it themselves, and the record's
     /// prompt tokens are the engine's count (`usage.prompt_tokens`).
     pub text: Option<std::sync::Arc<crate::chat::ModelText>>,
+    /// Base URLs of the workers behind the router, asked at each sending how many of the
+    /// prompt's tokens they hold (`POST /admin/cached`): the oracle. Empty: no oracle.
+    pub oracle: Vec<String>,
 }
 
 /// What happened to one request.
@@ -78,6 +86,8 @@ pub struct ReplayRecord {
     pub predicted_cached_tokens: Option<u64>,
     /// How long kvroute's decision took, µs.
     pub decision_us: Option<f64>,
+    /// The most prompt tokens any worker held as the request was sent (with an oracle).
+    pub oracle_cached_tokens: Option<u32>,
     /// HTTP status (0: no answer).
     pub status: u16,
     /// Why it failed, when it did.
@@ -96,6 +106,11 @@ pub struct ReplayReport {
     pub failed: usize,
     /// Engines' cached prompt tokens ÷ prompt tokens (answered requests).
     pub hit_rate: f64,
+    /// The oracle's: the most any worker held at each sending ÷ prompt tokens, over the
+    /// answered requests that every worker answered for (0 without an oracle).
+    pub oracle_hit_rate: f64,
+    /// The hit rate over the same requests ÷ the oracle's (0 without an oracle).
+    pub hit_over_oracle: f64,
     /// Mean time to first token, ms.
     pub ttft_mean_ms: f64,
     /// Median time to first token, ms.
@@ -201,11 +216,41 @@ async fn send(
     if let (Some(model), Some(map)) = (&options.model, body.as_object_mut()) {
         map.insert("model".to_owned(), Value::String(model.clone()));
     }
+    if !options.oracle.is_empty() {
+        record.oracle_cached_tokens = oracle_cached(client, &options.oracle, &body).await;
+    }
     let sent = Instant::now();
     record.sent_ms = sent.duration_since(started).as_secs_f64() * 1e3;
+    answer(client, options, record, &body, sent).await
+}
+
+/// The most prompt tokens any of `workers` holds for the request `body` (one that cannot be
+/// reached holds none), or `None` when one answered without saying.
+async fn oracle_cached(client: &reqwest::Client, workers: &[String], body: &Value) -> Option<u32> {
+    let asks = workers
+        .iter()
+        .map(|url| client.post(format!("{url}/admin/cached")).json(body).send());
+    let mut best = 0;
+    for answer in futures_util::future::join_all(asks).await {
+        // A worker that cannot be reached (killed) holds nothing a request could find.
+        let Ok(answer) = answer else { continue };
+        let value: Value = answer.error_for_status().ok()?.json().await.ok()?;
+        best = best.max(u32::try_from(value["cached_tokens"].as_u64()?).ok()?);
+    }
+    Some(best)
+}
+
+/// Sends `body` to the router and reads the streamed answer into `record`.
+async fn answer(
+    client: &reqwest::Client,
+    options: &ReplayOptions,
+    mut record: ReplayRecord,
+    body: &Value,
+    sent: Instant,
+) -> ReplayRecord {
     let mut post = client
         .post(format!("{}/v1/completions", options.url))
-        .json(&body);
+        .json(body);
     if let Some(key) = &options.api_key {
         post = post.bearer_auth(key);
     }
@@ -341,15 +386,22 @@ pub fn figures(records: &[ReplayRecord], wall: f64) -> ReplayReport {
         .count();
     let mut decisions: Vec<f64> = ok.iter().filter_map(|r| r.decision_us).collect();
     decisions.sort_by(f64::total_cmp);
+    let (mut oracle_prompt, mut oracle_cached, mut oracle_hit) = (0u64, 0u64, 0u64);
+    for r in &ok {
+        if let Some(best) = r.oracle_cached_tokens {
+            oracle_prompt += u64::from(r.prompt_tokens);
+            oracle_cached += u64::from(best);
+            oracle_hit += u64::from(r.cached_tokens);
+        }
+    }
+    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
     ReplayReport {
         requests: records.len(),
         ok: ok.len(),
         failed: records.len() - ok.len(),
-        hit_rate: if prompt == 0 {
-            0.0
-        } else {
-            cached as f64 / prompt as f64
-        },
+        hit_rate: ratio(cached, prompt),
+        oracle_hit_rate: ratio(oracle_cached, oracle_prompt),
+        hit_over_oracle: ratio(oracle_hit, oracle_cached),
         ttft_mean_ms: mean(ttft.iter().copied()),
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p99_ms: quantile(&ttft, 0.99),
@@ -502,7 +554,7 @@ pub fn load_windows(records: &[ReplayRecord], n: usize) -> Vec<crate::plot::Wind
 pub fn table(report: &ReplayReport, name: &str) -> String {
     format!(
         "{name}: {} requests, {} ok, {} failed in {:.1} s\n\
-         hit rate {:.3}   TTFT mean {:.0} ms, p50 {:.0} ms, p99 {:.0} ms   ITL {:.1} ms   \
+         hit rate {:.3}{}   TTFT mean {:.0} ms, p50 {:.0} ms, p99 {:.0} ms   ITL {:.1} ms   \
          latency {:.0} ms\nthroughput {:.0} tok/s   imbalance {:.2}   predicted exactly {:.1}%   \
          decision p50 {:.1} µs, p99 {:.1} µs\n",
         report.requests,
@@ -510,6 +562,14 @@ pub fn table(report: &ReplayReport, name: &str) -> String {
         report.failed,
         report.wall_seconds,
         report.hit_rate,
+        if report.oracle_hit_rate > 0.0 {
+            format!(
+                " (oracle {:.3}, {:.2} of it)",
+                report.oracle_hit_rate, report.hit_over_oracle
+            )
+        } else {
+            String::new()
+        },
         report.ttft_mean_ms,
         report.ttft_p50_ms,
         report.ttft_p99_ms,

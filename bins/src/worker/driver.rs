@@ -45,6 +45,12 @@ pub(crate) enum Command {
     Restart(oneshot::Sender<Result<(), SimError>>),
     /// The engine's state in numbers.
     Stats(oneshot::Sender<DriverStats>),
+    /// The prompt tokens the prefix cache holds for `prompt` now, leaving its last token to
+    /// compute as admission does: what an oracle placing the request here would find.
+    Cached {
+        prompt: Vec<u32>,
+        reply: oneshot::Sender<u32>,
+    },
 }
 
 /// The engine's state and the driver's own counts.
@@ -179,6 +185,12 @@ impl Task {
                 let mut stats = self.stats;
                 stats.engine = self.engine.stats();
                 let _ = reply.send(stats);
+            }
+            Command::Cached { prompt, reply } => {
+                let computable = &prompt[..prompt.len().saturating_sub(1)];
+                let blocks = self.engine.cached_prefix_blocks(computable);
+                let tokens = blocks * self.engine.config().block_size as usize;
+                let _ = reply.send(u32::try_from(tokens).unwrap_or(u32::MAX));
             }
         }
     }

@@ -11,6 +11,7 @@
 //! | `POST /admin/events/drop?batches=N`, `/admin/events/delay?ms=N`, `/admin/events/restart` | faults of the KV-event stream |
 //! | `POST /admin/restart` | the engine as a restarted process: cache emptied, event sequence from 0 |
 //! | `POST /admin/pause`, `/admin/resume`, `/admin/exit`; `GET /admin/stats` | the engine |
+//! | `POST /admin/cached` | a completion's or chat's body → the prompt tokens cached here now (a replay's oracle) |
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -65,6 +66,7 @@ pub(crate) fn router(state: AppState, max_body: usize) -> Router {
         .route("/admin/resume", post(resume))
         .route("/admin/exit", post(exit))
         .route("/admin/stats", get(admin_stats))
+        .route("/admin/cached", post(admin_cached))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -626,4 +628,38 @@ async fn admin_stats(State(state): State<AppState>) -> Response {
         })),
     }))
     .into_response()
+}
+
+/// The prompt tokens this engine's prefix cache holds now for a request, given its body (a
+/// chat's when it has `messages`, else a completion's), leaving the last token to compute as
+/// admission does. Nothing is admitted. A replay asks every worker at each arrival and takes
+/// the most: the oracle's hit rate.
+async fn admin_cached(State(state): State<AppState>, body: Bytes) -> Response {
+    let request: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        Ok(_) => return bad_request("the body must be a JSON object"),
+        Err(e) => return bad_request(format!("malformed request: {e}")),
+    };
+    let kind = if request.get("messages").is_some() {
+        Kind::Chat
+    } else {
+        Kind::Completion
+    };
+    let prompt = match prompt_ids(&state, kind, &request) {
+        Ok(p) => p,
+        Err(message) => return bad_request(message),
+    };
+    let prompt_tokens = prompt.len();
+    let (reply, cached) = oneshot::channel();
+    if !state.driver.send(Command::Cached { prompt, reply }) {
+        return unavailable();
+    }
+    match cached.await {
+        Ok(cached_tokens) => Json(serde_json::json!({
+            "cached_tokens": cached_tokens,
+            "prompt_tokens": prompt_tokens,
+        }))
+        .into_response(),
+        Err(_) => unavailable(),
+    }
 }

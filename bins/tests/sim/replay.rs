@@ -58,6 +58,24 @@ fn the_figures_of_four_requests_are_what_a_hand_count_gives() {
     // Token-milliseconds: worker 0 103 × 30; worker 1 105 × 60 + 201 × 40.
     let (w0, w1) = (103.0 * 30.0, 105.0 * 60.0 + 201.0 * 40.0);
     assert!((r.imbalance - w1 / ((w0 + w1) / 2.0)).abs() < 1e-12);
+    // No oracle asked: no oracle figures.
+    assert_eq!((r.oracle_hit_rate, r.hit_over_oracle), (0.0, 0.0));
+}
+
+#[test]
+fn the_oracle_figures_count_only_the_requests_every_worker_answered_for() {
+    let mut records = vec![
+        record(100, 0, 10.0, 30.0, 3, 0, 0),
+        record(100, 48, 20.0, 60.0, 5, 1, 96),
+        record(200, 64, 40.0, 40.0, 1, 1, 64),
+    ];
+    records[0].oracle_cached_tokens = Some(32);
+    records[1].oracle_cached_tokens = Some(96);
+    // The third has no oracle figure (a worker did not answer): left out of both ratios.
+    let r = figures(&records, 1.0);
+    assert!((r.hit_rate - 112.0 / 400.0).abs() < 1e-12);
+    assert!((r.oracle_hit_rate - 128.0 / 200.0).abs() < 1e-12);
+    assert!((r.hit_over_oracle - 48.0 / 128.0).abs() < 1e-12);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,6 +120,7 @@ async fn a_small_trace_replayed_against_a_worker_finds_its_shared_blocks() {
         timeout: Duration::from_secs(30),
         api_key: None,
         text: None,
+        oracle: vec![format!("http://{}", worker.http)],
     };
     let (records, report) = run(&Workload::trace("small", rows), &options, &|_, _| {})
         .await
@@ -110,6 +129,12 @@ async fn a_small_trace_replayed_against_a_worker_finds_its_shared_blocks() {
     let cached: Vec<u32> = records.iter().map(|r| r.cached_tokens).collect();
     assert_eq!(cached, [0, 512, 1_024]);
     assert!((report.hit_rate - 1_536.0 / 3_348.0).abs() < 1e-12);
+    // The one worker is the oracle: asked just before each sending, it held what the request
+    // then found.
+    let oracle: Vec<Option<u32>> = records.iter().map(|r| r.oracle_cached_tokens).collect();
+    assert_eq!(oracle, [Some(0), Some(512), Some(1_024)]);
+    assert!((report.oracle_hit_rate - report.hit_rate).abs() < 1e-12);
+    assert_eq!(report.hit_over_oracle, 1.0);
     assert!(records
         .iter()
         .all(|r| r.output_tokens == 4 && r.chunks == 4));

@@ -186,6 +186,23 @@ async fn bad_requests_get_a_clear_error_and_admit_nothing() {
     }
     let huge = json!({"prompt": vec![1u32; 40_000]}).to_string();
     assert_eq!(post(huge).await.unwrap().status().as_u16(), 413);
+    // The oracle's question is refused alike.
+    for (body, words) in [
+        ("[1]", "JSON object"),
+        (r#"{"prompt": []}"#, "no tokens"),
+        (r#"{"messages": []}"#, "tokenizer"),
+    ] {
+        let response = client
+            .post(url(&w, "/admin/cached"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 400, "{body}");
+        let text = response.text().await.unwrap();
+        assert!(text.contains(words), "{body}: {text}");
+    }
     assert_eq!(stats(&client, &w).await["admitted"], 0);
 }
 
