@@ -780,12 +780,17 @@ fn a_cache_salt_on_a_chains_first_block_seeds_the_chain_as_a_salted_request_is_h
         locals(&decode_one(&mut decoder, other)),
         [local(&[8, 9, 10, 11])]
     );
-    // Removed blocks are forgotten: what continues them now is unsalted.
+    // A second copy of block 3; removing one copy keeps it, removing the last forgets it:
+    // what continues it then is unsalted.
+    let again = stored_map(&[3], Some(2), tokens(8..12), vec![]);
+    decode_one(&mut decoder, again);
     let removed = V::M(vec![
         ("type", V::S("BlockRemoved")),
         ("block_hashes", uints(&[3])),
         ("medium", V::S("GPU")),
     ]);
+    decode_one(&mut decoder, removed.clone());
+    assert_eq!(decoder.salted_blocks_held(), 3);
     decode_one(&mut decoder, removed);
     assert_eq!(decoder.salted_blocks_held(), 2);
     let after = stored_map(&[4], Some(3), tokens(12..16), vec![]);
@@ -796,7 +801,7 @@ fn a_cache_salt_on_a_chains_first_block_seeds_the_chain_as_a_salted_request_is_h
     // A clear forgets the rank's salted blocks.
     decode_one(&mut decoder, V::M(vec![("type", V::S("AllBlocksCleared"))]));
     assert_eq!(decoder.salted_blocks_held(), 0);
-    assert_eq!(decoder.counts().salted_blocks, 3);
+    assert_eq!(decoder.counts().salted_blocks, 4);
     assert_eq!(decoder.counts().opaque_blocks, 0);
 }
 

@@ -41,6 +41,7 @@ pub(crate) async fn route(
             mode: if book { Mode::Book } else { Mode::QueryOnly },
             expected_output_tokens: routed.expected_output,
             lora_name: routed.lora.as_deref(),
+            cache_salt: routed.cache_salt.as_deref(),
             ..RouteHints::default()
         },
     };

@@ -1,5 +1,5 @@
 //! A completion's body read for routing without building a JSON tree: only the fields routing
-//! needs (`model`, `prompt`, `max_tokens`), every other one skipped as it is parsed. A body this
+//! needs (`model`, `prompt`, `max_tokens`, `cache_salt`), every other one skipped as it is parsed. A body this
 //! cannot read (not an object, a prompt of another shape, a number out of range) goes to the
 //! general reader, which says what is wrong.
 
@@ -20,6 +20,10 @@ pub(crate) struct CompletionFields<'a> {
     pub max_tokens: Option<u64>,
     #[serde(default)]
     pub max_completion_tokens: Option<u64>,
+    /// vLLM's per-request cache salt: only a string here; other shapes go to the general
+    /// reader, which refuses them.
+    #[serde(borrow, default)]
+    pub cache_salt: Option<Cow<'a, str>>,
 }
 
 /// A prompt: token ids, or text.

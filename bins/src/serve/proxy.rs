@@ -77,6 +77,9 @@ pub(crate) struct Routed {
     pub expected_output: Option<u32>,
     /// The LoRA adapter the request names (its blocks are hashed under it).
     pub lora: Option<String>,
+    /// The request's cache salt (vLLM's `cache_salt`): its blocks are hashed under it, as the
+    /// engine's are.
+    pub cache_salt: Option<String>,
 }
 
 /// A request refused before routing: its status and why.
@@ -164,7 +167,22 @@ pub(crate) fn read_completion(state: &AppState, body: &[u8]) -> Result<Routed, R
         .max_tokens
         .or(fields.max_completion_tokens)
         .and_then(|n| u32::try_from(n).ok());
-    routed(tokens, expected_output, lora)
+    let cache_salt = match fields.cache_salt {
+        Some(salt) => Some(checked_salt(&salt)?.to_owned()),
+        None => None,
+    };
+    routed(tokens, expected_output, lora, cache_salt)
+}
+
+/// A cache salt as vLLM takes it: a non-empty string.
+fn checked_salt(salt: &str) -> Result<&str, Refusal> {
+    if salt.is_empty() {
+        return Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "cache_salt must be a non-empty string",
+        ));
+    }
+    Ok(salt)
 }
 
 /// The LoRA adapter a request's `model` names (`named`, when it is a string; `present`, when
@@ -207,6 +225,7 @@ fn routed(
     tokens: Vec<u32>,
     expected_output: Option<u32>,
     lora: Option<String>,
+    cache_salt: Option<String>,
 ) -> Result<Routed, Refusal> {
     if tokens.is_empty() {
         return Err(Refusal::new(
@@ -218,6 +237,7 @@ fn routed(
         tokens,
         expected_output,
         lora,
+        cache_salt,
     })
 }
 
@@ -271,7 +291,17 @@ pub(crate) fn read_prompt(
         .or_else(|| object.get("max_completion_tokens"))
         .and_then(Value::as_u64)
         .and_then(|n| u32::try_from(n).ok());
-    let routed = routed(tokens, expected_output, lora)?;
+    let cache_salt = match object.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) => Some(checked_salt(salt)?.to_owned()),
+        Some(_) => {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "cache_salt must be a non-empty string",
+            ))
+        }
+    };
+    let routed = routed(tokens, expected_output, lora, cache_salt)?;
     Ok((value, routed))
 }
 
@@ -370,6 +400,7 @@ async fn forward(
             hints: RouteHints {
                 expected_output_tokens: routed.expected_output,
                 lora_name: routed.lora.as_deref(),
+                cache_salt: routed.cache_salt.as_deref(),
                 allowed: allowed.as_deref(),
                 ..RouteHints::default()
             },

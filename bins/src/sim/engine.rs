@@ -232,7 +232,12 @@ impl Engine {
     /// Blocks of the longest prefix of `tokens` the cache holds, counting every full block
     /// (unlike admission, which leaves the last token to compute).
     pub fn cached_prefix_blocks(&self, tokens: &[u32]) -> usize {
-        self.scheduler.cached_prefix_blocks(tokens)
+        self.scheduler.cached_prefix_blocks(tokens, None)
+    }
+
+    /// [`cached_prefix_blocks`](Self::cached_prefix_blocks) for a request with a cache salt.
+    pub fn cached_prefix_blocks_salted(&self, tokens: &[u32], cache_salt: Option<&str>) -> usize {
+        self.scheduler.cached_prefix_blocks(tokens, cache_salt)
     }
 
     /// How many of `hashes` (a prompt's chained block hashes, from its first block) the cache

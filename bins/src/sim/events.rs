@@ -12,11 +12,12 @@
 //! parent's hash and the block's tokens. To the router the name is opaque; it finds blocks by the
 //! hash of their tokens, which the conversion computes.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::{
-    BlockHash, BlockHasher, EventHeader, EventId, KvEvent, KvEventData, StorageTier, StoredBlock,
-    WorkerRank,
+    BlockHash, BlockHasher, EventHeader, EventId, HashSeed, KvEvent, KvEventData, StorageTier,
+    StoredBlock, WorkerRank,
 };
 
 /// The engine's name of a cached block (vLLM's `block_hash` in its events).
@@ -63,6 +64,9 @@ pub enum EngineEvent {
         block_size: u32,
         /// Where the blocks live.
         medium: Medium,
+        /// The cache salt of the request whose blocks these are: every block of its chain is
+        /// salted. On vLLM's wire it is named on a chain's first block only (`extra_keys`).
+        cache_salt: Option<Arc<str>>,
     },
     /// Cached blocks were evicted: one name per physical copy that left.
     Removed {
@@ -109,9 +113,11 @@ impl EngineEvent {
                 parent,
                 block_size,
                 medium,
+                cache_salt,
                 ..
             } => {
-                let hasher = BlockHasher::new(*block_size as usize);
+                let hasher = BlockHasher::new(*block_size as usize)
+                    .with_seed(HashSeed::new(None, cache_salt.as_deref()));
                 let blocks = self
                     .stored_blocks()
                     .map(|(name, tokens)| StoredBlock {

@@ -512,6 +512,7 @@ impl Fleet {
             prompt: arrival.prompt.clone(),
             max_output_tokens: arrival.max_output_tokens,
             arrival: at,
+            cache_salt: None,
         })?;
         self.record_of.insert(arrival.id, self.records.len());
         self.records.push(RequestRecord {

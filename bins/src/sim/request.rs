@@ -1,8 +1,11 @@
 //! A request as the engine receives it, what it reports per pass, and its state inside.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_core::{mix64, next_seq_hash, seq_hashes, BlockHasher, LocalHash, RequestId, SeqHash};
+use kvroute_core::{
+    mix64, next_seq_hash, seq_hashes, BlockHasher, HashSeed, LocalHash, RequestId, SeqHash,
+};
 
 use super::blocks::BlockId;
 
@@ -18,6 +21,9 @@ pub struct EngineRequest {
     /// When it arrived, on the engine's clock (for the caller's latency figures; the engine
     /// schedules it from its next pass).
     pub arrival: Duration,
+    /// vLLM's `cache_salt`: it enters the first block's hash, so the request shares cached
+    /// blocks only with requests of the same salt.
+    pub cache_salt: Option<Arc<str>>,
 }
 
 /// How a request ended.
@@ -65,6 +71,8 @@ pub(crate) struct Sequence {
     pub(crate) cached_blocks: usize,
     /// Prompt tokens found cached when first scheduled.
     pub(crate) cached_tokens: Option<u32>,
+    /// The request's cache salt, named on the Stored events of its blocks.
+    pub(crate) cache_salt: Option<Arc<str>>,
     /// Seeds the pseudo tokens: a hash of the prompt, so the same prompt yields the same
     /// output, as greedy decoding does.
     output_seed: u64,
@@ -73,7 +81,11 @@ pub(crate) struct Sequence {
 impl Sequence {
     /// The state of a new request; `hasher` has the engine's block size.
     pub(crate) fn new(request: EngineRequest, hasher: &BlockHasher) -> Self {
-        let hashes = seq_hashes(&hasher.local_hashes(&request.prompt));
+        let hashes = seq_hashes(&local_hashes(
+            hasher,
+            &request.prompt,
+            request.cache_salt.as_deref(),
+        ));
         let output_seed = BlockHasher::new(request.prompt.len())
             .local_hash(&request.prompt)
             .0;
@@ -87,6 +99,7 @@ impl Sequence {
             hashes,
             cached_blocks: 0,
             cached_tokens: None,
+            cache_salt: request.cache_salt,
             output_seed,
         }
     }
@@ -121,7 +134,13 @@ impl Sequence {
         let size = hasher.block_size();
         if size > 0 && self.tokens.len().is_multiple_of(size) {
             let start = self.tokens.len() - size;
-            let local = hasher.local_hash(&self.tokens[start..]);
+            // A prompt shorter than a block completes its first block here: salted too.
+            let local = match (&self.cache_salt, self.hashes.is_empty()) {
+                (Some(salt), true) => hasher
+                    .with_seed(HashSeed::new(None, Some(salt)))
+                    .local_hash(&self.tokens[start..]),
+                _ => hasher.local_hash(&self.tokens[start..]),
+            };
             self.hashes.push(self.chain(local));
         }
         token
@@ -153,4 +172,21 @@ impl Sequence {
             at,
         }
     }
+}
+
+/// The local hashes of `tokens`' full blocks as the engine names its blocks: a cache salt
+/// enters the first block's (as vLLM's extra keys do), and the chain carries it on.
+pub(crate) fn local_hashes(
+    hasher: &BlockHasher,
+    tokens: &[u32],
+    cache_salt: Option<&str>,
+) -> Vec<LocalHash> {
+    let mut locals = hasher.local_hashes(tokens);
+    if let (Some(salt), Some(first)) = (cache_salt, locals.first_mut()) {
+        let size = hasher.block_size();
+        *first = hasher
+            .with_seed(HashSeed::new(None, Some(salt)))
+            .local_hash(&tokens[..size]);
+    }
+    locals
 }

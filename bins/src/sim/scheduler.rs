@@ -314,9 +314,11 @@ impl Scheduler {
         }
     }
 
-    /// Blocks of the longest cached prefix of `tokens` (whole prompt, no cap).
-    pub(crate) fn cached_prefix_blocks(&self, tokens: &[u32]) -> usize {
-        let hashes = kvroute_core::seq_hashes(&self.hasher.local_hashes(tokens));
+    /// Blocks of the longest cached prefix of `tokens` under `cache_salt` (whole prompt, no
+    /// cap).
+    pub(crate) fn cached_prefix_blocks(&self, tokens: &[u32], cache_salt: Option<&str>) -> usize {
+        let locals = super::request::local_hashes(&self.hasher, tokens, cache_salt);
+        let hashes = kvroute_core::seq_hashes(&locals);
         self.cached_prefix_of(&hashes)
     }
 
@@ -383,6 +385,7 @@ fn cache_full_blocks(
         token_ids: seq.tokens[from * block_size..to * block_size].to_vec(),
         block_size: block_size as u32,
         medium: Medium::Gpu,
+        cache_salt: seq.cache_salt.clone(),
     });
     seq.cached_blocks = to;
 }

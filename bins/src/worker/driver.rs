@@ -14,6 +14,7 @@
 //! nothing more is computed for it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -30,6 +31,7 @@ pub(crate) enum Command {
     /// Admit a request; its outputs go to `sink`. The reply says whether it was admitted.
     Admit {
         prompt: Vec<u32>,
+        cache_salt: Option<Arc<str>>,
         max_output_tokens: u32,
         sink: mpsc::UnboundedSender<RequestOutput>,
         reply: oneshot::Sender<Result<RequestId, SimError>>,
@@ -49,6 +51,7 @@ pub(crate) enum Command {
     /// compute as admission does: what an oracle placing the request here would find.
     Cached {
         prompt: Vec<u32>,
+        cache_salt: Option<Arc<str>>,
         reply: oneshot::Sender<u32>,
     },
 }
@@ -139,6 +142,7 @@ impl Task {
         match command {
             Command::Admit {
                 prompt,
+                cache_salt,
                 max_output_tokens,
                 sink,
                 reply,
@@ -154,6 +158,7 @@ impl Task {
                         prompt,
                         max_output_tokens,
                         arrival: now,
+                        cache_salt,
                     })
                     .map(|()| id);
                 if result.is_ok() {
@@ -186,9 +191,15 @@ impl Task {
                 stats.engine = self.engine.stats();
                 let _ = reply.send(stats);
             }
-            Command::Cached { prompt, reply } => {
+            Command::Cached {
+                prompt,
+                cache_salt,
+                reply,
+            } => {
                 let computable = &prompt[..prompt.len().saturating_sub(1)];
-                let blocks = self.engine.cached_prefix_blocks(computable);
+                let blocks = self
+                    .engine
+                    .cached_prefix_blocks_salted(computable, cache_salt.as_deref());
                 let tokens = blocks * self.engine.config().block_size as usize;
                 let _ = reply.send(u32::try_from(tokens).unwrap_or(u32::MAX));
             }

@@ -161,6 +161,15 @@ fn prompt_ids(state: &AppState, kind: Kind, request: &Value) -> Result<Vec<u32>,
     Ok(ids)
 }
 
+/// The request's `cache_salt`, which vLLM takes as a non-empty string.
+fn cache_salt(request: &Value) -> Result<Option<Arc<str>>, String> {
+    match request.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(salt)) if !salt.is_empty() => Ok(Some(Arc::from(salt.as_str()))),
+        Some(_) => Err("Parameter 'cache_salt' must be a non-empty string if provided.".to_owned()),
+    }
+}
+
 async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
     let request: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
@@ -187,6 +196,10 @@ async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
         Ok(p) => p,
         Err(message) => return bad_request(message),
     };
+    let cache_salt = match cache_salt(&request) {
+        Ok(salt) => salt,
+        Err(message) => return bad_request(message),
+    };
     let max_tokens = request
         .get("max_tokens")
         .or_else(|| request.get("max_completion_tokens"))
@@ -209,6 +222,7 @@ async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
     let (reply, admitted) = oneshot::channel();
     if !state.driver.send(Command::Admit {
         prompt,
+        cache_salt,
         max_output_tokens: max_tokens,
         sink,
         reply,
@@ -649,9 +663,17 @@ async fn admin_cached(State(state): State<AppState>, body: Bytes) -> Response {
         Ok(p) => p,
         Err(message) => return bad_request(message),
     };
+    let cache_salt = match cache_salt(&request) {
+        Ok(salt) => salt,
+        Err(message) => return bad_request(message),
+    };
     let prompt_tokens = prompt.len();
     let (reply, cached) = oneshot::channel();
-    if !state.driver.send(Command::Cached { prompt, reply }) {
+    if !state.driver.send(Command::Cached {
+        prompt,
+        cache_salt,
+        reply,
+    }) {
         return unavailable();
     }
     match cached.await {

@@ -64,8 +64,12 @@ fn encode_event(out: &mut Vec<u8>, event: &EngineEvent) {
             token_ids,
             block_size,
             medium,
+            cache_salt,
         } => {
-            let _ = rmp::encode::write_map_len(out, 8);
+            // vLLM names a request's salt in the extra keys of its chain's first block only,
+            // and leaves `extra_keys` out when no block has any.
+            let salt = cache_salt.as_deref().filter(|_| parent.is_none());
+            let _ = rmp::encode::write_map_len(out, if salt.is_some() { 9 } else { 8 });
             let _ = rmp::encode::write_str(out, "type");
             let _ = rmp::encode::write_str(out, "BlockStored");
             let _ = rmp::encode::write_str(out, "block_hashes");
@@ -95,6 +99,15 @@ fn encode_event(out: &mut Vec<u8>, event: &EngineEvent) {
             let _ = rmp::encode::write_str(out, medium.as_str());
             let _ = rmp::encode::write_str(out, "lora_name");
             let _ = rmp::encode::write_nil(out);
+            if let Some(salt) = salt {
+                let _ = rmp::encode::write_str(out, "extra_keys");
+                let _ = rmp::encode::write_array_len(out, block_hashes.len() as u32);
+                let _ = rmp::encode::write_array_len(out, 1);
+                let _ = rmp::encode::write_str(out, salt);
+                for _ in 1..block_hashes.len() {
+                    let _ = rmp::encode::write_nil(out);
+                }
+            }
         }
         EngineEvent::Removed {
             block_hashes,

@@ -1,10 +1,19 @@
 //! The engine's events, applied to the router's prefix index, describe exactly the engine's
 //! cache after every pass, whatever the request stream (random streams on a small cache, so
-//! that evictions, preemptions, duplicate copies, aborts and resets all happen).
+//! that evictions, preemptions, duplicate copies, aborts and resets all happen, and requests
+//! with and without cache salts). Two indexes are fed: one from the events as the in-process
+//! fleet converts them, one from the same events encoded on vLLM's wire and decoded by the
+//! transport's decoder, as serve receives them.
+
+use std::sync::Arc;
 
 use kvroute::sim::{Admission, ClearMode, Engine, EngineConfig, EngineRequest, RequestId};
+use kvroute::worker::encode_batch;
 use kvroute_core::testing::scores_of;
-use kvroute_core::{BlockHasher, EventId, IndexConfig, MatchOptions, PrefixIndex, WorkerRank};
+use kvroute_core::{
+    BlockHasher, EventId, HashSeed, IndexConfig, MatchOptions, PrefixIndex, WorkerRank,
+};
+use kvroute_transport::engine::{DecoderConfig, EngineDecoder};
 use proptest::prelude::*;
 
 const BLOCK: u32 = 4;
@@ -19,6 +28,8 @@ enum Op {
         prefix_len: u32,
         suffix: Vec<u32>,
         max_out: u32,
+        /// No salt, or one of two.
+        salt: u8,
     },
     /// A prompt seen before, again (a fully cached prompt recomputes its last block: a
     /// second copy of a cached block).
@@ -31,9 +42,14 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u32..3, 0u32..24, prop::collection::vec(0u32..3, 1..12), 1u32..10).prop_map(
-            |(prefix, prefix_len, suffix, max_out)| Op::Admit { prefix, prefix_len, suffix, max_out }
-        ),
+        4 => (0u32..3, 0u32..24, prop::collection::vec(0u32..3, 1..12), 1u32..10, 0u8..3)
+            .prop_map(|(prefix, prefix_len, suffix, max_out, salt)| Op::Admit {
+                prefix,
+                prefix_len,
+                suffix,
+                max_out,
+                salt,
+            }),
         2 => any::<usize>().prop_map(Op::Repeat),
         6 => Just(Op::Step),
         1 => any::<usize>().prop_map(Op::Abort),
@@ -42,12 +58,19 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The engine and an index fed from its events.
+/// A prompt and its cache salt.
+type Prompt = (Vec<u32>, Option<Arc<str>>);
+
+/// The engine and two indexes fed from its events.
 struct Model {
     engine: Engine,
     index: PrefixIndex,
+    /// Fed from vLLM's wire through the transport's decoder.
+    wire_index: PrefixIndex,
+    decoder: EngineDecoder,
     next_event: u64,
-    prompts: Vec<Vec<u32>>,
+    next_wire_event: EventId,
+    prompts: Vec<Prompt>,
     admitted: Vec<RequestId>,
 }
 
@@ -63,7 +86,13 @@ impl Model {
         Model {
             engine: Engine::new(config).unwrap(),
             index: PrefixIndex::new(IndexConfig::default()),
+            wire_index: PrefixIndex::new(IndexConfig::default()),
+            decoder: EngineDecoder::new(DecoderConfig {
+                block_size: Some(BLOCK),
+                ..DecoderConfig::default()
+            }),
             next_event: 0,
+            next_wire_event: EventId(0),
             prompts: Vec::new(),
             admitted: Vec::new(),
         }
@@ -76,10 +105,12 @@ impl Model {
                 prefix_len,
                 suffix,
                 max_out,
+                salt,
             } => {
                 let mut prompt: Vec<u32> = (prefix * 1_000..prefix * 1_000 + prefix_len).collect();
                 prompt.extend(suffix);
-                self.admit(prompt, max_out);
+                let salt = [None, Some("tenant-a"), Some("tenant-b")][usize::from(salt)];
+                self.admit((prompt, salt.map(Arc::from)), max_out);
             }
             Op::Repeat(pick) if !self.prompts.is_empty() => {
                 let prompt = self.prompts[pick % self.prompts.len()].clone();
@@ -106,13 +137,14 @@ impl Model {
         self.feed_index();
     }
 
-    fn admit(&mut self, prompt: Vec<u32>, max_out: u32) {
+    fn admit(&mut self, prompt: Prompt, max_out: u32) {
         let id = RequestId(self.prompts.len() as u64);
         let request = EngineRequest {
             id,
-            prompt: prompt.clone(),
+            prompt: prompt.0.clone(),
             max_output_tokens: max_out,
             arrival: self.engine.now(),
+            cache_salt: prompt.1.clone(),
         };
         if self.engine.admit(request).is_ok() {
             self.admitted.push(id);
@@ -127,6 +159,16 @@ impl Model {
                 self.next_event += 1;
                 self.index.apply(&kv).unwrap();
             }
+            let mut decoded = Vec::new();
+            let payload = encode_batch(&batch, 0, 0.0);
+            let outcome = self
+                .decoder
+                .decode(&payload, &mut self.next_wire_event, &mut decoded)
+                .unwrap();
+            assert_eq!(outcome.skipped, 0);
+            for kv in &decoded {
+                self.wire_index.apply(kv).unwrap();
+            }
         }
     }
 
@@ -140,16 +182,31 @@ impl Model {
             index.duplicate_copies,
             u64::from(engine.cached_copies - engine.cached)
         );
-        let hasher = BlockHasher::new(BLOCK as usize);
-        let reader = self.index.reader();
-        for prompt in &self.prompts {
+        prop_assert_eq!(self.wire_index.stats().stored_pairs, index.stored_pairs);
+        let (reader, wire_reader) = (self.index.reader(), self.wire_index.reader());
+        for (prompt, salt) in &self.prompts {
+            // As the router hashes a request with this salt.
+            let hasher =
+                BlockHasher::new(BLOCK as usize).with_seed(HashSeed::new(None, salt.as_deref()));
             let locals = hasher.local_hashes(prompt);
+            let cached = self
+                .engine
+                .cached_prefix_blocks_salted(prompt, salt.as_deref());
             let scores = scores_of(&reader, &locals, MatchOptions::default());
             prop_assert_eq!(
                 scores.blocks(RANK) as usize,
-                self.engine.cached_prefix_blocks(prompt),
-                "prompt {:?}",
-                prompt
+                cached,
+                "prompt {:?} {:?}",
+                prompt,
+                salt
+            );
+            let wire = scores_of(&wire_reader, &locals, MatchOptions::default());
+            prop_assert_eq!(
+                wire.blocks(RANK) as usize,
+                cached,
+                "wire: prompt {:?} {:?}",
+                prompt,
+                salt
             );
         }
         Ok(())

@@ -54,6 +54,7 @@ pub fn request(id: u64, prompt: Vec<u32>, max_output_tokens: u32) -> EngineReque
         prompt,
         max_output_tokens,
         arrival: Duration::ZERO,
+        cache_salt: None,
     }
 }
 

@@ -827,6 +827,66 @@ async fn a_lora_adapter_is_served_by_name_and_routed_by_its_own_blocks() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_salt_keeps_a_requests_blocks_apart_from_other_salts() {
+    let f = fleet().await;
+    let body = |salt: Option<&str>, i: u32| {
+        let mut b = json!({"model": "kvroute-sim", "prompt": prompt(3, i), "max_tokens": 1});
+        if let Some(salt) = salt {
+            b["cache_salt"] = json!(salt);
+        }
+        b
+    };
+    let predicted = |salt: Option<&'static str>| {
+        let f = &f;
+        async move {
+            let r = f.post("/v1/route", &body(salt, 2)).await;
+            assert_eq!(r.status(), 200);
+            let v: Value = r.json().await.unwrap();
+            v["predicted_cached_tokens"].as_u64().unwrap()
+        }
+    };
+    assert_eq!(
+        f.post("/v1/completions", &body(Some("tenant-a"), 1))
+            .await
+            .status(),
+        200
+    );
+    // The engine names the salt on the chain's first block; the router seeds the chain with it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while predicted(Some("tenant-a")).await < 512 {
+        assert!(Instant::now() < deadline, "the salted prefix never showed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The same tokens under another salt, or none, are other KV blocks, in the router as in
+    // the engine.
+    assert_eq!(predicted(Some("tenant-b")).await, 0);
+    assert_eq!(predicted(None).await, 0);
+    for (salt, cached) in [(Some("tenant-b"), 0), (Some("tenant-a"), 512)] {
+        let r = f.post("/v1/completions", &body(salt, 2)).await;
+        assert_eq!(r.status(), 200);
+        let header: u64 = r.headers()["x-kvroute-predicted-cached-tokens"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"], cached,
+            "{salt:?}"
+        );
+        assert_eq!(header, cached, "{salt:?}");
+    }
+    // A salt that is not a non-empty string is refused, as vLLM refuses it.
+    for salt in [json!(""), json!(7)] {
+        let mut b = body(None, 1);
+        b["cache_salt"] = salt.clone();
+        let r = f.post("/v1/completions", &b).await;
+        assert_eq!(r.status(), 400, "{salt}");
+    }
+    f.wait_idle().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_data_parallel_ranks_is_told_the_rank_chosen() {
     use std::sync::{Arc, Mutex};
     // A stand-in engine with two data-parallel ranks and no KV events: it records the rank

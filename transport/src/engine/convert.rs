@@ -22,7 +22,7 @@
 //!   already. A salt on a chain's first block seeds that block and every block stored below it,
 //!   as a salted request's hashes are seeded ([`HashSeed::new`]); the decoder remembers the
 //!   salted blocks of each rank by engine hash, so that a later event continuing one (its
-//!   `parent_block_hash`) is seeded alike, and forgets them as they are removed. Any other key
+//!   `parent_block_hash`) is seeded alike, and forgets each when its last copy is removed. Any other key
 //!   (an image's identifier, a salt past the first block) makes the block *opaque*: hashed
 //!   with a seed drawn from its keys, so that no request the router can hash matches it or
 //!   anything below it, rather than matching a different image's blocks by their placeholder
@@ -148,8 +148,9 @@ pub struct EngineDecoder {
     /// Whether each cache group seen on a Stored event is full attention.
     groups: HashMap<u64, bool>,
     /// The seed of each stored block hashed under a request's cache salt, by rank and engine
-    /// hash: what a Stored event continuing it is seeded with.
-    salted: HashMap<(DpRank, BlockHash), HashSeed>,
+    /// hash: what a Stored event continuing it is seeded with; and the copies stored (an
+    /// engine may hold a block twice and remove each copy on its own).
+    salted: HashMap<(DpRank, BlockHash), (HashSeed, u32)>,
     counts: DecodeCounts,
 }
 
@@ -188,7 +189,7 @@ impl EngineDecoder {
         }
     }
 
-    /// Salted blocks remembered, over all ranks.
+    /// Salted blocks remembered (each once, whatever its copies), over all ranks.
     pub fn salted_blocks_held(&self) -> usize {
         self.salted.len()
     }
@@ -349,9 +350,10 @@ impl EngineDecoder {
         };
         // The seed the chain carries: a salted parent's, else the worker's.
         let mut chain = match s.parent {
-            Some(parent) if !self.salted.is_empty() => {
-                self.salted.get(&(rank, parent)).copied().unwrap_or(base)
-            }
+            Some(parent) if !self.salted.is_empty() => self
+                .salted
+                .get(&(rank, parent))
+                .map_or(base, |&(seed, _)| seed),
             _ => base,
         };
         let mut blocks = Vec::with_capacity(s.block_hashes.len());
@@ -371,7 +373,10 @@ impl EngineDecoder {
                 BlockKeys::Opaque(raw) => opaque_seed(chain, raw),
             };
             if seed == chain && chain != base {
-                self.salted.insert((rank, block_hash), chain);
+                self.salted
+                    .entry((rank, block_hash))
+                    .or_insert((chain, 0))
+                    .1 += 1;
                 self.counts.salted_blocks += 1;
             } else if seed != chain {
                 self.counts.opaque_blocks += 1;
@@ -403,7 +408,12 @@ impl EngineDecoder {
         }
         if !self.salted.is_empty() {
             for &hash in &r.block_hashes {
-                self.salted.remove(&(rank, hash));
+                if let Some(entry) = self.salted.get_mut(&(rank, hash)) {
+                    entry.1 -= 1;
+                    if entry.1 == 0 {
+                        self.salted.remove(&(rank, hash));
+                    }
+                }
             }
         }
         Ok(Some((
