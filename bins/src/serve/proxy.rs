@@ -433,7 +433,7 @@ async fn forward(
         state
             .metrics
             .predicted_cached_tokens
-            .observe(decision.overlap.cached_tokens as f64);
+            .observe(decision.predicted_cached_tokens as f64);
         let mut guard = RequestGuard::new(Arc::clone(&state.router), decision.request);
         let worker = decision.worker.worker;
         let Some(backend) = state.backends.get(worker.0) else {
@@ -479,7 +479,7 @@ async fn forward(
         let _ = guard.mark_dispatched();
         let placed = Placement {
             worker,
-            predicted: decision.overlap.cached_tokens,
+            predicted: decision.predicted_cached_tokens,
             decided_in,
         };
         return relay(state, route, response, guard, placed).await;

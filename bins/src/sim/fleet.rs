@@ -16,10 +16,11 @@
 //! (which books its load), admitted to the chosen engine, and held by a [`RequestGuard`] that
 //! the engine's outputs drive: the first token reports the prefill done, the finish frees it.
 //!
-//! The router's prediction can miss the engine's truth: a request routed while an earlier one
-//! with the same prefix is still in its prefill on that worker is predicted no hit (the blocks
-//! are not published yet), yet finds them if that prefill ends before its own is scheduled;
-//! and the engine evicts blocks the router still counts until the eviction's pass ends.
+//! The router's prediction can miss the engine's truth. A request routed while an earlier one
+//! with the same prefix is still in its prefill on that worker is predicted to find those
+//! blocks (the router knows the rank's active prompts), though they are not published yet;
+//! it misses if both are scheduled in the same pass. And the engine evicts blocks the router
+//! still counts until the eviction's pass ends.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -135,7 +136,7 @@ pub struct RequestRecord {
     /// Tokens it generated so far.
     pub output_tokens: u32,
     /// Prompt tokens the router predicted cached on the chosen rank
-    /// (`Decision::overlap.cached_tokens`).
+    /// (`Decision::predicted_cached_tokens`).
     pub predicted_cached: u64,
     /// Prompt tokens the engine found cached (0 until it is scheduled).
     pub cached: u32,
@@ -523,7 +524,7 @@ impl Fleet {
             finished: None,
             prompt_tokens: arrival.prompt.len() as u32,
             output_tokens: 0,
-            predicted_cached: decision.overlap.cached_tokens,
+            predicted_cached: decision.predicted_cached_tokens,
             cached: 0,
             oracle_cached,
         });

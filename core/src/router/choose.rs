@@ -39,14 +39,19 @@ impl Choice {
     pub(super) fn decision(
         self,
         req: &RouteRequest<'_>,
+        block_size: u32,
         pinned: Option<PinnedRank>,
         session: Option<SessionRouting>,
     ) -> Decision {
         let c = self.candidate;
+        let bs = u64::from(block_size);
+        let computable = (req.tokens.len() as u64).saturating_sub(1) / bs.max(1) * bs;
+        let active = (u64::from(c.cost.shared_blocks) * bs).min(computable);
         Decision {
             request: req.id,
             worker: c.rank,
             overlap: c.overlap,
+            predicted_cached_tokens: c.overlap.cached_tokens.max(active),
             cost: c.cost,
             load: c.load,
             decided_by: self.by,

@@ -166,7 +166,7 @@ impl Router {
         let t3 = timing.then(Instant::now);
 
         let chosen = choice.candidate;
-        let decision = choice.decision(req, pinned, session);
+        let decision = choice.decision(req, self.config.block_size, pinned, session);
         self.book(
             req,
             &fleet.ranks[chosen.fleet_index],

@@ -963,6 +963,10 @@ fn decode_term_counts_prompt_blocks_active_on_the_worker_once() {
         assert_eq!(d.worker, WorkerRank::new(1, 0), "{d:?}");
         assert_eq!(d.cost.shared_blocks, 8);
         assert_eq!(d.cost.decode_cost, 10.0 + 10.0 - 8.0);
+        // No event has stored the system prompt yet: the index predicts nothing, but the
+        // engine will find the running request's 8 blocks.
+        assert_eq!(d.overlap.cached_tokens, 0);
+        assert_eq!(d.predicted_cached_tokens, 8 * u64::from(BS));
         let ev = d.evidence.unwrap();
         let w2 = ev.iter().find(|c| c.rank == WorkerRank::new(2, 0)).unwrap();
         assert_eq!(w2.cost.shared_blocks, 0);
@@ -1003,6 +1007,8 @@ fn shared_probes_are_bounded_per_route() {
         d.cost.shared_blocks, 20,
         "every worker runs the same prompt"
     );
+    // The whole prompt is active, but its last token is always computed: 19 blocks.
+    assert_eq!(d.predicted_cached_tokens, 19 * u64::from(BS));
     // Other policies never probe.
     let rr = router(RouterConfig {
         policy: Policy::LeastLoaded,
