@@ -190,9 +190,10 @@ struct WorkerArgs {
     /// Passes run this many times faster than the timing model says.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
-    /// Timing model: `blis-h100` (Llama-3.1-8B on one H100, fitted to real vLLM runs) or
-    /// `dynamo` (Dynamo's mocker polynomial).
-    #[arg(long, default_value = "blis-h100")]
+    /// Timing model: `blis-h100` (Llama-3.1-8B on one H100, fitted to real vLLM runs; also
+    /// `blis-h100-vllm-0.11`, `blis-h100-tp2`, `blis-a100`), `dynamo` (Dynamo's mocker
+    /// polynomial), or a calibration file (TOML, see docs/calibration-a100.toml).
+    #[arg(long, default_value = "blis-h100", value_name = "NAME|FILE")]
     timing: String,
     /// Longest prompt plus output a request may ask for.
     #[arg(long, default_value_t = 131_072)]
@@ -232,6 +233,11 @@ struct DemoArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: u32,
+    /// The engines' timing model: `blis-h100` (the default), `blis-h100-vllm-0.11`,
+    /// `blis-h100-tp2`, `blis-a100`, `dynamo`, or a calibration file (TOML, see
+    /// docs/calibration-a100.toml).
+    #[arg(long, default_value = "blis-h100", value_name = "NAME|FILE")]
+    timing: String,
     /// The KV-aware cost's credit per cached block (kv-aware and kv-aware-temp; default: the
     /// router's, 2; the reference router's is 1).
     #[arg(long, value_name = "X")]
@@ -481,6 +487,7 @@ async fn shutdown_signal() {
 fn run_live_demo(
     workload: &Workload,
     config: DemoConfig,
+    timing: &str,
     time_scale: f64,
     faults: bool,
     oracle: bool,
@@ -509,6 +516,7 @@ fn run_live_demo(
         exe: std::env::current_exe()?,
         workers: config.workers,
         engine: config.engine,
+        timing: timing.to_owned(),
         time_scale,
         policy: policy.name().to_owned(),
         faults,
@@ -596,11 +604,7 @@ fn run_live_demo(
 fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
     init_logs();
     let defaults = WorkerOptions::default();
-    let timing = match args.timing.as_str() {
-        "blis-h100" => TimingModel::default(),
-        "dynamo" => TimingModel::DynamoPolynomial,
-        other => anyhow::bail!("unknown timing model {other:?}: blis-h100 or dynamo"),
-    };
+    let timing = TimingModel::from_arg(&args.timing)?;
     let engine = EngineConfig {
         block_size: args.block_size,
         kv_blocks: args.kv_blocks.unwrap_or(defaults.engine.kv_blocks),
@@ -675,6 +679,7 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     let engine = EngineConfig {
         block_size: args.block_size,
         kv_blocks: args.kv_blocks.unwrap_or(defaults.engine.kv_blocks),
+        timing: TimingModel::from_arg(&args.timing)?,
         ..defaults.engine
     };
     engine.validate()?;
@@ -716,6 +721,7 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         return run_live_demo(
             &workload,
             config,
+            &args.timing,
             args.time_scale,
             args.faults,
             args.oracle,

@@ -28,6 +28,9 @@ pub struct LiveOptions {
     pub workers: usize,
     /// Every engine's model.
     pub engine: EngineConfig,
+    /// The engines' timing model as `kvroute worker --timing` takes it (a name or a
+    /// calibration file): `engine.timing` as the workers will read it.
+    pub timing: String,
     /// How much faster than the model wall time runs (engine passes and arrivals alike).
     pub time_scale: f64,
     /// The serving policy (`kv-aware`, `round-robin`, ...).
@@ -169,6 +172,8 @@ pub async fn run_live(
                 options.engine.block_size.to_string(),
                 "--speedup".into(),
                 scale.to_string(),
+                "--timing".into(),
+                options.timing.clone(),
             ];
             let url = format!("http://127.0.0.1:{http}");
             let spec = format!(

@@ -52,4 +52,4 @@ pub use fleet::{
 pub use kvroute_core::RequestId;
 pub use request::{EngineRequest, Finish, RequestOutput};
 pub use scheduler::Admission;
-pub use timing::{LinearFit, PassShape, TimingModel};
+pub use timing::{Calibration, LinearFit, PassShape, TimingError, TimingModel};

@@ -181,3 +181,77 @@ fn the_dynamo_polynomial_matches_the_published_cross_checks() {
     let expected = -25.74 * 0.25 + 54.01 * 0.5 + 5.74;
     assert!((ms(TimingModel::DynamoPolynomial, half_full) - expected).abs() < 1e-6);
 }
+
+#[test]
+fn timing_models_are_had_by_name_or_from_a_calibration_file() {
+    for name in TimingModel::NAMES {
+        assert!(TimingModel::from_arg(name).is_ok(), "{name}");
+    }
+    assert_eq!(
+        TimingModel::from_arg("blis-a100").unwrap(),
+        TimingModel::Linear(LinearFit::LLAMA_8B_A100)
+    );
+    // The example file in the repository is the A100 fit, its context term from bandwidth.
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/calibration-a100.toml");
+    let TimingModel::Linear(fit) = TimingModel::from_arg(example).unwrap() else {
+        panic!("a linear fit")
+    };
+    let a100 = LinearFit::LLAMA_8B_A100;
+    assert_eq!(
+        (
+            fit.base_us,
+            fit.prefill_us_per_token,
+            fit.decode_us_per_token
+        ),
+        (
+            a100.base_us,
+            a100.prefill_us_per_token,
+            a100.decode_us_per_token
+        )
+    );
+    assert!((fit.context_us_per_token - a100.context_us_per_token).abs() < 1e-12);
+    // A pass of 1,000 uncached prompt tokens under a hand-written fit.
+    let dir = std::env::temp_dir().join(format!("kvroute-timing-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    let own = write(
+        "own.toml",
+        "base_us = 1000\nprefill_us_per_token = 2\ndecode_us_per_token = 3\n\
+         context_us_per_token = 0.5\n",
+    );
+    let model = TimingModel::from_arg(&own).unwrap();
+    assert_eq!(ms(model, prefill(1_000)), 3.0);
+    // Bad files are refused with the reason.
+    for (name, text, words) in [
+        ("typo.toml", "base_us = 1\nprefill_us = 2\ndecode_us_per_token = 3\n", "prefill_us"),
+        ("neg.toml", "base_us = -1\nprefill_us_per_token = 2\ndecode_us_per_token = 3\n", "base_us"),
+        (
+            "both.toml",
+            "base_us = 1\nprefill_us_per_token = 2\ndecode_us_per_token = 3\n\
+             context_us_per_token = 1\nmemory_tb_per_s = 2\n",
+            "not both",
+        ),
+        (
+            "half.toml",
+            "base_us = 1\nprefill_us_per_token = 2\ndecode_us_per_token = 3\nkv_bytes_per_token = 8\n",
+            "memory_tb_per_s",
+        ),
+        ("junk.toml", "base_us = [", "not a timing calibration"),
+    ] {
+        let e = TimingModel::from_arg(&write(name, text)).unwrap_err().to_string();
+        assert!(e.contains(words), "{name}: {e}");
+    }
+    let missing = dir.join("missing.toml");
+    let e = TimingModel::from_arg(&missing.to_string_lossy()).unwrap_err();
+    assert!(e.to_string().starts_with("reading "), "{e}");
+    let e = TimingModel::from_arg("h100-fast").unwrap_err().to_string();
+    assert!(
+        e.contains("blis-h100") && e.contains("calibration file"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

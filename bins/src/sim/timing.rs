@@ -10,8 +10,15 @@
 //!   pass's uncached tokens, decode a function of how full the KV cache is.
 //!
 //! Figures and sources: `shared/sim-calibration.md` of the project.
+//!
+//! [`TimingModel::from_arg`] picks a model by name ([`TimingModel::NAMES`]) or reads a linear
+//! fit of any other engine and GPU from a calibration file ([`Calibration`], TOML; an example
+//! is `docs/calibration-a100.toml`).
 
+use std::path::Path;
 use std::time::Duration;
+
+use serde::Deserialize;
 
 /// What a pass computes, the input of every timing model.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -139,6 +146,164 @@ impl TimingModel {
             TimingModel::DynamoPolynomial => dynamo_pass_ms(shape) * 1e3,
         };
         Duration::from_secs_f64(us.max(0.0) / 1e6)
+    }
+}
+
+/// A linear fit as a calibration file gives it (TOML, every time in microseconds):
+///
+/// ```toml
+/// base_us = 16442.0             # β0: a pass's fixed cost
+/// prefill_us_per_token = 47.84  # β1: per uncached prefill token
+/// decode_us_per_token = 18.2    # β2: per decode token
+/// # Per token of context a decode reads, given outright ...
+/// context_us_per_token = 0.064
+/// # ... or from the KV bytes per token and the memory bandwidth (TB/s):
+/// # kv_bytes_per_token = 131072
+/// # memory_tb_per_s = 2.04
+/// ```
+///
+/// Unknown keys are refused, as are negative or non-finite numbers and a context term given
+/// both ways or half of one way. Without any context term, decodes read their KV for free.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Calibration {
+    /// β0, µs.
+    pub base_us: f64,
+    /// β1, µs per uncached prefill token.
+    pub prefill_us_per_token: f64,
+    /// β2, µs per decode token.
+    pub decode_us_per_token: f64,
+    /// µs per token of context a decode reads.
+    #[serde(default)]
+    pub context_us_per_token: Option<f64>,
+    /// KV bytes per token (with `memory_tb_per_s`, instead of `context_us_per_token`).
+    #[serde(default)]
+    pub kv_bytes_per_token: Option<f64>,
+    /// Memory bandwidth, TB/s.
+    #[serde(default)]
+    pub memory_tb_per_s: Option<f64>,
+}
+
+/// Why a timing model could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum TimingError {
+    /// Neither a known name nor a readable file.
+    #[error("unknown timing model {given:?}: one of {} or a calibration file (.toml)", TimingModel::NAMES.join(", "))]
+    Unknown {
+        /// What was given.
+        given: String,
+    },
+    /// The calibration file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not a calibration (bad TOML, a missing or unknown key, a bad number).
+    #[error("{path} is not a timing calibration: {reason}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl Calibration {
+    /// The fit it describes, or what is wrong with it.
+    pub fn fit(&self) -> Result<LinearFit, String> {
+        let context = match (
+            self.context_us_per_token,
+            self.kv_bytes_per_token,
+            self.memory_tb_per_s,
+        ) {
+            (Some(c), None, None) => c,
+            (None, Some(bytes), Some(tb)) if tb > 0.0 => bytes / (tb * 1e12) * 1e6,
+            (None, None, None) => 0.0,
+            (Some(_), _, _) => {
+                return Err("give context_us_per_token, or kv_bytes_per_token and \
+                            memory_tb_per_s, not both"
+                    .to_owned())
+            }
+            _ => {
+                return Err(
+                    "kv_bytes_per_token needs memory_tb_per_s (> 0), and the reverse".to_owned(),
+                )
+            }
+        };
+        let fit = LinearFit {
+            base_us: self.base_us,
+            prefill_us_per_token: self.prefill_us_per_token,
+            decode_us_per_token: self.decode_us_per_token,
+            context_us_per_token: context,
+        };
+        let terms = [
+            ("base_us", fit.base_us),
+            ("prefill_us_per_token", fit.prefill_us_per_token),
+            ("decode_us_per_token", fit.decode_us_per_token),
+            ("the context term", fit.context_us_per_token),
+        ];
+        for (name, value) in terms {
+            if !value.is_finite() || value < 0.0 {
+                return Err(format!("{name} must be a finite number ≥ 0, not {value}"));
+            }
+        }
+        Ok(fit)
+    }
+}
+
+impl TimingModel {
+    /// The models known by name: BLIS's fits of real vLLM runs of Llama-3.1-8B-Instruct
+    /// (`blis-h100`, the default; `blis-h100-vllm-0.11`; `blis-h100-tp2`; `blis-a100`) and
+    /// Dynamo's mocker polynomial (`dynamo`).
+    pub const NAMES: [&'static str; 5] = [
+        "blis-h100",
+        "blis-h100-vllm-0.11",
+        "blis-h100-tp2",
+        "blis-a100",
+        "dynamo",
+    ];
+
+    /// The model named `arg` ([`NAMES`](Self::NAMES)), or the linear fit of the calibration
+    /// file at that path.
+    pub fn from_arg(arg: &str) -> Result<Self, TimingError> {
+        let named = match arg {
+            "blis-h100" => Some(TimingModel::Linear(LinearFit::LLAMA_8B_H100)),
+            "blis-h100-vllm-0.11" => Some(TimingModel::Linear(LinearFit::LLAMA_8B_H100_VLLM_0_11)),
+            "blis-h100-tp2" => Some(TimingModel::Linear(LinearFit::LLAMA_8B_H100_TP2)),
+            "blis-a100" => Some(TimingModel::Linear(LinearFit::LLAMA_8B_A100)),
+            "dynamo" => Some(TimingModel::DynamoPolynomial),
+            _ => None,
+        };
+        match named {
+            Some(model) => Ok(model),
+            None if Path::new(arg).is_file() || arg.ends_with(".toml") => {
+                Self::from_file(Path::new(arg))
+            }
+            None => Err(TimingError::Unknown {
+                given: arg.to_owned(),
+            }),
+        }
+    }
+
+    /// The linear fit of a calibration file ([`Calibration`]).
+    pub fn from_file(path: &Path) -> Result<Self, TimingError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| TimingError::Read {
+            path: shown.clone(),
+            source,
+        })?;
+        let calibration: Calibration = toml::from_str(&text).map_err(|e| TimingError::Invalid {
+            path: shown.clone(),
+            reason: e.message().to_owned(),
+        })?;
+        let fit = calibration.fit().map_err(|reason| TimingError::Invalid {
+            path: shown,
+            reason,
+        })?;
+        Ok(TimingModel::Linear(fit))
     }
 }
 
