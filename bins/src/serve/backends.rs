@@ -59,9 +59,33 @@ fn sixteen() -> u32 {
 #[derive(Debug)]
 pub(crate) struct Backend {
     pub spec: BackendSpec,
+    /// Its OpenAI routes, parsed once: `/v1/completions` and `/v1/chat/completions`.
+    pub urls: EngineUrls,
+    /// `Bearer <api_key>`, when it has a key.
+    pub authorization: Option<reqwest::header::HeaderValue>,
     pub subscriptions: Vec<Subscription>,
     /// Whether its blocks were dropped from the index since it was last seen up.
     pub forgotten: std::sync::atomic::AtomicBool,
+}
+
+/// An engine's OpenAI routes, parsed when it joins rather than per request.
+#[derive(Debug)]
+pub(crate) struct EngineUrls {
+    pub completions: reqwest::Url,
+    pub chat: reqwest::Url,
+}
+
+impl EngineUrls {
+    fn new(base: &str) -> Result<Self, BackendError> {
+        let parse = |path: &str| {
+            reqwest::Url::parse(&format!("{}{path}", base.trim_end_matches('/')))
+                .map_err(|e| BackendError::Invalid(format!("url {base:?}: {e}")))
+        };
+        Ok(EngineUrls {
+            completions: parse("/v1/completions")?,
+            chat: parse("/v1/chat/completions")?,
+        })
+    }
 }
 
 /// Why a backend could not be added.
@@ -128,6 +152,18 @@ impl Backends {
                 spec.url
             )));
         }
+        let urls = EngineUrls::new(&spec.url)?;
+        let authorization = match &spec.api_key {
+            Some(key) => {
+                let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+                    .map_err(|_| {
+                        BackendError::Invalid("the api_key is not a valid header value".into())
+                    })?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+            None => None,
+        };
         if self.get(spec.id).is_some() {
             return Err(BackendError::Exists(spec.id));
         }
@@ -179,6 +215,8 @@ impl Backends {
         })?;
         let backend = Arc::new(Backend {
             spec,
+            urls,
+            authorization,
             subscriptions,
             forgotten: std::sync::atomic::AtomicBool::new(false),
         });

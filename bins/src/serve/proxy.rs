@@ -333,7 +333,7 @@ pub(crate) async fn completions(
         Ok(routed) => routed,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
-    forward(&state, ROUTE, "/v1/completions", body, &routed).await
+    forward(&state, ROUTE, Api::Completions, body, &routed).await
 }
 
 pub(crate) async fn chat_completions(
@@ -349,15 +349,22 @@ pub(crate) async fn chat_completions(
         Ok((_, routed)) => routed,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
-    forward(&state, ROUTE, "/v1/chat/completions", body, &routed).await
+    forward(&state, ROUTE, Api::Chat, body, &routed).await
 }
 
-/// Routes and sends `body` to the chosen engine's `path`, retrying on another worker when
-/// the chosen one fails before answering.
+/// Which of an engine's OpenAI routes a request goes to.
+#[derive(Clone, Copy, Debug)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+/// Routes and sends `body` to the chosen engine's `api` route, retrying on another worker
+/// when the chosen one fails before answering.
 async fn forward(
     state: &AppState,
     route: &'static str,
-    path: &str,
+    api: Api,
     body: Bytes,
     routed: &Routed,
 ) -> Response {
@@ -440,13 +447,17 @@ async fn forward(
             excluded.push(worker);
             continue;
         };
+        let url = match api {
+            Api::Completions => &backend.urls.completions,
+            Api::Chat => &backend.urls.chat,
+        };
         let mut upstream = state
             .client
-            .post(format!("{}{path}", backend.spec.url))
+            .post(url.clone())
             .header(header::CONTENT_TYPE, "application/json")
             .body(body.clone());
-        if let Some(key) = &backend.spec.api_key {
-            upstream = upstream.bearer_auth(key);
+        if let Some(authorization) = &backend.authorization {
+            upstream = upstream.header(header::AUTHORIZATION, authorization.clone());
         }
         if backend.spec.dp_size > 1 {
             // The rank chosen, for the engine's own balancer: vLLM and SGLang both take it.

@@ -943,3 +943,75 @@ async fn a_worker_with_data_parallel_ranks_is_told_the_rank_chosen() {
     ranks.sort();
     assert_eq!(ranks, [Some("0".to_owned()), Some("1".to_owned())]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clients_key_is_checked_and_never_forwarded_and_each_worker_gets_its_own() {
+    use std::sync::{Arc, Mutex};
+    // Two stand-in engines recording the Authorization header of each request they get.
+    let mut engines = Vec::new();
+    let mut seen: Vec<Arc<Mutex<Vec<Option<String>>>>> = Vec::new();
+    for _ in 0..2 {
+        let record: Arc<Mutex<Vec<Option<String>>>> = Arc::default();
+        seen.push(Arc::clone(&record));
+        let app = axum::Router::new()
+            .route(
+                "/v1/completions",
+                axum::routing::post(move |headers: axum::http::HeaderMap| {
+                    let record = Arc::clone(&record);
+                    async move {
+                        let key = headers
+                            .get("authorization")
+                            .map(|v| v.to_str().unwrap().to_owned());
+                        record.lock().unwrap().push(key);
+                        axum::Json(json!({"object": "text_completion", "choices": [],
+                            "usage": {"prompt_tokens": 552, "completion_tokens": 1}}))
+                    }
+                }),
+            )
+            .route("/health", axum::routing::get(|| async { "ok" }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        engines.push(format!("http://{}", listener.local_addr().unwrap()));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+    }
+    let client = reqwest::Client::new();
+    let (_serve, url) = ready_serve(
+        &client,
+        &[
+            "--api-key".into(),
+            "client-key".into(),
+            "--worker".into(),
+            format!("url={},api_key=engine-key", engines[0]),
+            "--worker".into(),
+            format!("url={}", engines[1]),
+        ],
+    )
+    .await;
+    let send = |key: Option<&'static str>, i: u32| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let mut post = client
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({"prompt": prompt(i, 1), "max_tokens": 1}));
+            if let Some(key) = key {
+                post = post.bearer_auth(key);
+            }
+            post.send().await.unwrap().status().as_u16()
+        }
+    };
+    assert_eq!(send(None, 0).await, 401);
+    assert_eq!(send(Some("wrong"), 0).await, 401);
+    for i in 0..12 {
+        assert_eq!(send(Some("client-key"), i).await, 200);
+    }
+    let keyed = seen[0].lock().unwrap().clone();
+    let open = seen[1].lock().unwrap().clone();
+    // Refused requests reach no engine; the client's key reaches none at all.
+    assert_eq!(keyed.len() + open.len(), 12);
+    assert!(
+        keyed
+            .iter()
+            .all(|k| k.as_deref() == Some("Bearer engine-key")),
+        "{keyed:?}"
+    );
+    assert!(open.iter().all(Option::is_none), "{open:?}");
+}
