@@ -276,6 +276,7 @@ impl Follower {
                         }
                         Verdict::Restart(batch) => {
                             self.clear_worker();
+                            self.decoder.reset();
                             self.apply(&batch);
                         }
                         Verdict::Duplicate | Verdict::Held { .. } | Verdict::Dropped { .. } => {}

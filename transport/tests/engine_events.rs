@@ -798,10 +798,25 @@ fn a_cache_salt_on_a_chains_first_block_seeds_the_chain_as_a_salted_request_is_h
         locals(&decode_one(&mut decoder, after)),
         [local(&[12, 13, 14, 15])]
     );
+    // A salted block's copy on another tier is kept apart: removing the host copy leaves the
+    // device's, and the chain below it stays salted.
+    let host = stored_map(&[2], None, tokens(4..8), vec![("medium", V::S("CPU"))]);
+    decode_one(&mut decoder, host);
+    let host_removed = V::M(vec![
+        ("type", V::S("BlockRemoved")),
+        ("block_hashes", uints(&[2])),
+        ("medium", V::S("CPU")),
+    ]);
+    decode_one(&mut decoder, host_removed);
+    let below = stored_map(&[5], Some(2), tokens(16..20), vec![]);
+    assert_eq!(
+        locals(&decode_one(&mut decoder, below)),
+        [salted.local_hash(&[16, 17, 18, 19])]
+    );
     // A clear forgets the rank's salted blocks.
     decode_one(&mut decoder, V::M(vec![("type", V::S("AllBlocksCleared"))]));
     assert_eq!(decoder.salted_blocks_held(), 0);
-    assert_eq!(decoder.counts().salted_blocks, 4);
+    assert_eq!(decoder.counts().salted_blocks, 5);
     assert_eq!(decoder.counts().opaque_blocks, 0);
 }
 
@@ -847,6 +862,19 @@ fn a_salt_under_an_adapter_seeds_with_both_and_keys_elsewhere_are_opaque() {
         assert_ne!(locals(&e), [plain(&[0, 1, 2, 3])]);
     }
     assert_eq!(decoder.counts().opaque_blocks, 4);
+    // An image's identifier alone on a prompt's first block reads as a salt (the wire cannot
+    // tell them apart): matched only by a request salted with it.
+    let image = decode_one(
+        &mut decoder,
+        stored_map(
+            &[9],
+            None,
+            tokens(0..4),
+            vec![("extra_keys", V::A(vec![V::A(vec![V::S("img-hash")])]))],
+        ),
+    );
+    let by_image = BlockHasher::new(4).with_seed(HashSeed::new(None, Some("img-hash")));
+    assert_eq!(locals(&image), [by_image.local_hash(&[0, 1, 2, 3])]);
     // Keys that are not a list are a malformed event: skipped and counted.
     let mut out = Vec::new();
     let bad = stored_map(&[3], None, tokens(0..4), vec![("extra_keys", V::U(7))]);

@@ -86,8 +86,11 @@ pub struct ReplayRecord {
     pub predicted_cached_tokens: Option<u64>,
     /// How long kvroute's decision took, µs.
     pub decision_us: Option<f64>,
-    /// The most prompt tokens any worker held as the request was sent (with an oracle).
+    /// The most prompt tokens any worker held as the request was sent (with an oracle; none
+    /// when a worker did not say).
     pub oracle_cached_tokens: Option<u32>,
+    /// Oracle workers that could not be reached for this request (counted as holding none).
+    pub oracle_unreachable: u32,
     /// HTTP status (0: no answer).
     pub status: u16,
     /// Why it failed, when it did.
@@ -109,8 +112,14 @@ pub struct ReplayReport {
     /// The oracle's: the most any worker held at each sending ÷ prompt tokens, over the
     /// answered requests that every worker answered for (0 without an oracle).
     pub oracle_hit_rate: f64,
-    /// The hit rate over the same requests ÷ the oracle's (0 without an oracle).
+    /// The hit rate over the same requests ÷ the oracle's (0 without an oracle). It can pass
+    /// 1: a request that waits in its engine finds blocks stored after it was sent.
     pub hit_over_oracle: f64,
+    /// Answered requests left out of the oracle's figures: a worker did not say.
+    pub oracle_missing: usize,
+    /// Questions to oracle workers that found no worker (counted as holding none: a killed
+    /// worker, or a wrong URL).
+    pub oracle_unreachable: u64,
     /// Mean time to first token, ms.
     pub ttft_mean_ms: f64,
     /// Median time to first token, ms.
@@ -217,27 +226,63 @@ async fn send(
         map.insert("model".to_owned(), Value::String(model.clone()));
     }
     if !options.oracle.is_empty() {
-        record.oracle_cached_tokens = oracle_cached(client, &options.oracle, &body).await;
+        let oracle = oracle_cached(client, &options.oracle, &body).await;
+        record.oracle_cached_tokens = oracle.best;
+        record.oracle_unreachable = oracle.unreachable;
     }
     let sent = Instant::now();
     record.sent_ms = sent.duration_since(started).as_secs_f64() * 1e3;
     answer(client, options, record, &body, sent).await
 }
 
-/// The most prompt tokens any of `workers` holds for the request `body` (one that cannot be
-/// reached holds none), or `None` when one answered without saying.
-async fn oracle_cached(client: &reqwest::Client, workers: &[String], body: &Value) -> Option<u32> {
-    let asks = workers
-        .iter()
-        .map(|url| client.post(format!("{url}/admin/cached")).json(body).send());
-    let mut best = 0;
+/// How long a worker may take to answer the oracle's question.
+const ORACLE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the workers said of one request's prompt.
+struct OracleAnswer {
+    /// The most prompt tokens any of them holds, or `None` when one answered without saying
+    /// (an error status, a body without `cached_tokens`) or not in time.
+    best: Option<u32>,
+    /// Workers that could not be reached: counted as holding nothing (a killed worker holds
+    /// nothing a request could find), and reported, since a wrong URL looks the same.
+    unreachable: u32,
+}
+
+/// Asks every worker in `workers` how much of the request `body`'s prompt it holds.
+async fn oracle_cached(client: &reqwest::Client, workers: &[String], body: &Value) -> OracleAnswer {
+    let asks = workers.iter().map(|url| {
+        client
+            .post(format!("{url}/admin/cached"))
+            .timeout(ORACLE_TIMEOUT)
+            .json(body)
+            .send()
+    });
+    let mut out = OracleAnswer {
+        best: Some(0),
+        unreachable: 0,
+    };
     for answer in futures_util::future::join_all(asks).await {
-        // A worker that cannot be reached (killed) holds nothing a request could find.
-        let Ok(answer) = answer else { continue };
-        let value: Value = answer.error_for_status().ok()?.json().await.ok()?;
-        best = best.max(u32::try_from(value["cached_tokens"].as_u64()?).ok()?);
+        let said = match answer {
+            Err(e) if e.is_connect() => {
+                out.unreachable += 1;
+                continue;
+            }
+            Err(_) => None,
+            Ok(answer) => match answer.error_for_status() {
+                Ok(answer) => answer.json::<Value>().await.ok().and_then(|v| {
+                    v["cached_tokens"]
+                        .as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                }),
+                Err(_) => None,
+            },
+        };
+        out.best = match (out.best, said) {
+            (Some(best), Some(n)) => Some(best.max(n)),
+            _ => None,
+        };
     }
-    Some(best)
+    out
 }
 
 /// Sends `body` to the router and reads the streamed answer into `record`.
@@ -387,7 +432,14 @@ pub fn figures(records: &[ReplayRecord], wall: f64) -> ReplayReport {
     let mut decisions: Vec<f64> = ok.iter().filter_map(|r| r.decision_us).collect();
     decisions.sort_by(f64::total_cmp);
     let (mut oracle_prompt, mut oracle_cached, mut oracle_hit) = (0u64, 0u64, 0u64);
+    let asked = records
+        .iter()
+        .any(|r| r.oracle_cached_tokens.is_some() || r.oracle_unreachable > 0);
+    let mut oracle_missing = 0;
     for r in &ok {
+        if asked && r.oracle_cached_tokens.is_none() {
+            oracle_missing += 1;
+        }
         if let Some(best) = r.oracle_cached_tokens {
             oracle_prompt += u64::from(r.prompt_tokens);
             oracle_cached += u64::from(best);
@@ -402,6 +454,11 @@ pub fn figures(records: &[ReplayRecord], wall: f64) -> ReplayReport {
         hit_rate: ratio(cached, prompt),
         oracle_hit_rate: ratio(oracle_cached, oracle_prompt),
         hit_over_oracle: ratio(oracle_hit, oracle_cached),
+        oracle_missing,
+        oracle_unreachable: records
+            .iter()
+            .map(|r| u64::from(r.oracle_unreachable))
+            .sum(),
         ttft_mean_ms: mean(ttft.iter().copied()),
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p99_ms: quantile(&ttft, 0.99),
@@ -562,11 +619,18 @@ pub fn table(report: &ReplayReport, name: &str) -> String {
         report.failed,
         report.wall_seconds,
         report.hit_rate,
-        if report.oracle_hit_rate > 0.0 {
-            format!(
-                " (oracle {:.3}, {:.2} of it)",
+        if report.oracle_hit_rate > 0.0 || report.oracle_missing > 0 {
+            let mut note = format!(
+                " (oracle {:.3}, {:.2} of it",
                 report.oracle_hit_rate, report.hit_over_oracle
-            )
+            );
+            if report.oracle_missing > 0 {
+                note += &format!("; {} requests without its figure", report.oracle_missing);
+            }
+            if report.oracle_unreachable > 0 {
+                note += &format!("; {} questions found no worker", report.oracle_unreachable);
+            }
+            note + ")"
         } else {
             String::new()
         },

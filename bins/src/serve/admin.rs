@@ -134,6 +134,8 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
                             "ranks_cleared": s.ranks_cleared,
                             "decode_errors": s.decode.bad_payloads + s.decode.malformed_events,
                             "rejected_events": s.rejected_events,
+                            "salted_blocks": s.decode.salted_blocks,
+                            "opaque_blocks": s.decode.opaque_blocks,
                         })),
                     })
                 })

@@ -142,6 +142,10 @@ impl Metrics {
                     ("bad_payloads", s.decode.bad_payloads),
                     ("unknown_types", s.decode.unknown_types),
                     ("malformed_events", s.decode.malformed_events),
+                    ("unknown_media", s.decode.unknown_media),
+                    ("other_groups", s.decode.other_groups),
+                    ("salted_blocks", s.decode.salted_blocks),
+                    ("opaque_blocks", s.decode.opaque_blocks),
                 ] {
                     self.events
                         .with_label_values(&[&w, &r, kind])

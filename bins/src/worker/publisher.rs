@@ -68,7 +68,9 @@ fn encode_event(out: &mut Vec<u8>, event: &EngineEvent) {
         } => {
             // vLLM names a request's salt in the extra keys of its chain's first block only,
             // and leaves `extra_keys` out when no block has any.
-            let salt = cache_salt.as_deref().filter(|_| parent.is_none());
+            let salt = cache_salt
+                .as_deref()
+                .filter(|_| parent.is_none() && !block_hashes.is_empty());
             let _ = rmp::encode::write_map_len(out, if salt.is_some() { 9 } else { 8 });
             let _ = rmp::encode::write_str(out, "type");
             let _ = rmp::encode::write_str(out, "BlockStored");

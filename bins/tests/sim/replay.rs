@@ -76,6 +76,7 @@ fn the_oracle_figures_count_only_the_requests_every_worker_answered_for() {
     assert!((r.hit_rate - 112.0 / 400.0).abs() < 1e-12);
     assert!((r.oracle_hit_rate - 128.0 / 200.0).abs() < 1e-12);
     assert!((r.hit_over_oracle - 48.0 / 128.0).abs() < 1e-12);
+    assert_eq!((r.oracle_missing, r.oracle_unreachable), (1, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,7 +121,11 @@ async fn a_small_trace_replayed_against_a_worker_finds_its_shared_blocks() {
         timeout: Duration::from_secs(30),
         api_key: None,
         text: None,
-        oracle: vec![format!("http://{}", worker.http)],
+        // The worker, and a port nothing listens on (a killed worker, or a wrong URL).
+        oracle: vec![
+            format!("http://{}", worker.http),
+            format!("http://{}", closed_port()),
+        ],
     };
     let (records, report) = run(&Workload::trace("small", rows), &options, &|_, _| {})
         .await
@@ -135,6 +140,7 @@ async fn a_small_trace_replayed_against_a_worker_finds_its_shared_blocks() {
     assert_eq!(oracle, [Some(0), Some(512), Some(1_024)]);
     assert!((report.oracle_hit_rate - report.hit_rate).abs() < 1e-12);
     assert_eq!(report.hit_over_oracle, 1.0);
+    assert_eq!((report.oracle_missing, report.oracle_unreachable), (0, 3));
     assert!(records
         .iter()
         .all(|r| r.output_tokens == 4 && r.chunks == 4));
@@ -189,4 +195,10 @@ fn the_load_over_time_is_what_a_hand_count_gives() {
     assert!(svg.contains("through kvroute") && svg.contains("earlier"));
     assert!(svg.contains("wall time (s)"));
     std::fs::remove_file(&path).unwrap();
+}
+
+/// A loopback address nothing listens on.
+fn closed_port() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
 }

@@ -46,12 +46,12 @@ impl Choice {
         let c = self.candidate;
         let bs = u64::from(block_size);
         let computable = (req.tokens.len() as u64).saturating_sub(1) / bs.max(1) * bs;
-        let active = (u64::from(c.cost.shared_blocks) * bs).min(computable);
+        let held = u64::from(c.overlap.blocks.max(c.cost.shared_blocks)) * bs;
         Decision {
             request: req.id,
             worker: c.rank,
             overlap: c.overlap,
-            predicted_cached_tokens: c.overlap.cached_tokens.max(active),
+            predicted_cached_tokens: held.min(computable),
             cost: c.cost,
             load: c.load,
             decided_by: self.by,

@@ -53,12 +53,13 @@ pub struct Decision {
     pub worker: WorkerRank,
     /// Predicted cached prefix on the chosen rank, as the index holds it.
     pub overlap: Overlap,
-    /// Prompt tokens the engine is expected to find cached when it schedules the request:
-    /// `overlap.cached_tokens`, or, when longer, the prompt blocks already active on the rank
-    /// (`cost.shared_blocks`: an earlier request still in its prefill stores them before this
-    /// one is scheduled, though the index has not heard of them yet), leaving the prompt's last
-    /// token to compute as engines do. What serve reports as the predicted cached tokens;
-    /// booking and cost keep to `overlap`.
+    /// Prompt tokens the engine is expected to find cached when it schedules the request: the
+    /// leading blocks the index holds on the rank in any tier (`overlap.blocks`, unweighted),
+    /// or, when more, the prompt blocks already active there (`cost.shared_blocks`: an earlier
+    /// request still in its prefill stores them before this one is scheduled, though the index
+    /// has not heard of them yet); in tokens, less the prompt's last token, which engines always
+    /// compute. What serve reports as the predicted cached tokens; booking and cost keep to
+    /// `overlap`.
     pub predicted_cached_tokens: u64,
     /// The chosen rank's cost terms.
     pub cost: CostTerms,

@@ -1239,3 +1239,56 @@ fn request_metrics_record_only_dispatched_requests() {
     let off = router(RouterConfig::default());
     assert!(off.request_metrics().is_none());
 }
+
+/// The predicted cached tokens are what an engine reports: every held block whatever its
+/// tier, less the prompt's last token, which is always computed.
+#[test]
+fn predicted_cached_tokens_count_held_blocks_and_leave_the_last_token() {
+    let r = router(RouterConfig::default());
+    r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+    let t = tokens(64);
+    let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+    // Three blocks on the device, the fourth on the host.
+    store(
+        &r,
+        WorkerRank::new(1, 0),
+        StorageTier::Device,
+        &locals[..3],
+        0,
+    );
+    let mut q = req(1, &t);
+    q.hints.mode = Mode::QueryOnly;
+    let d = r.route(&q).unwrap();
+    assert_eq!(d.overlap.blocks, 3);
+    assert_eq!(d.predicted_cached_tokens, 48);
+    // All four held: the index's overlap is the whole prompt, the engine computes its last
+    // token again, so it reports three blocks.
+    let parent = BlockHash(1000 * (StorageTier::Device as u64 + 1) + 2);
+    r.apply_event(&KvEvent {
+        header: EventHeader {
+            source: WorkerRank::new(1, 0),
+            event_id: EventId(1),
+            tier: StorageTier::HostPinned,
+        },
+        data: KvEventData::Stored {
+            parent: Some(parent),
+            blocks: vec![StoredBlock {
+                block_hash: BlockHash(9_000),
+                local_hash: locals[3],
+            }],
+        },
+    })
+    .unwrap();
+    let d = r.route(&q).unwrap();
+    assert_eq!(d.overlap.blocks, 4);
+    assert!(
+        d.overlap.cached_tokens < 64,
+        "the host block is weighted: {d:?}"
+    );
+    assert_eq!(d.predicted_cached_tokens, 48);
+    // A one-token prompt predicts nothing.
+    let one = [7];
+    let mut q = req(2, &one);
+    q.hints.mode = Mode::QueryOnly;
+    assert_eq!(r.route(&q).unwrap().predicted_cached_tokens, 0);
+}

@@ -26,7 +26,12 @@
 //!   (an image's identifier, a salt past the first block) makes the block *opaque*: hashed
 //!   with a seed drawn from its keys, so that no request the router can hash matches it or
 //!   anything below it, rather than matching a different image's blocks by their placeholder
-//!   tokens. Opaque blocks are counted ([`DecodeCounts::opaque_blocks`]).
+//!   tokens. Opaque blocks are counted ([`DecodeCounts::opaque_blocks`]). One string alone on
+//!   a chain's first block is taken for a salt: vLLM writes a salt and an image's identifier
+//!   alike as a bare string, so a prompt that opens with an image, with no salt, is seeded by
+//!   the image's identifier; its blocks then match only a request whose `cache_salt` is that
+//!   identifier. Salted blocks are kept per rank and tier: a copy removed from one tier leaves
+//!   the other's.
 
 use std::collections::HashMap;
 
@@ -150,7 +155,7 @@ pub struct EngineDecoder {
     /// The seed of each stored block hashed under a request's cache salt, by rank and engine
     /// hash: what a Stored event continuing it is seeded with; and the copies stored (an
     /// engine may hold a block twice and remove each copy on its own).
-    salted: HashMap<(DpRank, BlockHash), (HashSeed, u32)>,
+    salted: HashMap<(DpRank, StorageTier, BlockHash), (HashSeed, u32)>,
     counts: DecodeCounts,
 }
 
@@ -185,7 +190,7 @@ impl EngineDecoder {
     /// Forgets the salted blocks of one rank (its blocks left the index).
     pub fn forget_rank(&mut self, dp_rank: DpRank) {
         if !self.salted.is_empty() {
-            self.salted.retain(|&(rank, _), _| rank != dp_rank);
+            self.salted.retain(|&(rank, _, _), _| rank != dp_rank);
         }
     }
 
@@ -348,11 +353,13 @@ impl EngineDecoder {
             Some(raw) => block_keys(raw, s.lora_name)?,
             None => Vec::new(),
         };
-        // The seed the chain carries: a salted parent's, else the worker's.
+        // The seed the chain carries: a salted parent's (on this tier, else on the device),
+        // else the worker's.
         let mut chain = match s.parent {
             Some(parent) if !self.salted.is_empty() => self
                 .salted
-                .get(&(rank, parent))
+                .get(&(rank, tier, parent))
+                .or_else(|| self.salted.get(&(rank, StorageTier::Device, parent)))
                 .map_or(base, |&(seed, _)| seed),
             _ => base,
         };
@@ -373,10 +380,11 @@ impl EngineDecoder {
                 BlockKeys::Opaque(raw) => opaque_seed(chain, raw),
             };
             if seed == chain && chain != base {
-                self.salted
-                    .entry((rank, block_hash))
-                    .or_insert((chain, 0))
-                    .1 += 1;
+                let held = self
+                    .salted
+                    .entry((rank, tier, block_hash))
+                    .or_insert((chain, 0));
+                held.1 = held.1.saturating_add(1);
                 self.counts.salted_blocks += 1;
             } else if seed != chain {
                 self.counts.opaque_blocks += 1;
@@ -408,10 +416,11 @@ impl EngineDecoder {
         }
         if !self.salted.is_empty() {
             for &hash in &r.block_hashes {
-                if let Some(entry) = self.salted.get_mut(&(rank, hash)) {
-                    entry.1 -= 1;
+                let key = (rank, tier, hash);
+                if let Some(entry) = self.salted.get_mut(&key) {
+                    entry.1 = entry.1.saturating_sub(1);
                     if entry.1 == 0 {
-                        self.salted.remove(&(rank, hash));
+                        self.salted.remove(&key);
                     }
                 }
             }
