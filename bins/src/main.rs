@@ -266,8 +266,9 @@ struct DemoArgs {
     /// with the in-process run.
     #[arg(long)]
     live: bool,
-    /// With --live: wall time runs this many times faster than the engines' model.
-    #[arg(long, default_value_t = 10.0)]
+    /// With --live: wall time runs this many times faster than the engines' model. At 10, the
+    /// default fleet's processes outrun two cores and fall behind the model.
+    #[arg(long, default_value_t = 4.0)]
     time_scale: f64,
     /// With --live: drop event batches, restart a worker and kill another mid-run.
     #[arg(long, requires = "live")]
