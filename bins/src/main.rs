@@ -243,7 +243,7 @@ struct DemoArgs {
     #[arg(long, value_name = "X")]
     overlap_credit: Option<f64>,
     /// The KV-aware cost's weight of prefill blocks against decode blocks (kv-aware and
-    /// kv-aware-temp; default: the router's, 8; the reference router's is 1). Higher favours
+    /// kv-aware-temp; default: the router's, 32; the reference router's is 1). Higher favours
     /// time to first token.
     #[arg(long, value_name = "X")]
     prefill_load_scale: Option<f64>,

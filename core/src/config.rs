@@ -1,9 +1,9 @@
 //! The router's configuration: one struct, validated once. The defaults are the reference
-//! router's but for the cost's two weights: `overlap_credit` 2 and `prefill_load_scale` 8
-//! (the reference's are 1 and 1), measured on the simulated fleet to hit 0.90–0.91 of the
-//! oracle's cache against 0.67–0.70 and cut mean TTFT by a fifth on a production trace
-//! (`benches/RESULTS.md`, 2026-11-27). Lower tiers' credits (`tier_weights`) are absolute, not
-//! fractions of `overlap_credit`.
+//! router's but for the cost's two weights: `overlap_credit` 2 and `prefill_load_scale` 32
+//! (the reference's are 1 and 1), measured on the simulated fleet to hit 0.91–0.92 of the
+//! oracle's cache against 0.67–0.70 and cut mean TTFT by a quarter on a production trace, with
+//! the load within 1.21 of even (`benches/RESULTS.md`, 2026-11-28). Lower tiers' credits
+//! (`tier_weights`) are absolute, not fractions of `overlap_credit`.
 //!
 //! Every knob that changes a decision lives here, so that a decision can be explained from the
 //! request, the load snapshot and this value alone. [`RouterConfig::validate`] rejects a bad
@@ -14,7 +14,7 @@
 //! |---|---|---|
 //! | `block_size` | 16 | tokens per KV block (the index's and the workers' block size) |
 //! | `overlap_credit` | 2.0 | cost credit per device-tier cached block (reference: 1.0) |
-//! | `prefill_load_scale` | 8.0 | weight of prefill blocks against decode blocks (reference: 1.0) |
+//! | `prefill_load_scale` | 32.0 | weight of prefill blocks against decode blocks (reference: 1.0) |
 //! | `tier_weights` | 0.75 / 0.25 / 0.25 | credit of host-pinned / disk / external blocks |
 //! | `temperature` | 0.0 | 0 = cheapest worker (random ties), > 0 = softmax sampling |
 //! | `busy` | off | fractions of capacity over which a rank leaves selection |
@@ -299,7 +299,7 @@ impl Default for RouterConfig {
         RouterConfig {
             block_size: 16,
             overlap_credit: 2.0,
-            prefill_load_scale: 8.0,
+            prefill_load_scale: 32.0,
             tier_weights: TierWeights::default(),
             temperature: 0.0,
             busy: BusyThresholds::default(),

@@ -4,7 +4,7 @@ use super::*;
 fn defaults_are_as_documented_and_valid() {
     let c = RouterConfig::default();
     assert_eq!(c.overlap_credit, 2.0);
-    assert_eq!(c.prefill_load_scale, 8.0);
+    assert_eq!(c.prefill_load_scale, 32.0);
     assert_eq!(c.tier_credits(), [2.0, 0.75, 0.25, 0.25]);
     assert_eq!(c.temperature, 0.0);
     assert_eq!(c.min_workers, 0);

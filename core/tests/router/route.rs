@@ -277,7 +277,7 @@ fn preferences_and_pool_hits_lower_the_floors_pruning_uses() {
 
 /// Cost weights the selection tests draw from, (overlap credit, prefill load scale): the
 /// reference router's, the defaults, and two others.
-const WEIGHTS: [(f64, f64); 4] = [(1.0, 1.0), (2.0, 8.0), (0.5, 3.0), (4.0, 0.7)];
+const WEIGHTS: [(f64, f64); 5] = [(1.0, 1.0), (2.0, 8.0), (2.0, 32.0), (0.5, 3.0), (4.0, 0.7)];
 
 /// Selection that reads only the ranks the match gave enough blocks to win, and only the
 /// records deep enough to matter, picks what the full evidence says: 48 workers with
@@ -296,7 +296,8 @@ fn selection_from_the_deep_ranks_picks_what_the_full_evidence_says() {
         // events: records then raise overlaps, the shallow ones unread where pruning
         // finds them unable to win.
         let records = round % 8 >= 4;
-        let (overlap_credit, prefill_load_scale) = WEIGHTS[rng.below(4) as usize];
+        let (overlap_credit, prefill_load_scale) =
+            WEIGHTS[rng.below(WEIGHTS.len() as u64) as usize];
         let r = router(RouterConfig {
             overlap_credit,
             prefill_load_scale,
@@ -413,7 +414,8 @@ fn pruned_selection_picks_what_the_full_evidence_says() {
         let all_busy = round % 4 == 3;
         // Prefill booked on every worker: the floors count it (`Ledger::prefill_floor`).
         let loaded_everywhere = round % 8 < 2;
-        let (overlap_credit, prefill_load_scale) = WEIGHTS[rng.below(4) as usize];
+        let (overlap_credit, prefill_load_scale) =
+            WEIGHTS[rng.below(WEIGHTS.len() as u64) as usize];
         let r = router(RouterConfig {
             overlap_credit,
             prefill_load_scale,
