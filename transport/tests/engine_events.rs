@@ -875,6 +875,15 @@ fn a_salt_under_an_adapter_seeds_with_both_and_keys_elsewhere_are_opaque() {
     );
     let by_image = BlockHasher::new(4).with_seed(HashSeed::new(None, Some("img-hash")));
     assert_eq!(locals(&image), [by_image.local_hash(&[0, 1, 2, 3])]);
+    // A list of keys that does not have one entry per block is applied and counted.
+    let short = stored_map(
+        &[4, 5],
+        None,
+        tokens(0..8),
+        vec![("extra_keys", V::A(vec![V::Nil]))],
+    );
+    decode_one(&mut decoder, short);
+    assert_eq!(decoder.counts().extra_keys_mismatch, 1);
     // Keys that are not a list are a malformed event: skipped and counted.
     let mut out = Vec::new();
     let bad = stored_map(&[3], None, tokens(0..4), vec![("extra_keys", V::U(7))]);

@@ -146,6 +146,7 @@ impl Metrics {
                     ("other_groups", s.decode.other_groups),
                     ("salted_blocks", s.decode.salted_blocks),
                     ("opaque_blocks", s.decode.opaque_blocks),
+                    ("extra_keys_mismatch", s.decode.extra_keys_mismatch),
                 ] {
                     self.events
                         .with_label_values(&[&w, &r, kind])

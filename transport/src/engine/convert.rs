@@ -121,6 +121,9 @@ pub struct DecodeCounts {
     pub opaque_blocks: u64,
     /// Blocks stored under a request's cache salt.
     pub salted_blocks: u64,
+    /// Stored events whose `extra_keys` list does not have one entry per block (applied, blocks
+    /// without an entry taking no keys).
+    pub extra_keys_mismatch: u64,
 }
 
 impl DecodeCounts {
@@ -353,6 +356,10 @@ impl EngineDecoder {
             Some(raw) => block_keys(raw, s.lora_name)?,
             None => Vec::new(),
         };
+        if !keys.is_empty() && keys.len() != s.block_hashes.len() {
+            // vLLM sends one entry per block; blocks past a short list take no keys.
+            self.counts.extra_keys_mismatch += 1;
+        }
         // The seed the chain carries: a salted parent's (on this tier, else on the device),
         // else the worker's.
         let mut chain = match s.parent {
