@@ -37,6 +37,8 @@ pub const PREDICTED_HEADER: &str = "x-kvroute-predicted-cached-tokens";
 /// How long kvroute's routing decision took, in microseconds (absent when the request waited
 /// in the admission queue).
 pub const DECISION_HEADER: &str = "x-kvroute-decision-us";
+/// How long kvroute took to read the request's routing fields and tokenize its prompt, µs.
+pub const PROMPT_READ_HEADER: &str = "x-kvroute-prompt-read-us";
 
 /// How to replay.
 #[derive(Clone, Debug)]
@@ -86,6 +88,8 @@ pub struct ReplayRecord {
     pub predicted_cached_tokens: Option<u64>,
     /// How long kvroute's decision took, µs.
     pub decision_us: Option<f64>,
+    /// How long kvroute took to read and tokenize the prompt, µs.
+    pub prompt_read_us: Option<f64>,
     /// The most prompt tokens any worker held as the request was sent (with an oracle; none
     /// when a worker did not say).
     pub oracle_cached_tokens: Option<u32>,
@@ -142,6 +146,11 @@ pub struct ReplayReport {
     pub decision_p50_us: f64,
     /// See `decision_p50_us`.
     pub decision_p99_us: f64,
+    /// Median and 99th percentile of kvroute's reading and tokenizing of prompts, µs (0
+    /// without its headers).
+    pub prompt_read_p50_us: f64,
+    /// See `prompt_read_p50_us`.
+    pub prompt_read_p99_us: f64,
     /// Seconds the run took.
     pub wall_seconds: f64,
 }
@@ -316,11 +325,15 @@ async fn answer(
     };
     record.worker = header(WORKER_HEADER);
     record.predicted_cached_tokens = header(PREDICTED_HEADER);
-    record.decision_us = response
-        .headers()
-        .get(DECISION_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<f64>().ok());
+    let micros = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    record.decision_us = micros(DECISION_HEADER);
+    record.prompt_read_us = micros(PROMPT_READ_HEADER);
     if !response.status().is_success() {
         record.error = Some(response.text().await.unwrap_or_default());
         return record;
@@ -431,6 +444,8 @@ pub fn figures(records: &[ReplayRecord], wall: f64) -> ReplayReport {
         .count();
     let mut decisions: Vec<f64> = ok.iter().filter_map(|r| r.decision_us).collect();
     decisions.sort_by(f64::total_cmp);
+    let mut reads: Vec<f64> = ok.iter().filter_map(|r| r.prompt_read_us).collect();
+    reads.sort_by(f64::total_cmp);
     let (mut oracle_prompt, mut oracle_cached, mut oracle_hit) = (0u64, 0u64, 0u64);
     let asked = records
         .iter()
@@ -477,6 +492,8 @@ pub fn figures(records: &[ReplayRecord], wall: f64) -> ReplayReport {
         },
         decision_p50_us: quantile(&decisions, 0.5),
         decision_p99_us: quantile(&decisions, 0.99),
+        prompt_read_p50_us: quantile(&reads, 0.5),
+        prompt_read_p99_us: quantile(&reads, 0.99),
         wall_seconds: wall,
     }
 }
@@ -613,7 +630,7 @@ pub fn table(report: &ReplayReport, name: &str) -> String {
         "{name}: {} requests, {} ok, {} failed in {:.1} s\n\
          hit rate {:.3}{}   TTFT mean {:.0} ms, p50 {:.0} ms, p99 {:.0} ms   ITL {:.1} ms   \
          latency {:.0} ms\nthroughput {:.0} tok/s   imbalance {:.2}   predicted exactly {:.1}%   \
-         decision p50 {:.1} µs, p99 {:.1} µs\n",
+         decision p50 {:.1} µs, p99 {:.1} µs   prompt read p50 {:.1} µs, p99 {:.1} µs\n",
         report.requests,
         report.ok,
         report.failed,
@@ -643,6 +660,8 @@ pub fn table(report: &ReplayReport, name: &str) -> String {
         report.imbalance,
         report.prediction_accuracy * 100.0,
         report.decision_p50_us,
-        report.decision_p99_us
+        report.decision_p99_us,
+        report.prompt_read_p50_us,
+        report.prompt_read_p99_us
     )
 }

@@ -16,6 +16,7 @@ pub(crate) struct Metrics {
     registry: Registry,
     pub requests: IntCounterVec,
     pub decision_seconds: Histogram,
+    pub prompt_read_seconds: Histogram,
     pub predicted_cached_tokens: Histogram,
     pub retries: IntCounterVec,
     pub queue_wait_seconds: Histogram,
@@ -37,6 +38,13 @@ impl Metrics {
                 "Time to decide where a request goes (hashing included).",
             )
             .buckets(vec![1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2]),
+        )?;
+        let prompt_read_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvroute_prompt_read_seconds",
+                "Time to read a request's routing fields and tokenize its prompt, when it has text.",
+            )
+            .buckets(vec![1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 1e-1, 1.0]),
         )?;
         let predicted_cached_tokens = Histogram::with_opts(
             HistogramOpts::new(
@@ -84,6 +92,7 @@ impl Metrics {
             registry.register(Box::new(m.clone()))?;
         }
         registry.register(Box::new(decision_seconds.clone()))?;
+        registry.register(Box::new(prompt_read_seconds.clone()))?;
         registry.register(Box::new(predicted_cached_tokens.clone()))?;
         registry.register(Box::new(load.clone()))?;
         registry.register(Box::new(events.clone()))?;
@@ -91,6 +100,7 @@ impl Metrics {
             registry,
             requests,
             decision_seconds,
+            prompt_read_seconds,
             predicted_cached_tokens,
             retries,
             queue_wait_seconds,

@@ -329,11 +329,13 @@ pub(crate) async fn completions(
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
+    let started = Instant::now();
     let routed = match read_completion_async(&state, &body).await {
         Ok(routed) => routed,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
-    forward(&state, ROUTE, Api::Completions, body, &routed).await
+    let read_in = started.elapsed();
+    forward(&state, ROUTE, Api::Completions, body, &routed, read_in).await
 }
 
 pub(crate) async fn chat_completions(
@@ -345,11 +347,13 @@ pub(crate) async fn chat_completions(
     if !authorized(&state, &headers) {
         return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
     }
+    let started = Instant::now();
     let routed = match read_prompt_async(&state, &body, true).await {
         Ok((_, routed)) => routed,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
-    forward(&state, ROUTE, Api::Chat, body, &routed).await
+    let read_in = started.elapsed();
+    forward(&state, ROUTE, Api::Chat, body, &routed, read_in).await
 }
 
 /// Which of an engine's OpenAI routes a request goes to.
@@ -367,7 +371,12 @@ async fn forward(
     api: Api,
     body: Bytes,
     routed: &Routed,
+    read_in: std::time::Duration,
 ) -> Response {
+    state
+        .metrics
+        .prompt_read_seconds
+        .observe(read_in.as_secs_f64());
     let mut excluded: Vec<WorkerId> = Vec::new();
     let attempts = state.options.retries + 1;
     for attempt in 0..attempts {
@@ -492,6 +501,7 @@ async fn forward(
             worker,
             predicted: decision.predicted_cached_tokens,
             decided_in,
+            read_in,
         };
         return relay(state, route, response, guard, placed).await;
     }
@@ -510,6 +520,8 @@ struct Placement {
     predicted: u64,
     /// How long the decision took (none: it waited in the admission queue).
     decided_in: Option<std::time::Duration>,
+    /// How long reading the body's routing fields and tokenizing its prompt took.
+    read_in: std::time::Duration,
 }
 
 /// Sends the engine's answer back as it comes, moving the request's lifecycle along.
@@ -524,6 +536,7 @@ async fn relay(
         worker,
         predicted,
         decided_in,
+        read_in,
     } = placed;
     let status = StatusCode::from_u16(response.status().as_u16())
         .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -557,6 +570,8 @@ async fn relay(
         let micros = format!("{:.1}", took.as_secs_f64() * 1e6);
         builder = builder.header(crate::replay::DECISION_HEADER, micros);
     }
+    let micros = format!("{:.1}", read_in.as_secs_f64() * 1e6);
+    builder = builder.header(crate::replay::PROMPT_READ_HEADER, micros);
     if let Some(ct) = content_type {
         if let Ok(v) = HeaderValue::from_bytes(ct.as_bytes()) {
             builder = builder.header(header::CONTENT_TYPE, v);

@@ -166,8 +166,14 @@ fn the_load_over_time_is_what_a_hand_count_gives() {
     let (mut c, mut d) = (a.clone(), b.clone());
     c.decision_us = Some(4.0);
     d.decision_us = Some(9.0);
+    c.prompt_read_us = Some(30.0);
+    d.prompt_read_us = Some(70.0);
     let report = kvroute::replay::figures(&[c, d, a.clone()], 1.0);
     assert_eq!((report.decision_p50_us, report.decision_p99_us), (4.0, 9.0));
+    assert_eq!(
+        (report.prompt_read_p50_us, report.prompt_read_p99_us),
+        (30.0, 70.0)
+    );
     // Workers in id order: 3, then 7.
     assert_eq!(
         windows,

@@ -757,6 +757,13 @@ async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
                 .parse()
                 .unwrap();
             assert!(decision_us > 0.0 && decision_us < 1e6, "{decision_us}");
+            // How long serve read the 20 kB text and tokenized its new chunks.
+            let read_us: f64 = r.headers()["x-kvroute-prompt-read-us"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(read_us > 0.0 && read_us < 1e7, "{read_us}");
             let v: Value = r.json().await.unwrap();
             let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
