@@ -316,24 +316,11 @@ async fn answer(
         }
     };
     record.status = response.status().as_u16();
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok())
-    };
-    record.worker = header(WORKER_HEADER);
-    record.predicted_cached_tokens = header(PREDICTED_HEADER);
-    let micros = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<f64>().ok())
-    };
-    record.decision_us = micros(DECISION_HEADER);
-    record.prompt_read_us = micros(PROMPT_READ_HEADER);
+    let headers = response.headers();
+    record.worker = header(headers, WORKER_HEADER);
+    record.predicted_cached_tokens = header(headers, PREDICTED_HEADER);
+    record.decision_us = header(headers, DECISION_HEADER);
+    record.prompt_read_us = header(headers, PROMPT_READ_HEADER);
     if !response.status().is_success() {
         record.error = Some(response.text().await.unwrap_or_default());
         return record;
@@ -394,6 +381,11 @@ async fn answer(
         record.error = Some("the stream ended before [DONE]".to_owned());
     }
     record
+}
+
+/// A response header's value read as a number, when it is one.
+fn header<T: std::str::FromStr>(headers: &reqwest::header::HeaderMap, name: &str) -> Option<T> {
+    headers.get(name)?.to_str().ok()?.parse().ok()
 }
 
 /// The end (past the blank line) of the first whole SSE event in `buffer`.

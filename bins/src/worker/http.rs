@@ -161,6 +161,24 @@ fn prompt_ids(state: &AppState, kind: Kind, request: &Value) -> Result<Vec<u32>,
     Ok(ids)
 }
 
+/// The body as a JSON object, or why it is refused.
+fn request_object(body: &[u8]) -> Result<Value, String> {
+    match serde_json::from_slice(body) {
+        Ok(v @ Value::Object(_)) => Ok(v),
+        Ok(_) => Err("the body must be a JSON object".to_owned()),
+        Err(e) => Err(format!("malformed request: {e}")),
+    }
+}
+
+/// The prompt's token ids and the request's cache salt, or why the request is refused.
+fn prompt_and_salt(
+    state: &AppState,
+    kind: Kind,
+    request: &Value,
+) -> Result<(Vec<u32>, Option<Arc<str>>), String> {
+    Ok((prompt_ids(state, kind, request)?, cache_salt(request)?))
+}
+
 /// The request's `cache_salt`, which vLLM takes as a non-empty string.
 fn cache_salt(request: &Value) -> Result<Option<Arc<str>>, String> {
     match request.get("cache_salt") {
@@ -171,10 +189,9 @@ fn cache_salt(request: &Value) -> Result<Option<Arc<str>>, String> {
 }
 
 async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
-    let request: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        Ok(_) => return bad_request("the body must be a JSON object"),
-        Err(e) => return bad_request(format!("malformed request: {e}")),
+    let request = match request_object(&body) {
+        Ok(v) => v,
+        Err(message) => return bad_request(message),
     };
     if let Some(model) = request.get("model").and_then(Value::as_str) {
         if model != &*state.model {
@@ -192,12 +209,8 @@ async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
     {
         return bad_request("only n = 1 is served");
     }
-    let prompt = match prompt_ids(&state, kind, &request) {
-        Ok(p) => p,
-        Err(message) => return bad_request(message),
-    };
-    let cache_salt = match cache_salt(&request) {
-        Ok(salt) => salt,
+    let (prompt, cache_salt) = match prompt_and_salt(&state, kind, &request) {
+        Ok(x) => x,
         Err(message) => return bad_request(message),
     };
     let max_tokens = request
@@ -649,22 +662,17 @@ async fn admin_stats(State(state): State<AppState>) -> Response {
 /// admission does. Nothing is admitted. A replay asks every worker at each arrival and takes
 /// the most: the oracle's hit rate.
 async fn admin_cached(State(state): State<AppState>, body: Bytes) -> Response {
-    let request: Value = match serde_json::from_slice(&body) {
-        Ok(v @ Value::Object(_)) => v,
-        Ok(_) => return bad_request("the body must be a JSON object"),
-        Err(e) => return bad_request(format!("malformed request: {e}")),
+    let request = match request_object(&body) {
+        Ok(v) => v,
+        Err(message) => return bad_request(message),
     };
     let kind = if request.get("messages").is_some() {
         Kind::Chat
     } else {
         Kind::Completion
     };
-    let prompt = match prompt_ids(&state, kind, &request) {
-        Ok(p) => p,
-        Err(message) => return bad_request(message),
-    };
-    let cache_salt = match cache_salt(&request) {
-        Ok(salt) => salt,
+    let (prompt, cache_salt) = match prompt_and_salt(&state, kind, &request) {
+        Ok(x) => x,
         Err(message) => return bad_request(message),
     };
     let prompt_tokens = prompt.len();
