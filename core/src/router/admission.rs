@@ -183,6 +183,7 @@ impl OwnedRequest {
                 priority_jump: h.priority_jump,
                 priority_class: h.priority_class,
                 expected_output_tokens: h.expected_output_tokens,
+                prompt_len: h.prompt_len,
                 allowed: None,
                 overrides: h.overrides,
                 evidence: h.evidence,
@@ -403,7 +404,7 @@ impl Router {
                 }
             }
         };
-        let tokens = req.tokens.len() as u64;
+        let tokens = req.prompt_tokens();
         let item = OwnedRequest::new(req);
         let lane = st.lane_for(&item.eligibility);
         let waiting = Waiting {

@@ -30,7 +30,7 @@ impl Router {
             Bookkeeping::UntrackedDpRankUnresolved => bump(&self.counters.untracked),
             Bookkeeping::Booked => {
                 let (hints, bs) = (&req.hints, self.config.block_size);
-                let tokens = req.tokens.len() as u64;
+                let tokens = req.prompt_tokens();
                 let prefill_tokens = match hints.phase {
                     Phase::Decode => 0,
                     _ => tokens - d.overlap.cached_tokens,
@@ -40,7 +40,8 @@ impl Router {
                     state: &entry.state,
                     prefill_tokens,
                     block_hashes: &prompt.locals,
-                    tail_blocks: u64::from(tokens % u64::from(bs) != 0),
+                    // The partial last block, and the blocks of a prompt given only in part.
+                    tail_blocks: tokens.div_ceil(u64::from(bs)) - prompt.locals.len() as u64,
                     prompt_tokens: tokens,
                     cached_tokens: d.overlap.cached_tokens,
                     block_size: bs,

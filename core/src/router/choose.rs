@@ -45,7 +45,7 @@ impl Choice {
     ) -> Decision {
         let c = self.candidate;
         let bs = u64::from(block_size);
-        let computable = (req.tokens.len() as u64).saturating_sub(1) / bs.max(1) * bs;
+        let computable = req.prompt_tokens().saturating_sub(1) / bs.max(1) * bs;
         let held = u64::from(c.overlap.blocks.max(c.cost.shared_blocks)) * bs;
         Decision {
             request: req.id,

@@ -52,6 +52,7 @@
 //! | `request.rs` | what a caller hands over: `RouteRequest`, `RouteHints`, `RouteError` |
 //! | `decision.rs` | what a route answers: `Decision` and why it was made |
 //! | `route.rs` | the route as named steps: check, hash, weigh, constraints, pin or session, match, raise from records |
+//! | `held.rs` | `held_blocks`: how far a prompt's beginning matches anywhere, for callers that tokenize in pieces |
 //! | `plan.rs` | what a route settles before it selects: its gate, time, eligibility, pin, plan |
 //! | `scratch.rs` | one thread's reused buffers |
 //! | `choose.rs` | the selection step: the pinned rank, or gather, probe, veto, pick (or wait) |
@@ -71,6 +72,7 @@ mod choose;
 mod decision;
 mod events;
 mod guard;
+mod held;
 mod lifecycle;
 mod metrics;
 mod plan;

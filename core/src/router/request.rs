@@ -95,6 +95,12 @@ pub struct RouteHints<'a> {
     pub priority_jump: f64,
     /// Strict priority class in the admission queue: higher classes always go first.
     pub priority_class: PriorityClass,
+    /// The prompt's length in tokens when [`RouteRequest::tokens`] holds only its beginning:
+    /// a caller that tokenized a long prompt only as far as some rank could hold it
+    /// ([`Router::held_blocks`](super::Router::held_blocks)). The rest counts as uncached
+    /// prefill and as the request's own prompt blocks; only the tokens given are hashed,
+    /// matched and booked as active. Ignored unless longer than the tokens given.
+    pub prompt_len: Option<u64>,
     /// Expected generated tokens, when known: the request's output blocks then weigh what is
     /// left of it in the rank's decode load (see the `load` module); recorded in the decision.
     pub expected_output_tokens: Option<u32>,
@@ -162,6 +168,15 @@ pub struct RouteRequest<'a> {
     pub tokens: &'a [u32],
     /// What the caller knows besides the tokens.
     pub hints: RouteHints<'a>,
+}
+
+impl RouteRequest<'_> {
+    /// The prompt's length in tokens: the tokens given, or [`RouteHints::prompt_len`] when
+    /// that is more.
+    #[inline(always)]
+    pub fn prompt_tokens(&self) -> u64 {
+        (self.tokens.len() as u64).max(self.hints.prompt_len.unwrap_or(0))
+    }
 }
 
 /// Why a request could not be routed.

@@ -57,7 +57,7 @@ impl crate::approx::Overlaps for RankDepths {
 }
 
 thread_local! {
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    pub(super) static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
 impl Router {
@@ -231,7 +231,7 @@ impl Router {
         let keyed = self.prefix_key_blocks().min(prompt.locals.len());
         prefix_keys_into(&prompt.locals[..keyed], &mut prompt.keys);
         prompt.marks.clear();
-        let tokens = req.tokens.len() as u64;
+        let tokens = req.prompt_tokens();
         RequestShape {
             tokens,
             blocks: tokens.div_ceil(u64::from(bs)),

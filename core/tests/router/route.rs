@@ -1294,3 +1294,126 @@ fn predicted_cached_tokens_count_held_blocks_and_leave_the_last_token() {
     q.hints.mode = Mode::QueryOnly;
     assert_eq!(r.route(&q).unwrap().predicted_cached_tokens, 0);
 }
+
+/// `held_blocks` is the deepest of the index's overlaps (any tier, any rank) and the prompts
+/// active on one rank, in whole blocks of the tokens given, under the request's seed.
+#[test]
+fn held_blocks_is_the_deepest_match_anywhere() {
+    let r = router(RouterConfig::default());
+    for w in 1..=3 {
+        r.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+    }
+    let t = tokens(10 * BS as usize + 5);
+    let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+    let none = RouteHints::default();
+    assert_eq!(r.held_blocks(&t, &none), 0);
+    assert_eq!(r.held_blocks(&[], &none), 0);
+    store(
+        &r,
+        WorkerRank::new(1, 0),
+        StorageTier::Device,
+        &locals[..3],
+        1,
+    );
+    store(
+        &r,
+        WorkerRank::new(2, 0),
+        StorageTier::HostPinned,
+        &locals[..4],
+        2,
+    );
+    assert_eq!(r.held_blocks(&t, &none), 4);
+    // Fewer full blocks given than held: those.
+    assert_eq!(r.held_blocks(&t[..2 * BS as usize + 3], &none), 2);
+    // Another seed names other blocks.
+    let salted = RouteHints {
+        cache_salt: Some("tenant"),
+        ..RouteHints::default()
+    };
+    assert_eq!(r.held_blocks(&t, &salted), 0);
+    // A prompt active on worker 3 (routed there, not yet stored) holds its blocks.
+    let mut q = req(1, &t[..7 * BS as usize]);
+    q.hints.pinned.backend_instance = Some(WorkerId(3));
+    r.route(&q).unwrap();
+    assert_eq!(r.held_blocks(&t, &none), 7);
+    r.free(RequestId(1)).unwrap();
+    assert_eq!(r.held_blocks(&t, &none), 4);
+}
+
+/// A prompt given in part with its whole length books the whole length's prefill and
+/// blocks, predicts no more than the whole length allows, and frees it all.
+#[test]
+fn a_prompt_given_in_part_books_its_whole_length() {
+    let r = router(RouterConfig::default());
+    r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+    let t = tokens(3 * BS as usize + 4);
+    let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+    store(
+        &r,
+        WorkerRank::new(1, 0),
+        StorageTier::Device,
+        &locals[..2],
+        1,
+    );
+    let whole = 40 * u64::from(BS) + 9;
+    let mut q = req(1, &t);
+    q.hints.prompt_len = Some(whole);
+    assert_eq!(q.prompt_tokens(), whole);
+    let d = r.route(&q).unwrap();
+    assert_eq!(d.overlap.blocks, 2);
+    assert_eq!(d.overlap.cached_tokens, 2 * u64::from(BS));
+    // Predicted: the overlap (nothing of it was active before this route).
+    assert_eq!(d.predicted_cached_tokens, 2 * u64::from(BS));
+    let load = r.load(WorkerRank::new(1, 0)).unwrap();
+    assert_eq!(load.prefill_tokens, whole - 2 * u64::from(BS));
+    assert_eq!(load.prompt_blocks, whole.div_ceil(u64::from(BS)));
+    assert_eq!(load.requests, 1);
+    r.free(RequestId(1)).unwrap();
+    assert_eq!(r.load(WorkerRank::new(1, 0)).unwrap(), LoadView::default());
+
+    // A length below the tokens given is ignored.
+    let mut q = req(2, &t);
+    q.hints.prompt_len = Some(5);
+    assert_eq!(q.prompt_tokens(), t.len() as u64);
+    r.route(&q).unwrap();
+    let load = r.load(WorkerRank::new(1, 0)).unwrap();
+    assert_eq!(load.prefill_tokens, t.len() as u64 - 2 * u64::from(BS));
+    assert_eq!(load.prompt_blocks, 4);
+    r.free(RequestId(2)).unwrap();
+    assert_eq!(r.load(WorkerRank::new(1, 0)).unwrap(), LoadView::default());
+}
+
+/// More tokens matter while every full block given is held somewhere, and, under
+/// prefix-hash, until the blocks its key covers are given.
+#[test]
+fn more_tokens_are_needed_while_held_or_short_of_the_key() {
+    let r = router(RouterConfig::default());
+    r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+    let t = tokens(6 * BS as usize);
+    let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+    store(
+        &r,
+        WorkerRank::new(1, 0),
+        StorageTier::Device,
+        &locals[..2],
+        1,
+    );
+    let none = RouteHints::default();
+    let blocks = |n: usize| &t[..n * BS as usize];
+    assert!(r.needs_more_tokens(&t[..5], &none), "no full block yet");
+    assert!(r.needs_more_tokens(blocks(2), &none));
+    assert!(!r.needs_more_tokens(blocks(3), &none));
+
+    let keyed = router(RouterConfig {
+        policy: Policy::PrefixHash {
+            prefix_blocks: 4,
+            load_factor: 1.25,
+        },
+        ..RouterConfig::default()
+    });
+    keyed
+        .join_worker(WorkerConfig::simple(1, 1000, BS))
+        .unwrap();
+    assert!(keyed.needs_more_tokens(blocks(3), &none));
+    assert!(!keyed.needs_more_tokens(blocks(4), &none));
+}
