@@ -18,7 +18,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-pub use pieces::{PieceStats, PieceTokenizer, TokenizeError};
+pub use pieces::{Partial, PieceStats, PieceTokenizer, TokenizeError};
 pub use template::{ChatTemplate, RenderInput, TemplateError};
 
 /// A model's tokenizer and chat template.
@@ -89,6 +89,16 @@ impl ModelText {
     /// `add_generation_prompt`, true unless the request says otherwise), as the engine's
     /// template and tokenizer make them.
     pub fn chat_ids(&self, request: &Value) -> Result<Vec<u32>, ModelTextError> {
+        Ok(self.chat_ids_while(request, |_| true)?.ids)
+    }
+
+    /// [`ModelText::chat_ids`], tokenized only as far as `more` wants
+    /// ([`PieceTokenizer::encode_while`]).
+    pub fn chat_ids_while(
+        &self,
+        request: &Value,
+        more: impl FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, ModelTextError> {
         let template = self
             .template
             .as_ref()
@@ -110,13 +120,23 @@ impl ModelText {
             tools: request.get("tools").filter(|t| !t.is_null()),
             add_generation_prompt,
         })?;
-        Ok(self.tokenizer.encode(&text)?)
+        Ok(self.tokenizer.encode_while(&text, more)?)
     }
 
     /// The ids of a text prompt, with the special tokens the tokenizer adds (a BOS, where it
     /// has one), as vLLM's completions tokenize it; through the piece cache when it adds none.
     pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, ModelTextError> {
         Ok(self.tokenizer.encode_with_special(text)?)
+    }
+
+    /// [`ModelText::text_ids`], tokenized only as far as `more` wants
+    /// ([`PieceTokenizer::encode_with_special_while`]).
+    pub fn text_ids_while(
+        &self,
+        text: &str,
+        more: impl FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, ModelTextError> {
+        Ok(self.tokenizer.encode_with_special_while(text, more)?)
     }
 }
 

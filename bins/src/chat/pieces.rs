@@ -138,6 +138,43 @@ pub struct PieceStats {
     pub pieces: usize,
 }
 
+/// A text's first ids, as far as [`PieceTokenizer::encode_while`] was asked to go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Partial {
+    /// The ids of the text's first bytes.
+    pub ids: Vec<u32>,
+    /// The bytes tokenized.
+    pub done_bytes: usize,
+    /// The bytes left untokenized (0: the ids are the whole text's).
+    pub rest_bytes: usize,
+}
+
+impl Partial {
+    fn of(ids: Vec<u32>, text: &str, done: usize) -> Self {
+        Partial {
+            ids,
+            done_bytes: done,
+            rest_bytes: text.len() - done,
+        }
+    }
+
+    /// True when the ids are the whole text's.
+    pub fn complete(&self) -> bool {
+        self.rest_bytes == 0
+    }
+
+    /// The whole text's length in tokens: the ids', and the bytes left at the rate of the
+    /// bytes tokenized (rounded up), an estimate.
+    pub fn estimated_tokens(&self) -> u64 {
+        let ids = self.ids.len() as u64;
+        if self.rest_bytes == 0 {
+            return ids;
+        }
+        let rest = self.rest_bytes as u64;
+        ids + (rest * ids.max(1)).div_ceil(self.done_bytes.max(1) as u64)
+    }
+}
+
 /// The tokenizer failed.
 #[derive(Debug, thiserror::Error)]
 #[error("tokenizer: {0}")]
@@ -178,13 +215,25 @@ impl PieceTokenizer {
     /// `text`'s ids as the tokenizer gives them with its special tokens added (as vLLM
     /// tokenizes a completion's text): through the cache when the tokenizer adds none.
     pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        Ok(self.encode_with_special_while(text, |_| true)?.ids)
+    }
+
+    /// [`PieceTokenizer::encode_with_special`], as far as `more` wants when the tokenizer adds
+    /// no special token ([`PieceTokenizer::encode_while`]); whole when it adds some.
+    pub fn encode_with_special_while(
+        &self,
+        text: &str,
+        more: impl FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, TokenizeError> {
         if self.adds_nothing {
-            return self.encode(text);
+            return self.encode_while(text, more);
         }
-        self.tokenizer
+        let ids = self
+            .tokenizer
             .encode(text, true)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizeError(e.to_string()))
+            .map_err(|e| TokenizeError(e.to_string()))?;
+        Ok(Partial::of(ids, text, text.len()))
     }
 
     /// The wrapped tokenizer.
@@ -195,15 +244,53 @@ impl PieceTokenizer {
     /// `text`'s ids, without added special tokens (`add_special_tokens=False`, as
     /// `apply_chat_template` tokenizes), through the piece cache.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        Ok(self.encode_while(text, |_| true)?.ids)
+    }
+
+    /// [`PieceTokenizer::encode`], piece by piece and chunk by chunk, asking `more` with the
+    /// ids so far after each whether to go on. Where it says no, the ids so far (the first
+    /// ids of `encode`'s, those of a prefix of `text` cut where the tokenizer cuts) and the
+    /// bytes left untokenized.
+    pub fn encode_while(
+        &self,
+        text: &str,
+        mut more: impl FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, TokenizeError> {
         let mut ids = Vec::with_capacity(text.len() / 3);
-        let mut at = 0;
-        for (start, len, id) in self.splits_in(text) {
-            self.piece(&text[at..start], &mut ids)?;
-            ids.push(id);
-            at = start + len;
+        // The start of the piece at hand, and the end of what is tokenized.
+        let (mut at, mut done) = (0, 0);
+        let splits = self.splits_in(text);
+        let ends = splits
+            .iter()
+            .map(|&(start, len, id)| (start, Some((start + len, id))))
+            .chain(std::iter::once((text.len(), None)));
+        for (start, split) in ends {
+            for end in self.chunk_ends_of(&text[at..start]).map(|end| at + end) {
+                self.chunk(&text[done..end], &mut ids)?;
+                done = end;
+                if end < text.len() && !more(&ids) {
+                    return Ok(Partial::of(ids, text, end));
+                }
+            }
+            if let Some((end, id)) = split {
+                ids.push(id);
+                (at, done) = (end, end);
+                if end < text.len() && !more(&ids) {
+                    return Ok(Partial::of(ids, text, end));
+                }
+            }
         }
-        self.piece(&text[at..], &mut ids)?;
-        Ok(ids)
+        Ok(Partial::of(ids, text, text.len()))
+    }
+
+    /// Where one piece (text with no split token) is cut into chunks, as offsets of the ends
+    /// of its chunks (the piece's own end last; none for an empty piece).
+    fn chunk_ends_of<'p>(&self, piece: &'p str) -> impl Iterator<Item = usize> + 'p {
+        let cut = self.chunked && piece.len() >= 2 * CHUNK_BYTES;
+        cut.then(|| chunk_ends(piece))
+            .into_iter()
+            .flatten()
+            .chain((!piece.is_empty()).then_some(piece.len()))
     }
 
     /// Where the split tokens occur in `text`, leftmost first, the longest where several
@@ -255,20 +342,6 @@ impl PieceTokenizer {
                 pieces: c.ids.len(),
             },
         )
-    }
-
-    /// Appends the ids of one piece (text with no split token), chunk by chunk where the
-    /// tokenizer allows it.
-    fn piece(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), TokenizeError> {
-        if !self.chunked || piece.len() < 2 * CHUNK_BYTES {
-            return self.chunk(piece, out);
-        }
-        let mut at = 0;
-        for end in chunk_ends(piece) {
-            self.chunk(&piece[at..end], out)?;
-            at = end;
-        }
-        self.chunk(&piece[at..], out)
     }
 
     /// Appends the ids of one chunk, from the cache when it is there.

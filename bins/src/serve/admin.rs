@@ -39,6 +39,7 @@ pub(crate) async fn route(
         tokens: &routed.tokens,
         hints: RouteHints {
             mode: if book { Mode::Book } else { Mode::QueryOnly },
+            prompt_len: Some(routed.prompt_len),
             expected_output_tokens: routed.expected_output,
             lora_name: routed.lora.as_deref(),
             cache_salt: routed.cache_salt.as_deref(),
@@ -64,6 +65,8 @@ pub(crate) async fn route(
                 "predicted_cached_tokens": d.predicted_cached_tokens,
                 "index_cached_tokens": d.overlap.cached_tokens,
                 "overlap_blocks": d.overlap.blocks,
+                "prompt_tokens": routed.prompt_len,
+                "tokenized_tokens": routed.tokens.len(),
                 "booked": book,
                 "decided_by": format!("{:?}", d.decided_by),
                 "cost": {

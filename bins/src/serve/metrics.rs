@@ -17,6 +17,7 @@ pub(crate) struct Metrics {
     pub requests: IntCounterVec,
     pub decision_seconds: Histogram,
     pub prompt_read_seconds: Histogram,
+    pub prompt_tokens: IntCounterVec,
     pub predicted_cached_tokens: Histogram,
     pub retries: IntCounterVec,
     pub queue_wait_seconds: Histogram,
@@ -45,6 +46,14 @@ impl Metrics {
                 "Time to read a request's routing fields and tokenize its prompt, when it has text.",
             )
             .buckets(vec![1e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 1e-1, 1.0]),
+        )?;
+        let prompt_tokens = IntCounterVec::new(
+            Opts::new(
+                "kvroute_prompt_tokens_total",
+                "Tokens of text prompts and chats: tokenized for routing, or past the point where \
+                 no worker could hold more of the prompt, counted by an estimate from their bytes.",
+            ),
+            &["how"],
         )?;
         let predicted_cached_tokens = Histogram::with_opts(
             HistogramOpts::new(
@@ -88,7 +97,7 @@ impl Metrics {
         )?;
         registry.register(Box::new(queue_wait_seconds.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
-        for m in [&requests, &retries] {
+        for m in [&requests, &retries, &prompt_tokens] {
             registry.register(Box::new(m.clone()))?;
         }
         registry.register(Box::new(decision_seconds.clone()))?;
@@ -101,6 +110,7 @@ impl Metrics {
             requests,
             decision_seconds,
             prompt_read_seconds,
+            prompt_tokens,
             predicted_cached_tokens,
             retries,
             queue_wait_seconds,

@@ -28,6 +28,7 @@ use serde_json::Value;
 
 use super::backends::mark_unreachable;
 use super::AppState;
+use crate::chat::{ModelText, ModelTextError, Partial};
 
 /// An error in OpenAI's shape, counted under `route`.
 pub(crate) fn error(
@@ -73,7 +74,14 @@ pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
 
 /// What routing reads of a request body.
 pub(crate) struct Routed {
+    /// The prompt's ids, or of a text prompt the first of them: as far as they could matter
+    /// to the decision (see [`text_tokens`]).
     pub tokens: Vec<u32>,
+    /// The prompt's whole length in tokens: more than `tokens` holds when a text was tokenized
+    /// only in part (the rest estimated from its bytes).
+    pub prompt_len: u64,
+    /// Whether the ids come from tokenizing text (else the client sent them).
+    pub from_text: bool,
     pub expected_output: Option<u32>,
     /// The LoRA adapter the request names (its blocks are hashed under it).
     pub lora: Option<String>,
@@ -158,20 +166,29 @@ pub(crate) fn read_completion(state: &AppState, body: &[u8]) -> Result<Routed, R
         return read_prompt(state, body, false).map(|(_, routed)| routed);
     };
     let lora = model_lora(state, fields.model.as_deref(), fields.model.is_some())?;
-    let tokens = match fields.prompt {
-        Some(super::body::Prompt::Ids(ids)) => ids,
-        Some(super::body::Prompt::Text(text)) => text_tokens(state, &text)?,
-        None => return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+    let cache_salt = match fields.cache_salt {
+        Some(salt) => Some(checked_salt(&salt)?.to_owned()),
+        None => None,
     };
     let expected_output = fields
         .max_tokens
         .or(fields.max_completion_tokens)
         .and_then(|n| u32::try_from(n).ok());
-    let cache_salt = match fields.cache_salt {
-        Some(salt) => Some(checked_salt(&salt)?.to_owned()),
-        None => None,
+    let routed = Routed {
+        tokens: Vec::new(),
+        prompt_len: 0,
+        from_text: false,
+        expected_output,
+        lora,
+        cache_salt,
     };
-    routed(tokens, expected_output, lora, cache_salt)
+    match fields.prompt {
+        Some(super::body::Prompt::Ids(ids)) => routed.with_ids(ids),
+        Some(super::body::Prompt::Text(text)) => {
+            routed.with_text(state, |text_ids, more| text_ids.text_ids_while(&text, more))
+        }
+        None => Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+    }
 }
 
 /// A cache salt as vLLM takes it: a non-empty string.
@@ -206,39 +223,65 @@ fn model_lora(
     Ok(lora)
 }
 
-/// A text prompt's ids, or why it cannot be routed.
-fn text_tokens(state: &AppState, prompt: &str) -> Result<Vec<u32>, Refusal> {
-    match &state.text {
-        Some(text) => text
-            .text_ids(prompt)
-            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string())),
-        None => Err(Refusal::new(
-            StatusCode::BAD_REQUEST,
-            "text prompts are routed by the model's tokenizer: start kvroute serve with \
-             --tokenizer DIR, or send token ids",
-        )),
+impl Routed {
+    /// With the prompt's ids, unless there are none.
+    fn with_ids(mut self, ids: Vec<u32>) -> Result<Routed, Refusal> {
+        if ids.is_empty() {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "the prompt has no tokens",
+            ));
+        }
+        self.prompt_len = ids.len() as u64;
+        self.tokens = ids;
+        Ok(self)
     }
-}
 
-/// The routing input, unless the prompt has no tokens.
-fn routed(
-    tokens: Vec<u32>,
-    expected_output: Option<u32>,
-    lora: Option<String>,
-    cache_salt: Option<String>,
-) -> Result<Routed, Refusal> {
-    if tokens.is_empty() {
-        return Err(Refusal::new(
-            StatusCode::BAD_REQUEST,
-            "the prompt has no tokens",
-        ));
+    /// With the ids of a text prompt or a chat, from `tokenize` (given the model's text and
+    /// when to stop), tokenized only as far as they could matter to the decision: while some
+    /// worker may hold every full block so far ([`Router::needs_more_tokens`], under the
+    /// request's LoRA adapter and salt). A prompt that is mostly new is then tokenized only
+    /// to its first chunk not held anywhere; the rest counts by its length, estimated from
+    /// its bytes at the rate of the part tokenized.
+    fn with_text(
+        self,
+        state: &AppState,
+        tokenize: impl FnOnce(
+            &ModelText,
+            &mut dyn FnMut(&[u32]) -> bool,
+        ) -> Result<Partial, ModelTextError>,
+    ) -> Result<Routed, Refusal> {
+        let Some(text) = &state.text else {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "text prompts and chats are routed by the model's tokenizer (and chat \
+                 template): start kvroute serve with --tokenizer DIR, or send token ids",
+            ));
+        };
+        let hints = RouteHints {
+            lora_name: self.lora.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+            ..RouteHints::default()
+        };
+        let block_size = state.router.config().block_size.max(1) as usize;
+        // Full blocks seen to be held so far: a step that adds none asks nothing.
+        let mut checked = 0;
+        let mut more = |ids: &[u32]| {
+            let full = ids.len() / block_size;
+            if full <= checked {
+                return true;
+            }
+            checked = full;
+            state.router.needs_more_tokens(ids, &hints)
+        };
+        let part = tokenize(text, &mut more)
+            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?;
+        let prompt_len = part.estimated_tokens();
+        let mut routed = self.with_ids(part.ids)?;
+        routed.prompt_len = prompt_len.max(routed.prompt_len);
+        routed.from_text = true;
+        Ok(routed)
     }
-    Ok(Routed {
-        tokens,
-        expected_output,
-        lora,
-        cache_salt,
-    })
 }
 
 /// Reads the prompt's token ids and the output length, or the client's error.
@@ -257,35 +300,6 @@ pub(crate) fn read_prompt(
     };
     let model = object.get("model");
     let lora = model_lora(state, model.and_then(Value::as_str), model.is_some())?;
-    let tokens = if chat {
-        let Some(text) = &state.text else {
-            return Err(Refusal::new(
-                StatusCode::BAD_REQUEST,
-                "chat requests are routed by the model's chat template and tokenizer: start \
-                 kvroute serve with --tokenizer DIR",
-            ));
-        };
-        text.chat_ids(&value)
-            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?
-    } else {
-        match object.get("prompt") {
-            Some(Value::Array(items)) if items.iter().all(Value::is_u64) => items
-                .iter()
-                .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
-                .collect::<Option<Vec<u32>>>()
-                .ok_or_else(|| {
-                    Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
-                })?,
-            Some(Value::String(prompt)) => text_tokens(state, prompt)?,
-            Some(_) => {
-                return Err(Refusal::new(
-                    StatusCode::BAD_REQUEST,
-                    "prompt must be a string or a list of token ids (one prompt per request)",
-                ))
-            }
-            None => return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
-        }
-    };
     let expected_output = object
         .get("max_tokens")
         .or_else(|| object.get("max_completion_tokens"))
@@ -301,7 +315,39 @@ pub(crate) fn read_prompt(
             ))
         }
     };
-    let routed = routed(tokens, expected_output, lora, cache_salt)?;
+    let routed = Routed {
+        tokens: Vec::new(),
+        prompt_len: 0,
+        from_text: false,
+        expected_output,
+        lora,
+        cache_salt,
+    };
+    let routed = if chat {
+        routed.with_text(state, |text, more| text.chat_ids_while(&value, more))?
+    } else {
+        match object.get("prompt") {
+            Some(Value::Array(items)) if items.iter().all(Value::is_u64) => routed.with_ids(
+                items
+                    .iter()
+                    .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .ok_or_else(|| {
+                        Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
+                    })?,
+            )?,
+            Some(Value::String(prompt)) => {
+                routed.with_text(state, |text, more| text.text_ids_while(prompt, more))?
+            }
+            Some(_) => {
+                return Err(Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    "prompt must be a string or a list of token ids (one prompt per request)",
+                ))
+            }
+            None => return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+        }
+    };
     Ok((value, routed))
 }
 
@@ -377,6 +423,13 @@ async fn forward(
         .metrics
         .prompt_read_seconds
         .observe(read_in.as_secs_f64());
+    if routed.from_text {
+        let tokenized = routed.tokens.len() as u64;
+        let m = &state.metrics.prompt_tokens;
+        m.with_label_values(&["tokenized"]).inc_by(tokenized);
+        m.with_label_values(&["estimated"])
+            .inc_by(routed.prompt_len.saturating_sub(tokenized));
+    }
     let mut excluded: Vec<WorkerId> = Vec::new();
     let attempts = state.options.retries + 1;
     for attempt in 0..attempts {
@@ -414,6 +467,7 @@ async fn forward(
             id,
             tokens: &routed.tokens,
             hints: RouteHints {
+                prompt_len: Some(routed.prompt_len),
                 expected_output_tokens: routed.expected_output,
                 lora_name: routed.lora.as_deref(),
                 cache_salt: routed.cache_salt.as_deref(),

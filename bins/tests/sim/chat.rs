@@ -206,3 +206,54 @@ fn a_growing_text_prompt_tokenizes_only_its_new_end() {
         before = after;
     }
 }
+
+/// Tokenizing as far as asked gives the first ids of the whole text's, and exactly the ids of
+/// the text tokenized: stopped after any chunk or piece, of text prompts and of chats.
+#[test]
+fn a_text_tokenized_in_part_gives_the_first_ids_of_the_whole() {
+    let Some(model) = model() else { return };
+    let mut rng = kvroute_core::Rng::new(11);
+    for round in 0..40 {
+        let text = fragments(&mut rng, 300 + 60 * round);
+        let whole = model.text_ids(&text).unwrap();
+        let stop_after = rng.below(6) as usize;
+        let mut asked = 0;
+        let part = model
+            .text_ids_while(&text, |_| {
+                asked += 1;
+                asked <= stop_after
+            })
+            .unwrap();
+        assert_eq!(part.done_bytes + part.rest_bytes, text.len());
+        assert!(whole.starts_with(&part.ids), "{text:?}");
+        assert_eq!(
+            part.ids,
+            model
+                .tokenizer
+                .encode_fresh(&text[..part.done_bytes])
+                .unwrap(),
+            "{text:?}"
+        );
+        if part.complete() {
+            assert_eq!(part.ids, whole);
+            assert_eq!(part.estimated_tokens(), whole.len() as u64);
+        } else {
+            assert_eq!(asked, stop_after + 1);
+            assert!(part.estimated_tokens() > part.ids.len() as u64);
+        }
+    }
+    for chat in chats() {
+        let whole = model.chat_ids(&chat).unwrap();
+        for stop_after in 0..4 {
+            let mut asked = 0;
+            let part = model
+                .chat_ids_while(&chat, |_| {
+                    asked += 1;
+                    asked <= stop_after
+                })
+                .unwrap();
+            assert!(whole.starts_with(&part.ids), "{chat}");
+            assert_eq!(part.complete(), part.ids == whole, "{chat}");
+        }
+    }
+}

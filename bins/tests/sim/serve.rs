@@ -744,6 +744,13 @@ async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
             let body = json!({"model": "kvroute-sim", "max_tokens": 2,
                 "prompt": format!("{}Question {round}: what comes first?", document(i))});
             assert!(body.to_string().len() > 20_000);
+            // Serve tokenizes only as far as some worker may hold the prompt: a new document
+            // to its first chunk, one seen before through it.
+            let r = f.post("/v1/route", &body).await;
+            assert_eq!(r.status(), 200);
+            let route: Value = r.json().await.unwrap();
+            let tokenized = route["tokenized_tokens"].as_u64().unwrap();
+            let estimated = route["prompt_tokens"].as_u64().unwrap();
             let r = f.post("/v1/completions", &body).await;
             assert_eq!(r.status(), 200);
             let predicted: u64 = r.headers()["x-kvroute-predicted-cached-tokens"]
@@ -770,8 +777,18 @@ async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
                 .unwrap();
             let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
             assert_eq!(predicted, cached, "round {round}, document {i}");
-            if round == 1 {
+            assert!(
+                estimated.abs_diff(prompt) * 10 <= prompt,
+                "{estimated} estimated for {prompt}"
+            );
+            if round == 0 {
+                assert!(tokenized * 4 < prompt, "{tokenized} of {prompt} tokenized");
+            } else {
                 assert!(cached * 10 >= prompt * 9, "{cached} of {prompt} cached");
+                assert!(
+                    tokenized >= cached,
+                    "{tokenized} tokenized, {cached} cached"
+                );
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
