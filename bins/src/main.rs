@@ -154,6 +154,10 @@ struct ServeArgs {
     /// events arrive, so that requests sharing a prefix still in prefill follow it (0: off).
     #[arg(long, value_name = "S", env = "KVROUTE_SPECULATIVE_S")]
     speculative_s: Option<f64>,
+    /// Tokenize every text prompt and chat whole, instead of only as far as some worker may
+    /// hold it (the rest counted by a length estimated from its bytes).
+    #[arg(long, env = "KVROUTE_TOKENIZE_WHOLE")]
+    tokenize_whole: bool,
     /// Largest request body accepted, in bytes (larger ones get a 413) [default: 32 MiB].
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
     max_body_bytes: Option<usize>,
@@ -421,6 +425,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         busy_decode_fraction: args.busy_decode_fraction,
         queue_max_tokens: args.queue_max_tokens,
         speculative_s: args.speculative_s,
+        tokenize_whole: args.tokenize_whole.then_some(true),
         workers: args
             .workers
             .iter()

@@ -54,6 +54,9 @@ pub struct ServeFile {
     /// Seconds each routing decision counts as cached on its worker, until the worker's own KV
     /// events arrive (speculative records; 0 or absent: off).
     pub speculative_s: Option<f64>,
+    /// Tokenize every text prompt and chat whole, instead of only as far as some worker may
+    /// hold it (the default; see `tokenize_whole` in [`ServeOptions`]).
+    pub tokenize_whole: Option<bool>,
     /// The engines.
     #[serde(default)]
     pub workers: Vec<BackendSpec>,
@@ -124,6 +127,9 @@ impl ServeFile {
         }
         if let Some(v) = self.retries {
             options.retries = v;
+        }
+        if let Some(v) = self.tokenize_whole {
+            options.tokenize_whole = v;
         }
         if let Some(v) = self.block_size {
             options.router.block_size = v;

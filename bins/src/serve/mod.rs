@@ -72,6 +72,12 @@ pub struct ServeOptions {
     /// The model's tokenizer and chat template (a directory with `tokenizer.json` and
     /// `tokenizer_config.json`): needed to route chat requests and text prompts.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Tokenize every text prompt and chat whole. By default one is tokenized only as far as
+    /// some worker may hold it, the rest counted by a length estimated from its bytes: the
+    /// same choice, for much less tokenizing of mostly new prompts, except that a request
+    /// with the same new text arriving while this one is in prefill sees only its tokenized
+    /// part active.
+    pub tokenize_whole: bool,
 }
 
 impl Default for ServeOptions {
@@ -89,6 +95,7 @@ impl Default for ServeOptions {
             probe_every: Duration::from_secs(1),
             max_body: 32 << 20,
             tokenizer: None,
+            tokenize_whole: false,
         }
     }
 }

@@ -240,7 +240,7 @@ impl Routed {
     /// With the ids of a text prompt or a chat, from `tokenize` (given the model's text and
     /// when to stop), tokenized only as far as they could matter to the decision: while some
     /// worker may hold every full block so far ([`Router::needs_more_tokens`], under the
-    /// request's LoRA adapter and salt). A prompt that is mostly new is then tokenized only
+    /// request's LoRA adapter and salt), unless the service tokenizes whole prompts. A prompt that is mostly new is then tokenized only
     /// to its first chunk not held anywhere; the rest counts by its length, estimated from
     /// its bytes at the rate of the part tokenized.
     fn with_text(
@@ -266,7 +266,11 @@ impl Routed {
         let block_size = state.router.config().block_size.max(1) as usize;
         // Full blocks seen to be held so far: a step that adds none asks nothing.
         let mut checked = 0;
+        let whole = state.options.tokenize_whole;
         let mut more = |ids: &[u32]| {
+            if whole {
+                return true;
+            }
             let full = ids.len() / block_size;
             if full <= checked {
                 return true;

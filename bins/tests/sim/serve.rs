@@ -464,6 +464,15 @@ fn the_example_config_and_worker_flags_read_as_documented() {
         ..ServeFile::default()
     };
     assert!(bad.apply(ServeOptions::default()).is_err());
+    assert!(
+        !options.tokenize_whole,
+        "as far as a worker may hold it, by default"
+    );
+    let whole = ServeFile {
+        tokenize_whole: Some(true),
+        ..ServeFile::default()
+    };
+    assert!(whole.apply(ServeOptions::default()).unwrap().tokenize_whole);
     let speculative = ServeFile {
         speculative_s: Some(1.5),
         ..ServeFile::default()
