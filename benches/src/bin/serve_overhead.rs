@@ -20,7 +20,8 @@
 //! prefixes. A request's latency runs from sending it to having read its whole body. `added`
 //! is a path's percentile less the direct path's; requests/s are completed requests over the
 //! measured seconds. kvroute serve runs in this process on a runtime of its own; SGLang's
-//! router is a process of its own, in a venv the benchmark makes (target/bench-venv).
+//! router is a process of its own, in a venv the benchmark makes (target/bench-venv). The
+//! process allocates with mimalloc, as the `kvroute` program does.
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -28,6 +29,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use axum::body::Bytes;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};

@@ -80,7 +80,7 @@ impl ModelText {
             Err(_) => None,
         };
         Ok(ModelText {
-            tokenizer: PieceTokenizer::new(tokenizer),
+            tokenizer: PieceTokenizer::new(tokenizer)?,
             template,
         })
     }

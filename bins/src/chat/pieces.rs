@@ -22,13 +22,16 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::{PostProcessor, Tokenizer};
 
 /// A tokenizer with a cache of its pieces' ids.
 pub struct PieceTokenizer {
     tokenizer: Tokenizer,
-    /// Split tokens, longest first (the leftmost-longest match wins).
-    splits: Vec<(String, u32)>,
+    /// The split tokens, matched leftmost-longest in one pass (`None`: the tokenizer has
+    /// none), and the id of each by pattern.
+    splits: Option<AhoCorasick>,
+    split_ids: Vec<u32>,
     /// Pieces are cut into chunks at line breaks (see the module comment).
     chunked: bool,
     /// The tokenizer adds no special tokens of its own (no BOS), so a text's ids with them
@@ -112,7 +115,7 @@ fn chunk_ends(piece: &str) -> impl Iterator<Item = usize> + '_ {
 impl std::fmt::Debug for PieceTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PieceTokenizer")
-            .field("splits", &self.splits.len())
+            .field("splits", &self.split_ids.len())
             .finish_non_exhaustive()
     }
 }
@@ -185,7 +188,7 @@ const CACHE_TOKENS: usize = 4 << 20;
 
 impl PieceTokenizer {
     /// Wraps `tokenizer`, splitting at its added tokens that match raw text and strip nothing.
-    pub fn new(tokenizer: Tokenizer) -> Self {
+    pub fn new(tokenizer: Tokenizer) -> Result<Self, TokenizeError> {
         let mut splits: Vec<(String, u32)> = tokenizer
             .get_added_tokens_decoder()
             .iter()
@@ -193,18 +196,29 @@ impl PieceTokenizer {
             .filter(|(_, t)| !t.content.is_empty())
             .map(|(&id, t)| (t.content.clone(), id))
             .collect();
-        splits.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        // One id per text: the lowest.
+        splits.sort();
+        splits.dedup_by(|b, a| a.0 == b.0);
+        let matcher = if splits.is_empty() {
+            None
+        } else {
+            let built = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(splits.iter().map(|(text, _)| text));
+            Some(built.map_err(|e| TokenizeError(format!("the added tokens' matcher: {e}")))?)
+        };
         let chunked = chunkable(&tokenizer);
         let adds_nothing = tokenizer
             .get_post_processor()
             .is_none_or(|p| p.added_tokens(false) == 0);
-        PieceTokenizer {
+        Ok(PieceTokenizer {
             tokenizer,
-            splits,
+            splits: matcher,
+            split_ids: splits.into_iter().map(|(_, id)| id).collect(),
             chunked,
             adds_nothing,
             cache: Mutex::new(PieceCache::default()),
-        }
+        })
     }
 
     /// True when long pieces are cut into chunks at line breaks (see the module comment).
@@ -294,26 +308,15 @@ impl PieceTokenizer {
     }
 
     /// Where the split tokens occur in `text`, leftmost first, the longest where several
-    /// start at one place, none overlapping: (byte offset, length, id). One scan per token.
+    /// start at one place, none overlapping: (byte offset, length, id). One pass.
     fn splits_in(&self, text: &str) -> Vec<(usize, usize, u32)> {
-        let mut found: Vec<(usize, usize, u32)> = Vec::new();
-        for (token, id) in &self.splits {
-            found.extend(
-                text.match_indices(token.as_str())
-                    .map(|(at, _)| (at, token.len(), *id)),
-            );
-        }
-        // By offset, then longest first.
-        found.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        let mut kept = Vec::with_capacity(found.len());
-        let mut end = 0;
-        for (at, len, id) in found {
-            if at >= end {
-                kept.push((at, len, id));
-                end = at + len;
-            }
-        }
-        kept
+        let Some(matcher) = &self.splits else {
+            return Vec::new();
+        };
+        matcher
+            .find_iter(text)
+            .map(|m| (m.start(), m.len(), self.split_ids[m.pattern().as_usize()]))
+            .collect()
     }
 
     /// `text`'s ids from the tokenizer alone (no cache): what [`PieceTokenizer::encode`] must

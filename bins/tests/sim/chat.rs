@@ -88,6 +88,8 @@ fn the_piece_cache_always_gives_a_fresh_tokenizations_ids() {
             "<|im_end|>\n\n<|im_start|>user\n",
             "<think></think><tool_call>{\"a\": 1}</tool_call>",
             "no markers at all, just text",
+            "<|im_start|<|im_end|>>",
+            "<<|im_start|><|im_start|>|im_end|>",
             "",
         ]
         .map(str::to_owned),
