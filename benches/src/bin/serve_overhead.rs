@@ -288,11 +288,14 @@ fn main() -> Result<()> {
         }
     }
     // The load and the fake engine on one runtime, kvroute serve on its own.
+    // Named threads, so that a profile tells serve's time from the load's and the engine's.
     let load_rt = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("load-engine")
         .worker_threads(2)
         .enable_all()
         .build()?;
     let serve_rt = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("serve")
         .worker_threads(2)
         .enable_all()
         .build()?;

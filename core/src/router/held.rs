@@ -64,6 +64,8 @@ impl Router {
         let hasher = BlockHasher::new(self.config.block_size as usize)
             .with_seed(HashSeed::new(hints.lora_name, hints.cache_salt));
         hasher.local_hashes_into(tokens, &mut prompt.locals);
+        // Checkpoint keys are computed from these hashes as the records' lookup needs them.
+        prompt.marks.clear();
         let locals = &prompt.locals;
         let full = locals.len() as u32;
         if full == 0 {

@@ -297,3 +297,43 @@ fn a_departed_workers_records_credit_no_one() {
     assert_eq!(overlap_on(&r, &p, w1, t0), 8);
     assert_eq!(overlap_on(&r, &p, w3, t0), 0);
 }
+
+/// The records of a worker without events count in `held_blocks` for their TTL, whatever
+/// was routed on the thread just before.
+#[test]
+fn held_blocks_reads_the_records_of_workers_without_events() {
+    let r = router(Speculative::Off);
+    r.join_worker(WorkerConfig {
+        kv_events: KvEvents::Absent,
+        ..WorkerConfig::simple(1, 1000, BS)
+    })
+    .unwrap();
+    let t0 = Instant::now();
+    let p = prompt(128); // 8 blocks
+    pinned(&r, 1, &p, 1, t0);
+    r.free(RequestId(1)).unwrap();
+    let longer: Vec<u32> = p.iter().copied().chain(1_000..1_100).collect();
+    let other: Vec<u32> = (0..300).map(|i| i * 31 + 2).collect();
+    let none = RouteHints::default();
+    for _ in 0..2 {
+        assert_eq!(
+            r.at(t0 + Duration::from_secs(1))
+                .held_blocks(&longer, &none),
+            8
+        );
+        // A route of another prompt leaves its checkpoint keys in the thread's buffers.
+        overlap_on(
+            &r,
+            &other,
+            WorkerRank::new(1, 0),
+            t0 + Duration::from_secs(1),
+        );
+    }
+    assert!(!r.needs_more_tokens(&longer, &none));
+    assert!(r.needs_more_tokens(&longer[..128], &none));
+    assert_eq!(
+        r.at(t0 + Duration::from_secs(120))
+            .held_blocks(&longer, &none),
+        0
+    );
+}
