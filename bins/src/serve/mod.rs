@@ -106,7 +106,9 @@ pub(crate) struct AppState {
     pub router: Arc<Router>,
     pub backends: Arc<backends::Backends>,
     pub client: reqwest::Client,
-    pub metrics: metrics::Metrics,
+    /// Behind one `Arc`: the state is cloned for every request, and the metrics are many
+    /// handles.
+    pub metrics: Arc<metrics::Metrics>,
     pub options: Arc<ServeOptions>,
     pub next_id: Arc<AtomicU64>,
     pub text: Option<Arc<ModelText>>,
@@ -203,7 +205,9 @@ impl RunningServe {
             router: Arc::clone(&router),
             backends: Arc::clone(&backends),
             client: client.clone(),
-            metrics: metrics::Metrics::new().map_err(|e| ServeError::Setup(e.to_string()))?,
+            metrics: Arc::new(
+                metrics::Metrics::new().map_err(|e| ServeError::Setup(e.to_string()))?,
+            ),
             options: Arc::new(options.clone()),
             next_id: Arc::new(AtomicU64::new(0)),
             text,
