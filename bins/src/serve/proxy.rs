@@ -75,7 +75,7 @@ pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
 /// What routing reads of a request body.
 pub(crate) struct Routed {
     /// The prompt's ids, or of a text prompt the first of them: as far as they could matter
-    /// to the decision (see [`text_tokens`]).
+    /// to the decision (see [`Routed::with_text`]).
     pub tokens: Vec<u32>,
     /// The prompt's whole length in tokens: more than `tokens` holds when a text was tokenized
     /// only in part (the rest estimated from its bytes).
@@ -240,9 +240,9 @@ impl Routed {
     /// With the ids of a text prompt or a chat, from `tokenize` (given the model's text and
     /// when to stop), tokenized only as far as they could matter to the decision: while some
     /// worker may hold every full block so far ([`Router::needs_more_tokens`], under the
-    /// request's LoRA adapter and salt), unless the service tokenizes whole prompts. A prompt that is mostly new is then tokenized only
-    /// to its first chunk not held anywhere; the rest counts by its length, estimated from
-    /// its bytes at the rate of the part tokenized.
+    /// request's LoRA adapter and salt), unless the service tokenizes whole prompts. A prompt
+    /// that is mostly new is then tokenized only to its first chunk not held anywhere; the
+    /// rest counts by its length, estimated from its bytes at the rate of the part tokenized.
     fn with_text(
         self,
         state: &AppState,
@@ -264,7 +264,7 @@ impl Routed {
             ..RouteHints::default()
         };
         let block_size = state.router.config().block_size.max(1) as usize;
-        // Full blocks seen to be held so far: a step that adds none asks nothing.
+        // Full blocks at the last question: a step that adds none asks nothing.
         let mut checked = 0;
         let whole = state.options.tokenize_whole;
         let mut more = |ids: &[u32]| {
