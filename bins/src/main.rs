@@ -206,6 +206,13 @@ struct WorkerArgs {
     /// tokenizer_config.json): text prompts and chat requests need them.
     #[arg(long, value_name = "DIR")]
     tokenizer: Option<PathBuf>,
+    /// Also serve kvroute's own request wire (rkyv frames over io_uring, or epoll where
+    /// io_uring is unavailable) on this address.
+    #[arg(long, value_name = "HOST:PORT")]
+    wire: Option<std::net::SocketAddr>,
+    /// The worker's id in the request wire's handshake.
+    #[arg(long, default_value_t = 0, requires = "wire")]
+    worker_id: u64,
 }
 
 #[derive(Debug, Args)]
@@ -625,6 +632,8 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
         engine,
         max_model_len: args.max_model_len,
         tokenizer: args.tokenizer,
+        wire: args.wire,
+        worker_id: args.worker_id,
         kv_events: args.kv_events.map(|endpoint| PublisherConfig {
             endpoint,
             replay_endpoint: args.kv_replay,
@@ -643,6 +652,7 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
             http = %worker.http,
             events = ?worker.events,
             replay = ?worker.replay,
+            wire = ?worker.wire,
             "kvroute worker serving"
         );
         let exited = tokio::select! {

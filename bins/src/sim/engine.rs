@@ -60,6 +60,19 @@ pub struct EngineStats {
     pub prefix_hit_tokens: u64,
 }
 
+/// How busy the engine is: its requests and its blocks in use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    /// Requests running.
+    pub running: u32,
+    /// Requests waiting.
+    pub waiting: u32,
+    /// Blocks held by at least one request.
+    pub blocks_in_use: u32,
+    /// Blocks in the cache.
+    pub blocks_total: u32,
+}
+
 /// The simulated engine: vLLM's scheduler over a block pool, on a clock that moves only
 /// when passes run.
 #[derive(Debug)]
@@ -244,6 +257,16 @@ impl Engine {
     /// holds as a prefix: the hashing done once for many engines.
     pub fn cached_prefix_of(&self, hashes: &[SeqHash]) -> usize {
         self.scheduler.cached_prefix_of(hashes)
+    }
+
+    /// What a heartbeat reports of the engine: cheap enough for every pass.
+    pub fn occupancy(&self) -> Occupancy {
+        Occupancy {
+            running: self.scheduler.running.len() as u32,
+            waiting: self.scheduler.waiting.len() as u32,
+            blocks_in_use: self.scheduler.pool.in_use(),
+            blocks_total: self.scheduler.pool.capacity(),
+        }
     }
 
     /// The state in numbers.

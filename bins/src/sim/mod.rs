@@ -43,7 +43,7 @@ mod tests;
 
 pub use blocks::PoolCounts;
 pub use config::EngineConfig;
-pub use engine::{ClearMode, Engine, EngineStats, Pass};
+pub use engine::{ClearMode, Engine, EngineStats, Occupancy, Pass};
 pub use error::SimError;
 pub use events::{EngineBlockHash, EngineEvent, EventBatch, Medium};
 pub use fleet::{

@@ -14,13 +14,14 @@
 //! nothing more is computed for it.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::sim::{
-    Admission, ClearMode, Engine, EngineRequest, EngineStats, RequestId, RequestOutput, SimError,
+    Admission, ClearMode, Engine, EngineRequest, EngineStats, Occupancy, RequestId, RequestOutput,
+    SimError,
 };
 
 use super::publisher::Publisher;
@@ -73,23 +74,34 @@ pub struct DriverStats {
     pub generation_tokens: u64,
 }
 
-/// The handle the HTTP side uses.
+/// The handle the HTTP side (and the wire's) uses.
 #[derive(Debug, Clone)]
 pub(crate) struct Driver {
     commands: mpsc::UnboundedSender<Command>,
+    /// How busy the engine was after its latest pass, for readers that must not wait.
+    latest: Arc<Mutex<Occupancy>>,
 }
 
 impl Driver {
     /// Starts the driver task on the current runtime.
     pub(crate) fn start(engine: Engine, publisher: Option<Publisher>) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(engine, rx, publisher));
-        Driver { commands: tx }
+        let latest = Arc::new(Mutex::new(engine.occupancy()));
+        tokio::spawn(run(engine, rx, publisher, Arc::clone(&latest)));
+        Driver {
+            commands: tx,
+            latest,
+        }
     }
 
     /// Sends a command; false when the driver has stopped.
     pub(crate) fn send(&self, command: Command) -> bool {
         self.commands.send(command).is_ok()
+    }
+
+    /// How busy the engine was after its latest pass, without waiting for the driver.
+    pub(crate) fn occupancy(&self) -> Occupancy {
+        *self.latest.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -101,12 +113,14 @@ struct Task {
     stats: DriverStats,
     /// Wall time at engine time zero.
     origin: Instant,
+    latest: Arc<Mutex<Occupancy>>,
 }
 
 async fn run(
     engine: Engine,
     mut commands: mpsc::UnboundedReceiver<Command>,
     publisher: Option<Publisher>,
+    latest: Arc<Mutex<Occupancy>>,
 ) {
     let mut task = Task {
         engine,
@@ -115,6 +129,7 @@ async fn run(
         next_id: 0,
         stats: DriverStats::default(),
         origin: Instant::now(),
+        latest,
     };
     loop {
         // Take everything that came in; wait for a command only when there is nothing to run.
@@ -237,5 +252,6 @@ impl Task {
                 publisher.publish(batch);
             }
         }
+        *self.latest.lock().unwrap_or_else(PoisonError::into_inner) = self.engine.occupancy();
     }
 }

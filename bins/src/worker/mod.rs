@@ -1,9 +1,11 @@
 //! `kvroute worker`: the simulated engine behind vLLM's own interfaces, so that a router drives
 //! it exactly as it drives `vllm serve`: OpenAI HTTP, KV events on vLLM's ZeroMQ wire with its
-//! replay socket, Prometheus metrics under vLLM's names, and admin routes for faults.
+//! replay socket, Prometheus metrics under vLLM's names, and admin routes for faults; and,
+//! when asked, behind kvroute's own rkyv request wire (the transport's worker server).
 //!
 //! ```text
 //!  HTTP (axum) ──Command──▶ driver task: Engine passes in real time ──▶ outputs ──▶ HTTP / SSE
+//!  rkyv wire (WorkerServer) ─┘                 │                       └──────────▶ wire items
 //!                                              └──▶ event batches ──▶ Publisher: PUB + ROUTER
 //! ```
 //!
@@ -14,12 +16,14 @@
 //! * `openai.rs`: the request and response shapes.
 //! * `publisher.rs`: [`Publisher`], vLLM's ZeroMQ event wire, with [`encode_batch`].
 //! * `metrics.rs`: the Prometheus registry.
+//! * `wire.rs`: the engine behind the transport's worker server.
 
 mod driver;
 mod http;
 mod metrics;
 mod openai;
 mod publisher;
+mod wire;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -53,6 +57,11 @@ pub struct WorkerOptions {
     /// The model's tokenizer files (`tokenizer.json`, `tokenizer_config.json`): text prompts
     /// and chat requests need them.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Where kvroute's own request wire listens (rkyv frames over io_uring or epoll; port 0:
+    /// the system picks); none, HTTP only.
+    pub wire: Option<SocketAddr>,
+    /// The worker's id in the wire's handshake.
+    pub worker_id: u64,
 }
 
 impl Default for WorkerOptions {
@@ -65,6 +74,8 @@ impl Default for WorkerOptions {
             kv_events: None,
             max_body: 32 << 20,
             tokenizer: None,
+            wire: None,
+            worker_id: 0,
         }
     }
 }
@@ -92,6 +103,9 @@ pub enum WorkerError {
     /// The metrics could not be registered.
     #[error("{0}")]
     Metrics(String),
+    /// The request wire's server could not start.
+    #[error("the request wire: {0}")]
+    Wire(#[from] kvroute_transport::worker::WorkerServerError),
 }
 
 /// A worker that is serving.
@@ -103,6 +117,8 @@ pub struct RunningWorker {
     pub events: Option<String>,
     /// Where its replay socket listens, if it has one.
     pub replay: Option<String>,
+    /// Where kvroute's request wire listens, if it does.
+    pub wire: Option<SocketAddr>,
     shutdown: Arc<Notify>,
     server: JoinHandle<std::io::Result<()>>,
 }
@@ -138,8 +154,20 @@ impl RunningWorker {
         let metrics = metrics::Metrics::new(&options.model)
             .map_err(|e| WorkerError::Metrics(e.to_string()))?;
         let shutdown = Arc::new(Notify::new());
+        let config = options.engine;
+        let driver = driver::Driver::start(engine, publisher.clone());
+        let wire_server = match options.wire {
+            Some(addr) => Some(wire::start(
+                addr,
+                options.worker_id,
+                &config,
+                driver.clone(),
+            )?),
+            None => None,
+        };
+        let wire = wire_server.as_ref().map(|w| w.local_addr());
         let state = http::AppState {
-            driver: driver::Driver::start(engine, publisher.clone()),
+            driver,
             publisher,
             metrics,
             model: options.model.as_str().into(),
@@ -155,14 +183,21 @@ impl RunningWorker {
             let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
                 let _ = tcp.set_nodelay(true);
             });
-            axum::serve(listener, app)
+            let served = axum::serve(listener, app)
                 .with_graceful_shutdown(async move { stop.notified().await })
-                .await
+                .await;
+            if let Some(w) = wire_server {
+                // Live wire requests get the server's grace period; it blocks, so off the
+                // runtime's threads.
+                let _ = tokio::task::spawn_blocking(move || w.shutdown()).await;
+            }
+            served
         });
         Ok(RunningWorker {
             http,
             events,
             replay,
+            wire,
             shutdown,
             server,
         })

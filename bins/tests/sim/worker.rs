@@ -441,3 +441,133 @@ async fn a_subscribed_router_follows_the_engine_through_drops_and_restarts() {
     assert_eq!(known_blocks(&router, &a), 0, "cleared at the restart");
     assert_eq!(subscription.stats().sequence.restarts, 1);
 }
+
+/// A dispatch request on kvroute's wire: `max_tokens` to generate from `tokens`.
+fn wire_request(id: u64, tokens: Vec<u32>, max_tokens: u32) -> kvroute_transport::wire::Dispatch {
+    use kvroute_transport::wire::{Dispatch, DispatchHints, Sampling};
+    Dispatch {
+        request_id: id,
+        tokens,
+        sampling: Sampling {
+            max_tokens,
+            min_tokens: 0,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+        },
+        hints: DispatchHints {
+            dp_rank: 0,
+            overlap_blocks: 0,
+            lora_name: None,
+            priority: 0,
+            expected_output_tokens: None,
+        },
+        bootstrap: None,
+    }
+}
+
+/// kvroute's own request wire in front of the same engine: a router's dispatch client is
+/// greeted with the engine's size, gets a request's tokens back as the engine makes them,
+/// sees the engine's occupancy in heartbeats, and a request it cancels leaves the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_wire_serves_the_same_engine() {
+    use kvroute_core::WorkerId;
+    use kvroute_transport::backend::{self, Backend};
+    use kvroute_transport::wire::FinishReason;
+    use kvroute_transport::{DispatchClient, DispatchConfig};
+
+    let mut w = RunningWorker::start(WorkerOptions {
+        http: "127.0.0.1:0".parse().unwrap(),
+        wire: Some("127.0.0.1:0".parse().unwrap()),
+        worker_id: 7,
+        engine: EngineConfig {
+            kv_blocks: 256,
+            speedup: 100.0,
+            ..EngineConfig::default()
+        },
+        max_model_len: 4_096,
+        ..WorkerOptions::default()
+    })
+    .await
+    .unwrap();
+    let addr = w.wire.expect("the wire listens");
+    let patience = Duration::from_secs(10);
+    tokio::task::spawn_blocking(move || {
+        backend::block_on(Backend::Epoll, async move {
+            let client =
+                DispatchClient::start(DispatchConfig::new(addr, WorkerId(7), Backend::Epoll));
+            let hello = client.wait_connected(patience).await.unwrap();
+            assert_eq!(
+                (hello.worker_id, hello.kv_blocks, hello.dp_size),
+                (7, 256, 1)
+            );
+            assert_eq!(hello.block_size, EngineConfig::default().block_size);
+
+            // Five tokens, one a pass, then `Length`.
+            let mut stream = client
+                .dispatch(wire_request(1, (0..100).collect(), 5))
+                .await
+                .unwrap();
+            let mut tokens = Vec::new();
+            let mut finish = None;
+            while let Some(item) = tokio::time::timeout(patience, stream.next()).await.unwrap() {
+                let item = item.unwrap();
+                tokens.extend(item.tokens);
+                finish = item.finish;
+            }
+            assert_eq!(tokens.len(), 5);
+            assert_eq!(finish, Some(FinishReason::Length));
+
+            // A long request, cancelled after its first token: the stream ends `Cancelled`.
+            let mut stream = client
+                .dispatch(wire_request(2, (0..64).collect(), 3_000))
+                .await
+                .unwrap();
+            let first = tokio::time::timeout(patience, stream.next()).await.unwrap();
+            assert!(first.unwrap().unwrap().finish.is_none());
+            stream.cancel();
+            let mut last = None;
+            while let Some(item) = tokio::time::timeout(patience, stream.next()).await.unwrap() {
+                last = item.unwrap().finish;
+            }
+            assert_eq!(last, Some(FinishReason::Cancelled));
+
+            // Heartbeats carry the engine's occupancy.
+            let deadline = std::time::Instant::now() + patience;
+            let load = loop {
+                if let Some(load) = client.status().load {
+                    break load;
+                }
+                assert!(std::time::Instant::now() < deadline, "no heartbeat");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
+            assert_eq!(load.worker_id, 7);
+            assert_eq!(load.ranks.len(), 1);
+            assert_eq!(load.ranks[0].total_blocks, 256);
+            client.shutdown().await;
+        })
+        .unwrap();
+    })
+    .await
+    .unwrap();
+
+    // The engine served both and let the cancelled one go: nothing runs, no block is held.
+    let client = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        let s = stats(&client, &w).await;
+        if s["admitted"] == 2 && s["aborted"] == 1 && s["running"] == 0 {
+            assert_eq!(s["finished"], 1, "{s}");
+            assert_eq!(s["blocks"]["in_use"], 0, "{s}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    w.stop();
+    w.wait().await.unwrap();
+}
