@@ -9,7 +9,8 @@
 # Knobs: N requests, RATE per second (before the time scale), SCALE (engines and arrivals),
 # TRACE (a Mooncake-format trace instead of the built-in workload, its first N rows) and SPEEDUP
 # (its arrivals this many times sooner, before the time scale), SERVE_EXTRA (more kvroute serve
-# flags, e.g. "--config weights.toml"), ORACLE=0 (no oracle: by default replay asks the three
+# flags, e.g. "--config weights.toml"), KV_BLOCKS (each worker's cache, default 8192 blocks of
+# 16 tokens), SGLANG=0 (kvroute serve's run only), ORACLE=0 (no oracle: by default replay asks the three
 # workers before each request how much of its prompt they hold, which costs each of them a
 # tokenization of the prompt).
 set -u
@@ -17,11 +18,11 @@ cd "$(dirname "$0")/.."
 K=./target/release/kvroute
 TOK=target/fixtures/qwen3
 N=${N:-300}; RATE=${RATE:-2}; SCALE=${SCALE:-10}; TRACE=${TRACE:-}; SPEEDUP=${SPEEDUP:-1}
-ORACLE=${ORACLE:-1}
+ORACLE=${ORACLE:-1}; KV_BLOCKS=${KV_BLOCKS:-8192}; SGLANG=${SGLANG:-1}
 start_workers() {
   for i in 0 1 2; do
     $K worker --listen 127.0.0.1:2110$i --kv-events tcp://127.0.0.1:2120$i \
-      --kv-replay tcp://127.0.0.1:2130$i --speedup "$SCALE" --kv-blocks 8192 --tokenizer $TOK \
+      --kv-replay tcp://127.0.0.1:2130$i --speedup "$SCALE" --kv-blocks "$KV_BLOCKS" --tokenizer $TOK \
       > /dev/null 2>&1 &
   done
   for i in 0 1 2; do until curl -s -o /dev/null localhost:2110$i/health; do sleep 0.1; done; done
@@ -32,7 +33,7 @@ stop_all() {
 }
 workers=""
 for i in 0 1 2; do
-  workers="$workers --worker url=http://127.0.0.1:2110$i,events=tcp://127.0.0.1:2120$i,replay=tcp://127.0.0.1:2130$i,kv_blocks=8192"
+  workers="$workers --worker url=http://127.0.0.1:2110$i,events=tcp://127.0.0.1:2120$i,replay=tcp://127.0.0.1:2130$i,kv_blocks=$KV_BLOCKS"
 done
 replay() {
   if [ -n "$TRACE" ]; then
@@ -56,6 +57,7 @@ sleep 0.5
 echo "== kvroute serve"
 replay http://127.0.0.1:21080 target/live-kvroute.json "kvroute serve"
 stop_all
+[ "$SGLANG" = 1 ] || exit 0
 
 start_workers
 target/bench-venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port 21081 \
