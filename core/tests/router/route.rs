@@ -1417,3 +1417,97 @@ fn more_tokens_are_needed_while_held_or_short_of_the_key() {
     assert!(keyed.needs_more_tokens(blocks(3), &none));
     assert!(!keyed.needs_more_tokens(blocks(4), &none));
 }
+
+/// A prefix every rank holds, and one rank holding more past it: the deepest is that rank's,
+/// whatever the lengths (a system prompt shared by all, a conversation on one).
+#[test]
+fn held_blocks_sees_past_a_prefix_every_rank_holds() {
+    for (shared, deep) in [(3usize, 9usize), (32, 300), (1, 64), (64, 65)] {
+        let r = router(RouterConfig::default());
+        for w in 1..=3 {
+            r.join_worker(WorkerConfig::simple(w, 10_000, BS)).unwrap();
+        }
+        let t = tokens((deep + 4) * BS as usize);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        for w in [1u64, 3] {
+            store(
+                &r,
+                WorkerRank::new(w, 0),
+                StorageTier::Device,
+                &locals[..shared],
+                w,
+            );
+        }
+        store(
+            &r,
+            WorkerRank::new(2, 0),
+            StorageTier::Device,
+            &locals[..deep],
+            10,
+        );
+        let none = RouteHints::default();
+        assert_eq!(r.held_blocks(&t, &none), deep as u32, "{shared}, {deep}");
+        assert!(r.needs_more_tokens(&t[..deep * BS as usize], &none));
+        assert!(!r.needs_more_tokens(&t[..(deep + 1) * BS as usize], &none));
+    }
+}
+
+/// `held_blocks` called over and over on one thread, with prompts that share a first run
+/// (a system prompt every rank holds) and go on to conversations on one rank each: each
+/// answer is that conversation's depth.
+#[test]
+fn held_blocks_answers_each_prompt_of_a_stream() {
+    let r = router(RouterConfig::default());
+    for w in 1..=3 {
+        r.join_worker(WorkerConfig::simple(w, 100_000, BS)).unwrap();
+    }
+    let system: Vec<u32> = (0..32 * BS).map(|i| i * 7 + 1).collect();
+    let prompt = |c: u32, blocks: u32| -> Vec<u32> {
+        let own = (0..blocks * BS).map(move |i| 1_000_000 * (c + 1) + i);
+        system.iter().copied().chain(own).collect()
+    };
+    let hasher = BlockHasher::new(BS as usize);
+    let mut id = 0;
+    for c in 0..30u32 {
+        let t = prompt(c, 5 + c * 3);
+        let locals = hasher.local_hashes(&t);
+        id += 1;
+        // Block names of their own (the engine's), as every chain has.
+        let blocks = locals
+            .iter()
+            .enumerate()
+            .map(|(i, h)| StoredBlock {
+                block_hash: BlockHash(id * 100_000 + i as u64),
+                local_hash: *h,
+            })
+            .collect();
+        r.apply_event(&KvEvent {
+            header: EventHeader {
+                source: WorkerRank::new(u64::from(c % 3) + 1, 0),
+                event_id: EventId(id),
+                tier: StorageTier::Device,
+            },
+            data: KvEventData::Stored {
+                parent: None,
+                blocks,
+            },
+        })
+        .unwrap();
+    }
+    let none = RouteHints::default();
+    for round in 0..3 {
+        for c in 0..30u32 {
+            let mut t = prompt(c, 5 + c * 3);
+            let held = t.len() as u32 / BS;
+            // New blocks after the conversation.
+            t.extend((0..4 * BS).map(|i| 7_000_000 + i + round));
+            assert_eq!(
+                r.held_blocks(&t, &none),
+                held,
+                "round {round}, conversation {c}"
+            );
+            assert!(r.needs_more_tokens(&t[..held as usize * BS as usize], &none));
+            assert!(!r.needs_more_tokens(&t, &none));
+        }
+    }
+}
