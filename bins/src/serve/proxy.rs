@@ -174,14 +174,7 @@ pub(crate) fn read_completion(state: &AppState, body: &[u8]) -> Result<Routed, R
         .max_tokens
         .or(fields.max_completion_tokens)
         .and_then(|n| u32::try_from(n).ok());
-    let routed = Routed {
-        tokens: Vec::new(),
-        prompt_len: 0,
-        from_text: false,
-        expected_output,
-        lora,
-        cache_salt,
-    };
+    let routed = Routed::new(expected_output, lora, cache_salt);
     match fields.prompt {
         Some(super::body::Prompt::Ids(ids)) => routed.with_ids(ids),
         Some(super::body::Prompt::Text(text)) => {
@@ -224,6 +217,19 @@ fn model_lora(
 }
 
 impl Routed {
+    /// The fields read besides the prompt; the prompt's ids come next ([`Routed::with_ids`],
+    /// [`Routed::with_text`]).
+    fn new(expected_output: Option<u32>, lora: Option<String>, cache_salt: Option<String>) -> Self {
+        Routed {
+            tokens: Vec::new(),
+            prompt_len: 0,
+            from_text: false,
+            expected_output,
+            lora,
+            cache_salt,
+        }
+    }
+
     /// With the prompt's ids, unless there are none.
     fn with_ids(mut self, ids: Vec<u32>) -> Result<Routed, Refusal> {
         if ids.is_empty() {
@@ -319,14 +325,7 @@ pub(crate) fn read_prompt(
             ))
         }
     };
-    let routed = Routed {
-        tokens: Vec::new(),
-        prompt_len: 0,
-        from_text: false,
-        expected_output,
-        lora,
-        cache_salt,
-    };
+    let routed = Routed::new(expected_output, lora, cache_salt);
     let routed = if chat {
         routed.with_text(state, |text, more| text.chat_ids_while(&value, more))?
     } else {
