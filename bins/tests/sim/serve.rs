@@ -803,6 +803,57 @@ async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     f.wait_idle().await;
+    // Tokens tokenized and tokens estimated are both counted.
+    let metrics = f
+        .client
+        .get(format!("{}/metrics", f.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let counted = |how: &str| -> u64 {
+        let key = format!("kvroute_prompt_tokens_total{{how=\"{how}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(key.as_str()))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        counted("tokenized") > 0 && counted("estimated") > 0,
+        "{metrics}"
+    );
+}
+
+/// With `--tokenize-whole`, a new text is tokenized to its end: nothing is estimated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_whole_tokenizes_a_new_text_to_its_end() {
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/fixtures/qwen3");
+    if !dir.join("tokenizer.json").exists() {
+        eprintln!("skipped: no {} (run scripts/fixtures.sh)", dir.display());
+        return;
+    }
+    let f = fleet_with(
+        &["--tokenizer".into(), dir.display().to_string()],
+        &["--tokenize-whole".into()],
+    )
+    .await;
+    let text: String = (0..200)
+        .map(|l| format!("A new document, line {l}: nothing of it is cached anywhere.\n"))
+        .collect();
+    let r = f
+        .post(
+            "/v1/route",
+            &json!({"model": "kvroute-sim", "prompt": text, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let route: Value = r.json().await.unwrap();
+    let tokenized = route["tokenized_tokens"].as_u64().unwrap();
+    assert!(tokenized > 2_000, "{route}");
+    assert_eq!(route["prompt_tokens"].as_u64(), Some(tokenized), "{route}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -99,7 +99,8 @@ pub struct RouteHints<'a> {
     /// a caller that tokenized a long prompt only as far as some rank could hold it
     /// ([`Router::held_blocks`](super::Router::held_blocks)). The rest counts as uncached
     /// prefill and as the request's own prompt blocks; only the tokens given are hashed,
-    /// matched and booked as active. Ignored unless longer than the tokens given.
+    /// matched and booked as active. Ignored unless longer than the tokens given; past 2^32
+    /// tokens the request is refused ([`RouteError::InvalidHint`]).
     pub prompt_len: Option<u64>,
     /// Expected generated tokens, when known: the request's output blocks then weigh what is
     /// left of it in the rank's decode load (see the `load` module); recorded in the decision.

@@ -56,6 +56,10 @@ impl crate::approx::Overlaps for RankDepths {
     }
 }
 
+/// The longest prompt [`RouteHints::prompt_len`] may name: far past any model's context, and
+/// low enough that token counts summed over every booking cannot overflow.
+const MAX_PROMPT_LEN: u64 = 1 << 32;
+
 thread_local! {
     pub(super) static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -205,12 +209,21 @@ impl Router {
         }
     }
 
-    /// Refuses a request without tokens, or any request before the fleet is ready.
+    /// Refuses a request without tokens or with a prompt length past any model's, or any
+    /// request before the fleet is ready.
     #[inline(always)]
     fn check(&self, req: &RouteRequest<'_>) -> Result<(), RouteError> {
         if req.tokens.is_empty() {
             bump(&self.counters.no_tokens);
             return Err(RouteError::NoTokens { request: req.id });
+        }
+        if req.hints.prompt_len.is_some_and(|n| n > MAX_PROMPT_LEN) {
+            bump(&self.counters.invalid_hints);
+            return Err(RouteError::InvalidHint {
+                request: req.id,
+                field: "prompt_len",
+                reason: "must be at most 2^32 tokens",
+            });
         }
         if let Readiness::Waiting { joined, needed } = self.registry.readiness() {
             bump(&self.counters.not_ready);

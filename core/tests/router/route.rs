@@ -1381,6 +1381,20 @@ fn a_prompt_given_in_part_books_its_whole_length() {
     assert_eq!(load.prompt_blocks, 4);
     r.free(RequestId(2)).unwrap();
     assert_eq!(r.load(WorkerRank::new(1, 0)).unwrap(), LoadView::default());
+
+    // A length past any model's is refused and counted, and books nothing.
+    let mut q = req(3, &t);
+    q.hints.prompt_len = Some((1 << 32) + 1);
+    assert!(matches!(
+        r.route(&q),
+        Err(RouteError::InvalidHint {
+            field: "prompt_len",
+            ..
+        })
+    ));
+    assert!(r.submit(&q).is_err());
+    assert_eq!(r.counts().invalid_hints, 2);
+    assert_eq!(r.load(WorkerRank::new(1, 0)).unwrap(), LoadView::default());
 }
 
 /// More tokens matter while every full block given is held somewhere, and, under
