@@ -835,20 +835,29 @@ async fn tokenize_whole_tokenizes_a_new_text_to_its_end() {
         eprintln!("skipped: no {} (run scripts/fixtures.sh)", dir.display());
         return;
     }
-    let f = fleet_with(
-        &["--tokenizer".into(), dir.display().to_string()],
-        &["--tokenize-whole".into()],
+    // Serve alone: `/v1/route` asks no engine. A worker that holds nothing and publishes no
+    // events is enough to route to.
+    let client = reqwest::Client::new();
+    let (_serve, url) = ready_serve(
+        &client,
+        &[
+            "--tokenizer".into(),
+            dir.display().to_string(),
+            "--tokenize-whole".into(),
+            "--worker".into(),
+            format!("url=http://127.0.0.1:{},kv_blocks=4096", free_port()),
+        ],
     )
     .await;
     let text: String = (0..200)
         .map(|l| format!("A new document, line {l}: nothing of it is cached anywhere.\n"))
         .collect();
-    let r = f
-        .post(
-            "/v1/route",
-            &json!({"model": "kvroute-sim", "prompt": text, "max_tokens": 1}),
-        )
-        .await;
+    let r = client
+        .post(format!("{url}/v1/route"))
+        .json(&json!({"prompt": text, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let route: Value = r.json().await.unwrap();
     let tokenized = route["tokenized_tokens"].as_u64().unwrap();
