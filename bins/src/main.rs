@@ -259,7 +259,7 @@ struct DemoArgs {
     #[arg(long, value_name = "X")]
     prefill_load_scale: Option<f64>,
     /// Policies to compare, comma-separated (default: all). Known: kv-aware, kv-aware-temp,
-    /// dynamo-default, cache-threshold, prefix-hash, least-loaded, power-of-two, round-robin,
+    /// dynamo-default, sglang-cache-aware, cache-threshold, prefix-hash, least-loaded, power-of-two, round-robin,
     /// random.
     #[arg(long, value_delimiter = ',', value_name = "NAMES")]
     policies: Vec<DemoPolicy>,
@@ -511,9 +511,13 @@ fn run_live_demo(
         .first()
         .copied()
         .unwrap_or(DemoPolicy::KvAware);
-    if policy == DemoPolicy::DynamoDefault {
+    if matches!(
+        policy,
+        DemoPolicy::DynamoDefault | DemoPolicy::SglangCacheAware
+    ) {
         anyhow::bail!(
-            "--live serves with kvroute's own policies; dynamo-default runs in process only"
+            "--live serves with kvroute's own policies; {policy} runs in process only \
+             (scripts/live_vs_sglang.sh runs SGLang's router itself)"
         );
     }
     let in_process = DemoConfig {

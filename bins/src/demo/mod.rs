@@ -17,6 +17,7 @@
 //!
 //! * `policy.rs`: [`DemoPolicy`], the policies compared and their settings.
 //! * `dynamo.rs`: [`DynamoPicker`], Dynamo's own selector on the same fleet.
+//! * `sglang.rs`: [`SglangPicker`], SGLang's router's `cache_aware` rule on the same fleet.
 //! * `run.rs`: one policy's run and its [`PolicyReport`].
 //! * `live.rs`: [`run_live`], the same through real processes (`demo --live`).
 //! * `table.rs`: the report as the terminal shows it.
@@ -27,6 +28,7 @@ mod live;
 mod plot;
 mod policy;
 mod run;
+mod sglang;
 mod table;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -46,6 +48,7 @@ pub use live::{run_live, CacheCheck, LiveOptions, LiveReport};
 pub use plot::write_svg;
 pub use policy::{DemoPolicy, UnknownPolicy};
 pub use run::PolicyReport;
+pub use sglang::SglangPicker;
 
 /// How the demo runs.
 #[derive(Clone, Debug)]

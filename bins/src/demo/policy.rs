@@ -13,8 +13,9 @@ pub enum DemoPolicy {
     /// kvroute's cost sampled by softmax at this temperature.
     KvAwareTemperature(f64),
     /// The best-matching worker when it holds at least 30% of the prompt and the fleet is
-    /// balanced (spread ≤ 1,024 blocks or max ≤ 1.5 × min), else the least loaded: the rule of
-    /// SGLang's `cache_aware` policy, with its default threshold and relative balance.
+    /// balanced (spread ≤ 1,024 blocks or max ≤ 1.5 × min), else the least loaded: the core's
+    /// [`Policy::CacheThreshold`], a rule after SGLang's `cache_aware` that reads the engines'
+    /// caches and counts load in blocks (`sglang-cache-aware` is the peer's own rule).
     CacheThreshold,
     /// Bounded-load consistent hashing of the first 1,024 prompt tokens (64 blocks of 16),
     /// load factor 1.25.
@@ -30,14 +31,18 @@ pub enum DemoPolicy {
     /// NVIDIA Dynamo's `DefaultWorkerSelector` (crate `dynamo-kv-router`) with its default
     /// configuration, fed the router's overlaps and loads.
     DynamoDefault,
+    /// SGLang's router's `cache_aware` policy (`sglang-router` 0.3.2, its defaults), modelled
+    /// on the prompts it sent to each worker, as the peer remembers them.
+    SglangCacheAware,
 }
 
 impl DemoPolicy {
     /// Every policy, in the order of the report.
-    pub const ALL: [DemoPolicy; 9] = [
+    pub const ALL: [DemoPolicy; 10] = [
         DemoPolicy::KvAware,
         DemoPolicy::KvAwareTemperature(0.5),
         DemoPolicy::DynamoDefault,
+        DemoPolicy::SglangCacheAware,
         DemoPolicy::CacheThreshold,
         DemoPolicy::PrefixHash,
         DemoPolicy::LeastLoaded,
@@ -58,6 +63,7 @@ impl DemoPolicy {
             DemoPolicy::Random => "random",
             DemoPolicy::PowerOfTwo => "power-of-two",
             DemoPolicy::DynamoDefault => "dynamo-default",
+            DemoPolicy::SglangCacheAware => "sglang-cache-aware",
         }
     }
 
@@ -68,7 +74,7 @@ impl DemoPolicy {
         let block_size = base.block_size;
         let mut config = base.clone();
         match *self {
-            DemoPolicy::KvAware | DemoPolicy::DynamoDefault => {}
+            DemoPolicy::KvAware | DemoPolicy::DynamoDefault | DemoPolicy::SglangCacheAware => {}
             DemoPolicy::KvAwareTemperature(t) => config.temperature = t,
             DemoPolicy::CacheThreshold => {
                 config.policy = Policy::CacheThreshold {

@@ -7,6 +7,7 @@ use serde::Serialize;
 
 use super::dynamo::DynamoPicker;
 use super::policy::DemoPolicy;
+use super::sglang::SglangPicker;
 use super::DemoConfig;
 use crate::sim::{Arrival, Fleet, FleetConfig, FleetError, LoadSeries};
 use crate::workload::Workload;
@@ -78,6 +79,13 @@ pub(super) fn run_policy(
             config.workers,
             u64::from(engine.kv_blocks),
             u64::from(engine.max_num_batched_tokens),
+            engine.block_size,
+            config.seed,
+        )));
+    }
+    if policy == DemoPolicy::SglangCacheAware {
+        fleet.set_picker(Box::new(SglangPicker::new(
+            config.workers,
             engine.block_size,
             config.seed,
         )));

@@ -8,8 +8,20 @@ use kvroute::sim::EngineConfig;
 use kvroute::workload::{ChatConfig, Workload};
 use kvroute_core::RouterConfig;
 
+/// Held by the in-process demos while they run and by the live demo's fault test: that test
+/// holds its live hit rate to the in-process one, and on two cores a demo of every policy
+/// beside it slows its processes enough to move its figures.
+static TWO_CORES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn two_cores() -> std::sync::MutexGuard<'static, ()> {
+    TWO_CORES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// 150 turns of chats at 20 requests/s (a busy fleet), on 4 small workers that must evict.
 fn small_demo(policies: Vec<DemoPolicy>) -> DemoReport {
+    let _cores = two_cores();
     let workload = Workload::chat(ChatConfig {
         requests: 150,
         seed: 11,
@@ -171,6 +183,7 @@ fn nothing_to_run_is_an_error_not_a_panic() {
 
 #[test]
 fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
+    let _cores = two_cores();
     let json = std::env::temp_dir().join(format!("kvroute-live-{}.json", std::process::id()));
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args([
