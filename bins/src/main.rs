@@ -259,8 +259,8 @@ struct DemoArgs {
     #[arg(long, value_name = "X")]
     prefill_load_scale: Option<f64>,
     /// Policies to compare, comma-separated (default: all). Known: kv-aware, kv-aware-temp,
-    /// dynamo-default, sglang-cache-aware, cache-threshold, prefix-hash, least-loaded, power-of-two, round-robin,
-    /// random.
+    /// dynamo-default, sglang-cache-aware, cache-threshold, prefix-hash, least-loaded,
+    /// power-of-two, round-robin, random.
     #[arg(long, value_delimiter = ',', value_name = "NAMES")]
     policies: Vec<DemoPolicy>,
     /// Runs at once (default: the machine's cores).
