@@ -15,7 +15,7 @@ use kvroute::serve::{parse_worker_flag, RunningServe, ServeFile, ServeOptions};
 use kvroute::sim::{EngineConfig, TimingModel};
 use kvroute::worker::{PublisherConfig, RunningWorker, WorkerOptions};
 use kvroute::workload::{read_trace, ChatConfig, Workload};
-use kvroute_core::RouterConfig;
+use kvroute_core::{Affinity, RouterConfig};
 use mimalloc::MiMalloc;
 
 #[global_allocator]
@@ -258,6 +258,15 @@ struct DemoArgs {
     /// time to first token.
     #[arg(long, value_name = "X")]
     prefill_load_scale: Option<f64>,
+    /// How much more credit a rank holding nearly all of the prompt earns per cached block:
+    /// `1 + X` times at the whole prompt, growing from --affinity-from (kv-aware and
+    /// kv-aware-temp; default: the router's, 8; 0 turns it off).
+    #[arg(long, value_name = "X")]
+    affinity_boost: Option<f64>,
+    /// The share of the prompt held past which a rank's credit grows (default: the
+    /// router's, 0.7).
+    #[arg(long, value_name = "SHARE")]
+    affinity_from: Option<f64>,
     /// Policies to compare, comma-separated (default: all). Known: kv-aware, kv-aware-temp,
     /// dynamo-default, sglang-cache-aware, cache-threshold, prefix-hash, least-loaded,
     /// power-of-two, round-robin, random.
@@ -711,6 +720,14 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         prefill_load_scale: args
             .prefill_load_scale
             .unwrap_or(defaults.router.prefill_load_scale),
+        affinity: Affinity {
+            from_share: args
+                .affinity_from
+                .unwrap_or(defaults.router.affinity.from_share),
+            boost: args
+                .affinity_boost
+                .unwrap_or(defaults.router.affinity.boost),
+        },
         ..defaults.router.clone()
     };
     router.validate()?;

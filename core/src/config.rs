@@ -2,8 +2,10 @@
 //! router's but for the cost's two weights: `overlap_credit` 2 and `prefill_load_scale` 32
 //! (the reference's are 1 and 1), measured on the simulated fleet to hit 0.91–0.92 of the
 //! oracle's cache against 0.67–0.70 and cut mean TTFT by a quarter on a production trace, with
-//! the load within 1.21 of even (`benches/RESULTS.md`, 2026-11-28). Lower tiers' credits
-//! (`tier_weights`) are absolute, not fractions of `overlap_credit`.
+//! the load within 1.21 of even (`benches/RESULTS.md`, 2026-11-28); and `affinity`, which the
+//! reference does not have: a rank holding most of a prompt earns more credit per block
+//! (4–6% more cached tokens on the traces at the same mean TTFT, `docs/experiments.md` §8.6).
+//! Lower tiers' credits (`tier_weights`) are absolute, not fractions of `overlap_credit`.
 //!
 //! Every knob that changes a decision lives here, so that a decision can be explained from the
 //! request, the load snapshot and this value alone. [`RouterConfig::validate`] rejects a bad
@@ -16,6 +18,7 @@
 //! | `overlap_credit` | 2.0 | cost credit per device-tier cached block (reference: 1.0) |
 //! | `prefill_load_scale` | 32.0 | weight of prefill blocks against decode blocks (reference: 1.0) |
 //! | `tier_weights` | 0.75 / 0.25 / 0.25 | credit of host-pinned / disk / external blocks |
+//! | `affinity` | from 0.7, boost 8 | a rank holding over `from_share` of the prompt's full blocks earns up to `1 + boost` times the credit per block (see [`Affinity`]) |
 //! | `temperature` | 0.0 | 0 = cheapest worker (random ties), > 0 = softmax sampling |
 //! | `busy` | off | fractions of capacity over which a rank leaves selection |
 //! | `request_expiry` | 600 s | bookings older than this are freed by [`crate::router::Router::expire`] |
@@ -46,6 +49,42 @@ pub enum ConfigError {
         /// What it must be (`"must be > 0"`).
         reason: &'static str,
     },
+}
+
+/// The credit of a rank that holds most of a prompt grows with the share it holds: each cached
+/// block's credit is multiplied by `1 + boost · max(0, share − from_share) / (1 − from_share)`,
+/// where `share` is the rank's leading blocks held (any tier) over the prompt's full blocks.
+///
+/// The cost weighs one request's prefill against the load it adds now. A rank that holds
+/// most of a prompt is where its conversation lives; sending the turn elsewhere copies the
+/// conversation's cache to a second rank, and the next turns find it split. The cost does not
+/// see those next turns; this does, for prompts mostly held and for nothing else, so the short
+/// shared prefixes (a system prompt, a popular document) that draw new conversations onto
+/// their holders keep their plain credit. `boost` 0 turns it off. Measured on the simulated
+/// fleet in `docs/experiments.md` §8.6 and `benches/RESULTS.md` (2026-11-28, affinity).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Affinity {
+    /// Share of the prompt's full blocks held past which the credit grows, in [0, 1).
+    pub from_share: f64,
+    /// Growth of the credit multiplier from `from_share` to the whole prompt held (≥ 0).
+    pub boost: f64,
+}
+
+impl Affinity {
+    /// No growth: every cached block earns its tier's credit.
+    pub const OFF: Affinity = Affinity {
+        from_share: 0.7,
+        boost: 0.0,
+    };
+}
+
+impl Default for Affinity {
+    fn default() -> Self {
+        Affinity {
+            from_share: 0.7,
+            boost: 8.0,
+        }
+    }
 }
 
 /// Overlap credit of a block held in a tier below device memory (device blocks earn
@@ -261,6 +300,8 @@ pub struct RouterConfig {
     pub prefill_load_scale: f64,
     /// Credit of blocks in lower tiers.
     pub tier_weights: TierWeights,
+    /// Growth of the credit of a rank holding most of the prompt.
+    pub affinity: Affinity,
     /// Softmax temperature; 0 picks the cheapest.
     pub temperature: f64,
     /// Busy thresholds.
@@ -301,6 +342,7 @@ impl Default for RouterConfig {
             overlap_credit: 2.0,
             prefill_load_scale: 32.0,
             tier_weights: TierWeights::default(),
+            affinity: Affinity::default(),
             temperature: 0.0,
             busy: BusyThresholds::default(),
             request_expiry: Duration::from_secs(600),
@@ -357,6 +399,13 @@ impl RouterConfig {
         non_negative("tier_weights.external", self.tier_weights.external)?;
         non_negative("temperature", self.temperature)?;
         non_negative("pool_credit", self.pool_credit)?;
+        non_negative("affinity.boost", self.affinity.boost)?;
+        if !(0.0..1.0).contains(&self.affinity.from_share) {
+            return Err(ConfigError::Invalid {
+                field: "affinity.from_share",
+                reason: "must be in [0, 1)",
+            });
+        }
         fraction(
             "busy.decode_blocks_fraction",
             self.busy.decode_blocks_fraction,

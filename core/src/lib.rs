@@ -93,8 +93,8 @@ mod sync;
 pub use approx::ApproxCounts;
 pub use clock::{Clock, ManualClock};
 pub use config::{
-    Approximate, BusyThresholds, ConfigError, Disaggregation, Metrics, Policy, PromptDecay,
-    QueueOrder, Queueing, RouterConfig, Speculative, TierWeights, Timing, WarmUp,
+    Affinity, Approximate, BusyThresholds, ConfigError, Disaggregation, Metrics, Policy,
+    PromptDecay, QueueOrder, Queueing, RouterConfig, Speculative, TierWeights, Timing, WarmUp,
 };
 pub use event::{
     BlockHash, DpRank, EventHeader, EventId, EventSeen, KvEvent, KvEventData, StorageTier,

@@ -33,6 +33,10 @@ pub struct ServeFile {
     pub overlap_credit: Option<f64>,
     /// The KV-aware cost's weight of prefill blocks.
     pub prefill_load_scale: Option<f64>,
+    /// How much more credit per cached block a rank holding the whole prompt earns (0: off).
+    pub affinity_boost: Option<f64>,
+    /// The share of the prompt held past which a rank's credit grows.
+    pub affinity_from_share: Option<f64>,
     /// Softmax temperature of the KV-aware choice (0: the cheapest).
     pub temperature: Option<f64>,
     /// Seconds a KV-event replay may take.
@@ -150,6 +154,12 @@ impl ServeFile {
         }
         if let Some(v) = self.prefill_load_scale {
             options.router.prefill_load_scale = v;
+        }
+        if let Some(v) = self.affinity_boost {
+            options.router.affinity.boost = v;
+        }
+        if let Some(v) = self.affinity_from_share {
+            options.router.affinity.from_share = v;
         }
         if let Some(v) = self.temperature {
             options.router.temperature = v;

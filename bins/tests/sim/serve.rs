@@ -455,6 +455,31 @@ fn the_example_config_and_worker_flags_read_as_documented() {
         Some("meta-llama/Llama-3.1-8B-Instruct")
     );
     assert_eq!(options.retries, 1);
+    assert_eq!(
+        options.router.affinity,
+        kvroute_core::Affinity::default(),
+        "the example's affinity is the router's"
+    );
+    let off = ServeFile {
+        affinity_boost: Some(0.0),
+        ..ServeFile::default()
+    };
+    assert_eq!(
+        off.apply(ServeOptions::default())
+            .unwrap()
+            .router
+            .affinity
+            .boost,
+        0.0
+    );
+    let whole_prompt = ServeFile {
+        affinity_from_share: Some(1.0),
+        ..ServeFile::default()
+    };
+    assert!(
+        whole_prompt.apply(ServeOptions::default()).is_err(),
+        "a share must leave room to grow"
+    );
     let w = parse_worker_flag("url=http://h:1,events=tcp://h:2,kv_blocks=9,dp_size=2", 3).unwrap();
     assert_eq!((w.id, w.kv_blocks, w.dp_size), (3, 9, 2));
     assert!(parse_worker_flag("events=tcp://h:2", 0).is_err(), "no url");

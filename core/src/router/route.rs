@@ -107,7 +107,7 @@ impl Router {
         let t1 = timing.then(Instant::now);
 
         let fleet = self.registry.load();
-        let (weights, temperature) = self.weigh(hints);
+        let (weights, temperature) = self.weigh(hints, shape.full_blocks);
         let required = self.constraints(req, &fleet, shape.full_blocks, &mut s.constraints)?;
         let mut rng = self.rng.fork();
         let (pin, session) = self.pin_or_session(req, &fleet, required);
@@ -253,12 +253,13 @@ impl Router {
         }
     }
 
-    /// The cost's weights and the temperature, after the request's overrides; decode earns no
-    /// credit for cached blocks.
+    /// The cost's weights and the temperature, after the request's overrides, with the
+    /// affinity of a prompt of `full_blocks`; decode earns no credit for cached blocks.
     #[inline(always)]
-    fn weigh(&self, hints: &RouteHints<'_>) -> (Weights, f64) {
+    fn weigh(&self, hints: &RouteHints<'_>, full_blocks: u32) -> (Weights, f64) {
         let overrides = hints.overrides.sanitized();
-        let mut weights = Weights::new(&self.config, &overrides);
+        let mut weights =
+            Weights::new(&self.config, &overrides).for_prompt(&self.config.affinity, full_blocks);
         if hints.phase == Phase::Decode {
             weights.credits = [0.0; StorageTier::COUNT];
         }

@@ -2,7 +2,7 @@
 //! ([`Weights`], [`RequestShape`]), and the floors that bound it before a rank's load is read
 //! ([`FloorTerms`]).
 
-use crate::config::RouterConfig;
+use crate::config::{Affinity, RouterConfig};
 use crate::event::StorageTier;
 use crate::load::LoadView;
 /// The per-request numbers the cost needs.
@@ -14,6 +14,11 @@ pub struct Weights {
     pub effective: [f64; StorageTier::COUNT],
     pub prefill_load_scale: f64,
     pub block_size: u32,
+    /// Leading blocks held past which a rank's credit grows, for this prompt (∞: never;
+    /// [`Affinity`], [`Weights::for_prompt`]).
+    pub affinity_from: f64,
+    /// Growth of the credit multiplier per block held past `affinity_from`.
+    pub affinity_slope: f64,
 }
 
 impl Weights {
@@ -32,7 +37,42 @@ impl Weights {
                 .prefill_load_scale
                 .unwrap_or(config.prefill_load_scale),
             block_size: config.block_size,
+            affinity_from: f64::INFINITY,
+            affinity_slope: 0.0,
         }
+    }
+
+    /// These weights with `affinity` applied to a prompt of `full_blocks` cacheable blocks.
+    pub fn for_prompt(mut self, affinity: &Affinity, full_blocks: u32) -> Self {
+        let blocks = f64::from(full_blocks);
+        if affinity.boost > 0.0 && full_blocks > 0 && affinity.from_share < 1.0 {
+            self.affinity_from = affinity.from_share * blocks;
+            self.affinity_slope = affinity.boost / ((1.0 - affinity.from_share) * blocks);
+        } else {
+            self.affinity_from = f64::INFINITY;
+            self.affinity_slope = 0.0;
+        }
+        self
+    }
+
+    /// The credit multiplier of a rank holding `blocks` leading blocks: 1 up to
+    /// `affinity_from`, then growing linearly (exactly 1 with affinity off).
+    #[inline(always)]
+    pub fn affinity(&self, blocks: u32) -> f64 {
+        1.0 + self.affinity_slope * positive_part(f64::from(blocks) - self.affinity_from)
+    }
+
+    /// The fewest blocks (a real number) whose credit at one credit per block reaches
+    /// `units`: the inverse of `b · affinity(b)`, which grows with `b`.
+    pub fn blocks_for_credit(&self, units: f64) -> f64 {
+        let (k, from) = (self.affinity_slope, self.affinity_from);
+        if units <= from || k <= 0.0 {
+            return units;
+        }
+        // b · (1 + k · (b − from)) = units: k·b² + (1 − k·from)·b − units = 0, the root past
+        // `from` (the product is `from` there, below `units`).
+        let p = 1.0 - k * from;
+        (-p + (p * p + 4.0 * k * units).sqrt()) / (2.0 * k)
     }
 }
 
@@ -273,13 +313,15 @@ impl CostTerms {
         }
     }
 
+    /// The tier-weighted blocks, times the affinity multiplier of all the blocks held.
     #[inline]
     fn credit_blocks(w: &Weights, per_tier: &[u32; StorageTier::COUNT]) -> f64 {
-        per_tier
+        let credit: f64 = per_tier
             .iter()
             .zip(w.credits)
             .map(|(&b, c)| f64::from(b) * c)
-            .sum()
+            .sum();
+        credit * w.affinity(per_tier.iter().sum())
     }
 
     #[inline(always)]

@@ -223,8 +223,13 @@ impl Scorer<'_> {
             return (0.0, 0);
         };
         let credit = match d.tier {
-            // The sum over tiers with the others at 0: the same to the bit.
-            Some(t) => f64::from(d.blocks) * self.weights.credits[t.index()],
+            // The sum over tiers with the others at 0, times the same multiplier: the same
+            // to the bit.
+            Some(t) => {
+                f64::from(d.blocks)
+                    * self.weights.credits[t.index()]
+                    * self.weights.affinity(d.blocks)
+            }
             None => CostTerms::credit_of(self.weights, &self.depths.per_tier(key.id)),
         };
         (credit, d.blocks)
@@ -418,7 +423,7 @@ impl Scorer<'_> {
 
     /// The fewest leading blocks a rank must hold to be worth scoring, now that a free,
     /// healthy rank has set the cheapest cost of `targets`: a rank of `b` blocks has at most
-    /// `b` times the highest tier credit, plus the longest pool run's credit, of credit; and
+    /// `b · affinity(b)` times the highest tier credit, plus the longest pool run's credit, of credit; and
     /// at most the sum of the preferred labels' weights of preference. With less credit than
     /// [`CostTerms::credit_needed`] asks to reach the bar plus that preference, its floor is
     /// above the bar ([`ProbeTargets::cannot_win`]) whatever its load. One block of slack
@@ -454,7 +459,12 @@ impl Scorer<'_> {
         if need == f64::INFINITY {
             return Some(u32::MAX);
         }
-        let least = ((need - pool) / per_block).ceil() - 1.0;
+        // Credit grows no faster than `per_block · b · affinity(b)`.
+        let least = self
+            .weights
+            .blocks_for_credit((need - pool) / per_block)
+            .ceil()
+            - 1.0;
         if least.is_nan() || least < 1.0 {
             return None;
         }

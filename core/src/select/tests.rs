@@ -1,5 +1,6 @@
 use super::policy::{CacheThreshold, KvAware, PowerOfTwo, PrefixHash, RandomPick, RoundRobin};
 use super::*;
+use crate::config::Affinity;
 use crate::config::BusyThresholds;
 use crate::config::Policy;
 use crate::config::RouterConfig;
@@ -581,6 +582,11 @@ fn the_bound_floor_never_exceeds_the_bound() {
             full_blocks: (tokens / u64::from(bs)) as u32,
             prefix_key: None,
         };
+        let affinity = Affinity {
+            from_share: pick(&mut rng, &[0.0, 0.3, 0.7, 0.95]),
+            boost: pick(&mut rng, &[0.0, 1.0, 4.0, 30.0]),
+        };
+        let w = w.for_prompt(&affinity, s.full_blocks);
         let per_tier: [u32; 4] =
             std::array::from_fn(|_| rng.below(u64::from(s.full_blocks) / 2 + 1) as u32);
         let credit = CostTerms::credit_of(&w, &per_tier);
@@ -678,4 +684,56 @@ fn ranges_are_clipped_sorted_and_merged() {
     let bad = [0..3, 7..4];
     assert!(merge_pool_ranges(&bad, 20, &mut out).is_err());
     assert!(out.is_empty());
+}
+
+/// The affinity multiplier is exactly 1 when off and up to its share, grows to `1 + boost`
+/// at the whole prompt, and `blocks_for_credit` inverts `b · affinity(b)`: every whole
+/// number of blocks whose credit falls short of a target lies below the inverse (so the
+/// pruning bar built on it keeps every rank that can win), and the inverse is at most one
+/// block above the first that reaches it.
+#[test]
+fn the_affinity_multiplier_and_its_inverse() {
+    let w = weights();
+    assert_eq!(w.affinity(0), 1.0);
+    assert_eq!(w.affinity(u32::MAX), 1.0);
+    let off = w.for_prompt(&Affinity::OFF, 40);
+    assert_eq!(off.affinity(40), 1.0);
+    assert_eq!(off.blocks_for_credit(123.5), 123.5);
+    let on = w.for_prompt(
+        &Affinity {
+            from_share: 0.7,
+            boost: 4.0,
+        },
+        40,
+    );
+    assert_eq!(on.affinity(28), 1.0);
+    assert!((on.affinity(40) - 5.0).abs() < 1e-12);
+    assert!((on.affinity(34) - 3.0).abs() < 1e-12);
+    let mut rng = Rng::new(9);
+    for _ in 0..20_000 {
+        let full = 1 + rng.below(5_000) as u32;
+        let affinity = Affinity {
+            from_share: [0.0, 0.3, 0.7, 0.99][rng.below(4) as usize],
+            boost: [0.0, 0.5, 4.0, 100.0][rng.below(4) as usize],
+        };
+        let w = w.for_prompt(&affinity, full);
+        let units = rng.unit_f64() * 6.0 * f64::from(full);
+        let inverse = w.blocks_for_credit(units);
+        let credit = |b: u32| f64::from(b) * w.affinity(b);
+        // The first whole block count that reaches `units`, by search.
+        let (mut lo, mut hi) = (0u32, 600 * full + 1);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if credit(mid) >= units {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        assert!(
+            f64::from(lo) >= inverse - 1e-6 * inverse.max(1.0),
+            "{lo} < {inverse}: {affinity:?} {full} {units}"
+        );
+        assert!(f64::from(lo) <= inverse + 1.0, "{lo} ≫ {inverse}");
+    }
 }

@@ -226,6 +226,53 @@ fn a_decayed_rank_is_not_pruned_on_a_floor_that_ignores_decay() {
     assert_eq!(r.route(&q).unwrap().worker, WorkerRank::new(1, 0));
 }
 
+/// A rank holding most of the prompt keeps it under prefill load that the plain credit would
+/// send elsewhere: worker 0 holds 36 of the prompt's 40 blocks and is prefilling another
+/// prompt of 2,000 tokens; worker 1 is idle. With affinity off, the plain credit (72 blocks)
+/// leaves worker 0 about 93 prefill blocks to do and worker 1 wins; with the default
+/// (0.7, 8) the 36 blocks earn 6.33 times as much and cover the queued prefill. Worker 0
+/// holding only 24 blocks (60%) earns the plain credit and loses either way.
+#[test]
+fn affinity_keeps_a_mostly_held_prompt_on_its_holder() {
+    let pick = |affinity: Affinity, held: usize| {
+        let r = router(RouterConfig {
+            affinity,
+            ..RouterConfig::default()
+        });
+        let t = tokens(40 * BS as usize);
+        let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+        for w in 0..2u64 {
+            r.join_worker(WorkerConfig::simple(w, 1000, BS)).unwrap();
+        }
+        store(
+            &r,
+            WorkerRank::new(0, 0),
+            StorageTier::Device,
+            &locals[..held],
+            0,
+        );
+        let other: Vec<u32> = (0..2000u32).map(|i| 5_000_000 + i).collect();
+        let mut busy = req(7, &other);
+        busy.hints.pinned.backend_instance = Some(WorkerId(0));
+        r.route(&busy).unwrap();
+        let mut q = req(1, &t);
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.evidence = EvidenceLevel::Full;
+        let d = r.route(&q).unwrap();
+        let ev = d.evidence.unwrap();
+        let holder = ev.iter().find(|c| c.rank.worker.0 == 0).unwrap();
+        (d.worker.worker.0, holder.cost.credit_blocks)
+    };
+    assert_eq!(pick(Affinity::OFF, 36), (1, 72.0));
+    let (w, credit) = pick(Affinity::default(), 36);
+    assert_eq!(w, 0);
+    assert!(
+        (credit - 72.0 * (1.0 + 8.0 * 8.0 / 12.0)).abs() < 1e-9,
+        "{credit}"
+    );
+    assert_eq!(pick(Affinity::default(), 24), (1, 48.0));
+}
+
 /// Preferred labels and pool hits lower a rank's cost below the floor of its own overlap;
 /// pruned selection takes both into its floors. Worker 0 holds all 20 of the query's
 /// blocks and is scored first; worker 1 holds 18 and carries the preferred label, and
@@ -279,6 +326,24 @@ fn preferences_and_pool_hits_lower_the_floors_pruning_uses() {
 /// reference router's, the defaults, and two others.
 const WEIGHTS: [(f64, f64); 5] = [(1.0, 1.0), (2.0, 8.0), (2.0, 32.0), (0.5, 3.0), (4.0, 0.7)];
 
+/// Affinities the selection tests take in turn: off, the default, growth from the first
+/// block held, and a steep one from a third.
+const AFFINITIES: [Affinity; 4] = [
+    Affinity::OFF,
+    Affinity {
+        from_share: 0.7,
+        boost: 8.0,
+    },
+    Affinity {
+        from_share: 0.0,
+        boost: 1.0,
+    },
+    Affinity {
+        from_share: 0.3,
+        boost: 8.0,
+    },
+];
+
 /// Selection that reads only the ranks the match gave enough blocks to win, and only the
 /// records deep enough to matter, picks what the full evidence says: 48 workers with
 /// overlaps spread over every depth (so the least winning depth falls among them), tier
@@ -301,6 +366,7 @@ fn selection_from_the_deep_ranks_picks_what_the_full_evidence_says() {
         let r = router(RouterConfig {
             overlap_credit,
             prefill_load_scale,
+            affinity: AFFINITIES[(round / 2) as usize % AFFINITIES.len()],
             pool_credit: [0.5, 1.0, 0.9][round as usize % 3],
             approximate: Approximate {
                 speculative: if records {
@@ -419,6 +485,7 @@ fn pruned_selection_picks_what_the_full_evidence_says() {
         let r = router(RouterConfig {
             overlap_credit,
             prefill_load_scale,
+            affinity: AFFINITIES[(round / 2) as usize % AFFINITIES.len()],
             busy: BusyThresholds {
                 decode_blocks_fraction: busy.then_some(0.5),
                 prefill_tokens_fraction: None,
