@@ -6,6 +6,7 @@
 //! ```text
 //! cargo run --release -p kvroute-benches --bin serve-overhead
 //! cargo run --release -p kvroute-benches --bin serve-overhead -- --text --sglang --seconds 5
+//! cargo run --release -p kvroute-benches --bin serve-overhead -- --pin --text --sglang
 //! ```
 //!
 //! SGLang's router takes text prompts only, so `--sglang` needs `--text`: every path then
@@ -22,6 +23,11 @@
 //! measured seconds. kvroute serve runs in this process on a runtime of its own; SGLang's
 //! router is a process of its own, in a venv the benchmark makes (target/bench-venv). The
 //! process allocates with mimalloc, as the `kvroute` program does.
+//!
+//! `--pin` gives the router a core of its own, as a frontend has in production: the load and
+//! the fake engine run on CPU 0, kvroute serve's runtime (and SGLang's router, with
+//! `taskset`) on CPU 1. Unpinned, all of them share the machine's cores, and the router's
+//! figures include waiting for the load and the engine.
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -206,7 +212,23 @@ async fn load(
 }
 
 /// SGLang's router in a venv of its own, in front of `engine`.
-fn sglang_router(engine: SocketAddr, port: u16) -> Result<Child> {
+/// Keeps the calling thread on `cpu`.
+fn pin_to(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it (cpu < 1024), and
+    // sched_setaffinity reads it for the calling thread (pid 0).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            eprintln!(
+                "serve-overhead: could not pin a thread to CPU {cpu}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+fn sglang_router(engine: SocketAddr, port: u16, cpu: Option<usize>) -> Result<Child> {
     let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-venv");
     let python = venv.join("bin/python");
     if !python.exists() {
@@ -230,7 +252,15 @@ fn sglang_router(engine: SocketAddr, port: u16) -> Result<Child> {
             bail!("could not install sglang-router 0.3.2");
         }
     }
-    Command::new(python)
+    let mut command = match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(cpu.to_string()).arg(python);
+            c
+        }
+        None => Command::new(python),
+    };
+    command
         .args([
             "-m",
             "sglang_router.launch_router",
@@ -278,25 +308,43 @@ fn main() -> Result<()> {
     let mut seconds = 3.0;
     let mut sglang = false;
     let mut text = false;
+    let mut pin = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--seconds" => seconds = args.next().unwrap_or_default().parse()?,
             "--sglang" => sglang = true,
             "--text" => text = true,
-            other => bail!("unknown argument {other}; --seconds S, --sglang, --text"),
+            "--pin" => pin = true,
+            other => bail!("unknown argument {other}; --seconds S, --sglang, --text, --pin"),
         }
+    }
+    if pin && std::thread::available_parallelism().map_or(0, |n| n.get()) < 2 {
+        bail!("--pin needs two CPUs");
     }
     // The load and the fake engine on one runtime, kvroute serve on its own.
     // Named threads, so that a profile tells serve's time from the load's and the engine's.
+    // With --pin, the runtimes' threads (workers and blocking) each on their CPU.
+    // Pinned, each runtime has one worker thread: two on one CPU would take turns by the
+    // scheduler's time slices, milliseconds apart.
     let load_rt = tokio::runtime::Builder::new_multi_thread()
         .thread_name("load-engine")
-        .worker_threads(2)
+        .worker_threads(if pin { 1 } else { 2 })
+        .on_thread_start(move || {
+            if pin {
+                pin_to(0)
+            }
+        })
         .enable_all()
         .build()?;
     let serve_rt = tokio::runtime::Builder::new_multi_thread()
         .thread_name("serve")
-        .worker_threads(2)
+        .worker_threads(if pin { 1 } else { 2 })
+        .on_thread_start(move || {
+            if pin {
+                pin_to(1)
+            }
+        })
         .enable_all()
         .build()?;
     let engine = load_rt.block_on(fake_engine())?;
@@ -331,7 +379,7 @@ fn main() -> Result<()> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
-        router_process = Some(sglang_router(engine, port)?);
+        router_process = Some(sglang_router(engine, port, pin.then_some(1))?);
         load_rt.block_on(wait_healthy(&format!("http://127.0.0.1:{port}/health")))?;
         paths.push((
             "sglang-router",
@@ -339,11 +387,16 @@ fn main() -> Result<()> {
         ));
     }
     println!(
-        "serve-overhead: {seconds} s per cell, {} prompts, a fake engine that answers at once",
+        "serve-overhead: {seconds} s per cell, {} prompts, a fake engine that answers at once{}",
         if text {
             "text (about 1,000 tokens; kvroute tokenizes them with Qwen3's tokenizer)"
         } else {
             "1,024-token-id"
+        },
+        if pin {
+            "; load and engine on CPU 0, the router on CPU 1"
+        } else {
+            ""
         }
     );
     println!(
