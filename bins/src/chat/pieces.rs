@@ -49,7 +49,13 @@ pub(crate) const CHUNKED_PATTERNS: [&str; 3] = [
 ];
 
 /// The fewest bytes of a chunk before a line break may end it.
-pub(crate) const CHUNK_BYTES: usize = 512;
+pub(crate) const CHUNK_BYTES: usize = 128;
+
+/// Within a piece, [`PieceTokenizer::encode_while`] asks whether to go on once this many bytes
+/// have been tokenized since it last asked (and at every split token): each question hashes
+/// and matches the ids so far, so asking after every short chunk would cost a long text's
+/// prefix many times over.
+pub(crate) const ASK_BYTES: usize = 512;
 
 /// True when `tokenizer` pre-tokenizes as the module comment requires for chunks: byte-level
 /// BPE split by one of [`CHUNKED_PATTERNS`] (or byte-level's own, which is GPT-2's), no prefix
@@ -262,7 +268,8 @@ impl PieceTokenizer {
     }
 
     /// [`PieceTokenizer::encode`], piece by piece and chunk by chunk, asking `more` with the
-    /// ids so far after each whether to go on. Where it says no, the ids so far (the first
+    /// ids so far whether to go on: after each split token, and after a chunk once
+    /// [`ASK_BYTES`] have been tokenized since the last question. Where it says no, the ids so far (the first
     /// ids of `encode`'s, those of a prefix of `text` cut where the tokenizer cuts) and the
     /// bytes left untokenized.
     pub fn encode_while(
@@ -273,6 +280,8 @@ impl PieceTokenizer {
         let mut ids = Vec::with_capacity(text.len() / 3);
         // The start of the piece at hand, and the end of what is tokenized.
         let (mut at, mut done) = (0, 0);
+        // Where `more` was last asked.
+        let mut asked = 0;
         let splits = self.splits_in(text);
         let ends = splits
             .iter()
@@ -282,13 +291,16 @@ impl PieceTokenizer {
             for end in self.chunk_ends_of(&text[at..start]).map(|end| at + end) {
                 self.chunk(&text[done..end], &mut ids)?;
                 done = end;
-                if end < text.len() && !more(&ids) {
-                    return Ok(Partial::of(ids, text, end));
+                if end < text.len() && end - asked >= ASK_BYTES {
+                    asked = end;
+                    if !more(&ids) {
+                        return Ok(Partial::of(ids, text, end));
+                    }
                 }
             }
             if let Some((end, id)) = split {
                 ids.push(id);
-                (at, done) = (end, end);
+                (at, done, asked) = (end, end, end);
                 if end < text.len() && !more(&ids) {
                     return Ok(Partial::of(ids, text, end));
                 }
