@@ -210,6 +210,31 @@ fn a_growing_text_prompt_tokenizes_only_its_new_end() {
     }
 }
 
+/// A long text with no split token is asked about once per 512 bytes or so (serve's question
+/// hashes and matches the ids so far), not after every 128-byte chunk, and the ids so far
+/// cover at least 512 more bytes at each question.
+#[test]
+fn a_long_text_is_asked_about_once_per_512_bytes() {
+    let Some(model) = model() else { return };
+    let line = "The router reads the prompt. ".repeat(4);
+    let text = format!("{line}\n").repeat(200);
+    let mut lens = Vec::new();
+    let part = model
+        .text_ids_while(&text, |ids| {
+            lens.push(ids.len());
+            true
+        })
+        .unwrap();
+    assert!(part.complete());
+    assert!(
+        lens.len() <= text.len() / 512 + 1,
+        "{} questions for {} bytes",
+        lens.len(),
+        text.len()
+    );
+    assert!(lens.len() >= text.len() / 1024, "{}", lens.len());
+}
+
 /// Tokenizing as far as asked gives the first ids of the whole text's, and exactly the ids of
 /// the text tokenized: stopped after any chunk or piece, of text prompts and of chats.
 #[test]

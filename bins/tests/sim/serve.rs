@@ -192,6 +192,18 @@ impl Fleet {
             .sum()
     }
 
+    /// Serve's Prometheus text.
+    async fn metrics(&self) -> String {
+        self.client
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     async fn wait_idle(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while self.active().await != 0 {
@@ -277,15 +289,7 @@ async fn requests_land_where_their_prefix_is_and_load_returns_to_zero() {
     assert_eq!(decision["predicted_cached_tokens"], 512, "{decision}");
     assert_eq!(decision["booked"], false);
     f.wait_idle().await;
-    let metrics = f
-        .client
-        .get(format!("{}/metrics", f.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = f.metrics().await;
     assert!(
         metrics.contains("kvroute_requests_total{outcome=\"ok\",route=\"completions\"} 186"),
         "{metrics}"
@@ -829,15 +833,7 @@ async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
     }
     f.wait_idle().await;
     // Tokens tokenized and tokens estimated are both counted.
-    let metrics = f
-        .client
-        .get(format!("{}/metrics", f.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = f.metrics().await;
     let counted = |how: &str| -> u64 {
         let key = format!("kvroute_prompt_tokens_total{{how=\"{how}\"}} ");
         metrics
