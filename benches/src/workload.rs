@@ -27,9 +27,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-pub use kvroute::workload::{pseudo_token, ChatConfig, ChatWorkload};
 use kvroute_core::{seq_hashes, BlockHasher};
 use kvroute_core::{BlockHash, LocalHash, SeqHash, StoredBlock};
+pub use kvroute_sim::workload::{pseudo_token, ChatConfig, ChatWorkload};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -120,7 +120,7 @@ pub use router::{
     RequestGuard, RequestMetrics, RouteError, RouteHints, RouteRequest, Router, RouterCounts,
     RouterError, SessionCallback, Ticket, TicketState, Timings,
 };
-pub use select::{Busy, Candidate, CostTerms, Overlap, Overrides, PolicyKind};
+pub use select::{Busy, Candidate, CostTerms, Overlap, Overrides, PolicyKind, UnknownPolicy};
 pub use session::{SessionClose, SessionEnd, SessionEndReason, SessionId, SessionRouting};
 
 /// Hooks for the project's own tests, benchmarks and fuzz targets: not part of the API.

@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use kvroute::chat::{ModelText, RenderInput};
 use kvroute_benches::median;
+use kvroute_text::{ModelText, RenderInput};
 use serde_json::{json, Value};
 
 fn conversation(turns: usize) -> Vec<Value> {

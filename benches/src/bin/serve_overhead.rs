@@ -41,7 +41,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use axum::body::Bytes;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
-use kvroute::serve::{BackendSpec, RunningServe, ServeOptions};
+use kvroute_serve::{BackendSpec, RunningServe, ServeOptions};
 use serde_json::{json, Value};
 
 /// The one field the fake engine reads (the rest is skipped as it is parsed: the engine

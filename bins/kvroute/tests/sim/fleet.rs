@@ -1,0 +1,201 @@
+//! The fleet: engines and the core's router on one virtual clock, on a small workload of
+//! shared system prompts.
+
+use std::time::Duration;
+
+use kvroute_core::{Policy, Rng, RouterConfig, WorkerRank};
+use kvroute_sim::{Arrival, EngineConfig, Fleet, FleetConfig, FleetReport, RequestId};
+
+const WORKERS: usize = 4;
+
+/// 40 requests: one of 8 system prompts (64 to 256 tokens) then 16 to 63 tokens of its own,
+/// 4 to 19 output tokens, arriving about every 15 ms (exponential gaps), from seed 7.
+fn workload() -> Vec<Arrival> {
+    let mut rng = Rng::new(7);
+    let systems: Vec<Vec<u32>> = (0..8u32)
+        .map(|s| {
+            let len = 64 + rng.below(193) as u32;
+            (s * 10_000..s * 10_000 + len).collect()
+        })
+        .collect();
+    let mut at = Duration::ZERO;
+    (0..40u64)
+        .map(|i| {
+            let gap_ms = -15.0 * (1.0 - rng.unit_f64()).ln();
+            at += Duration::from_secs_f64(gap_ms / 1e3);
+            let mut prompt = systems[rng.below(8) as usize].clone();
+            let own = 16 + rng.below(48) as u32;
+            let first = 1_000_000 + i as u32 * 1_000;
+            prompt.extend(first..first + own);
+            Arrival {
+                at,
+                id: RequestId(i),
+                prompt,
+                max_output_tokens: 4 + rng.below(16) as u32,
+            }
+        })
+        .collect()
+}
+
+/// Runs the workload on 4 engines of 96 blocks under `policy`.
+fn run(policy: Policy) -> (Fleet, FleetReport) {
+    let mut fleet = Fleet::new(FleetConfig {
+        workers: WORKERS,
+        engine: EngineConfig {
+            kv_blocks: 96,
+            ..EngineConfig::default()
+        },
+        router: RouterConfig {
+            policy,
+            ..RouterConfig::default()
+        },
+    })
+    .unwrap();
+    for arrival in workload() {
+        fleet.submit(arrival).unwrap();
+    }
+    fleet.run_until_idle().unwrap();
+    let report = fleet.report();
+    (fleet, report)
+}
+
+#[test]
+fn every_request_finishes_and_load_returns_to_zero() {
+    let (fleet, report) = run(Policy::KvAware);
+    assert_eq!(report.requests, 40);
+    assert_eq!(report.finished, 40);
+    assert_eq!(report.active_requests, 0);
+    assert_eq!(fleet.router().active_requests(), 0);
+    for w in 0..WORKERS as u64 {
+        let load = fleet.router().load(WorkerRank::new(w, 0)).unwrap();
+        assert_eq!(load.requests, 0, "worker {w}: {load:?}");
+        assert_eq!(load.prefill_tokens, 0, "worker {w}: {load:?}");
+        assert_eq!(load.decode_blocks(), 0, "worker {w}: {load:?}");
+    }
+    for record in fleet.records() {
+        let first = record.first_token.unwrap();
+        let finished = record.finished.unwrap();
+        assert!(record.arrival < first && first <= finished, "{record:?}");
+    }
+    assert!(fleet.engines().iter().all(|e| e.is_idle()));
+    assert!(report.ttft_mean_ms > 0.0 && report.ttft_p99_ms >= report.ttft_mean_ms);
+    assert!(report.throughput > 0.0 && report.itl_mean_ms > 0.0);
+    assert!(report.mean_active_tokens.iter().all(|&t| t > 0.0));
+    assert!(report.load_imbalance >= 1.0);
+}
+
+#[test]
+fn kv_aware_routing_hits_more_cache_than_round_robin() {
+    let (_, kv) = run(Policy::KvAware);
+    let (_, rr) = run(Policy::RoundRobin);
+    println!("kv-aware: {kv:?}\nround-robin: {rr:?}");
+    assert!(
+        kv.hit_rate > rr.hit_rate,
+        "kv-aware hit rate {:.3}, round robin {:.3}",
+        kv.hit_rate,
+        rr.hit_rate
+    );
+}
+
+#[test]
+fn the_routers_predicted_cached_tokens_match_the_engines() {
+    let (fleet, report) = run(Policy::KvAware);
+    let misses: Vec<_> = fleet
+        .records()
+        .iter()
+        .filter(|r| r.predicted_cached != u64::from(r.cached))
+        .map(|r| (r.id.0, r.predicted_cached, r.cached))
+        .collect();
+    assert!(
+        report.prediction_accuracy >= 0.9,
+        "prediction accuracy {:.3}; misses (id, predicted, engine): {misses:?}",
+        report.prediction_accuracy
+    );
+}
+
+#[test]
+fn a_run_is_deterministic() {
+    let (first, a) = run(Policy::KvAware);
+    let (second, b) = run(Policy::KvAware);
+    assert_eq!(a, b);
+    assert_eq!(first.records(), second.records());
+}
+
+/// A fleet of one engine of 1,000 blocks.
+fn one_engine() -> Fleet {
+    Fleet::new(FleetConfig {
+        workers: 1,
+        engine: EngineConfig {
+            kv_blocks: 1_000,
+            ..EngineConfig::default()
+        },
+        router: RouterConfig::default(),
+    })
+    .unwrap()
+}
+
+/// A 256-token system prompt then 32 tokens of request `i`'s own.
+fn shared_prompt(i: u32) -> Vec<u32> {
+    (0..256)
+        .chain(10_000 * (i + 1)..10_000 * (i + 1) + 32)
+        .collect()
+}
+
+#[test]
+fn the_router_learns_of_blocks_when_the_pass_that_stored_them_ends() {
+    let mut fleet = one_engine();
+    fleet
+        .submit(Arrival {
+            at: Duration::ZERO,
+            id: RequestId(1),
+            prompt: shared_prompt(1),
+            max_output_tokens: 4,
+        })
+        .unwrap();
+    // Request 2 comes while request 1's prefill is under way: the blocks are not published
+    // yet, so the index holds none of them, but the router knows request 1's prompt is
+    // active there and predicts the hit the engine then finds (its prefill starts after
+    // request 1's ended). Request 3 comes after request 1 ended, from the index.
+    fleet.run_to(Duration::from_micros(1)).unwrap();
+    assert!(fleet.engines()[0].now() > Duration::from_micros(1));
+    for (id, at_ms) in [(2, 0), (3, 1_000)] {
+        fleet
+            .submit(Arrival {
+                at: Duration::from_micros(1) + Duration::from_millis(at_ms),
+                id: RequestId(id),
+                prompt: shared_prompt(id as u32),
+                max_output_tokens: 4,
+            })
+            .unwrap();
+    }
+    fleet.run_until_idle().unwrap();
+    let seen: Vec<_> = fleet
+        .records()
+        .iter()
+        .map(|r| (r.id.0, r.predicted_cached, r.cached))
+        .collect();
+    assert_eq!(seen, vec![(1, 0, 0), (2, 256, 256), (3, 256, 256)]);
+    assert_eq!(fleet.report().prediction_accuracy, 1.0);
+}
+
+#[test]
+fn a_request_id_is_submitted_once_and_never_in_the_past() {
+    let mut fleet = one_engine();
+    let arrival = Arrival {
+        at: Duration::from_millis(5),
+        id: RequestId(1),
+        prompt: shared_prompt(1),
+        max_output_tokens: 1,
+    };
+    fleet.submit(arrival.clone()).unwrap();
+    assert!(fleet.submit(arrival.clone()).is_err());
+    fleet.run_until_idle().unwrap();
+    let late = Arrival {
+        at: Duration::ZERO,
+        id: RequestId(2),
+        ..arrival
+    };
+    assert!(fleet.submit(late).is_err());
+    assert_eq!(fleet.report().finished, 1);
+    assert_eq!(fleet.router().active_requests(), 0);
+}

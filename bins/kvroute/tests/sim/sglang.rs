@@ -1,0 +1,201 @@
+//! SGLang's own KV-event publisher (its `kv_events.py`, unchanged from the 0.5.23 wheel; see
+//! `scripts/fixtures.sh`) publishing to `kvroute serve`: stores, removes and clears land in the
+//! index; a batch lost on the wire is repaired through the replay socket; a restarted
+//! publisher clears the worker.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::{free_port, Process};
+
+struct Publisher {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Publisher {
+    fn send(&mut self, command: Value) {
+        writeln!(self.stdin, "{command}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ok", "the publisher answered {line:?}");
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Blocks of 16 tokens `first..`, SGLang-style signed hashes (negative ones included).
+fn blocks(first: u32, n: u32) -> (Vec<i64>, Vec<u32>) {
+    let hashes = (0..n)
+        .map(|b| -((first as i64) * 1_000 + b as i64) - 1)
+        .collect();
+    let tokens = (first * 16..(first + n) * 16).collect();
+    (hashes, tokens)
+}
+
+async fn predicted(client: &reqwest::Client, url: &str, tokens: &[u32]) -> u64 {
+    let mut prompt = tokens.to_vec();
+    prompt.extend([7, 7, 7]);
+    let v: Value = client
+        .post(format!("{url}/v1/route"))
+        .json(&json!({"prompt": prompt}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["predicted_cached_tokens"].as_u64().unwrap()
+}
+
+async fn wait_predicted(client: &reqwest::Client, url: &str, tokens: &[u32], want: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = predicted(client, url, tokens).await;
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "predicted {got} cached tokens, want {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn events(client: &reqwest::Client, url: &str) -> Value {
+    let w: Value = client
+        .get(format!("{url}/v1/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    w["workers"][0]["ranks"][0]["events"].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglangs_own_publisher_feeds_the_index_through_loss_and_restart() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let fixtures = root.join("target/fixtures");
+    let python = fixtures.join("venv/bin/python");
+    if !fixtures
+        .join("sglang/sglang/srt/disaggregation/kv_events.py")
+        .exists()
+        || !python.exists()
+    {
+        eprintln!("skipped: no SGLang publisher in target/fixtures (run scripts/fixtures.sh)");
+        return;
+    }
+    let (events_port, replay_port, http) = (free_port(), free_port(), free_port());
+    let endpoint = format!("tcp://127.0.0.1:{events_port}");
+    let replay = format!("tcp://127.0.0.1:{replay_port}");
+    let mut child = Command::new(&python)
+        .arg(root.join("scripts/sglang_publisher.py"))
+        .arg(&endpoint)
+        .arg(&replay)
+        .env("PYTHONPATH", fixtures.join("sglang"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut publisher = Publisher {
+        stdin: child.stdin.take().unwrap(),
+        stdout: BufReader::new(child.stdout.take().unwrap()),
+        child,
+    };
+    let _serve = Process(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{http}")])
+            .arg("--worker")
+            .arg(format!(
+                "url=http://127.0.0.1:1,events={endpoint},replay={replay},kv_blocks=4096"
+            ))
+            .env("KVROUTE_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let url = format!("http://127.0.0.1:{http}");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while client.get(format!("{url}/health")).send().await.is_err() {
+        assert!(Instant::now() < deadline, "serve never answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Until the subscription is connected, stores are lost to the slow joiner: repeat one.
+    let (warm_hashes, warm_tokens) = blocks(900, 2);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while predicted(&client, &url, &warm_tokens).await != 32 {
+        assert!(Instant::now() < deadline, "no event reached the router");
+        publisher.send(
+            json!({"op": "store", "hashes": warm_hashes, "parent": null, "tokens": warm_tokens}),
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A stored chain of 4 blocks, then 2 more continuing it.
+    let (a_hashes, a_tokens) = blocks(0, 6);
+    publisher.send(
+        json!({"op": "store", "hashes": a_hashes[..4], "parent": null, "tokens": a_tokens[..64]}),
+    );
+    publisher.send(json!({"op": "store", "hashes": a_hashes[4..], "parent": a_hashes[3], "tokens": a_tokens[64..]}));
+    wait_predicted(&client, &url, &a_tokens, 96).await;
+    // The last block evicted.
+    publisher.send(json!({"op": "remove", "hashes": [a_hashes[5]]}));
+    wait_predicted(&client, &url, &a_tokens, 80).await;
+    // A batch lost on the wire: seen as a gap when the next arrives, fetched from the replay.
+    let (b_hashes, b_tokens) = blocks(100, 3);
+    let (c_hashes, c_tokens) = blocks(200, 2);
+    publisher.send(json!({"op": "drop_next"}));
+    publisher.send(json!({"op": "store", "hashes": b_hashes, "parent": null, "tokens": b_tokens}));
+    publisher.send(json!({"op": "store", "hashes": c_hashes, "parent": null, "tokens": c_tokens}));
+    wait_predicted(&client, &url, &c_tokens, 32).await;
+    wait_predicted(&client, &url, &b_tokens, 48).await;
+    let e = events(&client, &url).await;
+    assert_eq!(e["gaps"], 1, "{e}");
+    assert_eq!(e["ranks_cleared"], 0, "{e}");
+    assert!(e["replayed"].as_u64().unwrap() >= 1, "{e}");
+    // AllBlocksCleared empties the worker.
+    publisher.send(json!({"op": "clear"}));
+    wait_predicted(&client, &url, &a_tokens, 0).await;
+    wait_predicted(&client, &url, &b_tokens, 0).await;
+    // Stored again, then the engine restarts: its sequence goes back to 0 and the worker is
+    // cleared before the new process's first batch applies.
+    publisher.send(
+        json!({"op": "store", "hashes": a_hashes[..4], "parent": null, "tokens": a_tokens[..64]}),
+    );
+    wait_predicted(&client, &url, &a_tokens, 64).await;
+    publisher.send(json!({"op": "restart"}));
+    let (d_hashes, d_tokens) = blocks(300, 2);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while predicted(&client, &url, &d_tokens).await != 32 {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted publisher was never heard"
+        );
+        publisher
+            .send(json!({"op": "store", "hashes": d_hashes, "parent": null, "tokens": d_tokens}));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        predicted(&client, &url, &a_tokens).await,
+        0,
+        "cleared at the restart"
+    );
+    let e = events(&client, &url).await;
+    assert_eq!(e["restarts"], 1, "{e}");
+    assert_eq!(e["decode_errors"], 0, "{e}");
+}

@@ -1,0 +1,169 @@
+//! Workloads: the built-in chat generator's arrivals and determinism, Mooncake-format traces
+//! read and expanded, and the infinite-cache ceiling computed by hand on a small trace.
+
+use std::io::Write;
+use std::time::Duration;
+
+use kvroute_sim::workload::{read_trace, ChatConfig, ChatWorkload, TraceError, TraceRow, Workload};
+
+fn small_chat(seed: u64, rate: f64) -> ChatConfig {
+    ChatConfig {
+        requests: 400,
+        seed,
+        documents: 50,
+        open_conversations: 8,
+        rate,
+        ..ChatConfig::default()
+    }
+}
+
+#[test]
+fn the_chat_workload_follows_its_seed_and_its_prompts_do_not_depend_on_the_rate() {
+    let a: Vec<_> = Workload::chat(small_chat(1, 5.0)).requests().collect();
+    let b: Vec<_> = Workload::chat(small_chat(1, 5.0)).requests().collect();
+    let slow: Vec<_> = Workload::chat(small_chat(1, 0.5)).requests().collect();
+    let other: Vec<_> = Workload::chat(small_chat(2, 5.0)).requests().collect();
+    assert_eq!(a, b);
+    assert_eq!(a.len(), 400);
+    assert_ne!(a, other);
+    for (fast, slow) in a.iter().zip(&slow) {
+        assert_eq!(fast.prompt, slow.prompt);
+        assert_eq!(fast.output_tokens, slow.output_tokens);
+    }
+    assert!(slow.last().unwrap().at > a.last().unwrap().at * 5);
+}
+
+#[test]
+fn chat_arrivals_are_poisson_at_the_rate_and_replies_are_the_outputs() {
+    let requests: Vec<_> = Workload::chat(ChatConfig {
+        requests: 4_000,
+        ..small_chat(3, 20.0)
+    })
+    .requests()
+    .collect();
+    assert_eq!(requests[0].at, Duration::ZERO);
+    assert!(requests.windows(2).all(|w| w[0].at <= w[1].at));
+    // 3,999 exponential gaps of mean 50 ms: the mean is within 10% with overwhelming odds.
+    let mean_gap = requests.last().unwrap().at.as_secs_f64() / 3_999.0;
+    assert!((0.045..0.055).contains(&mean_gap), "mean gap {mean_gap}");
+    let config = ChatConfig::default();
+    assert!(requests.iter().all(|r| {
+        (config.reply_tokens.0..=config.reply_tokens.1).contains(&(r.output_tokens as usize))
+    }));
+}
+
+#[test]
+fn a_conversations_next_turn_extends_its_prompt_by_the_reply_and_a_message() {
+    let mut chat = ChatWorkload::new(ChatConfig {
+        open_conversations: 1,
+        turns: (3, 3),
+        ..small_chat(4, 1.0)
+    });
+    let first = chat
+        .next_turn()
+        .map(|t| (t.prompt.to_vec(), t.reply_tokens));
+    let (first, reply) = first.unwrap();
+    let second = chat.next_prompt().unwrap();
+    assert!(second.len() > first.len() + reply);
+    assert_eq!(&second[..first.len()], &first[..]);
+}
+
+/// Writes `lines` to a fresh file and returns its path.
+fn trace_file(name: &str, lines: &[&str]) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-workload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    let mut file = std::fs::File::create(&path).unwrap();
+    for line in lines {
+        writeln!(file, "{line}").unwrap();
+    }
+    path
+}
+
+const SMALL_TRACE: [&str; 4] = [
+    r#"{"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [0, 1]}"#,
+    r#"{"timestamp": 2000, "input_length": 1300, "output_length": 5, "hash_ids": [0, 1, 3]}"#,
+    "",
+    r#"{"timestamp": 1000, "input_length": 1024, "output_length": 0, "hash_ids": [0, 2], "x": 1}"#,
+];
+
+#[test]
+fn a_trace_is_read_expanded_and_ordered_by_arrival() {
+    let path = trace_file("small.jsonl", &SMALL_TRACE);
+    let rows = read_trace(&path, None).unwrap();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(read_trace(&path, Some(1)).unwrap().len(), 1);
+    let workload = Workload::trace("small", rows.clone()).with_speedup(2.0);
+    let requests: Vec<_> = workload.requests().collect();
+    let at: Vec<_> = requests.iter().map(|r| r.at.as_millis()).collect();
+    assert_eq!(at, [0, 500, 1000]);
+    // Output lengths of 0 become 1: a request generates at least its first token.
+    let outputs: Vec<_> = requests.iter().map(|r| r.output_tokens).collect();
+    assert_eq!(outputs, [10, 1, 5]);
+    assert_eq!(requests[1].prompt, rows[2].tokens());
+    assert_eq!(requests[2].prompt.len(), 1300);
+    // Rows sharing block ids share those 512 tokens, and only those.
+    assert_eq!(requests[0].prompt[..512], requests[1].prompt[..512]);
+    assert_ne!(requests[0].prompt[512..], requests[1].prompt[512..]);
+    assert_eq!(requests[2].prompt[..1024], requests[0].prompt[..]);
+}
+
+#[test]
+fn the_ceiling_of_a_small_trace_is_what_a_hand_count_gives() {
+    let rows = read_trace(&trace_file("ceiling.jsonl", &SMALL_TRACE), None).unwrap();
+    let ceiling = Workload::trace("small", rows).ceiling(16);
+    // In arrival order: [0,1] finds nothing; [0,2] finds id 0 (512 tokens); [0,1,3] finds ids
+    // 0 and 1 (1,024 tokens, under its cap of (1300 - 1) / 16 = 81 blocks).
+    assert_eq!(ceiling.requests, 3);
+    assert_eq!(ceiling.prompt_tokens, 1024 + 1024 + 1300);
+    assert_eq!(ceiling.cached_tokens, 512 + 1024);
+    assert_eq!(ceiling.output_tokens, 10 + 1 + 5);
+    assert!((ceiling.hit_rate() - 1536.0 / 3348.0).abs() < 1e-12);
+}
+
+#[test]
+fn a_bad_trace_line_is_named() {
+    let path = trace_file(
+        "bad.jsonl",
+        &[
+            SMALL_TRACE[0],
+            r#"{"timestamp": 1, "input_length": "many"}"#,
+        ],
+    );
+    match read_trace(&path, None) {
+        Err(TraceError::Parse { line, .. }) => assert_eq!(line, 2),
+        other => panic!("expected a parse error, got {other:?}"),
+    }
+    let long = trace_file(
+        "long.jsonl",
+        &[r#"{"timestamp": 0, "input_length": 600, "hash_ids": [4]}"#],
+    );
+    assert!(matches!(
+        read_trace(&long, None),
+        Err(TraceError::Length { line: 1, .. })
+    ));
+    let empty = trace_file(
+        "empty.jsonl",
+        &[r#"{"timestamp": 0, "input_length": 0, "hash_ids": []}"#],
+    );
+    assert!(matches!(
+        read_trace(&empty, None),
+        Err(TraceError::Length { .. })
+    ));
+    let missing = std::env::temp_dir().join("kvroute-no-such-trace.jsonl");
+    assert!(matches!(
+        read_trace(&missing, None),
+        Err(TraceError::Io { .. })
+    ));
+    assert_eq!(
+        TraceRow {
+            timestamp: 0,
+            input_length: 3,
+            output_length: 0,
+            hash_ids: vec![7]
+        }
+        .tokens()
+        .len(),
+        3
+    );
+}

@@ -1,0 +1,323 @@
+//! `kvroute serve`: the router in front of OpenAI-compatible engines (vLLM, SGLang, or
+//! `kvroute worker`), fed by their ZeroMQ KV events.
+//!
+//! ```text
+//!  client ──HTTP──▶ proxy: prompt tokens ──▶ core Router (index + load) ──▶ chosen engine
+//!                      ◀────────────── the engine's answer, unchanged ◀──────┘
+//!  engines' publishers ──ZeroMQ──▶ transport::Subscription per rank ──▶ the Router's index
+//! ```
+//!
+//! Module map:
+//!
+//! * `proxy.rs`: `/v1/completions` and `/v1/chat/completions`: the prompt's tokens (chat
+//!   rendered by the model's template), routing, forwarding, retries, the request lifecycle.
+//! * `admin.rs`: `/v1/route`, `/v1/workers`, `/v1/models`, `/metrics`, `/ready`.
+//! * `backends.rs`: [`BackendSpec`] and the registry of engines and their subscriptions.
+//! * `config.rs`: [`ServeFile`], the TOML file, and the `--worker` flag's syntax.
+//! * `metrics.rs`: the Prometheus registry.
+//! * `headers.rs`: the header names the gateway reads and sets.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+mod admin;
+mod backends;
+mod body;
+mod config;
+pub mod headers;
+mod metrics;
+mod proxy;
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+use axum::routing::{delete, get, post};
+use kvroute_core::{Health, IndexConfig, PrefixIndex, Router, RouterConfig, RouterError, WorkerId};
+use tokio::net::TcpListener;
+
+use kvroute_text::ModelText;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+pub use backends::{BackendError, BackendSpec};
+pub use config::{parse_worker_flag, ConfigError, ServeFile};
+
+/// How the service is set up.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// Where HTTP listens (port 0: the system picks).
+    pub listen: SocketAddr,
+    /// The model served: requests naming another get a 404 (none: any name passes).
+    pub model: Option<String>,
+    /// LoRA adapters the engines serve (vLLM's `--lora-modules` names): a request naming one
+    /// is routed by the adapter's KV blocks, which the engines publish under its name.
+    pub lora_adapters: Vec<String>,
+    /// The key clients must send as `Authorization: Bearer …` (none: no check). It is never
+    /// forwarded; each worker gets its own `api_key`.
+    pub api_key: Option<String>,
+    /// The engines to start with.
+    pub workers: Vec<BackendSpec>,
+    /// The router's configuration (policy, weights, block size).
+    pub router: RouterConfig,
+    /// Further workers tried when one fails before answering.
+    pub retries: u32,
+    /// How long a KV-event replay may take before its gap counts as lost.
+    pub replay_timeout: Duration,
+    /// How long a removed worker's requests may take to end before it leaves anyway.
+    pub drain_timeout: Duration,
+    /// How often workers marked down are probed (`GET /health`).
+    pub probe_every: Duration,
+    /// Largest request body, in bytes.
+    pub max_body: usize,
+    /// The model's tokenizer and chat template (a directory with `tokenizer.json` and
+    /// `tokenizer_config.json`): needed to route chat requests and text prompts.
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Tokenize every text prompt and chat whole. By default one is tokenized only as far as
+    /// some worker may hold it, the rest counted by a length estimated from its bytes: the
+    /// same choice, for much less tokenizing of mostly new prompts, except that a request
+    /// with the same new text arriving while this one is in prefill sees only its tokenized
+    /// part active.
+    pub tokenize_whole: bool,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            model: None,
+            lora_adapters: Vec::new(),
+            api_key: None,
+            workers: Vec::new(),
+            router: RouterConfig::default(),
+            retries: 1,
+            replay_timeout: Duration::from_secs(2),
+            drain_timeout: Duration::from_secs(30),
+            probe_every: Duration::from_secs(1),
+            max_body: 32 << 20,
+            tokenizer: None,
+            tokenize_whole: false,
+        }
+    }
+}
+
+/// What every handler shares.
+#[derive(Debug, Clone)]
+pub(crate) struct AppState {
+    pub router: Arc<Router>,
+    pub backends: Arc<backends::Backends>,
+    pub client: reqwest::Client,
+    /// Behind one `Arc`: the state is cloned for every request, and the metrics are many
+    /// handles.
+    pub metrics: Arc<metrics::Metrics>,
+    pub options: Arc<ServeOptions>,
+    pub next_id: Arc<AtomicU64>,
+    pub text: Option<Arc<ModelText>>,
+    draining: Arc<RwLock<HashSet<WorkerId>>>,
+}
+
+impl AppState {
+    /// Workers no new request may go to.
+    pub(crate) fn draining(&self) -> HashSet<WorkerId> {
+        self.draining.read().map(|d| d.clone()).unwrap_or_default()
+    }
+
+    pub(crate) fn set_draining(&self, worker: WorkerId, on: bool) {
+        if let Ok(mut d) = self.draining.write() {
+            if on {
+                d.insert(worker);
+            } else {
+                d.remove(&worker);
+            }
+        }
+    }
+}
+
+/// Why the service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The router could not be built.
+    #[error(transparent)]
+    Router(#[from] RouterError),
+    /// A configured worker could not join.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The tokenizer or chat template could not be loaded.
+    #[error(transparent)]
+    Text(#[from] kvroute_text::ModelTextError),
+    /// The HTTP client or the metrics could not be built.
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// A service that is serving.
+#[derive(Debug)]
+pub struct RunningServe {
+    /// Where HTTP listens.
+    pub listen: SocketAddr,
+    router: Arc<Router>,
+    shutdown: Arc<Notify>,
+    server: JoinHandle<std::io::Result<()>>,
+    prober: JoinHandle<()>,
+}
+
+impl RunningServe {
+    /// Builds the router, joins the configured workers, and serves on the current runtime.
+    pub async fn start(options: ServeOptions) -> Result<Self, ServeError> {
+        let router = Arc::new(Router::new(
+            options.router.clone(),
+            PrefixIndex::new(IndexConfig::default()),
+        )?);
+        let text = match &options.tokenizer {
+            Some(dir) => Some(Arc::new(ModelText::load(dir)?)),
+            None => None,
+        };
+        let backends = Arc::new(backends::Backends::default());
+        for spec in &options.workers {
+            backends
+                .add(&router, spec.clone(), options.replay_timeout)
+                .await?;
+        }
+        let listener =
+            TcpListener::bind(options.listen)
+                .await
+                .map_err(|source| ServeError::Listen {
+                    addr: options.listen,
+                    source,
+                })?;
+        let listen = listener.local_addr().map_err(|source| ServeError::Listen {
+            addr: options.listen,
+            source,
+        })?;
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| ServeError::Setup(e.to_string()))?;
+        let state = AppState {
+            router: Arc::clone(&router),
+            backends: Arc::clone(&backends),
+            client: client.clone(),
+            metrics: Arc::new(
+                metrics::Metrics::new().map_err(|e| ServeError::Setup(e.to_string()))?,
+            ),
+            options: Arc::new(options.clone()),
+            next_id: Arc::new(AtomicU64::new(0)),
+            text,
+            draining: Arc::default(),
+        };
+        let app = axum::Router::new()
+            .route("/v1/completions", post(proxy::completions))
+            .route("/v1/chat/completions", post(proxy::chat_completions))
+            .route("/v1/models", get(admin::models))
+            .route("/v1/route", post(admin::route))
+            .route("/v1/route/{id}", delete(admin::free_route))
+            .route(
+                "/v1/workers",
+                get(admin::list_workers).post(admin::add_worker),
+            )
+            .route("/v1/workers/{id}", delete(admin::remove_worker))
+            .route("/metrics", get(admin::metrics))
+            .route("/health", get(|| async { StatusCode::OK }))
+            .route("/ready", get(admin::ready))
+            .layer(DefaultBodyLimit::max(options.max_body))
+            .with_state(state);
+        let shutdown = Arc::new(Notify::new());
+        let stop = Arc::clone(&shutdown);
+        let server = tokio::spawn(async move {
+            // Small writes (SSE chunks, a response's head) go out at once: with Nagle's
+            // algorithm a chunk waits for the peer's delayed ACK, some 40 ms.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.notified().await })
+                .await
+        });
+        let prober = tokio::spawn(probe(
+            Arc::clone(&router),
+            backends,
+            client,
+            options.probe_every,
+        ));
+        Ok(RunningServe {
+            listen,
+            router,
+            shutdown,
+            server,
+            prober,
+        })
+    }
+
+    /// The router (its load, index and counters).
+    pub fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+
+    /// Stops accepting; requests in flight finish (graceful shutdown).
+    pub fn stop(&self) {
+        self.shutdown.notify_one();
+    }
+
+    /// Waits until the server has stopped. Call it until it returns once, not again after.
+    pub async fn wait(&mut self) -> std::io::Result<()> {
+        let result = match (&mut self.server).await {
+            Ok(result) => result,
+            Err(e) => Err(std::io::Error::other(e)),
+        };
+        self.prober.abort();
+        result
+    }
+}
+
+/// Brings workers marked down back once their `/health` answers.
+async fn probe(
+    router: Arc<Router>,
+    backends: Arc<backends::Backends>,
+    client: reqwest::Client,
+    every: Duration,
+) {
+    loop {
+        tokio::time::sleep(every).await;
+        let fleet = router.fleet();
+        for backend in backends.all() {
+            let id = WorkerId(backend.spec.id);
+            let down = fleet
+                .ranks
+                .iter()
+                .any(|r| r.rank.worker == id && r.state.health() != Health::Healthy);
+            if !down {
+                continue;
+            }
+            let answer = client
+                .get(format!("{}/health", backend.spec.url))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await;
+            match answer {
+                Ok(r) if r.status().is_success() => {
+                    if router.set_health(id, Health::Healthy).is_ok() {
+                        backend.remembered();
+                        tracing::info!(worker = id.0, "worker answers again: marked up");
+                    }
+                }
+                // It answers, but not well: alive, its cache likely kept.
+                Ok(_) => {}
+                // Not even a connection: its blocks leave the index.
+                Err(_) => backend.forget(),
+            }
+        }
+    }
+}

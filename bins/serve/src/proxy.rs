@@ -1,0 +1,694 @@
+//! The OpenAI routes: the request is read only for what routing needs (the prompt's tokens,
+//! the expected output length), routed by the core, and sent to the chosen engine unchanged;
+//! the engine's answer (status, SSE chunks as they come, usage, errors) comes back unchanged.
+//!
+//! ```text
+//!  body ──prompt tokens──▶ Router::route (books load) ──▶ RequestGuard
+//!    └──────────unchanged──────────▶ engine ──▶ first chunk: prefill_done ──▶ end: finish
+//!                                       connection refused / 5xx before a byte: mark the
+//!                                       worker down, free, route again without it (the
+//!                                       prober drops its blocks if it stays unreachable)
+//!  a client that goes away drops the body stream: the guard frees, the upstream connection
+//!  closes, and the engine stops the request
+//! ```
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use kvroute_core::{
+    Admission, RequestGuard, RequestId, RouteError, RouteHints, RouteRequest, Router, WorkerId,
+};
+use serde_json::Value;
+
+use super::backends::mark_unreachable;
+use super::AppState;
+use crate::headers;
+use kvroute_text::{ModelText, ModelTextError, Partial};
+
+/// An error in OpenAI's shape, counted under `route`.
+pub(crate) fn error(
+    state: &AppState,
+    route: &str,
+    status: StatusCode,
+    message: impl Into<String>,
+) -> Response {
+    let outcome = if status.is_client_error() {
+        "client_error"
+    } else {
+        "server_error"
+    };
+    state
+        .metrics
+        .requests
+        .with_label_values(&[route, outcome])
+        .inc();
+    let kind = match status {
+        StatusCode::BAD_REQUEST => "BadRequestError",
+        StatusCode::UNAUTHORIZED => "AuthenticationError",
+        StatusCode::NOT_FOUND => "NotFoundError",
+        StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
+        _ => "ServiceUnavailableError",
+    };
+    let body = serde_json::json!({
+        "error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+/// Checks the client's key when the service has one.
+pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    match &state.options.api_key {
+        None => true,
+        Some(key) => headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| given == key),
+    }
+}
+
+/// What routing reads of a request body.
+pub(crate) struct Routed {
+    /// The prompt's ids, or of a text prompt the first of them: as far as they could matter
+    /// to the decision (see [`Routed::with_text`]).
+    pub tokens: Vec<u32>,
+    /// The prompt's whole length in tokens: more than `tokens` holds when a text was tokenized
+    /// only in part (the rest estimated from its bytes).
+    pub prompt_len: u64,
+    /// Whether the ids come from tokenizing text (else the client sent them).
+    pub from_text: bool,
+    pub expected_output: Option<u32>,
+    /// The LoRA adapter the request names (its blocks are hashed under it).
+    pub lora: Option<String>,
+    /// The request's cache salt (vLLM's `cache_salt`): its blocks are hashed under it, as the
+    /// engine's are.
+    pub cache_salt: Option<String>,
+}
+
+/// A request refused before routing: its status and why.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    status: StatusCode,
+    message: String,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Refusal {
+            status,
+            message: message.into(),
+        }
+    }
+
+    /// The refusal as an error response, counted under `route`.
+    pub(crate) fn respond(self, state: &AppState, route: &str) -> Response {
+        error(state, route, self.status, self.message)
+    }
+}
+
+/// Bodies past this many bytes are read and tokenized on a blocking thread, so that a long
+/// text's tokenization does not hold up the runtime thread other requests are on.
+const BLOCKING_BODY_BYTES: usize = 16 << 10;
+
+/// [`read_completion`], on a blocking thread when the body is long and may need tokenizing.
+pub(crate) async fn read_completion_async(
+    state: &AppState,
+    body: &Bytes,
+) -> Result<Routed, Refusal> {
+    read_off_thread(state, body, read_completion).await
+}
+
+/// [`read_prompt`], on a blocking thread when the body is long and may need tokenizing.
+pub(crate) async fn read_prompt_async(
+    state: &AppState,
+    body: &Bytes,
+    chat: bool,
+) -> Result<(Value, Routed), Refusal> {
+    read_off_thread(state, body, move |state, body| {
+        read_prompt(state, body, chat)
+    })
+    .await
+}
+
+/// `read` on the body: here when it is short or nothing needs tokenizing, else on a blocking
+/// thread.
+async fn read_off_thread<T, F>(state: &AppState, body: &Bytes, read: F) -> Result<T, Refusal>
+where
+    T: Send + 'static,
+    F: FnOnce(&AppState, &[u8]) -> Result<T, Refusal> + Send + 'static,
+{
+    if state.text.is_none() || body.len() <= BLOCKING_BODY_BYTES {
+        return read(state, body);
+    }
+    let (state, body) = (state.clone(), body.clone());
+    tokio::task::spawn_blocking(move || read(&state, &body))
+        .await
+        .unwrap_or_else(|e| {
+            Err(Refusal::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("reading the prompt failed: {e}"),
+            ))
+        })
+}
+
+/// A completion's token ids and output length, or the client's error: its routing fields
+/// read straight from the body where they have the usual shapes, else by [`read_prompt`].
+pub(crate) fn read_completion(state: &AppState, body: &[u8]) -> Result<Routed, Refusal> {
+    let Some(fields) = super::body::completion_fields(body) else {
+        return read_prompt(state, body, false).map(|(_, routed)| routed);
+    };
+    let lora = model_lora(state, fields.model.as_deref(), fields.model.is_some())?;
+    let cache_salt = match fields.cache_salt {
+        Some(salt) => Some(checked_salt(&salt)?.to_owned()),
+        None => None,
+    };
+    let expected_output = fields
+        .max_tokens
+        .or(fields.max_completion_tokens)
+        .and_then(|n| u32::try_from(n).ok());
+    let routed = Routed::new(expected_output, lora, cache_salt);
+    match fields.prompt {
+        Some(super::body::Prompt::Ids(ids)) => routed.with_ids(ids),
+        Some(super::body::Prompt::Text(text)) => {
+            routed.with_text(state, |text_ids, more| text_ids.text_ids_while(&text, more))
+        }
+        None => Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+    }
+}
+
+/// A cache salt as vLLM takes it: a non-empty string.
+fn checked_salt(salt: &str) -> Result<&str, Refusal> {
+    if salt.is_empty() {
+        return Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "cache_salt must be a non-empty string",
+        ));
+    }
+    Ok(salt)
+}
+
+/// The LoRA adapter a request's `model` names (`named`, when it is a string; `present`, when
+/// the field is there at all), or a 404 when it names neither the served model nor an adapter.
+fn model_lora(
+    state: &AppState,
+    named: Option<&str>,
+    present: bool,
+) -> Result<Option<String>, Refusal> {
+    let lora = named
+        .filter(|m| state.options.lora_adapters.iter().any(|a| a == m))
+        .map(str::to_owned);
+    if let Some(served) = &state.options.model {
+        if present && named != Some(served.as_str()) && lora.is_none() {
+            return Err(Refusal::new(
+                StatusCode::NOT_FOUND,
+                format!("The model `{}` does not exist.", named.unwrap_or("?")),
+            ));
+        }
+    }
+    Ok(lora)
+}
+
+impl Routed {
+    /// The fields read besides the prompt; the prompt's ids come next ([`Routed::with_ids`],
+    /// [`Routed::with_text`]).
+    fn new(expected_output: Option<u32>, lora: Option<String>, cache_salt: Option<String>) -> Self {
+        Routed {
+            tokens: Vec::new(),
+            prompt_len: 0,
+            from_text: false,
+            expected_output,
+            lora,
+            cache_salt,
+        }
+    }
+
+    /// With the prompt's ids, unless there are none.
+    fn with_ids(mut self, ids: Vec<u32>) -> Result<Routed, Refusal> {
+        if ids.is_empty() {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "the prompt has no tokens",
+            ));
+        }
+        self.prompt_len = ids.len() as u64;
+        self.tokens = ids;
+        Ok(self)
+    }
+
+    /// With the ids of a text prompt or a chat, from `tokenize` (given the model's text and
+    /// when to stop), tokenized only as far as they could matter to the decision: while some
+    /// worker may hold every full block so far ([`Router::needs_more_tokens`], under the
+    /// request's LoRA adapter and salt), unless the service tokenizes whole prompts. A prompt
+    /// that is mostly new is then tokenized only to its first chunk not held anywhere; the
+    /// rest counts by its length, estimated from its bytes at the rate of the part tokenized.
+    fn with_text(
+        self,
+        state: &AppState,
+        tokenize: impl FnOnce(
+            &ModelText,
+            &mut dyn FnMut(&[u32]) -> bool,
+        ) -> Result<Partial, ModelTextError>,
+    ) -> Result<Routed, Refusal> {
+        let Some(text) = &state.text else {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "text prompts and chats are routed by the model's tokenizer (and chat \
+                 template): start kvroute serve with --tokenizer DIR, or send token ids",
+            ));
+        };
+        let hints = RouteHints {
+            lora_name: self.lora.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+            ..RouteHints::default()
+        };
+        let block_size = state.router.config().block_size.max(1) as usize;
+        // Full blocks at the last question: a step that adds none asks nothing.
+        let mut checked = 0;
+        let whole = state.options.tokenize_whole;
+        let mut more = |ids: &[u32]| {
+            if whole {
+                return true;
+            }
+            let full = ids.len() / block_size;
+            if full <= checked {
+                return true;
+            }
+            checked = full;
+            state.router.needs_more_tokens(ids, &hints)
+        };
+        let part = tokenize(text, &mut more)
+            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?;
+        let prompt_len = part.estimated_tokens();
+        let mut routed = self.with_ids(part.ids)?;
+        routed.prompt_len = prompt_len.max(routed.prompt_len);
+        routed.from_text = true;
+        Ok(routed)
+    }
+}
+
+/// Reads the prompt's token ids and the output length, or the client's error.
+pub(crate) fn read_prompt(
+    state: &AppState,
+    body: &[u8],
+    chat: bool,
+) -> Result<(Value, Routed), Refusal> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, format!("malformed JSON: {e}")))?;
+    let Some(object) = value.as_object() else {
+        return Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "the body must be a JSON object",
+        ));
+    };
+    let model = object.get("model");
+    let lora = model_lora(state, model.and_then(Value::as_str), model.is_some())?;
+    let expected_output = object
+        .get("max_tokens")
+        .or_else(|| object.get("max_completion_tokens"))
+        .and_then(Value::as_u64)
+        .and_then(|n| u32::try_from(n).ok());
+    let cache_salt = match object.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(salt)) => Some(checked_salt(salt)?.to_owned()),
+        Some(_) => {
+            return Err(Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "cache_salt must be a non-empty string",
+            ))
+        }
+    };
+    let routed = Routed::new(expected_output, lora, cache_salt);
+    let routed = if chat {
+        routed.with_text(state, |text, more| text.chat_ids_while(&value, more))?
+    } else {
+        match object.get("prompt") {
+            Some(Value::Array(items)) if items.iter().all(Value::is_u64) => routed.with_ids(
+                items
+                    .iter()
+                    .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .ok_or_else(|| {
+                        Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
+                    })?,
+            )?,
+            Some(Value::String(prompt)) => {
+                routed.with_text(state, |text, more| text.text_ids_while(prompt, more))?
+            }
+            Some(_) => {
+                return Err(Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    "prompt must be a string or a list of token ids (one prompt per request)",
+                ))
+            }
+            None => return Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),
+        }
+    };
+    Ok((value, routed))
+}
+
+fn route_error(state: &AppState, route: &str, e: &RouteError) -> Response {
+    match e {
+        RouteError::NoTokens { .. } | RouteError::InvalidHint { .. } => {
+            error(state, route, StatusCode::BAD_REQUEST, e.to_string())
+        }
+        RouteError::ResourceExhausted { .. } => {
+            let mut r = error(state, route, StatusCode::TOO_MANY_REQUESTS, e.to_string());
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            r
+        }
+        _ => error(state, route, StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+pub(crate) async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    const ROUTE: &str = "completions";
+    if !authorized(&state, &headers) {
+        return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
+    }
+    let started = Instant::now();
+    let routed = match read_completion_async(&state, &body).await {
+        Ok(routed) => routed,
+        Err(refusal) => return refusal.respond(&state, ROUTE),
+    };
+    let read_in = started.elapsed();
+    forward(&state, ROUTE, Api::Completions, body, &routed, read_in).await
+}
+
+pub(crate) async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    const ROUTE: &str = "chat_completions";
+    if !authorized(&state, &headers) {
+        return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
+    }
+    let started = Instant::now();
+    let routed = match read_prompt_async(&state, &body, true).await {
+        Ok((_, routed)) => routed,
+        Err(refusal) => return refusal.respond(&state, ROUTE),
+    };
+    let read_in = started.elapsed();
+    forward(&state, ROUTE, Api::Chat, body, &routed, read_in).await
+}
+
+/// Which of an engine's OpenAI routes a request goes to.
+#[derive(Clone, Copy, Debug)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+/// Routes and sends `body` to the chosen engine's `api` route, retrying on another worker
+/// when the chosen one fails before answering.
+async fn forward(
+    state: &AppState,
+    route: &'static str,
+    api: Api,
+    body: Bytes,
+    routed: &Routed,
+    read_in: std::time::Duration,
+) -> Response {
+    state
+        .metrics
+        .prompt_read_seconds
+        .observe(read_in.as_secs_f64());
+    if routed.from_text {
+        let tokenized = routed.tokens.len() as u64;
+        let m = &state.metrics.prompt_tokens;
+        m.with_label_values(&["tokenized"]).inc_by(tokenized);
+        m.with_label_values(&["estimated"])
+            .inc_by(routed.prompt_len.saturating_sub(tokenized));
+    }
+    let mut excluded: Vec<WorkerId> = Vec::new();
+    let attempts = state.options.retries + 1;
+    for attempt in 0..attempts {
+        let allowed: Option<Vec<WorkerId>> = if excluded.is_empty() {
+            None
+        } else {
+            let rest: Vec<WorkerId> = state
+                .backends
+                .all()
+                .iter()
+                .map(|b| WorkerId(b.spec.id))
+                .filter(|w| !excluded.contains(w))
+                .collect();
+            if rest.is_empty() {
+                break;
+            }
+            Some(rest)
+        };
+        let draining = state.draining();
+        let allowed = match (allowed, draining.is_empty()) {
+            (a, true) => a,
+            (Some(a), false) => Some(a.into_iter().filter(|w| !draining.contains(w)).collect()),
+            (None, false) => Some(
+                state
+                    .backends
+                    .all()
+                    .iter()
+                    .map(|b| WorkerId(b.spec.id))
+                    .filter(|w| !draining.contains(w))
+                    .collect(),
+            ),
+        };
+        let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
+        let request = RouteRequest {
+            id,
+            tokens: &routed.tokens,
+            hints: RouteHints {
+                prompt_len: Some(routed.prompt_len),
+                expected_output_tokens: routed.expected_output,
+                lora_name: routed.lora.as_deref(),
+                cache_salt: routed.cache_salt.as_deref(),
+                allowed: allowed.as_deref(),
+                ..RouteHints::default()
+            },
+        };
+        let started = Instant::now();
+        let mut decided_in = None;
+        let decision = match state.router.submit(&request) {
+            Ok(Admission::Routed(d)) => {
+                let took = started.elapsed();
+                state.metrics.decision_seconds.observe(took.as_secs_f64());
+                decided_in = Some(took);
+                d
+            }
+            // Every eligible worker is busy: wait in the admission queue (dropping this
+            // future, when the client goes away, takes the request out of it).
+            Ok(Admission::Queued(ticket)) => {
+                match Router::wait(Arc::clone(&state.router), ticket).await {
+                    Ok(d) => {
+                        state
+                            .metrics
+                            .queue_wait_seconds
+                            .observe(started.elapsed().as_secs_f64());
+                        d
+                    }
+                    Err(e) => return route_error(state, route, &e),
+                }
+            }
+            Err(e) => return route_error(state, route, &e),
+        };
+        state
+            .metrics
+            .predicted_cached_tokens
+            .observe(decision.predicted_cached_tokens as f64);
+        let mut guard = RequestGuard::new(Arc::clone(&state.router), decision.request);
+        let worker = decision.worker.worker;
+        let Some(backend) = state.backends.get(worker.0) else {
+            excluded.push(worker);
+            continue;
+        };
+        let url = match api {
+            Api::Completions => &backend.urls.completions,
+            Api::Chat => &backend.urls.chat,
+        };
+        let mut upstream = state
+            .client
+            .post(url.clone())
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body.clone());
+        if let Some(authorization) = &backend.authorization {
+            upstream = upstream.header(header::AUTHORIZATION, authorization.clone());
+        }
+        if backend.spec.dp_size > 1 {
+            // The rank chosen, for the engine's own balancer: vLLM and SGLang both take it.
+            upstream = upstream.header(headers::DATA_PARALLEL_RANK, decision.worker.dp_rank.0);
+        }
+        let response = match upstream.send().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(worker = worker.0, attempt, error = %e, "upstream failed");
+                state.metrics.retries.with_label_values(&["connect"]).inc();
+                mark_unreachable(&state.router, worker.0);
+                excluded.push(worker);
+                continue;
+            }
+        };
+        let status = response.status();
+        if status.is_server_error()
+            && status != reqwest::StatusCode::SERVICE_UNAVAILABLE
+            && attempt + 1 < attempts
+        {
+            state
+                .metrics
+                .retries
+                .with_label_values(&["server_error"])
+                .inc();
+            mark_unreachable(&state.router, worker.0);
+            excluded.push(worker);
+            continue;
+        }
+        let _ = guard.mark_dispatched();
+        let placed = Placement {
+            worker,
+            predicted: decision.predicted_cached_tokens,
+            decided_in,
+            read_in,
+        };
+        return relay(state, route, response, guard, placed).await;
+    }
+    error(
+        state,
+        route,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no worker could take the request",
+    )
+}
+
+/// Where a request went, as its answer's headers tell the client.
+struct Placement {
+    worker: WorkerId,
+    /// Prompt tokens the router predicted cached there.
+    predicted: u64,
+    /// How long the decision took (none: it waited in the admission queue).
+    decided_in: Option<std::time::Duration>,
+    /// How long reading the body's routing fields and tokenizing its prompt took.
+    read_in: std::time::Duration,
+}
+
+/// Sends the engine's answer back as it comes, moving the request's lifecycle along.
+async fn relay(
+    state: &AppState,
+    route: &'static str,
+    response: reqwest::Response,
+    guard: RequestGuard<Arc<Router>>,
+    placed: Placement,
+) -> Response {
+    let Placement {
+        worker,
+        predicted,
+        decided_in,
+        read_in,
+    } = placed;
+    let status = StatusCode::from_u16(response.status().as_u16())
+        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let content_type = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .cloned();
+    let streaming = content_type
+        .as_ref()
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let outcome = if status.is_success() {
+        "ok"
+    } else if status.is_client_error() {
+        "upstream_client_error"
+    } else {
+        "upstream_error"
+    };
+    state
+        .metrics
+        .requests
+        .with_label_values(&[route, outcome])
+        .inc();
+    // Where the request went and what the router expected there: for clients that measure
+    // (kvroute replay), and for logs.
+    let mut builder = Response::builder()
+        .status(status)
+        .header(headers::WORKER, worker.0)
+        .header(headers::PREDICTED_CACHED_TOKENS, predicted);
+    if let Some(took) = decided_in {
+        let micros = format!("{:.1}", took.as_secs_f64() * 1e6);
+        builder = builder.header(headers::DECISION_US, micros);
+    }
+    let micros = format!("{:.1}", read_in.as_secs_f64() * 1e6);
+    builder = builder.header(headers::PROMPT_READ_US, micros);
+    if let Some(ct) = content_type {
+        if let Ok(v) = HeaderValue::from_bytes(ct.as_bytes()) {
+            builder = builder.header(header::CONTENT_TYPE, v);
+        }
+    }
+    if !streaming {
+        let bytes = response.bytes().await;
+        let body = match bytes {
+            Ok(b) => {
+                let _ = guard.prefill_done();
+                let _ = guard.finish();
+                b
+            }
+            Err(_) => {
+                mark_unreachable(&state.router, worker.0);
+                drop(guard);
+                return error(
+                    state,
+                    route,
+                    StatusCode::BAD_GATEWAY,
+                    "the worker failed while answering",
+                );
+            }
+        };
+        return builder
+            .body(Body::from(body))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    let router = Arc::clone(&state.router);
+    let chunks = response.bytes_stream();
+    let body = futures_util::stream::unfold(
+        (chunks, Some(guard), false),
+        move |(mut chunks, mut guard, mut started)| {
+            let router = Arc::clone(&router);
+            async move {
+                match chunks.next().await {
+                    Some(Ok(chunk)) => {
+                        if !started {
+                            started = true;
+                            if let Some(g) = &guard {
+                                let _ = g.prefill_done();
+                            }
+                        }
+                        Some((Ok::<Bytes, std::io::Error>(chunk), (chunks, guard, started)))
+                    }
+                    Some(Err(e)) => {
+                        // The worker went away mid-stream: only this request fails.
+                        mark_unreachable(&router, worker.0);
+                        drop(guard.take());
+                        Some((Err(std::io::Error::other(e)), (chunks, None, started)))
+                    }
+                    None => {
+                        if let Some(g) = guard.take() {
+                            let _ = g.finish();
+                        }
+                        None
+                    }
+                }
+            }
+        },
+    );
+    builder
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}

@@ -1,0 +1,163 @@
+//! A model's chat template and tokenizer, from its own files (`tokenizer.json`,
+//! `tokenizer_config.json`; no hub download): what turns an OpenAI request into the token ids
+//! the engine will see, for routing (serve) and for the simulated engine (worker).
+//!
+//! ```text
+//!  messages ──ChatTemplate::render (minijinja, Python-compatible)──▶ text
+//!  text ──PieceTokenizer::encode: split at added tokens, each piece from the cache or the
+//!         tokenizer──▶ ids (equal to tokenizing the text at once)
+//! ```
+//!
+//! * `template.rs`: [`ChatTemplate`].
+//! * `pieces.rs`: [`PieceTokenizer`], the piece cache.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+mod pieces;
+mod template;
+
+use std::path::Path;
+
+use serde_json::Value;
+
+pub use pieces::{Partial, PieceStats, PieceTokenizer, TokenizeError};
+pub use template::{ChatTemplate, RenderInput, TemplateError};
+
+/// A model's tokenizer and chat template.
+#[derive(Debug)]
+pub struct ModelText {
+    /// The tokenizer, with its piece cache.
+    pub tokenizer: PieceTokenizer,
+    /// The chat template, when the model has one.
+    pub template: Option<ChatTemplate>,
+}
+
+/// The model's files could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelTextError {
+    /// A file could not be read or parsed.
+    #[error("{path}: {reason}")]
+    File {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The template does not parse.
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    /// Tokenizing failed.
+    #[error(transparent)]
+    Tokenize(#[from] TokenizeError),
+    /// The request cannot be rendered.
+    #[error("{0}")]
+    Request(String),
+}
+
+impl ModelText {
+    /// Loads `dir/tokenizer.json` and, when present, `dir/tokenizer_config.json`'s template.
+    pub fn load(dir: &Path) -> Result<Self, ModelTextError> {
+        let file = |name: &str| dir.join(name);
+        let tokenizer_path = file("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| {
+            ModelTextError::File {
+                path: tokenizer_path.display().to_string(),
+                reason: e.to_string(),
+            }
+        })?;
+        let config_path = file("tokenizer_config.json");
+        let template = match std::fs::read_to_string(&config_path) {
+            Ok(text) => {
+                let config: Value =
+                    serde_json::from_str(&text).map_err(|e| ModelTextError::File {
+                        path: config_path.display().to_string(),
+                        reason: e.to_string(),
+                    })?;
+                match ChatTemplate::from_config(&config) {
+                    Ok(t) => Some(t),
+                    Err(TemplateError::Missing) => None,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Err(_) => None,
+        };
+        Ok(ModelText {
+            tokenizer: PieceTokenizer::new(tokenizer)?,
+            template,
+        })
+    }
+
+    /// The ids of a chat request's conversation (`messages`, `tools`, and
+    /// `add_generation_prompt`, true unless the request says otherwise), as the engine's
+    /// template and tokenizer make them.
+    pub fn chat_ids(&self, request: &Value) -> Result<Vec<u32>, ModelTextError> {
+        Ok(self.chat_ids_while(request, |_| true)?.ids)
+    }
+
+    /// [`ModelText::chat_ids`], tokenized only as far as `more` wants
+    /// ([`PieceTokenizer::encode_while`]).
+    pub fn chat_ids_while(
+        &self,
+        request: &Value,
+        more: impl FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, ModelTextError> {
+        let template = self
+            .template
+            .as_ref()
+            .ok_or_else(|| ModelTextError::Request("the model has no chat template".to_owned()))?;
+        let messages = request
+            .get("messages")
+            .and_then(Value::as_array)
+            .filter(|m| !m.is_empty())
+            .ok_or_else(|| {
+                ModelTextError::Request("messages must be a non-empty list".to_owned())
+            })?;
+        let messages: Vec<Value> = messages.iter().map(flatten_content).collect();
+        let add_generation_prompt = request
+            .get("add_generation_prompt")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        let text = template.render(&RenderInput {
+            messages: &messages,
+            tools: request.get("tools").filter(|t| !t.is_null()),
+            add_generation_prompt,
+        })?;
+        Ok(self.tokenizer.encode_while(&text, more)?)
+    }
+
+    /// The ids of a text prompt, with the special tokens the tokenizer adds (a BOS, where it
+    /// has one), as vLLM's completions tokenize it; through the piece cache when it adds none.
+    pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, ModelTextError> {
+        Ok(self.tokenizer.encode_with_special(text)?)
+    }
+
+    /// [`ModelText::text_ids`], tokenized only as far as `more` wants
+    /// ([`PieceTokenizer::encode_with_special_while`]).
+    pub fn text_ids_while(
+        &self,
+        text: &str,
+        more: impl FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, ModelTextError> {
+        Ok(self.tokenizer.encode_with_special_while(text, more)?)
+    }
+}
+
+/// OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) joined into one string, as
+/// vLLM does for text-only models; other messages are left as they are.
+fn flatten_content(message: &Value) -> Value {
+    let Some(parts) = message.get("content").and_then(Value::as_array) else {
+        return message.clone();
+    };
+    let text: String = parts
+        .iter()
+        .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+        .filter_map(|p| p.get("text").and_then(Value::as_str))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut flat = message.clone();
+    if let Some(object) = flat.as_object_mut() {
+        object.insert("content".to_owned(), Value::String(text));
+    }
+    flat
+}
