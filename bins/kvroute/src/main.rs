@@ -125,6 +125,13 @@ struct ServeArgs {
     /// The key clients must send as `Authorization: Bearer KEY`; never forwarded.
     #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// The key the admin routes need (`/v1/workers`, bookings, `/metrics`), distinct from
+    /// --api-key. Without it and with --api-key, the admin routes are closed.
+    #[arg(long, env = "KVROUTE_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<String>,
+    /// `/metrics` answers without a key.
+    #[arg(long, env = "KVROUTE_PUBLIC_METRICS")]
+    public_metrics: bool,
     /// An engine: `url=http://HOST:PORT[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
     /// [,kv_blocks=N][,block_size=N][,dp_size=N][,topic=T][,api_key=K][,id=N]`. Repeat it.
     #[arg(long = "worker", value_name = "SPEC")]
@@ -433,6 +440,8 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         model: args.model,
         lora_adapters: (!args.lora_adapters.is_empty()).then_some(args.lora_adapters),
         api_key: args.api_key,
+        admin_key: args.admin_key,
+        public_metrics: args.public_metrics.then_some(true),
         retries: args.retries,
         policy: args.policy,
         max_body_bytes: args.max_body_bytes,

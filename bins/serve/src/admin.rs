@@ -6,14 +6,16 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use kvroute_core::{Mode, RequestId, RouteHints, RouteRequest, WorkerId, WorkerRank};
 use serde_json::{json, Value};
 
+use super::auth::{refuse, Granted};
 use super::backends::BackendSpec;
-use super::proxy::{authorized, error, read_prompt_async};
+use super::proxy::{error, read_prompt_async};
 use super::AppState;
 
 /// `POST /v1/route`: where a request would go, and what the router predicts it finds there.
@@ -21,18 +23,18 @@ use super::AppState;
 /// `DELETE /v1/route/{request_id}`).
 pub(crate) async fn route(
     State(state): State<AppState>,
-    headers: HeaderMap,
+    Extension(granted): Extension<Granted>,
     body: Bytes,
 ) -> Response {
     const ROUTE: &str = "route";
-    if !authorized(&state, &headers) {
-        return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
-    }
     let (value, routed) = match read_prompt_async(&state, &body, value_is_chat(&body)).await {
         Ok(x) => x,
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
     let book = value.get("book").and_then(Value::as_bool).unwrap_or(false);
+    if book && granted != Granted::Admin {
+        return refuse(&state, StatusCode::FORBIDDEN);
+    }
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let request = RouteRequest {
         id,
@@ -159,19 +161,7 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
 }
 
 /// `POST /v1/workers`: adds a worker (a [`BackendSpec`] in JSON).
-pub(crate) async fn add_worker(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if !authorized(&state, &headers) {
-        return error(
-            &state,
-            "workers",
-            StatusCode::UNAUTHORIZED,
-            "invalid API key",
-        );
-    }
+pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Response {
     let spec: BackendSpec = match serde_json::from_slice(&body) {
         Ok(s) => s,
         Err(e) => {
@@ -195,19 +185,7 @@ pub(crate) async fn add_worker(
 
 /// `DELETE /v1/workers/{id}`: no new request goes to it; once its requests have ended (or the
 /// drain timeout passed) it leaves, and its blocks leave the index.
-pub(crate) async fn remove_worker(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    Path(id): Path<u64>,
-) -> Response {
-    if !authorized(&state, &headers) {
-        return error(
-            &state,
-            "workers",
-            StatusCode::UNAUTHORIZED,
-            "invalid API key",
-        );
-    }
+pub(crate) async fn remove_worker(State(state): State<AppState>, Path(id): Path<u64>) -> Response {
     let Some(backend) = state.backends.get(id) else {
         return error(
             &state,

@@ -23,6 +23,10 @@ pub struct ServeFile {
     pub lora_adapters: Option<Vec<String>>,
     /// The key clients must send.
     pub api_key: Option<String>,
+    /// The key the admin routes need (workers, bookings, metrics); distinct from `api_key`.
+    pub admin_key: Option<String>,
+    /// `/metrics` answers without a key.
+    pub public_metrics: Option<bool>,
     /// Further workers tried when one fails before answering.
     pub retries: Option<u32>,
     /// The routing policy, by the demo's names (`kv-aware`, `round-robin`, ...).
@@ -120,6 +124,12 @@ impl ServeFile {
         }
         if self.api_key.is_some() {
             options.api_key = self.api_key;
+        }
+        if self.admin_key.is_some() {
+            options.admin_key = self.admin_key;
+        }
+        if let Some(v) = self.public_metrics {
+            options.public_metrics = v;
         }
         if let Some(adapters) = self.lora_adapters {
             if adapters.iter().any(|a| a.is_empty()) {

@@ -21,6 +21,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod admin;
+mod auth;
 mod backends;
 mod body;
 mod config;
@@ -60,6 +61,12 @@ pub struct ServeOptions {
     /// The key clients must send as `Authorization: Bearer …` (none: no check). It is never
     /// forwarded; each worker gets its own `api_key`.
     pub api_key: Option<String>,
+    /// The key the admin routes need (`/v1/workers`, bookings, and `/metrics` unless
+    /// `public_metrics`); distinct from `api_key`. None: with an `api_key` the admin routes
+    /// are closed, without one they are open.
+    pub admin_key: Option<String>,
+    /// `/metrics` answers without a key.
+    pub public_metrics: bool,
     /// The engines to start with.
     pub workers: Vec<BackendSpec>,
     /// The router's configuration (policy, weights, block size).
@@ -92,6 +99,8 @@ impl Default for ServeOptions {
             model: None,
             lora_adapters: Vec::new(),
             api_key: None,
+            admin_key: None,
+            public_metrics: false,
             workers: Vec::new(),
             router: RouterConfig::default(),
             retries: 1,
@@ -121,6 +130,15 @@ pub(crate) struct AppState {
 }
 
 impl AppState {
+    /// The keys the auth layer checks.
+    pub(crate) fn keys(&self) -> auth::Keys<'_> {
+        auth::Keys {
+            client: self.options.api_key.as_deref(),
+            admin: self.options.admin_key.as_deref(),
+            public_metrics: self.options.public_metrics,
+        }
+    }
+
     /// Workers no new request may go to.
     pub(crate) fn draining(&self) -> HashSet<WorkerId> {
         self.draining.read().map(|d| d.clone()).unwrap_or_default()
@@ -176,6 +194,7 @@ pub struct RunningServe {
 impl RunningServe {
     /// Builds the router, joins the configured workers, and serves on the current runtime.
     pub async fn start(options: ServeOptions) -> Result<Self, ServeError> {
+        check_keys(&options)?;
         let router = Arc::new(Router::new(
             options.router.clone(),
             PrefixIndex::new(IndexConfig::default()),
@@ -233,6 +252,10 @@ impl RunningServe {
             .route("/health", get(|| async { StatusCode::OK }))
             .route("/ready", get(admin::ready))
             .layer(DefaultBodyLimit::max(options.max_body))
+            .layer(axum::middleware::from_fn_with_state(
+                state.clone(),
+                auth::layer,
+            ))
             .with_state(state);
         let shutdown = Arc::new(Notify::new());
         let stop = Arc::clone(&shutdown);
@@ -280,6 +303,18 @@ impl RunningServe {
         self.prober.abort();
         result
     }
+}
+
+/// Keys that are empty, or one key for both roles, are refused.
+fn check_keys(options: &ServeOptions) -> Result<(), ServeError> {
+    let bad = |why: &str| Err(ServeError::Setup(why.to_owned()));
+    if options.api_key.as_deref() == Some("") || options.admin_key.as_deref() == Some("") {
+        return bad("an API key is empty");
+    }
+    if options.api_key.is_some() && options.api_key == options.admin_key {
+        return bad("the admin key must differ from the client key (api_key)");
+    }
+    Ok(())
 }
 
 /// Brings workers marked down back once their `/health` answers.

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use kvroute_core::{
@@ -59,18 +59,6 @@ pub(crate) fn error(
         "error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}
     });
     (status, axum::Json(body)).into_response()
-}
-
-/// Checks the client's key when the service has one.
-pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
-    match &state.options.api_key {
-        None => true,
-        Some(key) => headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| given == key),
-    }
 }
 
 /// What routing reads of a request body.
@@ -367,15 +355,8 @@ fn route_error(state: &AppState, route: &str, e: &RouteError) -> Response {
     }
 }
 
-pub(crate) async fn completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+pub(crate) async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
     const ROUTE: &str = "completions";
-    if !authorized(&state, &headers) {
-        return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
-    }
     let started = Instant::now();
     let routed = match read_completion_async(&state, &body).await {
         Ok(routed) => routed,
@@ -385,15 +366,8 @@ pub(crate) async fn completions(
     forward(&state, ROUTE, Api::Completions, body, &routed, read_in).await
 }
 
-pub(crate) async fn chat_completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
     const ROUTE: &str = "chat_completions";
-    if !authorized(&state, &headers) {
-        return error(&state, ROUTE, StatusCode::UNAUTHORIZED, "invalid API key");
-    }
     let started = Instant::now();
     let routed = match read_prompt_async(&state, &body, true).await {
         Ok((_, routed)) => routed,

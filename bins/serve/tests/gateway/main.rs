@@ -1,0 +1,29 @@
+//! The gateway's edges, through its public API on loopback: a `RunningServe` in this process,
+//! probed by a real HTTP client as a hostile client would (`auth.rs`: every route without a
+//! key and with the wrong one; `workers.rs`: adds that must change nothing when refused;
+//! `bookings.rs`: bookings that expire).
+
+// A test: it may unwrap, panic and print (the library code may not).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
+
+mod auth;
+
+use kvroute_serve::{RunningServe, ServeOptions};
+
+/// A gateway on a free loopback port, with no engine.
+pub async fn gateway(options: ServeOptions) -> (RunningServe, String) {
+    let serve = RunningServe::start(ServeOptions {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        ..options
+    })
+    .await
+    .unwrap();
+    let url = format!("http://{}", serve.listen);
+    (serve, url)
+}
