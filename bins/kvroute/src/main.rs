@@ -132,6 +132,18 @@ struct ServeArgs {
     /// `/metrics` answers without a key.
     #[arg(long, env = "KVROUTE_PUBLIC_METRICS")]
     public_metrics: bool,
+    /// Most KV blocks a worker's rank may declare [default: 4194304].
+    #[arg(long, env = "KVROUTE_MAX_KV_BLOCKS")]
+    max_kv_blocks: Option<u64>,
+    /// An address range (`10.0.0.0/8`, `127.0.0.1`) worker URLs and event endpoints must lie
+    /// in; comma-separated or repeated [default: anywhere].
+    #[arg(
+        long = "worker-network",
+        value_name = "CIDR",
+        value_delimiter = ',',
+        env = "KVROUTE_WORKER_NETWORKS"
+    )]
+    worker_networks: Vec<kvroute_serve::Network>,
     /// An engine: `url=http://HOST:PORT[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
     /// [,kv_blocks=N][,block_size=N][,dp_size=N][,topic=T][,api_key=K][,id=N]`. Repeat it.
     #[arg(long = "worker", value_name = "SPEC")]
@@ -442,6 +454,8 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key,
         admin_key: args.admin_key,
         public_metrics: args.public_metrics.then_some(true),
+        max_kv_blocks: args.max_kv_blocks,
+        worker_networks: (!args.worker_networks.is_empty()).then_some(args.worker_networks),
         retries: args.retries,
         policy: args.policy,
         max_body_bytes: args.max_body_bytes,

@@ -175,7 +175,7 @@ pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Re
     };
     match state
         .backends
-        .add(&state.router, spec, state.options.replay_timeout)
+        .add(&state.router, spec, &state.options.limits())
         .await
     {
         Ok(b) => (StatusCode::CREATED, Json(json!({"id": b.spec.id}))).into_response(),

@@ -13,6 +13,8 @@ use kvroute_core::{
 use kvroute_transport::{SubscriberConfig, SubscriberStats, Subscription};
 use serde::{Deserialize, Serialize};
 
+use crate::networks::Network;
+
 /// One engine as the operator describes it (a `[[workers]]` table, or `POST /v1/workers`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -119,7 +121,7 @@ pub(crate) struct Backends {
     by_id: RwLock<BTreeMap<u64, Arc<Backend>>>,
 }
 
-/// `tcp://host:port` with the port moved by `offset`.
+/// `tcp://host:port` with the port moved by `offset`; an error when the port does not fit.
 fn offset_endpoint(endpoint: &str, offset: u32) -> Result<String, BackendError> {
     if offset == 0 {
         return Ok(endpoint.to_owned());
@@ -127,72 +129,135 @@ fn offset_endpoint(endpoint: &str, offset: u32) -> Result<String, BackendError> 
     let (head, port) = endpoint
         .rsplit_once(':')
         .ok_or_else(|| BackendError::Invalid(format!("no port in {endpoint:?}")))?;
-    let port: u32 = port
+    let port: u16 = port
         .parse()
         .map_err(|_| BackendError::Invalid(format!("bad port in {endpoint:?}")))?;
-    Ok(format!("{head}:{}", port + offset))
+    let moved = u32::from(port) + offset;
+    if moved > u32::from(u16::MAX) {
+        return Err(BackendError::Invalid(format!(
+            "rank {offset} of {endpoint:?} would publish on port {moved}, past 65535"
+        )));
+    }
+    Ok(format!("{head}:{moved}"))
+}
+
+/// Most data-parallel ranks one worker may declare: beyond any engine's, and a bound on what
+/// one add can cost the router (every rank is a candidate in every decision).
+pub const MAX_DP_SIZE: u32 = 1_024;
+
+/// What a worker must keep to join.
+#[derive(Clone, Debug)]
+pub(crate) struct Limits {
+    /// Most KV blocks per rank (the index reserves room by it).
+    pub max_kv_blocks: u64,
+    /// Where its URL and endpoints may point (empty: anywhere).
+    pub networks: Vec<Network>,
+    /// How long a KV-event replay may take.
+    pub replay_timeout: Duration,
+}
+
+/// A spec that passed every check: what joining it needs, computed before anything changes.
+struct Checked {
+    urls: EngineUrls,
+    authorization: Option<reqwest::header::HeaderValue>,
+    /// Per rank: its event endpoint and its replay endpoint.
+    endpoints: Vec<(String, Option<String>)>,
+}
+
+/// Checks `spec` whole, changing nothing.
+async fn check(spec: &BackendSpec, limits: &Limits) -> Result<Checked, BackendError> {
+    let invalid = |why: String| Err(BackendError::Invalid(why));
+    if spec.dp_size == 0 || spec.dp_size > MAX_DP_SIZE {
+        return invalid(format!("dp_size must be in 1..={MAX_DP_SIZE}"));
+    }
+    if spec.kv_blocks == 0 || spec.kv_blocks > limits.max_kv_blocks {
+        return invalid(format!(
+            "kv_blocks must be in 1..={} (the gateway's max_kv_blocks)",
+            limits.max_kv_blocks
+        ));
+    }
+    if !(spec.url.starts_with("http://") || spec.url.starts_with("https://")) {
+        return invalid(format!("url {:?} is not http(s)", spec.url));
+    }
+    let urls = EngineUrls::new(&spec.url)?;
+    let authorization = match &spec.api_key {
+        Some(key) => {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+                .map_err(|_| {
+                    BackendError::Invalid("the api_key is not a valid header value".into())
+                })?;
+            value.set_sensitive(true);
+            Some(value)
+        }
+        None => None,
+    };
+    let mut endpoints = Vec::new();
+    if let Some(events) = &spec.kv_events {
+        for r in 0..spec.dp_size {
+            let replay = spec
+                .kv_replay
+                .as_deref()
+                .map(|e| offset_endpoint(e, r))
+                .transpose()?;
+            endpoints.push((offset_endpoint(events, r)?, replay));
+        }
+    }
+    if !limits.networks.is_empty() {
+        let host = urls.completions.host_str().unwrap_or_default().to_owned();
+        let port = urls.completions.port_or_known_default().unwrap_or(80);
+        within(&limits.networks, &host, port).await?;
+        for endpoint in [&spec.kv_events, &spec.kv_replay].into_iter().flatten() {
+            let rest = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+            let (host, port) = rest.rsplit_once(':').unwrap_or((rest, "0"));
+            within(&limits.networks, host, port.parse().unwrap_or(0)).await?;
+        }
+    }
+    Ok(Checked {
+        urls,
+        authorization,
+        endpoints,
+    })
+}
+
+/// Whether every address `host` names lies in one of `networks`.
+async fn within(networks: &[Network], host: &str, port: u16) -> Result<(), BackendError> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    let addrs: Vec<std::net::IpAddr> = match bare.parse() {
+        Ok(ip) => vec![ip],
+        Err(_) => tokio::net::lookup_host((bare, port))
+            .await
+            .map_err(|e| BackendError::Invalid(format!("cannot resolve {host:?}: {e}")))?
+            .map(|a| a.ip())
+            .collect(),
+    };
+    match addrs
+        .iter()
+        .find(|ip| !networks.iter().any(|n| n.contains(**ip)))
+    {
+        None if !addrs.is_empty() => Ok(()),
+        _ => Err(BackendError::Invalid(format!(
+            "{host:?} is outside the worker networks ({})",
+            networks
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
 }
 
 impl Backends {
-    /// Joins `spec` to `router` and subscribes to its events.
+    /// Joins `spec` to `router` and subscribes to its events: all or nothing. Every check
+    /// runs before anything changes; a subscription that cannot start undoes the join.
     pub(crate) async fn add(
         &self,
         router: &Arc<Router>,
         spec: BackendSpec,
-        replay_timeout: Duration,
+        limits: &Limits,
     ) -> Result<Arc<Backend>, BackendError> {
-        if spec.dp_size == 0 || spec.kv_blocks == 0 {
-            return Err(BackendError::Invalid(
-                "dp_size and kv_blocks must be positive".to_owned(),
-            ));
-        }
-        if !(spec.url.starts_with("http://") || spec.url.starts_with("https://")) {
-            return Err(BackendError::Invalid(format!(
-                "url {:?} is not http(s)",
-                spec.url
-            )));
-        }
-        let urls = EngineUrls::new(&spec.url)?;
-        let authorization = match &spec.api_key {
-            Some(key) => {
-                let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
-                    .map_err(|_| {
-                        BackendError::Invalid("the api_key is not a valid header value".into())
-                    })?;
-                value.set_sensitive(true);
-                Some(value)
-            }
-            None => None,
-        };
+        let checked = check(&spec, limits).await?;
         if self.get(spec.id).is_some() {
             return Err(BackendError::Exists(spec.id));
-        }
-        let mut subscriptions = Vec::new();
-        if let Some(events) = &spec.kv_events {
-            for r in 0..spec.dp_size {
-                let config = SubscriberConfig {
-                    worker: WorkerId(spec.id),
-                    dp_rank: DpRank(r),
-                    endpoint: offset_endpoint(events, r)?,
-                    replay: spec
-                        .kv_replay
-                        .as_deref()
-                        .map(|e| offset_endpoint(e, r))
-                        .transpose()?,
-                    topic: spec.topic.clone(),
-                    block_size: Some(spec.block_size),
-                    replay_timeout,
-                    sequence: Default::default(),
-                };
-                let endpoint = config.endpoint.clone();
-                let subscription = Subscription::start(Arc::clone(router), config)
-                    .await
-                    .map_err(|e| BackendError::Subscribe {
-                        endpoint,
-                        reason: e.to_string(),
-                    })?;
-                subscriptions.push(subscription);
-            }
         }
         router.join_worker(WorkerConfig {
             id: WorkerId(spec.id),
@@ -213,10 +278,36 @@ impl Backends {
                 KvEvents::Absent
             },
         })?;
+        let mut subscriptions: Vec<Subscription> = Vec::new();
+        for (r, (endpoint, replay)) in checked.endpoints.into_iter().enumerate() {
+            let config = SubscriberConfig {
+                worker: WorkerId(spec.id),
+                dp_rank: DpRank(r as u32),
+                endpoint: endpoint.clone(),
+                replay,
+                topic: spec.topic.clone(),
+                block_size: Some(spec.block_size),
+                replay_timeout: limits.replay_timeout,
+                sequence: Default::default(),
+            };
+            match Subscription::start(Arc::clone(router), config).await {
+                Ok(subscription) => subscriptions.push(subscription),
+                Err(e) => {
+                    for s in &subscriptions {
+                        s.stop();
+                    }
+                    let _ = router.leave_worker(WorkerId(spec.id));
+                    return Err(BackendError::Subscribe {
+                        endpoint,
+                        reason: e.to_string(),
+                    });
+                }
+            }
+        }
         let backend = Arc::new(Backend {
             spec,
-            urls,
-            authorization,
+            urls: checked.urls,
+            authorization: checked.authorization,
             subscriptions,
             forgotten: std::sync::atomic::AtomicBool::new(false),
         });

@@ -49,6 +49,10 @@ pub struct ServeFile {
     pub drain_timeout_s: Option<f64>,
     /// Largest request body, in bytes.
     pub max_body_bytes: Option<usize>,
+    /// Most KV blocks a worker's rank may declare.
+    pub max_kv_blocks: Option<u64>,
+    /// Address ranges worker URLs and event endpoints must lie in.
+    pub worker_networks: Option<Vec<crate::Network>>,
     /// The directory of the model's `tokenizer.json` and `tokenizer_config.json`.
     pub tokenizer: Option<std::path::PathBuf>,
     /// A worker is busy past this fraction of its KV blocks held by active requests.
@@ -177,6 +181,15 @@ impl ServeFile {
         }
         if let Some(v) = self.max_body_bytes {
             options.max_body = v;
+        }
+        if let Some(v) = self.max_kv_blocks {
+            if v == 0 {
+                return Err(ConfigError::Invalid("max_kv_blocks must be ≥ 1".to_owned()));
+            }
+            options.max_kv_blocks = v;
+        }
+        if let Some(v) = self.worker_networks {
+            options.worker_networks = v;
         }
         if self.tokenizer.is_some() {
             options.tokenizer = self.tokenizer;

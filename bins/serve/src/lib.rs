@@ -27,6 +27,7 @@ mod body;
 mod config;
 pub mod headers;
 mod metrics;
+mod networks;
 mod proxy;
 
 use std::collections::HashSet;
@@ -45,8 +46,9 @@ use kvroute_text::ModelText;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-pub use backends::{BackendError, BackendSpec};
+pub use backends::{BackendError, BackendSpec, MAX_DP_SIZE};
 pub use config::{parse_worker_flag, ConfigError, ServeFile};
+pub use networks::{BadNetwork, Network};
 
 /// How the service is set up.
 #[derive(Clone, Debug)]
@@ -81,6 +83,11 @@ pub struct ServeOptions {
     pub probe_every: Duration,
     /// Largest request body, in bytes.
     pub max_body: usize,
+    /// Most KV blocks a worker's rank may declare: the index reserves room for its names by
+    /// it (about 20 bytes a block), so this bounds what one add can take.
+    pub max_kv_blocks: u64,
+    /// Address ranges worker URLs and event endpoints must lie in (empty: anywhere).
+    pub worker_networks: Vec<Network>,
     /// The model's tokenizer and chat template (a directory with `tokenizer.json` and
     /// `tokenizer_config.json`): needed to route chat requests and text prompts.
     pub tokenizer: Option<std::path::PathBuf>,
@@ -90,6 +97,17 @@ pub struct ServeOptions {
     /// with the same new text arriving while this one is in prefill sees only its tokenized
     /// part active.
     pub tokenize_whole: bool,
+}
+
+impl ServeOptions {
+    /// What a worker must keep to join.
+    pub(crate) fn limits(&self) -> backends::Limits {
+        backends::Limits {
+            max_kv_blocks: self.max_kv_blocks,
+            networks: self.worker_networks.clone(),
+            replay_timeout: self.replay_timeout,
+        }
+    }
 }
 
 impl Default for ServeOptions {
@@ -108,6 +126,8 @@ impl Default for ServeOptions {
             drain_timeout: Duration::from_secs(30),
             probe_every: Duration::from_secs(1),
             max_body: 32 << 20,
+            max_kv_blocks: 1 << 22,
+            worker_networks: Vec::new(),
             tokenizer: None,
             tokenize_whole: false,
         }
@@ -206,7 +226,7 @@ impl RunningServe {
         let backends = Arc::new(backends::Backends::default());
         for spec in &options.workers {
             backends
-                .add(&router, spec.clone(), options.replay_timeout)
+                .add(&router, spec.clone(), &options.limits())
                 .await?;
         }
         let listener =

@@ -64,6 +64,20 @@ impl PrefixIndex {
         Some(RankKey { id, epoch })
     }
 
+    /// Whether `more` ranks can still be registered under [`IndexConfig::max_ranks`]
+    /// (counted as an error when they cannot). A caller that registers several ranks asks
+    /// first, so that it changes nothing when they do not all fit.
+    ///
+    /// [`IndexConfig::max_ranks`]: crate::IndexConfig::max_ranks
+    pub fn check_rank_room(&mut self, rank: WorkerRank, more: u32) -> Result<(), IndexError> {
+        let limit = self.config.max_ranks;
+        if self.rank_ids.len().saturating_add(more as usize) > limit {
+            self.errors.too_many_ranks += 1;
+            return Err(IndexError::TooManyRanks { rank, limit });
+        }
+        Ok(())
+    }
+
     pub(super) fn rank_id_or_register(&mut self, rank: WorkerRank) -> Result<u32, IndexError> {
         if let Some(&id) = self.rank_ids.get(&rank) {
             return Ok(id);

@@ -95,7 +95,7 @@ use std::time::Instant;
 use crate::approx::ApproxCache;
 use crate::clock::Clock;
 use crate::config::{ConfigError, Metrics, Queueing, RouterConfig, Timing};
-use crate::event::{WorkerId, WorkerRank};
+use crate::event::{DpRank, WorkerId, WorkerRank};
 use crate::health::Health;
 use crate::index::{IndexError, IndexReader, PrefixIndex};
 use crate::load::{Ledger, LoadView};
@@ -265,10 +265,18 @@ impl Router {
     /// warm-up on). A worker without KV events ([`KvEvents::Absent`](crate::KvEvents::Absent) in
     /// its config) has the
     /// router record its own decisions as its cache: approximate mode.
+    ///
+    /// All or nothing: a worker whose ranks do not all fit in the index, or that the registry
+    /// refuses, leaves the router as it was.
     pub fn join_worker(&self, config: WorkerConfig) -> Result<(), RouterError> {
         let now = self.clock.now();
         let events = config.kv_events;
         let (id, kv_blocks) = (config.id, config.kv_blocks);
+        let first = WorkerRank {
+            worker: id,
+            dp_rank: DpRank(config.dp_start),
+        };
+        lock(&self.index).check_rank_room(first, config.dp_size)?;
         let fleet = self.registry.join(config)?;
         // Fresh ranks have booked nothing: published first, then the floor follows (see
         // `refresh_prefill_floor`).
@@ -280,7 +288,13 @@ impl Router {
                 self.warm(&r.state, now);
                 // Registered with room for the names of a full cache: the rank's name map is
                 // not rebuilt while the worker warms up.
-                index.reserve_blocks(r.rank, kv_blocks)?;
+                if let Err(e) = index.reserve_blocks(r.rank, kv_blocks) {
+                    // Another join took the room since the check: undo this one.
+                    let _ = index.remove_worker(id);
+                    drop(index);
+                    let _ = self.registry.leave(id);
+                    return Err(e.into());
+                }
                 if let Some(key) = index.rank_key(r.rank) {
                     r.state.set_index_key(key);
                 }

@@ -351,3 +351,38 @@ fn routes_from_several_threads_keep_load_exact() {
     let c = r.counts().ledger;
     assert_eq!(c.booked, c.freed + c.expired + c.purged + c.retired_races);
 }
+
+#[test]
+fn a_worker_whose_ranks_do_not_all_fit_leaves_the_router_as_it_was() {
+    let r = on_manual_clock(
+        RouterConfig::default(),
+        PrefixIndex::new(IndexConfig {
+            max_ranks: 4,
+            ..IndexConfig::default()
+        }),
+    );
+    r.join_worker(WorkerConfig {
+        dp_size: 2,
+        ..WorkerConfig::simple(0, 64, 16)
+    })
+    .unwrap();
+    let before = r.fleet().ranks.len();
+    // Three more ranks do not fit in four: refused, and nothing of it stays.
+    let refused = r.join_worker(WorkerConfig {
+        dp_size: 3,
+        ..WorkerConfig::simple(1, 64, 16)
+    });
+    assert!(refused.is_err());
+    assert_eq!(r.fleet().ranks.len(), before);
+    assert!(r.fleet().worker(WorkerId(1)).is_none());
+    // The same id with ranks that fit joins afterwards, and so does a later worker.
+    r.join_worker(WorkerConfig {
+        dp_size: 2,
+        ..WorkerConfig::simple(1, 64, 16)
+    })
+    .unwrap();
+    assert_eq!(r.fleet().ranks.len(), 4);
+    assert!(r.join_worker(WorkerConfig::simple(2, 64, 16)).is_err());
+    r.leave_worker(WorkerId(0)).unwrap();
+    r.join_worker(WorkerConfig::simple(2, 64, 16)).unwrap();
+}
