@@ -132,6 +132,10 @@ struct ServeArgs {
     /// `/metrics` answers without a key.
     #[arg(long, env = "KVROUTE_PUBLIC_METRICS")]
     public_metrics: bool,
+    /// Seconds after which a booking nothing ended is freed (a `/v1/route` booking nobody
+    /// freed, a request that outlived it) [default: 600].
+    #[arg(long, env = "KVROUTE_REQUEST_EXPIRY_S")]
+    request_expiry_s: Option<f64>,
     /// Most KV blocks a worker's rank may declare [default: 4194304].
     #[arg(long, env = "KVROUTE_MAX_KV_BLOCKS")]
     max_kv_blocks: Option<u64>,
@@ -455,6 +459,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         admin_key: args.admin_key,
         public_metrics: args.public_metrics.then_some(true),
         max_kv_blocks: args.max_kv_blocks,
+        request_expiry_s: args.request_expiry_s,
         worker_networks: (!args.worker_networks.is_empty()).then_some(args.worker_networks),
         retries: args.retries,
         policy: args.policy,

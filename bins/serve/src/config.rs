@@ -47,6 +47,9 @@ pub struct ServeFile {
     pub replay_timeout_s: Option<f64>,
     /// Seconds a removed worker's requests may take to end.
     pub drain_timeout_s: Option<f64>,
+    /// Seconds after which a booking is freed though nothing ended it (a `/v1/route` booking
+    /// nobody freed; a request that outlived it).
+    pub request_expiry_s: Option<f64>,
     /// Largest request body, in bytes.
     pub max_body_bytes: Option<usize>,
     /// Most KV blocks a worker's rank may declare.
@@ -175,6 +178,9 @@ impl ServeFile {
         }
         if let Some(v) = self.replay_timeout_s {
             options.replay_timeout = secs("replay_timeout_s", v)?;
+        }
+        if let Some(v) = self.request_expiry_s {
+            options.router.request_expiry = secs("request_expiry_s", v)?;
         }
         if let Some(v) = self.drain_timeout_s {
             options.drain_timeout = secs("drain_timeout_s", v)?;

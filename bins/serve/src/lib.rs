@@ -81,6 +81,9 @@ pub struct ServeOptions {
     pub drain_timeout: Duration,
     /// How often workers marked down are probed (`GET /health`).
     pub probe_every: Duration,
+    /// How often bookings past the router's `request_expiry` are freed, and idle sessions
+    /// and expired cache records dropped.
+    pub expire_every: Duration,
     /// Largest request body, in bytes.
     pub max_body: usize,
     /// Most KV blocks a worker's rank may declare: the index reserves room for its names by
@@ -125,6 +128,7 @@ impl Default for ServeOptions {
             replay_timeout: Duration::from_secs(2),
             drain_timeout: Duration::from_secs(30),
             probe_every: Duration::from_secs(1),
+            expire_every: Duration::from_secs(1),
             max_body: 32 << 20,
             max_kv_blocks: 1 << 22,
             worker_networks: Vec::new(),
@@ -209,6 +213,7 @@ pub struct RunningServe {
     shutdown: Arc<Notify>,
     server: JoinHandle<std::io::Result<()>>,
     prober: JoinHandle<()>,
+    expirer: JoinHandle<()>,
 }
 
 impl RunningServe {
@@ -245,13 +250,13 @@ impl RunningServe {
             .tcp_nodelay(true)
             .build()
             .map_err(|e| ServeError::Setup(e.to_string()))?;
+        let state_metrics =
+            Arc::new(metrics::Metrics::new().map_err(|e| ServeError::Setup(e.to_string()))?);
         let state = AppState {
             router: Arc::clone(&router),
             backends: Arc::clone(&backends),
             client: client.clone(),
-            metrics: Arc::new(
-                metrics::Metrics::new().map_err(|e| ServeError::Setup(e.to_string()))?,
-            ),
+            metrics: Arc::clone(&state_metrics),
             options: Arc::new(options.clone()),
             next_id: Arc::new(AtomicU64::new(0)),
             text,
@@ -289,6 +294,11 @@ impl RunningServe {
                 .with_graceful_shutdown(async move { stop.notified().await })
                 .await
         });
+        let expirer = tokio::spawn(expire(
+            Arc::clone(&router),
+            Arc::clone(&state_metrics),
+            options.expire_every,
+        ));
         let prober = tokio::spawn(probe(
             Arc::clone(&router),
             backends,
@@ -301,6 +311,7 @@ impl RunningServe {
             shutdown,
             server,
             prober,
+            expirer,
         })
     }
 
@@ -321,7 +332,23 @@ impl RunningServe {
             Err(e) => Err(std::io::Error::other(e)),
         };
         self.prober.abort();
+        self.expirer.abort();
         result
+    }
+}
+
+/// Frees bookings past the router's `request_expiry` (a `/v1/route` booking nobody freed, a
+/// request that never ended), ends idle sessions and drops expired cache records, every
+/// `every`.
+async fn expire(router: Arc<Router>, metrics: Arc<metrics::Metrics>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let freed = router.expire();
+        router.expire_sessions();
+        if freed > 0 {
+            metrics.expired.inc_by(freed as u64);
+            tracing::warn!(freed, "bookings expired: freed");
+        }
     }
 }
 

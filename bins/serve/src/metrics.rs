@@ -21,6 +21,7 @@ pub(crate) struct Metrics {
     pub predicted_cached_tokens: Histogram,
     pub retries: IntCounterVec,
     pub queue_wait_seconds: Histogram,
+    pub expired: prometheus::IntCounter,
     queue_depth: prometheus::IntGauge,
     load: IntGaugeVec,
     events: IntGaugeVec,
@@ -95,6 +96,12 @@ impl Metrics {
             "kvroute_queue_depth",
             "Requests waiting in the admission queue.",
         )?;
+        let expired = prometheus::IntCounter::new(
+            "kvroute_bookings_expired_total",
+            "Bookings freed because they outlived request_expiry_s (a /v1/route booking never \
+             freed, or a request that never ended).",
+        )?;
+        registry.register(Box::new(expired.clone()))?;
         registry.register(Box::new(queue_wait_seconds.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
         for m in [&requests, &retries, &prompt_tokens] {
@@ -114,6 +121,7 @@ impl Metrics {
             predicted_cached_tokens,
             retries,
             queue_wait_seconds,
+            expired,
             queue_depth,
             load,
             events,
@@ -124,7 +132,7 @@ impl Metrics {
     pub(crate) fn render(&self, router: &Router, backends: &Backends) -> String {
         self.load.reset();
         self.events.reset();
-        self.queue_depth.set(router.queue_depth() as i64);
+        self.queue_depth.set(gauge(router.queue_depth() as u64));
         let fleet = router.fleet();
         for entry in &fleet.ranks {
             let WorkerRank { worker, dp_rank } = entry.rank;
@@ -137,7 +145,7 @@ impl Metrics {
                 ] {
                     self.load
                         .with_label_values(&[&w, &r, kind])
-                        .set(value as i64);
+                        .set(gauge(value));
                 }
             }
         }
@@ -170,7 +178,7 @@ impl Metrics {
                 ] {
                     self.events
                         .with_label_values(&[&w, &r, kind])
-                        .set(value as i64);
+                        .set(gauge(value));
                 }
             }
         }
@@ -178,4 +186,9 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8_lossy(&out).into_owned()
     }
+}
+
+/// A count as a gauge's value, saturating rather than wrapping past `i64::MAX`.
+fn gauge(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }

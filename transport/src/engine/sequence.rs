@@ -224,7 +224,7 @@ impl<T> SeqTracker<T> {
             return Verdict::Apply(batch);
         }
         self.counts.lost_gaps += 1;
-        self.counts.lost_batches += seq - next;
+        self.counts.lost_batches = self.counts.lost_batches.saturating_add(seq - next);
         Verdict::Lost {
             missing: next..seq,
             batch,
@@ -263,7 +263,8 @@ impl<T> SeqTracker<T> {
         let missing = next..first_held.max(next);
         if !missing.is_empty() {
             self.counts.lost_gaps += 1;
-            self.counts.lost_batches += missing.end - missing.start;
+            self.counts.lost_batches =
+                (self.counts.lost_batches).saturating_add(missing.end - missing.start);
             self.next = Some(missing.end);
         }
         (missing, self.replay_end())

@@ -272,3 +272,25 @@ fn live_copies_of_replayed_batches_are_duplicates_even_near_zero() {
     ));
     assert_eq!(t.counts().restarts, 1);
 }
+
+#[test]
+fn lost_batches_saturate_rather_than_wrap_after_huge_sequence_jumps() {
+    let mut t = tracker();
+    t.offer_live(0, "0");
+    t.offer_live(u64::MAX - 2, "far");
+    let (lost, _) = t.abandon_replay();
+    assert_eq!(lost, 1..u64::MAX - 2);
+    // A second jump as far: the count stays at its ceiling, never wraps to a small number.
+    assert!(matches!(
+        t.offer_replayed(u64::MAX - 1, "x"),
+        Verdict::Apply(_) | Verdict::Lost { .. }
+    ));
+    t.offer_live(0, "restart");
+    t.offer_live(u64::MAX - 1, "far again");
+    let _ = t.abandon_replay();
+    assert!(
+        t.counts().lost_batches >= u64::MAX - 3,
+        "{}",
+        t.counts().lost_batches
+    );
+}

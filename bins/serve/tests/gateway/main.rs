@@ -13,6 +13,7 @@
 )]
 
 mod auth;
+mod bookings;
 mod workers;
 
 use kvroute_serve::{RunningServe, ServeOptions};
