@@ -136,6 +136,16 @@ struct ServeArgs {
     /// freed, a request that outlived it) [default: 600].
     #[arg(long, env = "KVROUTE_REQUEST_EXPIRY_S")]
     request_expiry_s: Option<f64>,
+    /// Seconds a request's body may take to arrive whole [default: 30].
+    #[arg(long, env = "KVROUTE_BODY_TIMEOUT_S")]
+    body_timeout_s: Option<f64>,
+    /// Seconds a connection may wait for a request's head, first or next on a kept-alive
+    /// connection (so also the idle timeout) [default: 30].
+    #[arg(long, env = "KVROUTE_HEADER_TIMEOUT_S")]
+    header_timeout_s: Option<f64>,
+    /// Most client connections open at once; more are closed at once [default: 4096].
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
     /// Most KV blocks a worker's rank may declare [default: 4194304].
     #[arg(long, env = "KVROUTE_MAX_KV_BLOCKS")]
     max_kv_blocks: Option<u64>,
@@ -459,6 +469,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         admin_key: args.admin_key,
         public_metrics: args.public_metrics.then_some(true),
         max_kv_blocks: args.max_kv_blocks,
+        body_timeout_s: args.body_timeout_s,
+        header_timeout_s: args.header_timeout_s,
+        max_connections: args.max_connections,
         request_expiry_s: args.request_expiry_s,
         worker_networks: (!args.worker_networks.is_empty()).then_some(args.worker_networks),
         retries: args.retries,

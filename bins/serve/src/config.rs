@@ -52,6 +52,12 @@ pub struct ServeFile {
     pub request_expiry_s: Option<f64>,
     /// Largest request body, in bytes.
     pub max_body_bytes: Option<usize>,
+    /// Seconds a request's body may take to arrive whole.
+    pub body_timeout_s: Option<f64>,
+    /// Seconds a connection may wait for a request's head (also the idle timeout).
+    pub header_timeout_s: Option<f64>,
+    /// Most client connections open at once.
+    pub max_connections: Option<usize>,
     /// Most KV blocks a worker's rank may declare.
     pub max_kv_blocks: Option<u64>,
     /// Address ranges worker URLs and event endpoints must lie in.
@@ -187,6 +193,20 @@ impl ServeFile {
         }
         if let Some(v) = self.max_body_bytes {
             options.max_body = v;
+        }
+        if let Some(v) = self.body_timeout_s {
+            options.body_timeout = secs("body_timeout_s", v)?;
+        }
+        if let Some(v) = self.header_timeout_s {
+            options.header_timeout = secs("header_timeout_s", v)?;
+        }
+        if let Some(v) = self.max_connections {
+            if v == 0 {
+                return Err(ConfigError::Invalid(
+                    "max_connections must be ≥ 1".to_owned(),
+                ));
+            }
+            options.max_connections = v;
         }
         if let Some(v) = self.max_kv_blocks {
             if v == 0 {

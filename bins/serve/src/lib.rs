@@ -26,6 +26,7 @@ mod backends;
 mod body;
 mod config;
 pub mod headers;
+mod listener;
 mod metrics;
 mod networks;
 mod proxy;
@@ -86,6 +87,13 @@ pub struct ServeOptions {
     pub expire_every: Duration,
     /// Largest request body, in bytes.
     pub max_body: usize,
+    /// Longest a request's body may take to arrive whole.
+    pub body_timeout: Duration,
+    /// Longest a connection may wait for a request's head: a new connection's first, or a
+    /// kept-alive connection's next (so also the idle timeout).
+    pub header_timeout: Duration,
+    /// Most client connections open at once; more are closed at once (counted).
+    pub max_connections: usize,
     /// Most KV blocks a worker's rank may declare: the index reserves room for its names by
     /// it (about 20 bytes a block), so this bounds what one add can take.
     pub max_kv_blocks: u64,
@@ -130,6 +138,9 @@ impl Default for ServeOptions {
             probe_every: Duration::from_secs(1),
             expire_every: Duration::from_secs(1),
             max_body: 32 << 20,
+            body_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(30),
+            max_connections: 4_096,
             max_kv_blocks: 1 << 22,
             worker_networks: Vec::new(),
             tokenizer: None,
@@ -279,21 +290,25 @@ impl RunningServe {
             .layer(DefaultBodyLimit::max(options.max_body))
             .layer(axum::middleware::from_fn_with_state(
                 state.clone(),
+                listener::read_body,
+            ))
+            .layer(axum::middleware::from_fn_with_state(
+                state.clone(),
                 auth::layer,
             ))
             .with_state(state);
         let shutdown = Arc::new(Notify::new());
-        let stop = Arc::clone(&shutdown);
-        let server = tokio::spawn(async move {
-            // Small writes (SSE chunks, a response's head) go out at once: with Nagle's
-            // algorithm a chunk waits for the peer's delayed ACK, some 40 ms.
-            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                let _ = tcp.set_nodelay(true);
-            });
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.notified().await })
-                .await
-        });
+        let bounds = listener::Bounds {
+            max_connections: options.max_connections,
+            header_timeout: options.header_timeout,
+        };
+        let server = tokio::spawn(listener::serve(
+            listener,
+            app,
+            bounds,
+            Arc::clone(&shutdown),
+            state_metrics.refused_connections.clone(),
+        ));
         let expirer = tokio::spawn(expire(
             Arc::clone(&router),
             Arc::clone(&state_metrics),

@@ -22,6 +22,7 @@ pub(crate) struct Metrics {
     pub retries: IntCounterVec,
     pub queue_wait_seconds: Histogram,
     pub expired: prometheus::IntCounter,
+    pub refused_connections: prometheus::IntCounter,
     queue_depth: prometheus::IntGauge,
     load: IntGaugeVec,
     events: IntGaugeVec,
@@ -102,6 +103,11 @@ impl Metrics {
              freed, or a request that never ended).",
         )?;
         registry.register(Box::new(expired.clone()))?;
+        let refused_connections = prometheus::IntCounter::new(
+            "kvroute_connections_refused_total",
+            "Connections closed at once because max_connections were open.",
+        )?;
+        registry.register(Box::new(refused_connections.clone()))?;
         registry.register(Box::new(queue_wait_seconds.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
         for m in [&requests, &retries, &prompt_tokens] {
@@ -122,6 +128,7 @@ impl Metrics {
             retries,
             queue_wait_seconds,
             expired,
+            refused_connections,
             queue_depth,
             load,
             events,

@@ -51,6 +51,9 @@ pub(crate) fn error(
     let kind = match status {
         StatusCode::BAD_REQUEST => "BadRequestError",
         StatusCode::UNAUTHORIZED => "AuthenticationError",
+        StatusCode::FORBIDDEN => "PermissionDeniedError",
+        StatusCode::PAYLOAD_TOO_LARGE => "BadRequestError",
+        StatusCode::REQUEST_TIMEOUT => "TimeoutError",
         StatusCode::NOT_FOUND => "NotFoundError",
         StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
         _ => "ServiceUnavailableError",

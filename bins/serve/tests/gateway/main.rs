@@ -14,6 +14,7 @@
 
 mod auth;
 mod bookings;
+mod listener;
 mod workers;
 
 use kvroute_serve::{RunningServe, ServeOptions};
