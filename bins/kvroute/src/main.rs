@@ -146,6 +146,17 @@ struct ServeArgs {
     /// Most client connections open at once; more are closed at once [default: 4096].
     #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
+    /// Seconds a connection to an engine may take to open [default: 2].
+    #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_S")]
+    connect_timeout_s: Option<f64>,
+    /// Seconds an engine may take to start its answer (a stream's first token, a whole
+    /// answer's end) before the request goes to the next best engine [default: 60].
+    #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_S")]
+    first_byte_timeout_s: Option<f64>,
+    /// Failures in a row (5xx, no answer in time) that mark an engine down until it answers
+    /// the prober again [default: 3].
+    #[arg(long, env = "KVROUTE_BREAKER_FAILURES")]
+    breaker_failures: Option<u32>,
     /// Most KV blocks a worker's rank may declare [default: 4194304].
     #[arg(long, env = "KVROUTE_MAX_KV_BLOCKS")]
     max_kv_blocks: Option<u64>,
@@ -472,6 +483,9 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         body_timeout_s: args.body_timeout_s,
         header_timeout_s: args.header_timeout_s,
         max_connections: args.max_connections,
+        connect_timeout_s: args.connect_timeout_s,
+        first_byte_timeout_s: args.first_byte_timeout_s,
+        breaker_failures: args.breaker_failures,
         request_expiry_s: args.request_expiry_s,
         worker_networks: (!args.worker_networks.is_empty()).then_some(args.worker_networks),
         retries: args.retries,

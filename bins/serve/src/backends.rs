@@ -68,6 +68,9 @@ pub(crate) struct Backend {
     pub subscriptions: Vec<Subscription>,
     /// Whether its blocks were dropped from the index since it was last seen up.
     pub forgotten: std::sync::atomic::AtomicBool,
+    /// Failures in a row (5xx before the first byte, no answer in time): past the breaker's
+    /// threshold the engine is marked down; any answer resets it.
+    pub failures: std::sync::atomic::AtomicU32,
 }
 
 /// An engine's OpenAI routes, parsed when it joins rather than per request.
@@ -310,6 +313,7 @@ impl Backends {
             authorization: checked.authorization,
             subscriptions,
             forgotten: std::sync::atomic::AtomicBool::new(false),
+            failures: std::sync::atomic::AtomicU32::new(0),
         });
         if let Ok(mut map) = self.by_id.write() {
             map.insert(backend.spec.id, Arc::clone(&backend));
@@ -376,6 +380,28 @@ impl Backend {
                 s.clear_index();
             }
         }
+    }
+
+    /// A request failed on it in a way one request can cause (a 5xx, no answer in time):
+    /// counted, and the engine marked down once `threshold` failed in a row. Returns whether
+    /// this failure marked it down.
+    pub(crate) fn failed(&self, router: &Router, threshold: u32) -> bool {
+        use std::sync::atomic::Ordering;
+        let n = self
+            .failures
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        if n < threshold.max(1) {
+            return false;
+        }
+        self.failures.store(0, Ordering::Relaxed);
+        mark_unreachable(router, self.spec.id);
+        true
+    }
+
+    /// It answered: the breaker's count starts over.
+    pub(crate) fn answered(&self) {
+        self.failures.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// It answers again: a later outage may drop its blocks again.

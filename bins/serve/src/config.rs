@@ -58,6 +58,12 @@ pub struct ServeFile {
     pub header_timeout_s: Option<f64>,
     /// Most client connections open at once.
     pub max_connections: Option<usize>,
+    /// Seconds a connection to an engine may take to open.
+    pub connect_timeout_s: Option<f64>,
+    /// Seconds an engine may take to start its answer before the request goes elsewhere.
+    pub first_byte_timeout_s: Option<f64>,
+    /// Failures in a row that mark an engine down.
+    pub breaker_failures: Option<u32>,
     /// Most KV blocks a worker's rank may declare.
     pub max_kv_blocks: Option<u64>,
     /// Address ranges worker URLs and event endpoints must lie in.
@@ -207,6 +213,20 @@ impl ServeFile {
                 ));
             }
             options.max_connections = v;
+        }
+        if let Some(v) = self.connect_timeout_s {
+            options.connect_timeout = secs("connect_timeout_s", v)?;
+        }
+        if let Some(v) = self.first_byte_timeout_s {
+            options.first_byte_timeout = secs("first_byte_timeout_s", v)?;
+        }
+        if let Some(v) = self.breaker_failures {
+            if v == 0 {
+                return Err(ConfigError::Invalid(
+                    "breaker_failures must be ≥ 1".to_owned(),
+                ));
+            }
+            options.breaker_failures = v;
         }
         if let Some(v) = self.max_kv_blocks {
             if v == 0 {

@@ -94,6 +94,15 @@ pub struct ServeOptions {
     pub header_timeout: Duration,
     /// Most client connections open at once; more are closed at once (counted).
     pub max_connections: usize,
+    /// Longest a connection to an engine may take to open.
+    pub connect_timeout: Duration,
+    /// Longest an engine may take to start its answer (its status and headers: for a
+    /// streamed answer, about its time to first token; for a whole one, all of it). Past it
+    /// the request goes to the next best engine, if it has retries left.
+    pub first_byte_timeout: Duration,
+    /// Failures in a row (5xx before the answer, no answer in time) that mark an engine down
+    /// until the prober sees it answer.
+    pub breaker_failures: u32,
     /// Most KV blocks a worker's rank may declare: the index reserves room for its names by
     /// it (about 20 bytes a block), so this bounds what one add can take.
     pub max_kv_blocks: u64,
@@ -141,6 +150,9 @@ impl Default for ServeOptions {
             body_timeout: Duration::from_secs(30),
             header_timeout: Duration::from_secs(30),
             max_connections: 4_096,
+            connect_timeout: Duration::from_secs(2),
+            first_byte_timeout: Duration::from_secs(60),
+            breaker_failures: 3,
             max_kv_blocks: 1 << 22,
             worker_networks: Vec::new(),
             tokenizer: None,
@@ -258,6 +270,7 @@ impl RunningServe {
         })?;
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(256)
+            .connect_timeout(options.connect_timeout)
             .tcp_nodelay(true)
             .build()
             .map_err(|e| ServeError::Setup(e.to_string()))?;

@@ -504,29 +504,59 @@ async fn forward(
             // The rank chosen, for the engine's own balancer: vLLM and SGLang both take it.
             upstream = upstream.header(headers::DATA_PARALLEL_RANK, decision.worker.dp_rank.0);
         }
-        let response = match upstream.send().await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::debug!(worker = worker.0, attempt, error = %e, "upstream failed");
+        let sent = tokio::time::timeout(state.options.first_byte_timeout, upstream.send()).await;
+        let response = match sent {
+            Ok(Ok(r)) => r,
+            // Nothing listens, or the connection broke: the engine is down.
+            Ok(Err(e)) if e.is_connect() => {
+                tracing::debug!(worker = worker.0, attempt, error = %e, "upstream refused");
                 state.metrics.retries.with_label_values(&["connect"]).inc();
                 mark_unreachable(&state.router, worker.0);
                 excluded.push(worker);
                 continue;
             }
+            Ok(Err(e)) => {
+                tracing::debug!(worker = worker.0, attempt, error = %e, "upstream failed");
+                state.metrics.retries.with_label_values(&["failed"]).inc();
+                backend.failed(&state.router, state.options.breaker_failures);
+                excluded.push(worker);
+                continue;
+            }
+            // It took the connection and said nothing in time (paused, hung, overloaded):
+            // the request goes to the next best engine, and the engine is marked down after
+            // enough of these in a row.
+            Err(_) => {
+                tracing::debug!(worker = worker.0, attempt, "upstream sent nothing in time");
+                state.metrics.retries.with_label_values(&["timeout"]).inc();
+                if backend.failed(&state.router, state.options.breaker_failures) {
+                    tracing::warn!(worker = worker.0, "worker does not answer: marked down");
+                }
+                excluded.push(worker);
+                continue;
+            }
         };
         let status = response.status();
-        if status.is_server_error()
-            && status != reqwest::StatusCode::SERVICE_UNAVAILABLE
-            && attempt + 1 < attempts
-        {
-            state
-                .metrics
-                .retries
-                .with_label_values(&["server_error"])
-                .inc();
-            mark_unreachable(&state.router, worker.0);
-            excluded.push(worker);
-            continue;
+        if status.is_server_error() && status != reqwest::StatusCode::SERVICE_UNAVAILABLE {
+            // One request can make an engine fail (a prompt it cannot take): the engine is
+            // marked down only after several in a row.
+            backend.failed(&state.router, state.options.breaker_failures);
+            let elsewhere = state
+                .backends
+                .all()
+                .iter()
+                .any(|b| b.spec.id != worker.0 && !excluded.contains(&WorkerId(b.spec.id)));
+            // Tried again elsewhere while there is an elsewhere; else its answer is the one.
+            if attempt + 1 < attempts && elsewhere {
+                state
+                    .metrics
+                    .retries
+                    .with_label_values(&["server_error"])
+                    .inc();
+                excluded.push(worker);
+                continue;
+            }
+        } else {
+            backend.answered();
         }
         let _ = guard.mark_dispatched();
         let placed = Placement {

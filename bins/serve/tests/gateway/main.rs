@@ -15,6 +15,7 @@
 mod auth;
 mod bookings;
 mod listener;
+mod upstream;
 mod workers;
 
 use kvroute_serve::{RunningServe, ServeOptions};

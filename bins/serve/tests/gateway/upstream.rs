@@ -1,0 +1,163 @@
+//! Engines that stop answering or fail one request: stand-in engines on loopback (axum), one
+//! that takes connections and never answers (as a paused process does), one that answers 500
+//! to one prompt.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use kvroute_serve::ServeOptions;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use super::gateway;
+
+/// A stand-in engine: its `/v1/completions` answers with `answer(prompt)` after `delay`, and
+/// counts what it got.
+async fn engine(delay: Duration, fail_prompt: Option<u32>) -> (String, Arc<AtomicU64>) {
+    let got = Arc::new(AtomicU64::new(0));
+    let count = Arc::clone(&got);
+    let app = axum::Router::new()
+        .route(
+            "/v1/completions",
+            post(move |axum::Json(body): axum::Json<Value>| {
+                let count = Arc::clone(&count);
+                async move {
+                    count.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(delay).await;
+                    let first = body["prompt"][0].as_u64().map(|t| t as u32);
+                    if first.is_some() && first == fail_prompt {
+                        return (StatusCode::INTERNAL_SERVER_ERROR, "cannot take it")
+                            .into_response();
+                    }
+                    (
+                        StatusCode::OK,
+                        r#"{"object":"text_completion","choices":[]}"#,
+                    )
+                        .into_response()
+                }
+            }),
+        )
+        .route(
+            "/health",
+            get(move || async move {
+                tokio::time::sleep(delay).await;
+                "ok"
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, got)
+}
+
+async fn add(client: &reqwest::Client, url: &str, id: u64, engine: &str) {
+    let r = client
+        .post(format!("{url}/v1/workers"))
+        .json(&json!({"id": id, "url": engine, "kv_blocks": 1024}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+}
+
+async fn health(client: &reqwest::Client, url: &str, id: u64) -> String {
+    let v: Value = client
+        .get(format!("{url}/v1/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let w = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["id"] == id)
+        .unwrap()
+        .clone();
+    w["ranks"][0]["health"].as_str().unwrap().to_owned()
+}
+
+async fn complete(client: &reqwest::Client, url: &str, first: u32) -> StatusCode {
+    client
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"prompt": (0..40).map(|t| first + t).collect::<Vec<u32>>(), "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap()
+        .status()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_engine_is_routed_around_and_marked_down() {
+    let (hung, hung_got) = engine(Duration::from_secs(3600), None).await;
+    let (live, live_got) = engine(Duration::ZERO, None).await;
+    let (serve, url) = gateway(ServeOptions {
+        first_byte_timeout: Duration::from_millis(300),
+        breaker_failures: 2,
+        probe_every: Duration::from_millis(100),
+        retries: 1,
+        router: kvroute_core::RouterConfig {
+            policy: kvroute_core::Policy::RoundRobin,
+            ..kvroute_core::RouterConfig::default()
+        },
+        ..ServeOptions::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    add(&client, &url, 1, &hung).await;
+    add(&client, &url, 2, &live).await;
+    // Every request is answered, by the live engine, within about one timeout.
+    for i in 0..8 {
+        let start = std::time::Instant::now();
+        assert_eq!(complete(&client, &url, i * 1000).await, StatusCode::OK);
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+    assert_eq!(live_got.load(Ordering::Relaxed), 8);
+    // Two timeouts in a row marked the paused engine down; its prober gets no answer either,
+    // so it stays down and takes no more requests.
+    assert_ne!(health(&client, &url, 1).await, "Healthy");
+    let tried = hung_got.load(Ordering::Relaxed);
+    assert!((2..=3).contains(&tried), "{tried}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_ne!(health(&client, &url, 1).await, "Healthy");
+    serve.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_prompt_that_makes_an_engine_fail_does_not_take_it_down() {
+    let (flaky, flaky_got) = engine(Duration::ZERO, Some(999_999)).await;
+    let (serve, url) = gateway(ServeOptions {
+        breaker_failures: 3,
+        retries: 2,
+        ..ServeOptions::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    add(&client, &url, 1, &flaky).await;
+    // The one bad prompt fails (its 500 reaches the client), the engine stays up...
+    assert_eq!(
+        complete(&client, &url, 999_999).await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    assert_eq!(health(&client, &url, 1).await, "Healthy");
+    // ...and serves the next requests.
+    for i in 0..4 {
+        assert_eq!(complete(&client, &url, i * 1000).await, StatusCode::OK);
+    }
+    assert_eq!(flaky_got.load(Ordering::Relaxed), 5);
+    // Failures in a row do mark it down.
+    for _ in 0..3 {
+        complete(&client, &url, 999_999).await;
+    }
+    assert_ne!(health(&client, &url, 1).await, "Healthy");
+    serve.stop();
+}
