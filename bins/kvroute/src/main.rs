@@ -157,6 +157,10 @@ struct ServeArgs {
     /// the prober again [default: 3].
     #[arg(long, env = "KVROUTE_BREAKER_FAILURES")]
     breaker_failures: Option<u32>,
+    /// The longest prompt the engines take, in tokens (vLLM's --max-model-len): a longer one
+    /// gets a 400 [default: the tokenizer config's model_max_length].
+    #[arg(long, env = "KVROUTE_MAX_MODEL_LEN")]
+    max_model_len: Option<u64>,
     /// Most KV blocks a worker's rank may declare [default: 4194304].
     #[arg(long, env = "KVROUTE_MAX_KV_BLOCKS")]
     max_kv_blocks: Option<u64>,
@@ -480,6 +484,7 @@ fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
         admin_key: args.admin_key,
         public_metrics: args.public_metrics.then_some(true),
         max_kv_blocks: args.max_kv_blocks,
+        max_model_len: args.max_model_len,
         body_timeout_s: args.body_timeout_s,
         header_timeout_s: args.header_timeout_s,
         max_connections: args.max_connections,

@@ -66,6 +66,8 @@ pub struct ServeFile {
     pub breaker_failures: Option<u32>,
     /// Most KV blocks a worker's rank may declare.
     pub max_kv_blocks: Option<u64>,
+    /// The longest prompt the engines take, in tokens.
+    pub max_model_len: Option<u64>,
     /// Address ranges worker URLs and event endpoints must lie in.
     pub worker_networks: Option<Vec<crate::Network>>,
     /// The directory of the model's `tokenizer.json` and `tokenizer_config.json`.
@@ -227,6 +229,12 @@ impl ServeFile {
                 ));
             }
             options.breaker_failures = v;
+        }
+        if let Some(v) = self.max_model_len {
+            if v == 0 {
+                return Err(ConfigError::Invalid("max_model_len must be ≥ 1".to_owned()));
+            }
+            options.max_model_len = Some(v);
         }
         if let Some(v) = self.max_kv_blocks {
             if v == 0 {

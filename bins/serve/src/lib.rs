@@ -117,6 +117,10 @@ pub struct ServeOptions {
     /// with the same new text arriving while this one is in prefill sees only its tokenized
     /// part active.
     pub tokenize_whole: bool,
+    /// The longest prompt the engines take, in tokens (vLLM's `--max-model-len`): a longer
+    /// one is refused with a 400 after at most about this many tokens of work. None: the
+    /// tokenizer config's `model_max_length`, when it has a real one.
+    pub max_model_len: Option<u64>,
 }
 
 impl ServeOptions {
@@ -157,6 +161,7 @@ impl Default for ServeOptions {
             worker_networks: Vec::new(),
             tokenizer: None,
             tokenize_whole: false,
+            max_model_len: None,
         }
     }
 }
@@ -177,6 +182,14 @@ pub(crate) struct AppState {
 }
 
 impl AppState {
+    /// The longest prompt the engines take, in tokens: `max_model_len`, else the tokenizer
+    /// config's `model_max_length`.
+    pub(crate) fn max_prompt_tokens(&self) -> Option<u64> {
+        self.options
+            .max_model_len
+            .or_else(|| self.text.as_ref().and_then(|t| t.max_length))
+    }
+
     /// The keys the auth layer checks.
     pub(crate) fn keys(&self) -> auth::Keys<'_> {
         auth::Keys {
@@ -248,7 +261,13 @@ impl RunningServe {
             PrefixIndex::new(IndexConfig::default()),
         )?);
         let text = match &options.tokenizer {
-            Some(dir) => Some(Arc::new(ModelText::load(dir)?)),
+            Some(dir) => {
+                let mut text = ModelText::load(dir)?;
+                if options.max_model_len.is_some() {
+                    text.max_length = options.max_model_len;
+                }
+                Some(Arc::new(text))
+            }
             None => None,
         };
         let backends = Arc::new(backends::Backends::default());

@@ -165,7 +165,7 @@ pub(crate) fn read_completion(state: &AppState, body: &[u8]) -> Result<Routed, R
         .and_then(|n| u32::try_from(n).ok());
     let routed = Routed::new(expected_output, lora, cache_salt);
     match fields.prompt {
-        Some(super::body::Prompt::Ids(ids)) => routed.with_ids(ids),
+        Some(super::body::Prompt::Ids(ids)) => routed.with_client_ids(state, ids),
         Some(super::body::Prompt::Text(text)) => {
             routed.with_text(state, |text_ids, more| text_ids.text_ids_while(&text, more))
         }
@@ -219,6 +219,14 @@ impl Routed {
         }
     }
 
+    /// With the ids the client sent, unless they are none or more than the model takes.
+    fn with_client_ids(self, state: &AppState, ids: Vec<u32>) -> Result<Routed, Refusal> {
+        match state.max_prompt_tokens() {
+            Some(max) if ids.len() as u64 > max => Err(too_long(max)),
+            _ => self.with_ids(ids),
+        }
+    }
+
     /// With the prompt's ids, unless there are none.
     fn with_ids(mut self, ids: Vec<u32>) -> Result<Routed, Refusal> {
         if ids.is_empty() {
@@ -262,7 +270,13 @@ impl Routed {
         // Full blocks at the last question: a step that adds none asks nothing.
         let mut checked = 0;
         let whole = state.options.tokenize_whole;
+        let limit = state.max_prompt_tokens();
+        let mut over = false;
         let mut more = |ids: &[u32]| {
+            if limit.is_some_and(|max| ids.len() as u64 > max) {
+                over = true;
+                return false;
+            }
             if whole {
                 return true;
             }
@@ -275,12 +289,32 @@ impl Routed {
         };
         let part = tokenize(text, &mut more)
             .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?;
-        let prompt_len = part.estimated_tokens();
+        let mut prompt_len = part.estimated_tokens();
+        if let Some(max) = limit {
+            // The text's tokenizer counted it past the limit (ModelText::max_length), or its
+            // ids so far are: refused. Otherwise it fits, and an estimate past the limit is
+            // only the estimate's error.
+            if over {
+                return Err(too_long(max));
+            }
+            prompt_len = prompt_len.min(max);
+        }
         let mut routed = self.with_ids(part.ids)?;
         routed.prompt_len = prompt_len.max(routed.prompt_len);
         routed.from_text = true;
         Ok(routed)
     }
+}
+
+/// The refusal of a prompt past the model's maximum length, in vLLM's words.
+fn too_long(max: u64) -> Refusal {
+    Refusal::new(
+        StatusCode::BAD_REQUEST,
+        format!(
+            "This model's maximum context length is {max} tokens. However, your prompt is \
+             longer than that."
+        ),
+    )
 }
 
 /// Reads the prompt's token ids and the output length, or the client's error.
@@ -319,15 +353,17 @@ pub(crate) fn read_prompt(
         routed.with_text(state, |text, more| text.chat_ids_while(&value, more))?
     } else {
         match object.get("prompt") {
-            Some(Value::Array(items)) if items.iter().all(Value::is_u64) => routed.with_ids(
-                items
-                    .iter()
-                    .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
-                    .collect::<Option<Vec<u32>>>()
-                    .ok_or_else(|| {
-                        Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
-                    })?,
-            )?,
+            Some(Value::Array(items)) if items.iter().all(Value::is_u64) => routed
+                .with_client_ids(
+                    state,
+                    items
+                        .iter()
+                        .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+                        .collect::<Option<Vec<u32>>>()
+                        .ok_or_else(|| {
+                            Refusal::new(StatusCode::BAD_REQUEST, "token ids must fit in 32 bits")
+                        })?,
+                )?,
             Some(Value::String(prompt)) => {
                 routed.with_text(state, |text, more| text.text_ids_while(prompt, more))?
             }

@@ -31,7 +31,16 @@ pub struct ModelText {
     pub tokenizer: PieceTokenizer,
     /// The chat template, when the model has one.
     pub template: Option<ChatTemplate>,
+    /// The model's longest input in tokens: a longer prompt is refused
+    /// ([`ModelTextError::TooLong`]) after at most about twice that many tokens of work. Loaded
+    /// from `tokenizer_config.json` (`model_max_length`) when it gives a real one (not
+    /// transformers' stand-in for "unbounded", about 1e30); an engine's `--max-model-len`
+    /// may be set in its place.
+    pub max_length: Option<u64>,
 }
+
+/// A `model_max_length` past this is transformers' stand-in for "no limit".
+const UNBOUNDED_LENGTH: f64 = 1e12;
 
 /// The model's files could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +62,15 @@ pub enum ModelTextError {
     /// The request cannot be rendered.
     #[error("{0}")]
     Request(String),
+    /// The prompt has more tokens than the model takes ([`ModelText::max_length`]).
+    #[error(
+        "This model's maximum context length is {max} tokens. However, your prompt is longer \
+         than that."
+    )]
+    TooLong {
+        /// The model's maximum.
+        max: u64,
+    },
 }
 
 impl ModelText {
@@ -67,6 +85,7 @@ impl ModelText {
             }
         })?;
         let config_path = file("tokenizer_config.json");
+        let mut max_length = None;
         let template = match std::fs::read_to_string(&config_path) {
             Ok(text) => {
                 let config: Value =
@@ -74,6 +93,11 @@ impl ModelText {
                         path: config_path.display().to_string(),
                         reason: e.to_string(),
                     })?;
+                max_length = config
+                    .get("model_max_length")
+                    .and_then(Value::as_f64)
+                    .filter(|n| (1.0..UNBOUNDED_LENGTH).contains(n))
+                    .map(|n| n as u64);
                 match ChatTemplate::from_config(&config) {
                     Ok(t) => Some(t),
                     Err(TemplateError::Missing) => None,
@@ -85,6 +109,7 @@ impl ModelText {
         Ok(ModelText {
             tokenizer: PieceTokenizer::new(tokenizer)?,
             template,
+            max_length,
         })
     }
 
@@ -123,12 +148,22 @@ impl ModelText {
             tools: request.get("tools").filter(|t| !t.is_null()),
             add_generation_prompt,
         })?;
+        self.within_length(&text)?;
         Ok(self.tokenizer.encode_while(&text, more)?)
+    }
+
+    /// An error when `text` has more tokens than [`ModelText::max_length`].
+    fn within_length(&self, text: &str) -> Result<(), ModelTextError> {
+        match self.max_length {
+            Some(max) if self.tokenizer.exceeds(text, max)? => Err(ModelTextError::TooLong { max }),
+            _ => Ok(()),
+        }
     }
 
     /// The ids of a text prompt, with the special tokens the tokenizer adds (a BOS, where it
     /// has one), as vLLM's completions tokenize it; through the piece cache when it adds none.
     pub fn text_ids(&self, text: &str) -> Result<Vec<u32>, ModelTextError> {
+        self.within_length(text)?;
         Ok(self.tokenizer.encode_with_special(text)?)
     }
 
@@ -139,6 +174,7 @@ impl ModelText {
         text: &str,
         more: impl FnMut(&[u32]) -> bool,
     ) -> Result<Partial, ModelTextError> {
+        self.within_length(text)?;
         Ok(self.tokenizer.encode_with_special_while(text, more)?)
     }
 }

@@ -309,6 +309,42 @@ impl PieceTokenizer {
         Ok(Partial::of(ids, text, text.len()))
     }
 
+    /// Whether `text` has more than `max` tokens, after tokenizing no more of it than takes
+    /// about `2·max` tokens: a text of at most `max` bytes cannot (every token covers a byte,
+    /// give or take the special tokens a tokenizer adds); a longer one is tokenized by
+    /// prefixes from `4·(max + 1)` bytes, doubling, cut at whitespace, until a prefix has
+    /// clearly more (past a margin for the cut) or the prefix is the whole text. `false`
+    /// therefore means the whole text was counted, or is short in bytes.
+    pub fn exceeds(&self, text: &str, max: u64) -> Result<bool, TokenizeError> {
+        // Special tokens a tokenizer may add (BOS, EOS), and what a cut may add.
+        const ADDED: u64 = 8;
+        const CUT_MARGIN: u64 = 64;
+        if text.len() as u64 + ADDED <= max {
+            return Ok(false);
+        }
+        let mut budget =
+            usize::try_from(max.saturating_add(1).saturating_mul(4)).unwrap_or(usize::MAX);
+        loop {
+            if budget >= text.len() {
+                return Ok(self.encode(text)?.len() as u64 > max);
+            }
+            let mut cut = budget;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            if let Some(space) = text[..cut]
+                .rfind(char::is_whitespace)
+                .filter(|&c| c > cut / 2)
+            {
+                cut = space;
+            }
+            if self.encode(&text[..cut])?.len() as u64 > max.saturating_add(CUT_MARGIN) {
+                return Ok(true);
+            }
+            budget = budget.saturating_mul(2);
+        }
+    }
+
     /// Where one piece (text with no split token) is cut into chunks, as offsets of the ends
     /// of its chunks (the piece's own end last; none for an empty piece).
     fn chunk_ends_of<'p>(&self, piece: &'p str) -> impl Iterator<Item = usize> + 'p {

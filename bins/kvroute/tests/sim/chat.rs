@@ -15,10 +15,10 @@ fn fixtures() -> PathBuf {
 fn model() -> Option<ModelText> {
     let dir = fixtures();
     if !dir.join("tokenizer.json").exists() {
-        eprintln!(
-            "skipped: no {} (run scripts/fixtures.sh)",
+        crate::skip_without_fixtures(&format!(
+            "no {} (run scripts/fixtures.sh)",
             dir.join("tokenizer.json").display()
-        );
+        ));
         return None;
     }
     Some(ModelText::load(&dir).unwrap())
@@ -34,10 +34,10 @@ fn chat_ids_equal_transformers_apply_chat_template() {
     let Some(model) = model() else { return };
     let expected_path = fixtures().join("expected_ids.json");
     let Ok(expected) = std::fs::read_to_string(&expected_path) else {
-        eprintln!(
-            "skipped: no {} (run scripts/fixtures.sh)",
+        crate::skip_without_fixtures(&format!(
+            "no {} (run scripts/fixtures.sh)",
             expected_path.display()
-        );
+        ));
         return;
     };
     let expected: Vec<Value> = serde_json::from_str(&expected).unwrap();
@@ -282,6 +282,42 @@ fn a_text_tokenized_in_part_gives_the_first_ids_of_the_whole() {
                 .unwrap();
             assert!(whole.starts_with(&part.ids), "{chat}");
             assert_eq!(part.complete(), part.ids == whole, "{chat}");
+        }
+    }
+}
+
+#[test]
+fn exceeds_agrees_with_counting_the_whole_text() {
+    let Some(model) = model() else { return };
+    let tokenizer = &model.tokenizer;
+    let samples = [
+        "The quick brown fox jumps over the lazy dog. ".repeat(400),
+        "fn main() {\n    let x = vec![1, 2, 3];\n}\n".repeat(300),
+        "    ".repeat(3000),
+        "数据并行的每个等级都有自己的缓存。".repeat(300),
+        "a".repeat(9000),
+        "1234567890".repeat(900),
+    ];
+    for text in &samples {
+        let n = tokenizer.encode(text).unwrap().len() as u64;
+        for max in [
+            1,
+            10,
+            n / 4,
+            n / 2,
+            n.saturating_sub(70),
+            n - 1,
+            n,
+            n + 1,
+            n + 100,
+            4 * n,
+        ] {
+            assert_eq!(
+                tokenizer.exceeds(text, max).unwrap(),
+                n > max,
+                "{n} tokens, max {max}, text {:?}…",
+                &text[..40.min(text.len())]
+            );
         }
     }
 }

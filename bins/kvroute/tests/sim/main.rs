@@ -37,6 +37,16 @@ use kvroute_sim::{
     Engine, EngineConfig, EngineEvent, EngineRequest, Finish, RequestId, RequestOutput,
 };
 
+/// Says why a test that needs `scripts/fixtures.sh`'s files is skipped, or fails it when
+/// `KVROUTE_FIXTURES=required` (as the README's test command, `scripts/test.sh`, sets it):
+/// there a missing fixture is a failure, never a pass.
+pub fn skip_without_fixtures(why: &str) {
+    if std::env::var("KVROUTE_FIXTURES").as_deref() == Ok("required") {
+        panic!("{why}");
+    }
+    eprintln!("skipped: {why}");
+}
+
 /// An engine of `kv_blocks` 16-token blocks with a token budget of `budget`.
 pub fn engine(kv_blocks: u32, budget: u32) -> Engine {
     Engine::new(EngineConfig {

@@ -547,7 +547,7 @@ async fn chats_are_routed_by_the_conversation_the_engine_renders() {
     let dir =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures/qwen3");
     if !dir.join("tokenizer.json").exists() {
-        eprintln!("skipped: no {} (run scripts/fixtures.sh)", dir.display());
+        crate::skip_without_fixtures(&format!("no {} (run scripts/fixtures.sh)", dir.display()));
         return;
     }
     let f = fleet_with(&["--tokenizer".into(), dir.display().to_string()], &[]).await;
@@ -767,7 +767,7 @@ async fn long_text_prompts_are_routed_by_the_tokens_the_engine_makes() {
     let dir =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures/qwen3");
     if !dir.join("tokenizer.json").exists() {
-        eprintln!("skipped: no {} (run scripts/fixtures.sh)", dir.display());
+        crate::skip_without_fixtures(&format!("no {} (run scripts/fixtures.sh)", dir.display()));
         return;
     }
     let f = fleet_with(&["--tokenizer".into(), dir.display().to_string()], &[]).await;
@@ -856,7 +856,7 @@ async fn tokenize_whole_tokenizes_a_new_text_to_its_end() {
     let dir =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures/qwen3");
     if !dir.join("tokenizer.json").exists() {
-        eprintln!("skipped: no {} (run scripts/fixtures.sh)", dir.display());
+        crate::skip_without_fixtures(&format!("no {} (run scripts/fixtures.sh)", dir.display()));
         return;
     }
     // Serve alone: `/v1/route` asks no engine. A worker that holds nothing and publishes no

@@ -95,7 +95,9 @@ async fn sglangs_own_publisher_feeds_the_index_through_loss_and_restart() {
         .exists()
         || !python.exists()
     {
-        eprintln!("skipped: no SGLang publisher in target/fixtures (run scripts/fixtures.sh)");
+        crate::skip_without_fixtures(
+            "no SGLang publisher in target/fixtures (run scripts/fixtures.sh)",
+        );
         return;
     }
     let (events_port, replay_port, http) = (free_port(), free_port(), free_port());

@@ -15,6 +15,7 @@
 mod auth;
 mod bookings;
 mod listener;
+mod prompts;
 mod upstream;
 mod workers;
 

@@ -1,0 +1,116 @@
+//! Prompts past the model's maximum length: refused with a 400 before they reach an engine,
+//! after at most about that many tokens of work.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvroute_serve::ServeOptions;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use super::gateway;
+
+/// Qwen3's tokenizer files, fetched by `scripts/fixtures.sh` (the README's test command,
+/// `scripts/test.sh`, runs it first and requires them); without them the test is skipped.
+fn qwen3() -> Option<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures/qwen3");
+    if dir.join("tokenizer.json").exists() {
+        return Some(dir);
+    }
+    let why = format!("no {} (run scripts/fixtures.sh)", dir.display());
+    if std::env::var("KVROUTE_FIXTURES").as_deref() == Ok("required") {
+        panic!("{why}");
+    }
+    eprintln!("skipped: {why}");
+    None
+}
+
+async fn post(client: &reqwest::Client, url: &str, path: &str, body: Value) -> (StatusCode, Value) {
+    let r = client
+        .post(format!("{url}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_past_the_models_maximum_is_refused_early() {
+    let Some(dir) = qwen3() else { return };
+    let (serve, url) = gateway(ServeOptions {
+        tokenizer: Some(dir),
+        max_model_len: Some(2_000),
+        ..ServeOptions::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    // A worker that would take the request if it were let through.
+    let added = client
+        .post(format!("{url}/v1/workers"))
+        .json(&json!({"id": 1, "url": "http://127.0.0.1:9", "kv_blocks": 1024}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), StatusCode::CREATED);
+
+    // Token ids: one past the limit is refused, the limit itself is routed.
+    let ask = |n: u32| json!({"prompt": (0..n).collect::<Vec<u32>>(), "max_tokens": 1});
+    let (status, answer) = post(&client, &url, "/v1/route", ask(2_001)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    assert!(answer["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maximum context length is 2000"));
+    let (status, _) = post(&client, &url, "/v1/route", ask(2_000)).await;
+    assert_eq!(status, StatusCode::OK);
+
+    // A 5 MB text, with no worker holding any of it (so tokenized only a little, the rest
+    // estimated): refused, quickly, through both routes.
+    let huge: String = "The quick brown fox jumps over the lazy dog. ".repeat(5 << 20 >> 6);
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": huge, "max_tokens": 1})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": huge}]}),
+        ),
+    ] {
+        let start = Instant::now();
+        let (status, answer) = post(&client, &url, path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {answer}");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{path}: {:?}",
+            start.elapsed()
+        );
+    }
+    // A text of about 2,200 tokens whose estimate could go either way is tokenized to know.
+    let near: String = "word ".repeat(2_200);
+    let (status, _) = post(&client, &url, "/v1/route", json!({"prompt": near})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let short: String = "word ".repeat(1_500);
+    let (status, answer) = post(&client, &url, "/v1/route", json!({"prompt": short})).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    serve.stop();
+}
+
+#[tokio::test]
+async fn without_a_flag_the_tokenizer_configs_maximum_holds() {
+    let Some(dir) = qwen3() else { return };
+    let (serve, url) = gateway(ServeOptions {
+        tokenizer: Some(dir),
+        ..ServeOptions::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    // Qwen3's tokenizer_config.json says 131,072.
+    let ids: Vec<u32> = (0..131_073).map(|i| i % 1000).collect();
+    let (status, answer) = post(&client, &url, "/v1/route", json!({"prompt": ids})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    assert!(answer["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("131072"));
+    serve.stop();
+}
