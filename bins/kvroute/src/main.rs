@@ -13,7 +13,7 @@ use kvroute::demo::{self, DemoConfig, DemoPolicy};
 use kvroute::replay::{self, ReplayOptions};
 use kvroute::worker::{PublisherConfig, RunningWorker, WorkerOptions};
 use kvroute_core::{Affinity, RouterConfig};
-use kvroute_serve::{parse_worker_flag, RunningServe, ServeFile, ServeOptions};
+use kvroute_serve::{RunningServe, ServeConfig, ServeOptions};
 use kvroute_sim::workload::{read_trace, ChatConfig, Workload};
 use kvroute_sim::{EngineConfig, TimingModel};
 use mimalloc::MiMalloc;
@@ -40,7 +40,7 @@ enum Command {
     Worker(WorkerArgs),
     /// The router service: OpenAI-compatible HTTP in front of vLLM, SGLang or kvroute workers,
     /// routing each request by the engines' KV events and load.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Send a workload (a Mooncake-format trace or the built-in chat workload) to a live router
     /// or engine over HTTP, streaming, and report hit rate, latency, balance and predictions.
     Replay(ReplayArgs),
@@ -104,114 +104,16 @@ struct ReplayArgs {
 
 #[derive(Debug, Args)]
 struct ServeArgs {
-    /// A TOML file (see kvroute.example.toml); flags and KVROUTE_* variables override it.
+    /// A TOML file (see kvroute.example.toml): its keys, then KVROUTE_* variables, then
+    /// flags, each over the one before.
     #[arg(long, value_name = "FILE", env = "KVROUTE_CONFIG")]
     config: Option<PathBuf>,
-    /// Address and port HTTP listens on [default: 127.0.0.1:8080].
-    #[arg(long, env = "KVROUTE_LISTEN")]
-    listen: Option<std::net::SocketAddr>,
-    /// The model served: requests naming another get a 404.
-    #[arg(long, env = "KVROUTE_MODEL")]
-    model: Option<String>,
-    /// LoRA adapters the engines serve (vLLM's `--lora-modules` names), comma-separated or
-    /// repeated: a request naming one as its model is routed by the adapter's KV blocks.
-    #[arg(
-        long = "lora-adapter",
-        value_name = "NAME",
-        value_delimiter = ',',
-        env = "KVROUTE_LORA_ADAPTERS"
-    )]
-    lora_adapters: Vec<String>,
-    /// The key clients must send as `Authorization: Bearer KEY`; never forwarded.
-    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
-    api_key: Option<String>,
-    /// The key the admin routes need (`/v1/workers`, bookings, `/metrics`), distinct from
-    /// --api-key. Without it and with --api-key, the admin routes are closed.
-    #[arg(long, env = "KVROUTE_ADMIN_KEY", hide_env_values = true)]
-    admin_key: Option<String>,
-    /// `/metrics` answers without a key.
-    #[arg(long, env = "KVROUTE_PUBLIC_METRICS")]
-    public_metrics: bool,
-    /// Seconds after which a booking nothing ended is freed (a `/v1/route` booking nobody
-    /// freed, a request that outlived it) [default: 600].
-    #[arg(long, env = "KVROUTE_REQUEST_EXPIRY_S")]
-    request_expiry_s: Option<f64>,
-    /// Seconds a request's body may take to arrive whole [default: 30].
-    #[arg(long, env = "KVROUTE_BODY_TIMEOUT_S")]
-    body_timeout_s: Option<f64>,
-    /// Seconds a connection may wait for a request's head, first or next on a kept-alive
-    /// connection (so also the idle timeout) [default: 30].
-    #[arg(long, env = "KVROUTE_HEADER_TIMEOUT_S")]
-    header_timeout_s: Option<f64>,
-    /// Most client connections open at once; more are closed at once [default: 4096].
-    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
-    max_connections: Option<usize>,
-    /// Seconds a connection to an engine may take to open [default: 2].
-    #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_S")]
-    connect_timeout_s: Option<f64>,
-    /// Seconds an engine may take to start its answer (a stream's first token, a whole
-    /// answer's end) before the request goes to the next best engine [default: 60].
-    #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_S")]
-    first_byte_timeout_s: Option<f64>,
-    /// Failures in a row (5xx, no answer in time) that mark an engine down until it answers
-    /// the prober again [default: 3].
-    #[arg(long, env = "KVROUTE_BREAKER_FAILURES")]
-    breaker_failures: Option<u32>,
-    /// The longest prompt the engines take, in tokens (vLLM's --max-model-len): a longer one
-    /// gets a 400 [default: the tokenizer config's model_max_length].
-    #[arg(long, env = "KVROUTE_MAX_MODEL_LEN")]
-    max_model_len: Option<u64>,
-    /// Most KV blocks a worker's rank may declare [default: 4194304].
-    #[arg(long, env = "KVROUTE_MAX_KV_BLOCKS")]
-    max_kv_blocks: Option<u64>,
-    /// An address range (`10.0.0.0/8`, `127.0.0.1`) worker URLs and event endpoints must lie
-    /// in; comma-separated or repeated [default: anywhere].
-    #[arg(
-        long = "worker-network",
-        value_name = "CIDR",
-        value_delimiter = ',',
-        env = "KVROUTE_WORKER_NETWORKS"
-    )]
-    worker_networks: Vec<kvroute_serve::Network>,
-    /// An engine: `url=http://HOST:PORT[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
-    /// [,kv_blocks=N][,block_size=N][,dp_size=N][,topic=T][,api_key=K][,id=N]`. Repeat it.
-    #[arg(long = "worker", value_name = "SPEC")]
-    workers: Vec<String>,
-    /// Routing policy: kv-aware, cache-threshold, prefix-hash, least-loaded, power-of-two,
-    /// round-robin, random [default: kv-aware].
-    #[arg(long, env = "KVROUTE_POLICY")]
-    policy: Option<String>,
-    /// Further workers tried when one fails before answering [default: 1].
-    #[arg(long, env = "KVROUTE_RETRIES")]
-    retries: Option<u32>,
-    /// The model's tokenizer files (a directory with tokenizer.json and
-    /// tokenizer_config.json), to route chat requests and text prompts as the engine sees them.
-    #[arg(long, value_name = "DIR", env = "KVROUTE_TOKENIZER")]
-    tokenizer: Option<PathBuf>,
-    /// A worker is busy past this fraction of its batch's tokens waiting for prefill.
-    #[arg(long, value_name = "X", env = "KVROUTE_BUSY_PREFILL_FRACTION")]
-    busy_prefill_fraction: Option<f64>,
-    /// A worker is busy past this fraction of its KV blocks held by active requests.
-    #[arg(long, value_name = "X", env = "KVROUTE_BUSY_DECODE_FRACTION")]
-    busy_decode_fraction: Option<f64>,
-    /// With a busy threshold: requests wait in the admission queue while every worker is busy,
-    /// up to this many prompt tokens queued; past it they get a 429 with Retry-After.
-    #[arg(long, value_name = "N", env = "KVROUTE_QUEUE_MAX_TOKENS")]
-    queue_max_tokens: Option<u64>,
-    /// Seconds each routing decision counts as cached on its worker until the worker's KV
-    /// events arrive, so that requests sharing a prefix still in prefill follow it (0: off).
-    #[arg(long, value_name = "S", env = "KVROUTE_SPECULATIVE_S")]
-    speculative_s: Option<f64>,
-    /// Tokenize every text prompt and chat whole, instead of only as far as some worker may
-    /// hold it (the rest counted by a length estimated from its bytes).
-    #[arg(long, env = "KVROUTE_TOKENIZE_WHOLE")]
-    tokenize_whole: bool,
-    /// Largest request body accepted, in bytes (larger ones get a 413) [default: 32 MiB].
-    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
-    max_body_bytes: Option<usize>,
-    /// Seconds in-flight requests may take to finish after SIGINT or SIGTERM.
-    #[arg(long, default_value_t = 30.0, env = "KVROUTE_GRACE_S")]
-    grace_s: f64,
+    /// Print the effective configuration (every key, the keys' secrets left out) as TOML,
+    /// and exit.
+    #[arg(long)]
+    print_config: bool,
+    #[command(flatten)]
+    settings: ServeConfig,
 }
 #[derive(Debug, Args)]
 struct WorkerArgs {
@@ -351,7 +253,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Demo(args) => run_demo(args),
         Command::Worker(args) => run_worker(args),
-        Command::Serve(args) => run_serve(args),
+        Command::Serve(args) => run_serve(*args),
         Command::Replay(args) => run_replay(args),
     }
 }
@@ -471,50 +373,24 @@ fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
 }
 
 fn run_serve(args: ServeArgs) -> anyhow::Result<()> {
-    init_logs();
-    let mut options = ServeOptions::default();
-    if let Some(path) = &args.config {
-        options = ServeFile::read(path)?.apply(options)?;
-    }
-    let flags = ServeFile {
-        listen: args.listen,
-        model: args.model,
-        lora_adapters: (!args.lora_adapters.is_empty()).then_some(args.lora_adapters),
-        api_key: args.api_key,
-        admin_key: args.admin_key,
-        public_metrics: args.public_metrics.then_some(true),
-        max_kv_blocks: args.max_kv_blocks,
-        max_model_len: args.max_model_len,
-        body_timeout_s: args.body_timeout_s,
-        header_timeout_s: args.header_timeout_s,
-        max_connections: args.max_connections,
-        connect_timeout_s: args.connect_timeout_s,
-        first_byte_timeout_s: args.first_byte_timeout_s,
-        breaker_failures: args.breaker_failures,
-        request_expiry_s: args.request_expiry_s,
-        worker_networks: (!args.worker_networks.is_empty()).then_some(args.worker_networks),
-        retries: args.retries,
-        policy: args.policy,
-        max_body_bytes: args.max_body_bytes,
-        tokenizer: args.tokenizer,
-        busy_prefill_fraction: args.busy_prefill_fraction,
-        busy_decode_fraction: args.busy_decode_fraction,
-        queue_max_tokens: args.queue_max_tokens,
-        speculative_s: args.speculative_s,
-        tokenize_whole: args.tokenize_whole.then_some(true),
-        workers: args
-            .workers
-            .iter()
-            .enumerate()
-            .map(|(i, w)| parse_worker_flag(w, (options.workers.len() + i) as u64))
-            .collect::<Result<_, _>>()?,
-        ..ServeFile::default()
+    let file = match &args.config {
+        Some(path) => ServeConfig::read(path)?,
+        None => ServeConfig::default(),
     };
-    options = flags.apply(options)?;
+    let config = args.settings.over(file)?;
+    if args.print_config {
+        let mut effective = ServeConfig::effective(&config.clone().apply(ServeOptions::default())?);
+        // Workers given as flags print as the tables they became.
+        effective.worker_flags.clear();
+        print!("{}", toml::to_string(&effective)?);
+        return Ok(());
+    }
+    init_logs();
+    let options = config.apply(ServeOptions::default())?;
     if options.workers.is_empty() {
         tracing::warn!("no worker configured: add some with POST /v1/workers");
     }
-    let grace = std::time::Duration::from_secs_f64(args.grace_s.max(0.0));
+    let grace = options.grace;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

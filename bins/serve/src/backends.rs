@@ -36,7 +36,8 @@ pub struct BackendSpec {
     /// Data-parallel ranks it serves.
     #[serde(default = "one")]
     pub dp_size: u32,
-    /// KV blocks per rank.
+    /// KV blocks per rank (vLLM logs it as "GPU KV cache size" ÷ block size).
+    #[serde(default = "default_kv_blocks")]
     pub kv_blocks: u64,
     /// Tokens per KV block (must be the router's).
     #[serde(default = "sixteen")]
@@ -55,6 +56,11 @@ fn one() -> u32 {
 
 fn sixteen() -> u32 {
     16
+}
+
+/// An 8B model's cache on one 80 GB GPU, in 16-token blocks, about.
+fn default_kv_blocks() -> u64 {
+    24_576
 }
 
 /// A backend that joined.

@@ -1,94 +1,199 @@
-//! `kvroute serve`'s configuration file (TOML), which flags and `KVROUTE_*` variables
-//! override. An example with every key: `kvroute.example.toml` at the repository's root.
+//! `kvroute serve`'s configuration: one set of keys, named alike in the TOML file
+//! (`max_kv_blocks`), the environment (`KVROUTE_MAX_KV_BLOCKS`) and the flags
+//! (`--max-kv-blocks`), laid in that order (a flag wins over its variable, which wins over the
+//! file), and checked once ([`ServeConfig::apply`]). `kvroute serve --print-config` prints
+//! the result ([`ServeConfig::effective`]). An example with every key: `kvroute.example.toml`
+//! at the repository's root.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use clap::builder::BoolishValueParser;
+use serde::{Deserialize, Serialize};
 
 use super::backends::BackendSpec;
+use super::networks::Network;
 use super::ServeOptions;
-use kvroute_core::{Policy, PolicyKind, UnknownPolicy};
+use kvroute_core::{Policy, PolicyKind, Queueing, Speculative, UnknownPolicy};
 
-/// The file's keys; every one optional.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+/// Every key of `kvroute serve`'s configuration, each optional: a key left out keeps the
+/// default (`--print-config` shows them all).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
-pub struct ServeFile {
-    /// Where HTTP listens.
+pub struct ServeConfig {
+    /// Address and port HTTP listens on.
+    #[arg(long, env = "KVROUTE_LISTEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub listen: Option<SocketAddr>,
-    /// The model served (requests naming another get a 404).
+    /// The model served: requests naming another get a 404.
+    #[arg(long, env = "KVROUTE_MODEL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
-    /// LoRA adapters the engines serve, by the names requests give as `model`.
+    /// LoRA adapters the engines serve (vLLM's `--lora-modules` names), comma-separated: a
+    /// request naming one as its model is routed by the adapter's KV blocks.
+    #[arg(
+        long,
+        alias = "lora-adapter",
+        value_name = "NAMES",
+        value_delimiter = ',',
+        env = "KVROUTE_LORA_ADAPTERS"
+    )]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub lora_adapters: Option<Vec<String>>,
-    /// The key clients must send.
+    /// The key clients send as `Authorization: Bearer KEY` (never forwarded to engines).
+    #[arg(long, env = "KVROUTE_API_KEY", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
-    /// The key the admin routes need (workers, bookings, metrics); distinct from `api_key`.
+    /// The key the admin routes need (`/v1/workers`, bookings, `/metrics`), distinct from
+    /// the client key. With a client key and no admin key, the admin routes are closed.
+    #[arg(long, env = "KVROUTE_ADMIN_KEY", hide_env_values = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub admin_key: Option<String>,
     /// `/metrics` answers without a key.
+    #[arg(long, env = "KVROUTE_PUBLIC_METRICS", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub public_metrics: Option<bool>,
-    /// Further workers tried when one fails before answering.
+    /// Further engines tried when one refuses the connection, fails with a 5xx before
+    /// answering, or sends nothing within `first_byte_timeout_s`.
+    #[arg(long, env = "KVROUTE_RETRIES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub retries: Option<u32>,
-    /// The routing policy, by the demo's names (`kv-aware`, `round-robin`, ...).
+    /// The routing policy: kv-aware, cache-threshold, prefix-hash, least-loaded,
+    /// power-of-two, round-robin, random.
+    #[arg(long, env = "KVROUTE_POLICY")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub policy: Option<String>,
-    /// Tokens per KV block (the engines').
+    /// Tokens per KV block (the engines' `--block-size`).
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
     /// The KV-aware cost's credit per cached block.
+    #[arg(long, env = "KVROUTE_OVERLAP_CREDIT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub overlap_credit: Option<f64>,
-    /// The KV-aware cost's weight of prefill blocks.
+    /// The KV-aware cost's weight of prefill blocks (higher favours cache hits over balance).
+    #[arg(long, env = "KVROUTE_PREFILL_LOAD_SCALE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub prefill_load_scale: Option<f64>,
     /// How much more credit per cached block a rank holding the whole prompt earns (0: off).
+    #[arg(long, env = "KVROUTE_AFFINITY_BOOST")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_boost: Option<f64>,
-    /// The share of the prompt held past which a rank's credit grows.
+    /// The share of the prompt held past which a rank's credit grows, in [0, 1).
+    #[arg(long, env = "KVROUTE_AFFINITY_FROM_SHARE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_from_share: Option<f64>,
     /// Softmax temperature of the KV-aware choice (0: the cheapest).
+    #[arg(long, env = "KVROUTE_TEMPERATURE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,
-    /// Seconds a KV-event replay may take.
+    /// Seconds a KV-event replay may take before its gap counts as lost.
+    #[arg(long, env = "KVROUTE_REPLAY_TIMEOUT_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub replay_timeout_s: Option<f64>,
-    /// Seconds a removed worker's requests may take to end.
+    /// Seconds a removed worker's requests may take to end before it leaves anyway.
+    #[arg(long, env = "KVROUTE_DRAIN_TIMEOUT_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub drain_timeout_s: Option<f64>,
-    /// Seconds after which a booking is freed though nothing ended it (a `/v1/route` booking
-    /// nobody freed; a request that outlived it).
+    /// Seconds requests in flight may take to finish after SIGTERM or SIGINT.
+    #[arg(long, env = "KVROUTE_GRACE_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grace_s: Option<f64>,
+    /// Seconds after which a booking nothing ended is freed (a `/v1/route` booking nobody
+    /// freed, a request that outlived it).
+    #[arg(long, env = "KVROUTE_REQUEST_EXPIRY_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub request_expiry_s: Option<f64>,
-    /// Largest request body, in bytes.
+    /// Largest request body, in bytes (larger: 413).
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_body_bytes: Option<usize>,
-    /// Seconds a request's body may take to arrive whole.
+    /// Seconds a request's body may take to arrive whole (slower: 408).
+    #[arg(long, env = "KVROUTE_BODY_TIMEOUT_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub body_timeout_s: Option<f64>,
-    /// Seconds a connection may wait for a request's head (also the idle timeout).
+    /// Seconds a connection may wait for a request's head, its first or its next on a
+    /// kept-alive connection (so also the idle timeout); then it is closed.
+    #[arg(long, env = "KVROUTE_HEADER_TIMEOUT_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub header_timeout_s: Option<f64>,
-    /// Most client connections open at once.
+    /// Most client connections open at once; more are closed at once (counted).
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_connections: Option<usize>,
     /// Seconds a connection to an engine may take to open.
+    #[arg(long, env = "KVROUTE_CONNECT_TIMEOUT_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub connect_timeout_s: Option<f64>,
-    /// Seconds an engine may take to start its answer before the request goes elsewhere.
+    /// Seconds an engine may take to start its answer (a stream's first token, a whole
+    /// answer's end) before the request goes to the next best engine.
+    #[arg(long, env = "KVROUTE_FIRST_BYTE_TIMEOUT_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub first_byte_timeout_s: Option<f64>,
-    /// Failures in a row that mark an engine down.
+    /// Failures in a row (5xx, no answer in time) that mark an engine down until it answers
+    /// the prober again; one bad request never does.
+    #[arg(long, env = "KVROUTE_BREAKER_FAILURES")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub breaker_failures: Option<u32>,
-    /// Most KV blocks a worker's rank may declare.
+    /// Most KV blocks a worker's rank may declare (the index reserves about 20 bytes a block).
+    #[arg(long, env = "KVROUTE_MAX_KV_BLOCKS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_kv_blocks: Option<u64>,
-    /// The longest prompt the engines take, in tokens.
+    /// The longest prompt the engines take, in tokens (vLLM's `--max-model-len`); a longer
+    /// one gets a 400. Default: the tokenizer config's `model_max_length`.
+    #[arg(long, env = "KVROUTE_MAX_MODEL_LEN")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_model_len: Option<u64>,
-    /// Address ranges worker URLs and event endpoints must lie in.
-    pub worker_networks: Option<Vec<crate::Network>>,
-    /// The directory of the model's `tokenizer.json` and `tokenizer_config.json`.
-    pub tokenizer: Option<std::path::PathBuf>,
+    /// Address ranges (`10.0.0.0/8`, `127.0.0.1`) worker URLs and event endpoints must lie
+    /// in, comma-separated (default: anywhere).
+    #[arg(
+        long,
+        value_name = "CIDRS",
+        value_delimiter = ',',
+        env = "KVROUTE_WORKER_NETWORKS"
+    )]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_networks: Option<Vec<Network>>,
+    /// The directory of the model's `tokenizer.json` and `tokenizer_config.json`: needed to
+    /// route chats and text prompts.
+    #[arg(long, value_name = "DIR", env = "KVROUTE_TOKENIZER")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// Tokenize every text prompt and chat whole, instead of only as far as some worker may
+    /// hold it.
+    #[arg(long, env = "KVROUTE_TOKENIZE_WHOLE", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenize_whole: Option<bool>,
     /// A worker is busy past this fraction of its KV blocks held by active requests.
+    #[arg(long, value_name = "X", env = "KVROUTE_BUSY_DECODE_FRACTION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub busy_decode_fraction: Option<f64>,
     /// A worker is busy past this fraction of its batch's tokens waiting for prefill.
+    #[arg(long, value_name = "X", env = "KVROUTE_BUSY_PREFILL_FRACTION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub busy_prefill_fraction: Option<f64>,
-    /// With a busy threshold: requests wait in the router's admission queue while every worker
-    /// is busy, up to this many prompt tokens queued; past it they get a 429 with
-    /// `Retry-After`.
+    /// With a busy threshold: requests wait in the admission queue while every worker is
+    /// busy, up to this many prompt tokens queued; past it they get a 429 with `Retry-After`.
+    #[arg(long, value_name = "N", env = "KVROUTE_QUEUE_MAX_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub queue_max_tokens: Option<u64>,
-    /// Seconds each routing decision counts as cached on its worker, until the worker's own KV
-    /// events arrive (speculative records; 0 or absent: off).
+    /// Seconds each routing decision counts as cached on its worker until the worker's own
+    /// KV events arrive (0: off).
+    #[arg(long, value_name = "S", env = "KVROUTE_SPECULATIVE_S")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub speculative_s: Option<f64>,
-    /// Tokenize every text prompt and chat whole, instead of only as far as some worker may
-    /// hold it (the default; see `tokenize_whole` in [`ServeOptions`]).
-    pub tokenize_whole: Option<bool>,
-    /// The engines.
-    #[serde(default)]
+    /// The engines, as `[[workers]]` tables in the file.
+    #[arg(skip)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<BackendSpec>,
+    /// An engine, on the command line: `url=http://HOST:PORT[,kv_events=tcp://HOST:PORT]
+    /// [,kv_replay=tcp://HOST:PORT][,kv_blocks=N][,block_size=N][,dp_size=N][,topic=T]
+    /// [,api_key=K][,id=N]`, the keys of a `[[workers]]` table. Repeat it; these join after
+    /// the file's.
+    #[arg(long = "worker", value_name = "SPEC")]
+    #[serde(skip)]
+    pub worker_flags: Vec<String>,
 }
 
 /// The file could not be used.
@@ -115,8 +220,8 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-impl ServeFile {
-    /// Reads and parses `path`.
+impl ServeConfig {
+    /// Reads and parses the TOML file at `path`.
     pub fn read(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
@@ -128,7 +233,21 @@ impl ServeFile {
         })
     }
 
-    /// Lays the file's values over `options`.
+    /// `self`'s keys laid over `under`'s: a key set here wins, one left out keeps `under`'s;
+    /// workers given as flags join after `under`'s. (The layers: the file, then the
+    /// environment and flags, which clap has already laid.)
+    pub fn over(self, under: ServeConfig) -> Result<ServeConfig, ConfigError> {
+        let invalid = |e: String| ConfigError::Invalid(e);
+        let mut table = toml::Table::try_from(&under).map_err(|e| invalid(e.to_string()))?;
+        let top = toml::Table::try_from(&self).map_err(|e| invalid(e.to_string()))?;
+        table.extend(top);
+        let mut merged: ServeConfig = table.try_into().map_err(|e| invalid(e.to_string()))?;
+        merged.worker_flags = under.worker_flags;
+        merged.worker_flags.extend(self.worker_flags);
+        Ok(merged)
+    }
+
+    /// The options these keys give, over the defaults: the one place keys are checked.
     pub fn apply(self, mut options: ServeOptions) -> Result<ServeOptions, ConfigError> {
         let secs = |name: &str, s: f64| {
             if s.is_finite() && s >= 0.0 {
@@ -137,191 +256,226 @@ impl ServeFile {
                 Err(ConfigError::Invalid(format!("{name} must be ≥ 0 seconds")))
             }
         };
-        if let Some(v) = self.listen {
-            options.listen = v;
-        }
-        if self.model.is_some() {
-            options.model = self.model;
-        }
-        if self.api_key.is_some() {
-            options.api_key = self.api_key;
-        }
-        if self.admin_key.is_some() {
-            options.admin_key = self.admin_key;
-        }
-        if let Some(v) = self.public_metrics {
-            options.public_metrics = v;
-        }
+        let positive = |name: &str, v: u64| {
+            if v == 0 {
+                Err(ConfigError::Invalid(format!("{name} must be ≥ 1")))
+            } else {
+                Ok(v)
+            }
+        };
+        let o = &mut options;
+        set(&mut o.listen, self.listen);
+        o.model = self.model.or(o.model.take());
         if let Some(adapters) = self.lora_adapters {
             if adapters.iter().any(|a| a.is_empty()) {
                 return Err(ConfigError::Invalid(
                     "a LoRA adapter's name is empty".to_owned(),
                 ));
             }
-            options.lora_adapters = adapters;
+            o.lora_adapters = adapters;
         }
-        if let Some(v) = self.retries {
-            options.retries = v;
-        }
-        if let Some(v) = self.tokenize_whole {
-            options.tokenize_whole = v;
-        }
-        if let Some(v) = self.block_size {
-            options.router.block_size = v;
-        }
+        o.api_key = self.api_key.or(o.api_key.take());
+        o.admin_key = self.admin_key.or(o.admin_key.take());
+        set(&mut o.public_metrics, self.public_metrics);
+        set(&mut o.retries, self.retries);
+        set(&mut o.tokenize_whole, self.tokenize_whole);
+        set(&mut o.router.block_size, self.block_size);
         if let Some(name) = self.policy {
             let kind: PolicyKind = name
                 .parse()
                 .map_err(|e: UnknownPolicy| ConfigError::Invalid(e.to_string()))?;
-            options.router.policy = Policy::with_defaults(kind, options.router.block_size);
+            o.router.policy = Policy::with_defaults(kind, o.router.block_size);
         }
-        if let Some(v) = self.overlap_credit {
-            options.router.overlap_credit = v;
-        }
-        if let Some(v) = self.prefill_load_scale {
-            options.router.prefill_load_scale = v;
-        }
-        if let Some(v) = self.affinity_boost {
-            options.router.affinity.boost = v;
-        }
-        if let Some(v) = self.affinity_from_share {
-            options.router.affinity.from_share = v;
-        }
-        if let Some(v) = self.temperature {
-            options.router.temperature = v;
-        }
-        if let Some(v) = self.replay_timeout_s {
-            options.replay_timeout = secs("replay_timeout_s", v)?;
-        }
-        if let Some(v) = self.request_expiry_s {
-            options.router.request_expiry = secs("request_expiry_s", v)?;
-        }
-        if let Some(v) = self.drain_timeout_s {
-            options.drain_timeout = secs("drain_timeout_s", v)?;
-        }
-        if let Some(v) = self.max_body_bytes {
-            options.max_body = v;
-        }
-        if let Some(v) = self.body_timeout_s {
-            options.body_timeout = secs("body_timeout_s", v)?;
-        }
-        if let Some(v) = self.header_timeout_s {
-            options.header_timeout = secs("header_timeout_s", v)?;
-        }
-        if let Some(v) = self.max_connections {
-            if v == 0 {
-                return Err(ConfigError::Invalid(
-                    "max_connections must be ≥ 1".to_owned(),
-                ));
+        set(&mut o.router.overlap_credit, self.overlap_credit);
+        set(&mut o.router.prefill_load_scale, self.prefill_load_scale);
+        set(&mut o.router.affinity.boost, self.affinity_boost);
+        set(&mut o.router.affinity.from_share, self.affinity_from_share);
+        set(&mut o.router.temperature, self.temperature);
+        let seconds = [
+            (
+                &mut o.replay_timeout,
+                self.replay_timeout_s,
+                "replay_timeout_s",
+            ),
+            (
+                &mut o.drain_timeout,
+                self.drain_timeout_s,
+                "drain_timeout_s",
+            ),
+            (&mut o.grace, self.grace_s, "grace_s"),
+            (
+                &mut o.router.request_expiry,
+                self.request_expiry_s,
+                "request_expiry_s",
+            ),
+            (&mut o.body_timeout, self.body_timeout_s, "body_timeout_s"),
+            (
+                &mut o.header_timeout,
+                self.header_timeout_s,
+                "header_timeout_s",
+            ),
+            (
+                &mut o.connect_timeout,
+                self.connect_timeout_s,
+                "connect_timeout_s",
+            ),
+            (
+                &mut o.first_byte_timeout,
+                self.first_byte_timeout_s,
+                "first_byte_timeout_s",
+            ),
+        ];
+        for (field, value, name) in seconds {
+            if let Some(v) = value {
+                *field = secs(name, v)?;
             }
-            options.max_connections = v;
         }
-        if let Some(v) = self.connect_timeout_s {
-            options.connect_timeout = secs("connect_timeout_s", v)?;
-        }
-        if let Some(v) = self.first_byte_timeout_s {
-            options.first_byte_timeout = secs("first_byte_timeout_s", v)?;
+        set(&mut o.max_body, self.max_body_bytes);
+        if let Some(v) = self.max_connections {
+            o.max_connections = positive("max_connections", v as u64)? as usize;
         }
         if let Some(v) = self.breaker_failures {
-            if v == 0 {
-                return Err(ConfigError::Invalid(
-                    "breaker_failures must be ≥ 1".to_owned(),
-                ));
-            }
-            options.breaker_failures = v;
+            o.breaker_failures = positive("breaker_failures", u64::from(v))? as u32;
         }
         if let Some(v) = self.max_model_len {
-            if v == 0 {
-                return Err(ConfigError::Invalid("max_model_len must be ≥ 1".to_owned()));
-            }
-            options.max_model_len = Some(v);
+            o.max_model_len = Some(positive("max_model_len", v)?);
         }
         if let Some(v) = self.max_kv_blocks {
-            if v == 0 {
-                return Err(ConfigError::Invalid("max_kv_blocks must be ≥ 1".to_owned()));
-            }
-            options.max_kv_blocks = v;
+            o.max_kv_blocks = positive("max_kv_blocks", v)?;
         }
-        if let Some(v) = self.worker_networks {
-            options.worker_networks = v;
-        }
-        if self.tokenizer.is_some() {
-            options.tokenizer = self.tokenizer;
-        }
+        set(&mut o.worker_networks, self.worker_networks);
+        o.tokenizer = self.tokenizer.or(o.tokenizer.take());
         if self.busy_decode_fraction.is_some() {
-            options.router.busy.decode_blocks_fraction = self.busy_decode_fraction;
+            o.router.busy.decode_blocks_fraction = self.busy_decode_fraction;
         }
         if self.busy_prefill_fraction.is_some() {
-            options.router.busy.prefill_tokens_fraction = self.busy_prefill_fraction;
+            o.router.busy.prefill_tokens_fraction = self.busy_prefill_fraction;
         }
         if let Some(cap) = self.queue_max_tokens {
-            options.router.queue = kvroute_core::Queueing::On {
+            o.router.queue = Queueing::On {
                 max_queued_tokens: cap,
                 order: kvroute_core::QueueOrder::Fcfs,
             };
         }
         if let Some(v) = self.speculative_s {
             let ttl = secs("speculative_s", v)?;
-            options.router.approximate.speculative = if ttl.is_zero() {
-                kvroute_core::Speculative::Off
+            o.router.approximate.speculative = if ttl.is_zero() {
+                Speculative::Off
             } else {
-                kvroute_core::Speculative::On { ttl }
+                Speculative::On { ttl }
             };
         }
-        options.workers.extend(self.workers);
-        options
-            .router
+        o.workers.extend(self.workers);
+        for flag in &self.worker_flags {
+            let spec = parse_worker_flag(flag, o.workers.len() as u64)?;
+            o.workers.push(spec);
+        }
+        o.router
             .validate()
             .map_err(|e| ConfigError::Invalid(e.to_string()))?;
         Ok(options)
     }
+
+    /// Every key with the value `options` gives it, as `--print-config` prints them; the
+    /// keys (secrets) are left out. Applied over the defaults, it gives `options` back.
+    pub fn effective(options: &ServeOptions) -> ServeConfig {
+        let r = &options.router;
+        let s = |d: Duration| Some(d.as_secs_f64());
+        ServeConfig {
+            listen: Some(options.listen),
+            model: options.model.clone(),
+            lora_adapters: Some(options.lora_adapters.clone()),
+            api_key: None,
+            admin_key: None,
+            public_metrics: Some(options.public_metrics),
+            retries: Some(options.retries),
+            policy: Some(r.policy.kind().name().to_owned()),
+            block_size: Some(r.block_size),
+            overlap_credit: Some(r.overlap_credit),
+            prefill_load_scale: Some(r.prefill_load_scale),
+            affinity_boost: Some(r.affinity.boost),
+            affinity_from_share: Some(r.affinity.from_share),
+            temperature: Some(r.temperature),
+            replay_timeout_s: s(options.replay_timeout),
+            drain_timeout_s: s(options.drain_timeout),
+            grace_s: s(options.grace),
+            request_expiry_s: s(r.request_expiry),
+            max_body_bytes: Some(options.max_body),
+            body_timeout_s: s(options.body_timeout),
+            header_timeout_s: s(options.header_timeout),
+            max_connections: Some(options.max_connections),
+            connect_timeout_s: s(options.connect_timeout),
+            first_byte_timeout_s: s(options.first_byte_timeout),
+            breaker_failures: Some(options.breaker_failures),
+            max_kv_blocks: Some(options.max_kv_blocks),
+            max_model_len: options.max_model_len,
+            worker_networks: Some(options.worker_networks.clone()),
+            tokenizer: options.tokenizer.clone(),
+            tokenize_whole: Some(options.tokenize_whole),
+            busy_decode_fraction: r.busy.decode_blocks_fraction,
+            busy_prefill_fraction: r.busy.prefill_tokens_fraction,
+            queue_max_tokens: match r.queue {
+                Queueing::On {
+                    max_queued_tokens, ..
+                } => Some(max_queued_tokens),
+                Queueing::Off => None,
+            },
+            speculative_s: match r.approximate.speculative {
+                Speculative::On { ttl } => s(ttl),
+                Speculative::Off => Some(0.0),
+            },
+            workers: options
+                .workers
+                .iter()
+                .map(|w| BackendSpec {
+                    api_key: None,
+                    ..w.clone()
+                })
+                .collect(),
+            worker_flags: Vec::new(),
+        }
+    }
 }
 
-/// Reads a worker from a flag: `key=value` pairs separated by commas, `url` required
-/// (`url=http://10.0.0.5:8000,events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,kv_blocks=24576`).
-/// Keys: `url`, `events`, `replay`, `topic`, `dp_size`, `kv_blocks`, `block_size`, `api_key`,
-/// `id` (default: its position among the workers).
+/// `*field = value` when there is a value.
+fn set<T>(field: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *field = v;
+    }
+}
+
+/// Reads a worker from a flag: `key=value` pairs separated by commas, with the keys of a
+/// `[[workers]]` table and its defaults (`url` required; `id`: its position among the
+/// workers), for example
+/// `url=http://10.0.0.5:8000,kv_events=tcp://10.0.0.5:5557,kv_replay=tcp://10.0.0.5:5558`.
+/// `events` and `replay` are read as `kv_events` and `kv_replay`.
 pub fn parse_worker_flag(flag: &str, position: u64) -> Result<BackendSpec, ConfigError> {
-    let mut spec = BackendSpec {
-        id: position,
-        url: String::new(),
-        kv_events: None,
-        kv_replay: None,
-        topic: String::new(),
-        dp_size: 1,
-        kv_blocks: 24_576,
-        block_size: 16,
-        api_key: None,
-        labels: Default::default(),
-    };
-    let number = |key: &str, value: &str| {
-        value
-            .parse::<u64>()
-            .map_err(|_| ConfigError::Invalid(format!("worker {key}={value:?}: not a number")))
-    };
+    let mut table = toml::Table::new();
+    table.insert("id".to_owned(), toml::Value::Integer(position as i64));
     for pair in flag.split(',').filter(|p| !p.is_empty()) {
         let (key, value) = pair
             .split_once('=')
             .ok_or_else(|| ConfigError::Invalid(format!("worker: {pair:?} is not key=value")))?;
-        match key {
-            "url" => spec.url = value.to_owned(),
-            "events" => spec.kv_events = Some(value.to_owned()),
-            "replay" => spec.kv_replay = Some(value.to_owned()),
-            "topic" => spec.topic = value.to_owned(),
-            "dp_size" => spec.dp_size = number(key, value)? as u32,
-            "kv_blocks" => spec.kv_blocks = number(key, value)?,
-            "block_size" => spec.block_size = number(key, value)? as u32,
-            "api_key" => spec.api_key = Some(value.to_owned()),
-            "id" => spec.id = number(key, value)?,
-            other => {
-                return Err(ConfigError::Invalid(format!(
-                    "worker: unknown key {other:?}"
-                )))
-            }
-        }
+        let key = match key {
+            "events" => "kv_events",
+            "replay" => "kv_replay",
+            k => k,
+        };
+        let value = match key {
+            "id" | "dp_size" | "kv_blocks" | "block_size" => value
+                .parse::<i64>()
+                .map(toml::Value::Integer)
+                .map_err(|_| {
+                    ConfigError::Invalid(format!("worker {key}={value:?}: not a number"))
+                })?,
+            _ => toml::Value::String(value.to_owned()),
+        };
+        table.insert(key.to_owned(), value);
     }
-    if spec.url.is_empty() {
+    if !table.contains_key("url") {
         return Err(ConfigError::Invalid(format!("worker {flag:?}: no url=")));
     }
-    Ok(spec)
+    table
+        .try_into()
+        .map_err(|e: toml::de::Error| ConfigError::Invalid(format!("worker {flag:?}: {e}")))
 }

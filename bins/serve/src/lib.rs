@@ -13,7 +13,7 @@
 //!   rendered by the model's template), routing, forwarding, retries, the request lifecycle.
 //! * `admin.rs`: `/v1/route`, `/v1/workers`, `/v1/models`, `/metrics`, `/ready`.
 //! * `backends.rs`: [`BackendSpec`] and the registry of engines and their subscriptions.
-//! * `config.rs`: [`ServeFile`], the TOML file, and the `--worker` flag's syntax.
+//! * `config.rs`: [`ServeConfig`], every key of the file, the environment and the flags.
 //! * `metrics.rs`: the Prometheus registry.
 //! * `headers.rs`: the header names the gateway reads and sets.
 
@@ -48,7 +48,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 pub use backends::{BackendError, BackendSpec, MAX_DP_SIZE};
-pub use config::{parse_worker_flag, ConfigError, ServeFile};
+pub use config::{parse_worker_flag, ConfigError, ServeConfig};
 pub use networks::{BadNetwork, Network};
 
 /// How the service is set up.
@@ -80,6 +80,9 @@ pub struct ServeOptions {
     pub replay_timeout: Duration,
     /// How long a removed worker's requests may take to end before it leaves anyway.
     pub drain_timeout: Duration,
+    /// How long requests in flight may take to finish once the program is told to stop
+    /// (the program's to apply: [`RunningServe::stop`] then wait this long).
+    pub grace: Duration,
     /// How often workers marked down are probed (`GET /health`).
     pub probe_every: Duration,
     /// How often bookings past the router's `request_expiry` are freed, and idle sessions
@@ -148,6 +151,7 @@ impl Default for ServeOptions {
             retries: 1,
             replay_timeout: Duration::from_secs(2),
             drain_timeout: Duration::from_secs(30),
+            grace: Duration::from_secs(30),
             probe_every: Duration::from_secs(1),
             expire_every: Duration::from_secs(1),
             max_body: 32 << 20,

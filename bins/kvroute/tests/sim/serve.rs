@@ -442,9 +442,9 @@ async fn a_killed_worker_fails_only_its_own_requests_and_leaves_the_index() {
 
 #[test]
 fn the_example_config_and_worker_flags_read_as_documented() {
-    use kvroute_serve::{parse_worker_flag, ServeFile, ServeOptions};
+    use kvroute_serve::{parse_worker_flag, ServeConfig, ServeOptions};
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kvroute.example.toml");
-    let options = ServeFile::read(&path)
+    let options = ServeConfig::read(&path)
         .unwrap()
         .apply(ServeOptions::default())
         .unwrap();
@@ -464,9 +464,9 @@ fn the_example_config_and_worker_flags_read_as_documented() {
         kvroute_core::Affinity::default(),
         "the example's affinity is the router's"
     );
-    let off = ServeFile {
+    let off = ServeConfig {
         affinity_boost: Some(0.0),
-        ..ServeFile::default()
+        ..ServeConfig::default()
     };
     assert_eq!(
         off.apply(ServeOptions::default())
@@ -476,9 +476,9 @@ fn the_example_config_and_worker_flags_read_as_documented() {
             .boost,
         0.0
     );
-    let whole_prompt = ServeFile {
+    let whole_prompt = ServeConfig {
         affinity_from_share: Some(1.0),
-        ..ServeFile::default()
+        ..ServeConfig::default()
     };
     assert!(
         whole_prompt.apply(ServeOptions::default()).is_err(),
@@ -488,23 +488,23 @@ fn the_example_config_and_worker_flags_read_as_documented() {
     assert_eq!((w.id, w.kv_blocks, w.dp_size), (3, 9, 2));
     assert!(parse_worker_flag("events=tcp://h:2", 0).is_err(), "no url");
     assert!(parse_worker_flag("url=http://h:1,colour=blue", 0).is_err());
-    let bad = ServeFile {
+    let bad = ServeConfig {
         policy: Some("fastest".into()),
-        ..ServeFile::default()
+        ..ServeConfig::default()
     };
     assert!(bad.apply(ServeOptions::default()).is_err());
     assert!(
         !options.tokenize_whole,
         "as far as a worker may hold it, by default"
     );
-    let whole = ServeFile {
+    let whole = ServeConfig {
         tokenize_whole: Some(true),
-        ..ServeFile::default()
+        ..ServeConfig::default()
     };
     assert!(whole.apply(ServeOptions::default()).unwrap().tokenize_whole);
-    let speculative = ServeFile {
+    let speculative = ServeConfig {
         speculative_s: Some(1.5),
-        ..ServeFile::default()
+        ..ServeConfig::default()
     };
     assert_eq!(
         speculative
@@ -517,14 +517,14 @@ fn the_example_config_and_worker_flags_read_as_documented() {
             ttl: Duration::from_millis(1_500)
         }
     );
-    let negative = ServeFile {
+    let negative = ServeConfig {
         speculative_s: Some(-1.0),
-        ..ServeFile::default()
+        ..ServeConfig::default()
     };
     assert!(negative.apply(ServeOptions::default()).is_err());
-    let unnamed = ServeFile {
+    let unnamed = ServeConfig {
         lora_adapters: Some(vec!["sql-lora".into(), String::new()]),
-        ..ServeFile::default()
+        ..ServeConfig::default()
     };
     assert!(
         unnamed.apply(ServeOptions::default()).is_err(),
@@ -534,12 +534,12 @@ fn the_example_config_and_worker_flags_read_as_documented() {
     assert!(toml_parse(unknown_key).is_err(), "unknown keys are refused");
 }
 
-fn toml_parse(text: &str) -> Result<kvroute_serve::ServeFile, ()> {
+fn toml_parse(text: &str) -> Result<kvroute_serve::ServeConfig, ()> {
     let dir = std::env::temp_dir().join(format!("kvroute-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("c.toml");
     std::fs::write(&path, text).unwrap();
-    kvroute_serve::ServeFile::read(&path).map_err(|_| ())
+    kvroute_serve::ServeConfig::read(&path).map_err(|_| ())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1131,4 +1131,42 @@ async fn the_clients_key_is_checked_and_never_forwarded_and_each_worker_gets_its
         "{keyed:?}"
     );
     assert!(open.iter().all(Option::is_none), "{open:?}");
+}
+
+#[test]
+fn print_config_shows_every_key_as_it_took_effect() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kvroute.example.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["serve", "--print-config", "--config"])
+        .arg(&path)
+        .args([
+            "--max-connections",
+            "7",
+            "--worker",
+            "url=http://127.0.0.1:9",
+        ])
+        .env("KVROUTE_HEADER_TIMEOUT_S", "12.5")
+        .env("KVROUTE_API_KEY", "secret-key")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let printed: toml::Table = toml::from_str(&text).unwrap();
+    assert_eq!(printed["max_connections"].as_integer(), Some(7), "the flag");
+    assert_eq!(
+        printed["header_timeout_s"].as_float(),
+        Some(12.5),
+        "the variable"
+    );
+    assert_eq!(
+        printed["model"].as_str(),
+        Some("meta-llama/Llama-3.1-8B-Instruct"),
+        "the file"
+    );
+    assert_eq!(printed["workers"].as_array().unwrap().len(), 3);
+    assert!(!text.contains("secret-key"), "secrets are left out");
 }

@@ -14,6 +14,7 @@
 
 mod auth;
 mod bookings;
+mod config;
 mod listener;
 mod prompts;
 mod upstream;
