@@ -132,6 +132,10 @@ impl Books {
                 self.errors.full += 1;
                 self.ranks.entry(h.source).or_default().resync = true;
             }
+            IndexError::OverCapacity { .. } => {
+                self.errors.over_capacity += 1;
+                self.ranks.entry(h.source).or_default().resync = true;
+            }
             IndexError::UnknownBlocks { count, .. } => self.errors.unknown_blocks += *count as u64,
             IndexError::InvalidChain { .. } => self.errors.invalid_chain += 1,
             IndexError::UnknownRank { .. } => self.errors.unknown_rank += 1,

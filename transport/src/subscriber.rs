@@ -302,7 +302,20 @@ impl Follower {
         for event in &self.events {
             match self.router.apply_event(event) {
                 Ok(()) => self.stats.applied_events += 1,
-                Err(_) => self.stats.rejected_events += 1,
+                Err(e) => {
+                    self.stats.rejected_events += 1;
+                    // The first rejection of a stream, then one in 1,024: counted always,
+                    // logged without flooding.
+                    if self.stats.rejected_events % 1_024 == 1 {
+                        tracing::warn!(
+                            worker = self.config.worker.0,
+                            dp_rank = self.config.dp_rank.0,
+                            rejected = self.stats.rejected_events,
+                            error = %e,
+                            "KV event rejected"
+                        );
+                    }
+                }
             }
         }
     }

@@ -54,6 +54,19 @@ impl PrefixIndex {
         Ok(())
     }
 
+    /// Bounds what a registered rank may hold: a Stored event that would take it past
+    /// `blocks` (the engine's declared KV capacity, every tier it publishes) is refused
+    /// whole ([`IndexError::OverCapacity`], counted) and the rank flagged for
+    /// resynchronisation. An engine never holds more than its cache; a stream that claims
+    /// more has lost removals, or its size was misdeclared.
+    pub fn set_capacity(&mut self, rank: WorkerRank, blocks: u64) -> Result<(), IndexError> {
+        let id = self.rank_id_or_register(rank)?;
+        if let Some(Some(state)) = self.ranks.get_mut(id as usize) {
+            state.capacity = Some(blocks);
+        }
+        Ok(())
+    }
+
     /// The key of a registered rank (see [`RankDepths`]): its id is stable until the rank is
     /// removed, then free for the next rank to register.
     ///
@@ -101,6 +114,7 @@ impl PrefixIndex {
             tiers: 0,
             last_event: None,
             needs_resync: false,
+            capacity: None,
             gaps: 0,
         });
         self.rank_ids.insert(rank, id);

@@ -63,6 +63,16 @@ pub enum IndexError {
         /// The event's source.
         rank: WorkerRank,
     },
+    /// A Stored event would take its rank past the capacity its worker declared
+    /// ([`PrefixIndex::set_capacity`](super::PrefixIndex::set_capacity)). Nothing is stored,
+    /// and the rank is flagged for resynchronisation.
+    #[error("stored event of {rank} would hold more than its {capacity} blocks; the rank needs resynchronisation")]
+    OverCapacity {
+        /// The event's source.
+        rank: WorkerRank,
+        /// The rank's declared capacity.
+        capacity: u64,
+    },
 }
 
 /// Rejections, per kind. `unknown_blocks` counts blocks, the others count events or calls.
@@ -82,6 +92,8 @@ pub struct ErrorCounts {
     pub too_many_ranks: u64,
     /// Stored events refused for want of run slots ([`IndexError::Full`]).
     pub full: u64,
+    /// Stored events refused past their rank's capacity ([`IndexError::OverCapacity`]).
+    pub over_capacity: u64,
 }
 
 /// Event-id bookkeeping, summed over ranks.

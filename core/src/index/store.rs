@@ -72,6 +72,18 @@ impl PrefixIndex {
             self.enforce_budget();
             return Ok(());
         };
+        if let Some(Some(state)) = self.ranks.get(rank as usize) {
+            if let Some(capacity) = state.capacity {
+                if state.names.len() as u64 + blocks.len() as u64 > capacity {
+                    self.errors.over_capacity += 1;
+                    self.flag_resync(rank);
+                    return Err(IndexError::OverCapacity {
+                        rank: header.source,
+                        capacity,
+                    });
+                }
+            }
+        }
         // The event's blocks come from memory nobody touched lately: fetch their lines
         // at once, before the checks below read them one by one (four blocks to a line).
         for b in blocks.iter().step_by(4) {

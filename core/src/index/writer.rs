@@ -32,6 +32,8 @@ pub(super) struct RankRecord {
     pub(super) last_event: Option<u64>,
     pub(super) needs_resync: bool,
     pub(super) gaps: u64,
+    /// Most blocks the rank may hold ([`PrefixIndex::set_capacity`]); none: no bound.
+    pub(super) capacity: Option<u64>,
 }
 
 /// Something KV events are applied to: the index itself, or a router's writer that applies

@@ -288,7 +288,10 @@ impl Router {
                 self.warm(&r.state, now);
                 // Registered with room for the names of a full cache: the rank's name map is
                 // not rebuilt while the worker warms up.
-                if let Err(e) = index.reserve_blocks(r.rank, kv_blocks) {
+                let joined = index
+                    .reserve_blocks(r.rank, kv_blocks)
+                    .and_then(|()| index.set_capacity(r.rank, kv_blocks));
+                if let Err(e) = joined {
                     // Another join took the room since the check: undo this one.
                     let _ = index.remove_worker(id);
                     drop(index);

@@ -386,3 +386,59 @@ fn a_worker_whose_ranks_do_not_all_fit_leaves_the_router_as_it_was() {
     r.leave_worker(WorkerId(0)).unwrap();
     r.join_worker(WorkerConfig::simple(2, 64, 16)).unwrap();
 }
+
+#[test]
+fn a_rank_never_holds_more_blocks_than_its_worker_declared() {
+    use kvroute_core::{
+        BlockHash, EventHeader, EventId, IndexError, KvEvent, KvEventData, LocalHash, StorageTier,
+        StoredBlock,
+    };
+    let r = on_manual_clock(
+        RouterConfig::default(),
+        PrefixIndex::new(IndexConfig::default()),
+    );
+    r.join_worker(WorkerConfig::simple(0, 8, 16)).unwrap();
+    let rank = WorkerRank::new(0, 0);
+    let stored = |id: u64, first: u64, n: u64| {
+        r.apply_event(&KvEvent {
+            header: EventHeader {
+                source: rank,
+                event_id: EventId(id),
+                tier: StorageTier::Device,
+            },
+            data: KvEventData::Stored {
+                parent: None,
+                blocks: (first..first + n)
+                    .map(|i| StoredBlock {
+                        block_hash: BlockHash(i),
+                        local_hash: LocalHash(i * 7 + 1),
+                    })
+                    .collect(),
+            },
+        })
+    };
+    stored(1, 100, 6).unwrap();
+    stored(2, 200, 2).unwrap();
+    assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 8);
+    // A ninth block is refused whole (the stream lost a removal, or the size is wrong).
+    let refused = stored(3, 300, 2);
+    assert!(
+        matches!(refused, Err(IndexError::OverCapacity { capacity: 8, .. })),
+        "{refused:?}"
+    );
+    assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 8);
+    // Blocks removed make room again.
+    r.apply_event(&KvEvent {
+        header: EventHeader {
+            source: rank,
+            event_id: EventId(4),
+            tier: StorageTier::Device,
+        },
+        data: KvEventData::Removed {
+            blocks: vec![BlockHash(200), BlockHash(201)],
+        },
+    })
+    .unwrap();
+    stored(5, 300, 2).unwrap();
+    assert_eq!(r.fleet().ranks[0].state.reported_blocks(), 8);
+}

@@ -487,7 +487,8 @@ fn pruned_selection_picks_what_the_full_evidence_says() {
             prefill_load_scale,
             affinity: AFFINITIES[(round / 2) as usize % AFFINITIES.len()],
             busy: BusyThresholds {
-                decode_blocks_fraction: busy.then_some(0.5),
+                // Rounds with every worker busy: past 2 of 20 blocks active.
+                decode_blocks_fraction: busy.then_some(if all_busy { 0.1 } else { 0.5 }),
                 prefill_tokens_fraction: None,
             },
             ..RouterConfig::default()
@@ -496,8 +497,8 @@ fn pruned_selection_picks_what_the_full_evidence_says() {
         let locals = BlockHasher::new(BS as usize).local_hashes(&t);
         let mut deepest = (0, WorkerId(0));
         for w in 0..16u64 {
-            let kv = if all_busy { 4 } else { 20 };
-            let mut c = WorkerConfig::simple(w, kv, BS);
+            // Room for the deepest prefix: the index holds no more than a worker declares.
+            let mut c = WorkerConfig::simple(w, 20, BS);
             if rng.below(3) == 0 {
                 c.labels = vec![("gpu".to_string(), "fast".to_string())];
             }
@@ -522,7 +523,7 @@ fn pruned_selection_picks_what_the_full_evidence_says() {
                 rng.below(3)
             };
             for k in 0..requests {
-                // Another prompt's 4 blocks make a 4-block worker busy.
+                // Another prompt's 4 blocks make a worker busy in the all-busy rounds.
                 let own = !(all_busy || loaded_everywhere && k == 0) && rng.below(2) == 0;
                 let body: Vec<u32> = if own {
                     t[..16 * (1 + rng.below(10) as usize)].to_vec()
