@@ -16,6 +16,7 @@
 //! * `config.rs`: [`ServeConfig`], every key of the file, the environment and the flags.
 //! * `metrics.rs`: the Prometheus registry.
 //! * `headers.rs`: the header names the gateway reads and sets.
+//! * `openai.rs`: OpenAI's request and response shapes (also the worker's and replay's).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -23,12 +24,12 @@
 mod admin;
 mod auth;
 mod backends;
-mod body;
 mod config;
 pub mod headers;
 mod listener;
 mod metrics;
 mod networks;
+pub mod openai;
 mod proxy;
 
 use std::collections::HashSet;

@@ -1,23 +1,32 @@
-//! A completion's body read for routing without building a JSON tree: only the fields routing
-//! needs (`model`, `prompt`, `max_tokens`, `cache_salt`), every other one skipped as it is parsed. A body this
-//! cannot read (not an object, a prompt of another shape, a number out of range) goes to the
-//! general reader, which says what is wrong.
+//! OpenAI's request and response shapes, as vLLM and SGLang serve them, in one place: the
+//! gateway reads requests with them, the simulated worker answers with them, and the replay
+//! client sends them.
+//!
+//! A completion's body is read for routing without building a JSON tree
+//! ([`completion_fields`]): only the fields routing needs (`model`, `prompt`, `max_tokens`,
+//! `cache_salt`), every other one skipped as it is parsed. A body this cannot read (not an
+//! object, a prompt of another shape, a number out of range) goes to the gateway's general
+//! reader, which says what is wrong.
 
 use std::borrow::Cow;
 use std::fmt;
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The fields of a completion's body that routing reads (serde skips the others).
-#[derive(Deserialize)]
-pub(crate) struct CompletionFields<'a> {
+#[derive(Debug, Deserialize)]
+pub struct CompletionFields<'a> {
+    /// The model (or LoRA adapter) named.
     #[serde(borrow, default)]
     pub model: Option<Cow<'a, str>>,
+    /// The prompt.
     #[serde(borrow, default)]
     pub prompt: Option<Prompt<'a>>,
+    /// The output's length limit.
     #[serde(default)]
     pub max_tokens: Option<u64>,
+    /// The output's length limit, by its newer name.
     #[serde(default)]
     pub max_completion_tokens: Option<u64>,
     /// vLLM's per-request cache salt: only a string here; other shapes go to the general
@@ -26,9 +35,13 @@ pub(crate) struct CompletionFields<'a> {
     pub cache_salt: Option<Cow<'a, str>>,
 }
 
-/// A prompt: token ids, or text.
-pub(crate) enum Prompt<'a> {
+/// One prompt: token ids, or text (a list of prompts is not one: it does not deserialize).
+/// Read from a [`serde_json::Value`] with `Prompt::deserialize(&value)`, it borrows its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt<'a> {
+    /// Token ids.
     Ids(Vec<u32>),
+    /// Text, tokenized by the model's tokenizer.
     Text(Cow<'a, str>),
 }
 
@@ -69,8 +82,151 @@ impl<'de: 'a, 'a> Visitor<'de> for PromptVisitor<'a> {
 }
 
 /// The body's routing fields, or `None` when the general reader must look at it.
-pub(crate) fn completion_fields(body: &[u8]) -> Option<CompletionFields<'_>> {
+pub fn completion_fields(body: &[u8]) -> Option<CompletionFields<'_>> {
     serde_json::from_slice(body).ok()
+}
+
+/// A completion request as the replay client sends it (streamed, with its usage at the end).
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionRequest<'a> {
+    /// The model, when the router or engine checks it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<&'a str>,
+    /// The prompt: text or token ids.
+    pub prompt: PromptOut<'a>,
+    /// The output's length.
+    pub max_tokens: u32,
+    /// Generate all `max_tokens` (vLLM's and SGLang's extension).
+    pub ignore_eos: bool,
+    /// Stream the answer as server-sent events.
+    pub stream: bool,
+    /// `{"include_usage": true}`: the last event carries the usage.
+    pub stream_options: StreamOptions,
+}
+
+/// A prompt as sent.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum PromptOut<'a> {
+    /// Token ids.
+    Ids(&'a [u32]),
+    /// Text.
+    Text(&'a str),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct StreamOptions {
+    /// The last event carries the usage.
+    pub include_usage: bool,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens found in the prefix cache.
+    pub cached_tokens: u32,
+}
+
+/// `usage`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens of the prompt.
+    pub prompt_tokens: u32,
+    /// Tokens generated.
+    pub completion_tokens: u32,
+    /// Both.
+    pub total_tokens: u32,
+    /// Of the prompt, what was cached.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+impl Usage {
+    /// The usage of `prompt` tokens (`cached` of them found cached) and `completion` made.
+    pub fn new(prompt: u32, completion: u32, cached: u32) -> Self {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt.saturating_add(completion),
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
+        }
+    }
+}
+
+/// An error body, in OpenAI's shape (`{"error": {...}}`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// The error itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// What went wrong, for people.
+    pub message: String,
+    /// Its kind, by the name vLLM uses for the status ([`error_kind`]).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The request's field at fault, when one is.
+    pub param: Option<String>,
+    /// The HTTP status.
+    pub code: u16,
+}
+
+/// The error kind vLLM names for an HTTP status.
+pub fn error_kind(status: u16) -> &'static str {
+    match status {
+        400 | 413 => "BadRequestError",
+        401 => "AuthenticationError",
+        403 => "PermissionDeniedError",
+        404 => "NotFoundError",
+        408 => "TimeoutError",
+        429 => "RateLimitError",
+        500 => "InternalServerError",
+        _ => "ServiceUnavailableError",
+    }
+}
+
+impl ErrorBody {
+    /// The body of an error with `status` saying `message`: every error the gateway and the
+    /// worker answer is made here.
+    pub fn new(status: u16, message: impl Into<String>) -> Self {
+        ErrorBody {
+            error: ErrorDetail {
+                message: message.into(),
+                kind: error_kind(status).to_owned(),
+                param: None,
+                code: status,
+            },
+        }
+    }
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    /// `"list"`.
+    pub object: &'static str,
+    /// The models.
+    pub data: Vec<ModelCard>,
+}
+
+/// One model.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    /// Its name.
+    pub id: String,
+    /// `"model"`.
+    pub object: &'static str,
+    /// When it was loaded (Unix seconds).
+    pub created: u64,
+    /// Who serves it.
+    pub owned_by: &'static str,
+    /// Its longest input and output, in tokens.
+    pub max_model_len: u32,
 }
 
 #[cfg(test)]

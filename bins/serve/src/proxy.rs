@@ -48,19 +48,7 @@ pub(crate) fn error(
         .requests
         .with_label_values(&[route, outcome])
         .inc();
-    let kind = match status {
-        StatusCode::BAD_REQUEST => "BadRequestError",
-        StatusCode::UNAUTHORIZED => "AuthenticationError",
-        StatusCode::FORBIDDEN => "PermissionDeniedError",
-        StatusCode::PAYLOAD_TOO_LARGE => "BadRequestError",
-        StatusCode::REQUEST_TIMEOUT => "TimeoutError",
-        StatusCode::NOT_FOUND => "NotFoundError",
-        StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
-        _ => "ServiceUnavailableError",
-    };
-    let body = serde_json::json!({
-        "error": {"message": message.into(), "type": kind, "param": null, "code": status.as_u16()}
-    });
+    let body = super::openai::ErrorBody::new(status.as_u16(), message);
     (status, axum::Json(body)).into_response()
 }
 
@@ -151,7 +139,7 @@ where
 /// A completion's token ids and output length, or the client's error: its routing fields
 /// read straight from the body where they have the usual shapes, else by [`read_prompt`].
 pub(crate) fn read_completion(state: &AppState, body: &[u8]) -> Result<Routed, Refusal> {
-    let Some(fields) = super::body::completion_fields(body) else {
+    let Some(fields) = super::openai::completion_fields(body) else {
         return read_prompt(state, body, false).map(|(_, routed)| routed);
     };
     let lora = model_lora(state, fields.model.as_deref(), fields.model.is_some())?;
@@ -165,8 +153,8 @@ pub(crate) fn read_completion(state: &AppState, body: &[u8]) -> Result<Routed, R
         .and_then(|n| u32::try_from(n).ok());
     let routed = Routed::new(expected_output, lora, cache_salt);
     match fields.prompt {
-        Some(super::body::Prompt::Ids(ids)) => routed.with_client_ids(state, ids),
-        Some(super::body::Prompt::Text(text)) => {
+        Some(super::openai::Prompt::Ids(ids)) => routed.with_client_ids(state, ids),
+        Some(super::openai::Prompt::Text(text)) => {
             routed.with_text(state, |text_ids, more| text_ids.text_ids_while(&text, more))
         }
         None => Err(Refusal::new(StatusCode::BAD_REQUEST, "no prompt")),

@@ -25,12 +25,13 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::Semaphore;
 
 use kvroute_sim::workload::{Workload, WorkloadRequest};
 
 use kvroute_serve::headers;
+use kvroute_serve::openai::{CompletionRequest, PromptOut, StreamOptions};
 
 /// How to replay.
 #[derive(Clone, Debug)]
@@ -206,26 +207,36 @@ async fn send(
         prompt_tokens: request.prompt.len() as u32,
         ..ReplayRecord::default()
     };
-    let prompt = match &options.text {
+    let text = match &options.text {
         Some(text) => match text.tokenizer.decode(&request.prompt) {
-            Ok(decoded) => Value::String(decoded),
+            Ok(decoded) => Some(decoded),
             Err(e) => {
                 record.error = Some(e.to_string());
                 return record;
             }
         },
-        None => json!(request.prompt),
+        None => None,
     };
-    let mut body = json!({
-        "prompt": prompt,
-        "max_tokens": request.output_tokens,
-        "ignore_eos": true,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    if let (Some(model), Some(map)) = (&options.model, body.as_object_mut()) {
-        map.insert("model".to_owned(), Value::String(model.clone()));
-    }
+    let sending = CompletionRequest {
+        model: options.model.as_deref(),
+        prompt: match &text {
+            Some(text) => PromptOut::Text(text),
+            None => PromptOut::Ids(&request.prompt),
+        },
+        max_tokens: request.output_tokens,
+        ignore_eos: true,
+        stream: true,
+        stream_options: StreamOptions {
+            include_usage: true,
+        },
+    };
+    let body = match serde_json::to_value(&sending) {
+        Ok(body) => body,
+        Err(e) => {
+            record.error = Some(e.to_string());
+            return record;
+        }
+    };
     if !options.oracle.is_empty() {
         let oracle = oracle_cached(client, &options.oracle, &body).await;
         record.oracle_cached_tokens = oracle.best;

@@ -32,8 +32,8 @@ use kvroute_sim::{Admission, Finish, RequestId, RequestOutput};
 
 use super::driver::{Command, Driver, DriverStats};
 use super::metrics::Metrics;
-use super::openai::{ErrorBody, ErrorDetail, ModelCard, ModelList, Prompt, Usage};
 use super::publisher::{EventFault, Publisher};
+use kvroute_serve::openai::{ErrorBody, ModelCard, ModelList, Prompt, Usage};
 use kvroute_text::ModelText;
 use serde_json::Value;
 
@@ -72,28 +72,16 @@ pub(crate) fn router(state: AppState, max_body: usize) -> Router {
 }
 
 /// An error in OpenAI's shape.
-fn error(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Response {
-    let body = ErrorBody {
-        error: ErrorDetail {
-            message: message.into(),
-            kind,
-            param: None,
-            code: status.as_u16(),
-        },
-    };
-    (status, Json(body)).into_response()
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(ErrorBody::new(status.as_u16(), message))).into_response()
 }
 
 fn bad_request(message: impl Into<String>) -> Response {
-    error(StatusCode::BAD_REQUEST, "BadRequestError", message)
+    error(StatusCode::BAD_REQUEST, message)
 }
 
 fn unavailable() -> Response {
-    error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "ServiceUnavailableError",
-        "the engine has stopped",
-    )
+    error(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped")
 }
 
 fn now_seconds() -> u64 {
@@ -133,24 +121,20 @@ fn prompt_ids(state: &AppState, kind: Kind, request: &Value) -> Result<Vec<u32>,
             text.chat_ids(request).map_err(|e| e.to_string())?
         }
         Kind::Completion => {
-            let prompt: Prompt = match request.get("prompt") {
-                Some(p) => serde_json::from_value(p.clone())
-                    .map_err(|_| "prompt must be a string or a list of token ids".to_owned())?,
+            let prompt = match request.get("prompt") {
+                Some(p) => Prompt::deserialize(p).map_err(|_| {
+                    "prompt must be a string or a list of token ids (one prompt per request)"
+                        .to_owned()
+                })?,
                 None => return Err("no prompt".to_owned()),
             };
             match prompt {
-                Prompt::Tokens(tokens) => tokens,
+                Prompt::Ids(tokens) => tokens,
                 Prompt::Text(prompt) => {
                     let Some(text) = text else {
                         return Err(no_tokenizer("text prompts"));
                     };
                     text.text_ids(&prompt).map_err(|e| e.to_string())?
-                }
-                Prompt::Batch(prompts) => {
-                    return Err(format!(
-                        "one prompt per request (this one has {})",
-                        prompts.len()
-                    ))
                 }
             }
         }
@@ -197,7 +181,6 @@ async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
         if model != &*state.model {
             return error(
                 StatusCode::NOT_FOUND,
-                "NotFoundError",
                 format!("The model `{model}` does not exist."),
             );
         }
@@ -414,7 +397,6 @@ async fn whole_completion(
     if finish.is_none() {
         return error(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "InternalServerError",
             format!("request {} ended without finishing", id.0),
         );
     }

@@ -13,7 +13,6 @@
 //!
 //! * `driver.rs`: the task that owns the engine and paces its passes.
 //! * `http.rs`: the routes (OpenAI, metrics, admin).
-//! * `openai.rs`: the request and response shapes.
 //! * `publisher.rs`: [`Publisher`], vLLM's ZeroMQ event wire, with [`encode_batch`].
 //! * `metrics.rs`: the Prometheus registry.
 //! * `wire.rs`: the engine behind the transport's worker server.
@@ -21,7 +20,6 @@
 mod driver;
 mod http;
 mod metrics;
-mod openai;
 mod publisher;
 mod wire;
 
