@@ -226,7 +226,7 @@ fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
     assert_eq!(live["faults"].as_array().unwrap().len(), 3);
     // Repaired: worker 0's dropped batches were replayed and its index equals its cache; the
     // killed worker left the index. Worker 1, restarted under load, saw its restart; its
-    // block count can still drift from the engine's (an open problem: README, "Known limits").
+    // block count can still drift from the engine's (an open problem: docs/targets.md, "Known limits").
     let caches = live["caches"].as_array().unwrap();
     assert_eq!(
         caches[0]["index_blocks"], caches[0]["engine_blocks"],
