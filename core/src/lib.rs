@@ -120,7 +120,10 @@ pub use router::{
     RequestGuard, RequestMetrics, RouteError, RouteHints, RouteRequest, Router, RouterCounts,
     RouterError, SessionCallback, Ticket, TicketState, Timings,
 };
-pub use select::{Busy, Candidate, CostTerms, Overlap, Overrides, PolicyKind, UnknownPolicy};
+pub use select::{
+    Busy, Candidate, CostTerms, Overlap, Overrides, PolicyKind, RequestShape, Scored, SelectInput,
+    Selector, UnknownPolicy,
+};
 pub use session::{SessionClose, SessionEnd, SessionEndReason, SessionId, SessionRouting};
 
 /// Hooks for the project's own tests, benchmarks and fuzz targets: not part of the API.

@@ -253,7 +253,11 @@ impl Router {
                 };
                 match self.warm_candidate(scorer, plan, &c.kept, &mut c.unpruned, rng) {
                     Some(w) => (w, DecidedBy::WarmUp),
-                    None => (c.kept[self.selector.select(&input, rng)], by),
+                    None => {
+                        // An embedder's selector may answer out of range: the first, then.
+                        let i = self.selector.select(&input, rng);
+                        (c.kept.get(i).copied().unwrap_or(c.kept[0]), by)
+                    }
                 }
             }
         }

@@ -165,6 +165,13 @@ impl std::fmt::Debug for Router {
 }
 
 impl Router {
+    /// The router with `selector` choosing among the candidates in place of the configured
+    /// policy's: an embedder's own policy ([`Selector`]). Call it before routing.
+    pub fn with_selector(mut self, selector: Box<dyn Selector>) -> Self {
+        self.selector = selector;
+        self
+    }
+
     /// A router over `index` (whose block size must be `config.block_size`), on the system's
     /// clock.
     pub fn new(config: RouterConfig, index: PrefixIndex) -> Result<Self, RouterError> {

@@ -50,12 +50,14 @@ pub struct Scored {
     pub fleet_index: u32,
     /// Leading prompt blocks the rank holds, in any tier.
     pub overlap_blocks: u32,
+    /// Whether it is over a busy threshold.
     pub busy: Busy,
     /// The rank's health mark (always healthy when no worker is marked).
     pub health: Health,
-    /// Prompt blocks active on the rank, when probed ([`shared_probe_targets`]); else 0.
+    /// Prompt blocks active on the rank, when probed (the KV-aware cost probes the ranks that
+    /// could win); else 0.
     pub shared_blocks: u32,
-    /// Total cost ([`CostTerms::total_of`]).
+    /// Total KV-aware cost, lower is better ([`CostTerms`]).
     pub cost: f64,
     /// The load the cost was computed from.
     pub load: LoadView,

@@ -55,13 +55,14 @@ mod policy;
 mod probe;
 mod scorer;
 
-pub(crate) use self::candidate::Scored;
+pub use self::candidate::Scored;
 pub(crate) use self::candidate::{filter_busy, filter_unhealthy, BusyOutcome, HealthOutcome};
 pub use self::candidate::{Busy, Candidate};
-pub(crate) use self::cost::{count_f64, FloorTerms, RequestShape, Weights};
+pub use self::cost::RequestShape;
+pub(crate) use self::cost::{count_f64, FloorTerms, Weights};
 pub use self::cost::{CostTerms, Overlap, Overrides};
-pub(crate) use self::policy::{selector_for, LeastLoaded, SelectInput, Selector};
-pub use self::policy::{PolicyKind, UnknownPolicy};
+pub(crate) use self::policy::{selector_for, LeastLoaded};
+pub use self::policy::{PolicyKind, SelectInput, Selector, UnknownPolicy};
 #[cfg(test)]
 pub(crate) use self::probe::shared_probe_targets;
 pub(crate) use self::probe::ProbeTargets;

@@ -27,6 +27,9 @@ pub enum PolicyKind {
     PrefixHash,
     /// [`Policy::CacheThreshold`].
     CacheThreshold,
+    /// An embedder's own [`Selector`] ([`Router::with_selector`](crate::Router::with_selector)):
+    /// not a name users type.
+    Custom,
 }
 
 impl PolicyKind {
@@ -52,6 +55,7 @@ impl PolicyKind {
             PolicyKind::PowerOfTwo => "power-of-two",
             PolicyKind::RoundRobin => "round-robin",
             PolicyKind::Random => "random",
+            PolicyKind::Custom => "custom",
         }
     }
 }
@@ -120,27 +124,44 @@ impl Policy {
                 balance_abs: 1_024,
                 balance_rel: 1.5,
             },
+            // A custom selector is set on the router; its configured policy stays the default.
+            PolicyKind::Custom => Policy::KvAware,
         }
     }
 }
 
-/// What a selector sees.
+/// What a selector sees: the candidates the router kept for the request (its health, busy and
+/// label vetoes already applied), each with its overlap, load and cost.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct SelectInput<'a> {
-    /// Never empty.
+pub struct SelectInput<'a> {
+    /// The candidates; never empty.
     pub candidates: &'a [Scored],
-    /// The fleet snapshot's ranks, which [`Scored::fleet_index`] points into.
+    /// The fleet snapshot's ranks, which [`Scored::fleet_index`] points into (a rank's
+    /// worker, role, labels and live load state).
     pub ranks: &'a [RankEntry],
+    /// The request's prompt: tokens, blocks, and a key of its first blocks.
     pub shape: &'a RequestShape,
+    /// Tokens per KV block.
     pub block_size: u32,
+    /// The configured softmax temperature (0: none), for selectors that sample.
     pub temperature: f64,
 }
 
-/// A selection policy. Implementations must be cheap, allocation-free and side-effect free
-/// apart from their own counters: booking is the router's job.
-pub(crate) trait Selector: Send + Sync + fmt::Debug {
-    fn kind(&self) -> PolicyKind;
-    /// The index of the chosen candidate (`input.candidates` is not empty).
+/// A selection policy: given the candidates, which one serves the request. The built-in
+/// policies implement it, one type each; an embedder adds its own with
+/// [`Router::with_selector`](crate::Router::with_selector), without forking the router.
+///
+/// A selector runs on every decision, on the caller's thread: it must be cheap, allocation-free
+/// and free of side effects other than its own counters (booking the chosen rank is the
+/// router's job). Draw randomness from `rng` only, so that a seeded router stays reproducible.
+pub trait Selector: Send + Sync + fmt::Debug {
+    /// Which built-in policy this is; [`PolicyKind::Custom`] for an embedder's own. The
+    /// router probes shared prompt blocks for the KV-aware cost only.
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Custom
+    }
+    /// The index in `input.candidates` of the chosen candidate (`input.candidates` is not
+    /// empty; an index out of range is taken as the first candidate).
     fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize;
 }
 

@@ -1593,3 +1593,50 @@ fn held_blocks_answers_each_prompt_of_a_stream() {
         }
     }
 }
+
+/// An embedder's own policy, as a user of the public `Selector` trait writes it: the candidate
+/// of the highest worker id (say, the newest machines), counting its calls.
+#[derive(Debug, Default)]
+struct NewestWorker {
+    asked: std::sync::atomic::AtomicU64,
+}
+
+impl kvroute_core::Selector for NewestWorker {
+    fn select(&self, input: &kvroute_core::SelectInput<'_>, _rng: &mut kvroute_core::Rng) -> usize {
+        self.asked
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let worker = |i: usize| {
+            input.ranks[input.candidates[i].fleet_index as usize]
+                .rank
+                .worker
+        };
+        (0..input.candidates.len())
+            .max_by_key(|&i| worker(i))
+            .unwrap_or(0)
+    }
+}
+
+#[test]
+fn an_embedder_adds_a_policy_through_the_public_selector_trait() {
+    use kvroute_core::{DecidedBy, PolicyKind};
+    #[derive(Debug)]
+    struct Shared(std::sync::Arc<NewestWorker>);
+    impl kvroute_core::Selector for Shared {
+        fn select(&self, i: &kvroute_core::SelectInput<'_>, rng: &mut kvroute_core::Rng) -> usize {
+            self.0.select(i, rng)
+        }
+    }
+    let selector = std::sync::Arc::new(NewestWorker::default());
+    let r = router(RouterConfig::default()).with_selector(Box::new(Shared(selector.clone())));
+    for w in 0..3u64 {
+        r.join_worker(WorkerConfig::simple(w, 400, BS)).unwrap();
+    }
+    // The KV-aware cost would spread these over the idle workers; the custom policy does not.
+    for id in 0..4u32 {
+        let t: Vec<u32> = (0..64).map(|i| 10_000 * id + i).collect();
+        let d = r.route(&req(u64::from(id), &t)).unwrap();
+        assert_eq!(d.worker, WorkerRank::new(2, 0), "request {id}");
+        assert_eq!(d.decided_by, DecidedBy::Policy(PolicyKind::Custom));
+    }
+    assert_eq!(selector.asked.load(std::sync::atomic::Ordering::Relaxed), 4);
+}
