@@ -46,7 +46,7 @@
 //! | `candidate.rs` | `Scored` and `Candidate`, and the busy and health vetoes |
 //! | `probe.rs` | which candidates to probe for active prompt blocks |
 //! | `scorer.rs` | scoring one request's ranks over a match, pruning the ranks that cannot win |
-//! | `policy.rs` | the `Selector` trait and the policies |
+//! | `policy/` | the public `Selector` trait, the policy names, and one file per policy |
 //! | `tests.rs` | the unit tests |
 
 mod candidate;

@@ -1,15 +1,37 @@
 //! The selection policies behind one trait ([`Selector`]): the KV-aware cost and the baselines,
-//! with the random draws they share.
+//! one file each, with the random draws they share. An embedder's own policy implements the
+//! same trait ([`crate::Router::with_selector`]).
+//!
+//! | file | policy |
+//! |---|---|
+//! | `kv_aware.rs` | [`Policy::KvAware`]: the cost's argmin, or a softmax sample |
+//! | `round_robin.rs`, `random.rs`, `least_loaded.rs`, `power_of_two.rs` | the baselines |
+//! | `prefix_hash.rs` | [`Policy::PrefixHash`]: bounded-load consistent hashing |
+//! | `cache_threshold.rs` | [`Policy::CacheThreshold`]: SGLang's `cache_aware` rule |
+
+mod cache_threshold;
+mod kv_aware;
+mod least_loaded;
+mod power_of_two;
+mod prefix_hash;
+mod random;
+mod round_robin;
 
 use super::candidate::Scored;
 use super::cost::RequestShape;
 use crate::config::Policy;
 use crate::registry::RankEntry;
-use crate::rng::mix64;
 use crate::rng::Rng;
 use std::fmt;
-use std::sync::atomic::AtomicUsize;
-use std::sync::atomic::Ordering;
+
+pub(crate) use self::cache_threshold::CacheThreshold;
+pub(crate) use self::kv_aware::KvAware;
+pub(crate) use self::least_loaded::LeastLoaded;
+pub(crate) use self::power_of_two::PowerOfTwo;
+pub(crate) use self::prefix_hash::PrefixHash;
+pub(crate) use self::random::RandomPick;
+pub(crate) use self::round_robin::RoundRobin;
+
 /// The built-in policies, as named in decisions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PolicyKind {
@@ -238,169 +260,4 @@ pub(crate) fn softmax_sample<T>(
         }
     }
     items.len() - 1
-}
-
-/// The reference's cost-based choice.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct KvAware;
-
-impl Selector for KvAware {
-    fn kind(&self) -> PolicyKind {
-        PolicyKind::KvAware
-    }
-    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
-        if input.temperature > 0.0 {
-            softmax_sample(input.candidates, input.temperature, rng, |c| c.cost)
-        } else {
-            argmin_random_ties(input.candidates, rng, |c| c.cost)
-        }
-    }
-}
-
-/// Ranks in turn (over the candidates of each request).
-#[derive(Debug, Default)]
-pub(crate) struct RoundRobin {
-    next: AtomicUsize,
-}
-
-impl Selector for RoundRobin {
-    fn kind(&self) -> PolicyKind {
-        PolicyKind::RoundRobin
-    }
-    fn select(&self, input: &SelectInput<'_>, _rng: &mut Rng) -> usize {
-        self.next.fetch_add(1, Ordering::Relaxed) % input.candidates.len()
-    }
-}
-
-/// A uniformly random rank.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct RandomPick;
-
-impl Selector for RandomPick {
-    fn kind(&self) -> PolicyKind {
-        PolicyKind::Random
-    }
-    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
-        rng.below(input.candidates.len() as u64) as usize
-    }
-}
-
-/// The rank with the least load in blocks (random ties).
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct LeastLoaded;
-
-impl Selector for LeastLoaded {
-    fn kind(&self) -> PolicyKind {
-        PolicyKind::LeastLoaded
-    }
-    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
-        let bs = input.block_size;
-        argmin_random_ties(input.candidates, rng, |c| c.load.load_blocks(bs) as f64)
-    }
-}
-
-/// The less loaded of two distinct random ranks.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct PowerOfTwo;
-
-impl Selector for PowerOfTwo {
-    fn kind(&self) -> PolicyKind {
-        PolicyKind::PowerOfTwo
-    }
-    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
-        let n = input.candidates.len() as u64;
-        if n == 1 {
-            return 0;
-        }
-        let a = rng.below(n);
-        let b = (a + 1 + rng.below(n - 1)) % n;
-        let load = |i: u64| {
-            input.candidates[i as usize]
-                .load
-                .load_blocks(input.block_size)
-        };
-        let (la, lb) = (load(a), load(b));
-        let pick = if la < lb || (la == lb && rng.below(2) == 0) {
-            a
-        } else {
-            b
-        };
-        pick as usize
-    }
-}
-
-/// Bounded-load consistent hashing of the prompt's first blocks, by rendezvous hashing: each
-/// rank's weight is a hash of (prefix key, rank); the heaviest rank whose load is within
-/// `load_factor` × (mean load + 1) wins, so a prefix keeps its rank while the fleet changes
-/// around it, and a hot prefix spills over instead of overloading one rank.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PrefixHash {
-    pub load_factor: f64,
-}
-
-impl Selector for PrefixHash {
-    fn kind(&self) -> PolicyKind {
-        PolicyKind::PrefixHash
-    }
-    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
-        let Some(key) = input.shape.prefix_key else {
-            return LeastLoaded.select(input, rng);
-        };
-        let bs = input.block_size;
-        let c = input.candidates;
-        let mean = c.iter().map(|x| x.load.load_blocks(bs)).sum::<u64>() as f64 / c.len() as f64;
-        let bound = self.load_factor * (mean + 1.0);
-        let weight = |x: &Scored| {
-            let rank = input.ranks[x.fleet_index as usize].rank;
-            let r = (rank.worker.0 << 20) ^ u64::from(rank.dp_rank.0);
-            mix64(key ^ mix64(r))
-        };
-        let mut best: Option<(usize, u64)> = None;
-        for (i, x) in c.iter().enumerate() {
-            if x.load.load_blocks(bs) as f64 > bound {
-                continue;
-            }
-            let w = weight(x);
-            if best.is_none_or(|(_, bw)| w > bw) {
-                best = Some((i, w));
-            }
-        }
-        // Some rank is always within the bound (the least loaded is at most the mean).
-        best.map_or_else(|| LeastLoaded.select(input, rng), |(i, _)| i)
-    }
-}
-
-/// The best-matching rank when the match is good and the fleet balanced; the least loaded
-/// otherwise.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct CacheThreshold {
-    pub min_match_ratio: f64,
-    pub balance_abs: u64,
-    pub balance_rel: f64,
-}
-
-impl Selector for CacheThreshold {
-    fn kind(&self) -> PolicyKind {
-        PolicyKind::CacheThreshold
-    }
-    fn select(&self, input: &SelectInput<'_>, rng: &mut Rng) -> usize {
-        let bs = input.block_size;
-        let c = input.candidates;
-        let (lo, hi) = c
-            .iter()
-            .map(|x| x.load.load_blocks(bs))
-            .fold((u64::MAX, 0), |(lo, hi), l| (lo.min(l), hi.max(l)));
-        let balanced = hi - lo <= self.balance_abs || hi as f64 <= self.balance_rel * lo as f64;
-        let best = argmin_random_ties(c, rng, |x| -f64::from(x.overlap_blocks));
-        let ratio = if input.shape.blocks == 0 {
-            0.0
-        } else {
-            f64::from(c[best].overlap_blocks) / input.shape.blocks as f64
-        };
-        if balanced && ratio >= self.min_match_ratio && c[best].overlap_blocks > 0 {
-            best
-        } else {
-            LeastLoaded.select(input, rng)
-        }
-    }
 }
