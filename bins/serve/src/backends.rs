@@ -157,7 +157,7 @@ pub const MAX_DP_SIZE: u32 = 1_024;
 /// What a worker must keep to join.
 #[derive(Clone, Debug)]
 pub(crate) struct Limits {
-    /// Most KV blocks per rank (the index reserves room by it).
+    /// Most KV blocks per worker, over its ranks (the index reserves room by them).
     pub max_kv_blocks: u64,
     /// Where its URL and endpoints may point (empty: anywhere).
     pub networks: Vec<Network>,
@@ -179,9 +179,10 @@ async fn check(spec: &BackendSpec, limits: &Limits) -> Result<Checked, BackendEr
     if spec.dp_size == 0 || spec.dp_size > MAX_DP_SIZE {
         return invalid(format!("dp_size must be in 1..={MAX_DP_SIZE}"));
     }
-    if spec.kv_blocks == 0 || spec.kv_blocks > limits.max_kv_blocks {
+    let blocks = spec.kv_blocks.saturating_mul(u64::from(spec.dp_size));
+    if spec.kv_blocks == 0 || blocks > limits.max_kv_blocks {
         return invalid(format!(
-            "kv_blocks must be in 1..={} (the gateway's max_kv_blocks)",
+            "kv_blocks × dp_size must be in 1..={} (the gateway's max_kv_blocks)",
             limits.max_kv_blocks
         ));
     }

@@ -136,7 +136,8 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_BREAKER_FAILURES")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub breaker_failures: Option<u32>,
-    /// Most KV blocks a worker's rank may declare (the index reserves about 20 bytes a block).
+    /// Most KV blocks a worker may declare over its ranks, `kv_blocks × dp_size` (the index
+    /// reserves about 20 bytes a block).
     #[arg(long, env = "KVROUTE_MAX_KV_BLOCKS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_kv_blocks: Option<u64>,

@@ -107,8 +107,10 @@ pub struct ServeOptions {
     /// Failures in a row (5xx before the answer, no answer in time) that mark an engine down
     /// until the prober sees it answer.
     pub breaker_failures: u32,
-    /// Most KV blocks a worker's rank may declare: the index reserves room for its names by
-    /// it (about 20 bytes a block), so this bounds what one add can take.
+    /// Most KV blocks a worker may declare over its ranks (`kv_blocks × dp_size`): the index
+    /// reserves room for their names (about 20 bytes a block), so this bounds what one add
+    /// can take. The room is freed when the worker leaves (the allocator hands it back to
+    /// the system lazily, when its thread next allocates).
     pub max_kv_blocks: u64,
     /// Address ranges worker URLs and event endpoints must lie in (empty: anywhere).
     pub worker_networks: Vec<Network>,
@@ -162,7 +164,7 @@ impl Default for ServeOptions {
             connect_timeout: Duration::from_secs(2),
             first_byte_timeout: Duration::from_secs(60),
             breaker_failures: 3,
-            max_kv_blocks: 1 << 22,
+            max_kv_blocks: 1 << 23,
             worker_networks: Vec::new(),
             tokenizer: None,
             tokenize_whole: false,

@@ -58,6 +58,8 @@ async fn a_refused_add_leaves_the_registry_and_the_router_as_they_were() {
         json!({"id": 2, "url": "http://127.0.0.1:9", "kv_blocks": i64::MAX}),
         json!({"id": 2, "url": "http://127.0.0.1:9", "kv_blocks": 100_001}),
         json!({"id": 2, "url": "http://127.0.0.1:9", "kv_blocks": 0}),
+        // Within the ceiling per rank, past it over the ranks.
+        json!({"id": 2, "url": "http://127.0.0.1:9", "kv_blocks": 60_000, "dp_size": 2}),
         // Rank 1 would publish past port 65535.
         json!({"id": 2, "url": "http://127.0.0.1:9", "kv_blocks": 64, "dp_size": 2,
                "kv_events": "tcp://127.0.0.1:65535"}),
