@@ -12,9 +12,8 @@
 //! client key opens them). No key: 401; a client key on an admin route: 403. Keys are compared
 //! in constant time and never forwarded.
 
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::{header, HeaderMap, Method, StatusCode};
-use axum::middleware::Next;
 use axum::response::Response;
 
 use super::proxy::error;
@@ -109,22 +108,11 @@ impl Keys<'_> {
     }
 }
 
-/// The layer: refuses a request its key does not allow, with OpenAI's error shape (401 or
-/// 403, counted under the route `auth`), and leaves what it granted in the request's
-/// extensions.
-pub(crate) async fn layer(
-    State(state): State<AppState>,
-    mut request: Request,
-    next: Next,
-) -> Response {
+/// Checks a request's key against its route: what it was granted, or the status that
+/// refuses it (401 or 403; [`refuse`] makes the answer).
+pub(crate) fn admit(state: &AppState, request: &Request) -> Result<Granted, StatusCode> {
     let needs = access(request.method(), request.uri().path());
-    match state.keys().check(needs, request.headers()) {
-        Ok(granted) => {
-            request.extensions_mut().insert(granted);
-            next.run(request).await
-        }
-        Err(status) => refuse(&state, status),
-    }
+    state.keys().check(needs, request.headers())
 }
 
 /// A 401 or a 403, in OpenAI's shape, counted under the route `auth`.

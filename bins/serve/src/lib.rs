@@ -328,12 +328,8 @@ impl RunningServe {
             .route("/ready", get(admin::ready))
             .layer(DefaultBodyLimit::max(options.max_body))
             .layer(axum::middleware::from_fn_with_state(
-                state.clone(),
-                listener::read_body,
-            ))
-            .layer(axum::middleware::from_fn_with_state(
-                state.clone(),
-                auth::layer,
+                Arc::new(state.clone()),
+                listener::edge,
             ))
             .with_state(state);
         let shutdown = Arc::new(Notify::new());

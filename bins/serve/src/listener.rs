@@ -6,7 +6,7 @@
 //! * **A header timeout**, which is also the idle timeout: hyper arms it whenever a connection
 //!   waits for a request's head, the first or the next on a kept-alive connection; a client
 //!   that sends no full head in time is cut off.
-//! * **A body timeout**, in the auth layer's neighbour [`read_body`]: the whole body must
+//! * **A body timeout**, in the layer in front of every route ([`edge`]): the whole body must
 //!   arrive within `body_timeout` (a client trickling bytes holds no handler).
 //! * **Graceful shutdown**: on stop, no new connection is accepted; each open one finishes its
 //!   request in flight and closes.
@@ -25,6 +25,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
 
+use super::auth;
 use super::proxy::error;
 use super::AppState;
 
@@ -87,14 +88,22 @@ pub(crate) async fn serve(
     Ok(())
 }
 
-/// Reads a request's whole body within the configured time and size before any handler sees
-/// it: 408 when it is too slow, 413 when it is too large (both counted, in OpenAI's shape).
-pub(crate) async fn read_body(
-    State(state): State<AppState>,
+/// The one layer in front of every route: the key checked first ([`auth::admit`]; what it
+/// granted goes into the request's extensions), then the whole body read within the
+/// configured time and size, before any handler sees it: 408 when it is too slow, 413 when it
+/// is too large (both counted, in OpenAI's shape). One layer, over one `Arc` of the state:
+/// each layer costs every request a boxed future and a clone of its state.
+pub(crate) async fn edge(
+    State(state): State<Arc<AppState>>,
     request: Request,
     next: Next,
 ) -> Response {
-    let (parts, body) = request.into_parts();
+    let granted = match auth::admit(&state, &request) {
+        Ok(granted) => granted,
+        Err(status) => return auth::refuse(&state, status),
+    };
+    let (mut parts, body) = request.into_parts();
+    parts.extensions.insert(granted);
     let limit = state.options.max_body;
     let read = axum::body::to_bytes(body, limit);
     let bytes = match tokio::time::timeout(state.options.body_timeout, read).await {
