@@ -66,14 +66,7 @@ async fn a_booking_nobody_frees_expires_and_its_load_returns() {
     }
     let load = serve.router().load(rank).unwrap();
     assert_eq!((load.prefill_tokens, load.decode_blocks()), (0, 0));
-    let metrics = client
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
     assert!(
         metrics.contains("kvroute_bookings_expired_total 1"),
         "{metrics}"

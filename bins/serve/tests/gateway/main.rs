@@ -33,3 +33,24 @@ pub async fn gateway(options: ServeOptions) -> (RunningServe, String) {
     let url = format!("http://{}", serve.listen);
     (serve, url)
 }
+
+/// `GET url` as JSON (no key).
+pub async fn get_json(client: &reqwest::Client, url: &str) -> serde_json::Value {
+    client.get(url).send().await.unwrap().json().await.unwrap()
+}
+
+/// `GET url` as text (no key).
+pub async fn get_text(client: &reqwest::Client, url: &str) -> String {
+    client.get(url).send().await.unwrap().text().await.unwrap()
+}
+
+/// `POST url` with a JSON body (no key): the status and the JSON answer (null if none).
+pub async fn post_json(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> (reqwest::StatusCode, serde_json::Value) {
+    let r = client.post(url).json(body).send().await.unwrap();
+    let status = r.status();
+    (status, r.json().await.unwrap_or(serde_json::Value::Null))
+}

@@ -26,14 +26,7 @@ fn qwen3() -> Option<PathBuf> {
 }
 
 async fn post(client: &reqwest::Client, url: &str, path: &str, body: Value) -> (StatusCode, Value) {
-    let r = client
-        .post(format!("{url}{path}"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status();
-    (status, r.json().await.unwrap_or(Value::Null))
+    super::post_json(client, &format!("{url}{path}"), &body).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -64,14 +64,7 @@ async fn add(client: &reqwest::Client, url: &str, id: u64, engine: &str) {
 }
 
 async fn health(client: &reqwest::Client, url: &str, id: u64) -> String {
-    let v: Value = client
-        .get(format!("{url}/v1/workers"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = super::get_json(client, &format!("{url}/v1/workers")).await;
     let w = v["workers"]
         .as_array()
         .unwrap()

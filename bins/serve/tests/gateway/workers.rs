@@ -7,25 +7,11 @@ use serde_json::{json, Value};
 use super::gateway;
 
 async fn add(client: &reqwest::Client, url: &str, body: Value) -> (StatusCode, Value) {
-    let r = client
-        .post(format!("{url}/v1/workers"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status();
-    (status, r.json().await.unwrap_or(Value::Null))
+    super::post_json(client, &format!("{url}/v1/workers"), &body).await
 }
 
 async fn worker_ids(client: &reqwest::Client, url: &str) -> Vec<u64> {
-    let v: Value = client
-        .get(format!("{url}/v1/workers"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = super::get_json(client, &format!("{url}/v1/workers")).await;
     v["workers"]
         .as_array()
         .unwrap()
@@ -85,14 +71,7 @@ async fn a_refused_add_leaves_the_registry_and_the_router_as_they_were() {
     .await;
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(serve.router().fleet().ranks.len(), ranks_before + 4);
-    let metrics = client
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
     assert!(
         metrics.len() < 200_000,
         "{} bytes of metrics",
