@@ -38,7 +38,7 @@ use kvroute_sim::{
 };
 
 /// Says why a test that needs `scripts/fixtures.sh`'s files is skipped, or fails it when
-/// `KVROUTE_FIXTURES=required` (as the README's test command, `scripts/test.sh`, sets it):
+/// `KVROUTE_FIXTURES=required` (as the README's test command sets it):
 /// there a missing fixture is a failure, never a pass.
 pub fn skip_without_fixtures(why: &str) {
     if std::env::var("KVROUTE_FIXTURES").as_deref() == Ok("required") {

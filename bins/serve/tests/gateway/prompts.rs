@@ -11,7 +11,8 @@ use serde_json::{json, Value};
 use super::gateway;
 
 /// Qwen3's tokenizer files, fetched by `scripts/fixtures.sh` (the README's test command,
-/// `scripts/test.sh`, runs it first and requires them); without them the test is skipped.
+/// with `KVROUTE_FIXTURES=required`, runs it first and requires them); without them the test
+/// is skipped.
 fn qwen3() -> Option<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures/qwen3");
     if dir.join("tokenizer.json").exists() {
