@@ -545,6 +545,14 @@ fn run_live_demo(
             None => println!("{n} requests failed before being routed"),
         }
     }
+    for (worker, sent_ms, status, error) in &live.first_failures {
+        let on = worker.map_or("before routing".to_owned(), |w| format!("on worker {w}"));
+        let at = sent_ms / 1e3;
+        println!(
+            "first failure {on}: sent at {at:.2} s, status {status}, {}",
+            error.trim()
+        );
+    }
     for c in &live.caches {
         println!(
             "worker {}: engine caches {} blocks, the router's index holds {}",

@@ -79,7 +79,9 @@ pub(crate) async fn serve(
         let connection = graceful.watch(http.serve_connection(TokioIo::new(tcp), service));
         tokio::spawn(async move {
             // A connection's own end (closed, timed out, reset) is no error of the server's.
-            let _ = connection.await;
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection ended");
+            }
             drop(permit);
         });
     }

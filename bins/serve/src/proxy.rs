@@ -528,8 +528,19 @@ async fn forward(
             // The rank chosen, for the engine's own balancer: vLLM and SGLang both take it.
             upstream = upstream.header(headers::DATA_PARALLEL_RANK, decision.worker.dp_rank.0);
         }
-        let sent = tokio::time::timeout(state.options.first_byte_timeout, upstream.send()).await;
-        let response = match sent {
+        // One timer over the answer's head and, when it streams, its first chunk: until the
+        // client has seen a byte, a failed engine's request can still go elsewhere.
+        let sent = tokio::time::timeout(state.options.first_byte_timeout, async {
+            let mut response = upstream.send().await?;
+            let first = if response.status().is_success() && is_event_stream(&response) {
+                Some(response.chunk().await?)
+            } else {
+                None
+            };
+            Ok::<_, reqwest::Error>((response, first))
+        })
+        .await;
+        let (response, first) = match sent {
             Ok(Ok(r)) => r,
             // Nothing listens, or the connection broke: the engine is down.
             Ok(Err(e)) if e.is_connect() => {
@@ -539,6 +550,8 @@ async fn forward(
                 excluded.push(worker);
                 continue;
             }
+            // The connection broke before the client saw a byte (an engine killed mid-prefill):
+            // tried elsewhere.
             Ok(Err(e)) => {
                 tracing::debug!(worker = worker.0, attempt, error = %e, "upstream failed");
                 state.metrics.retries.with_label_values(&["failed"]).inc();
@@ -589,7 +602,7 @@ async fn forward(
             decided_in,
             read_in,
         };
-        return relay(state, route, response, guard, placed).await;
+        return relay(state, route, (response, first), guard, placed).await;
     }
     error(
         state,
@@ -610,11 +623,21 @@ struct Placement {
     read_in: std::time::Duration,
 }
 
-/// Sends the engine's answer back as it comes, moving the request's lifecycle along.
+/// Whether an engine's answer is a server-sent event stream.
+fn is_event_stream(response: &reqwest::Response) -> bool {
+    response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+/// Sends the engine's answer back as it comes (a stream's first chunk, when it streams,
+/// already read: `None` for an empty stream), moving the request's lifecycle along.
 async fn relay(
     state: &AppState,
     route: &'static str,
-    response: reqwest::Response,
+    (response, first): (reqwest::Response, Option<Option<Bytes>>),
     guard: RequestGuard<Arc<Router>>,
     placed: Placement,
 ) -> Response {
@@ -630,10 +653,7 @@ async fn relay(
         .headers()
         .get(reqwest::header::CONTENT_TYPE)
         .cloned();
-    let streaming = content_type
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let streaming = is_event_stream(&response);
     let outcome = if status.is_success() {
         "ok"
     } else if status.is_client_error() {
@@ -687,9 +707,15 @@ async fn relay(
             .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
     }
     let router = Arc::clone(&state.router);
-    let chunks = response.bytes_stream();
+    // The first chunk, read before the answer was committed to, goes out first.
+    let first = first.flatten();
+    let started = first.is_some();
+    if started {
+        let _ = guard.prefill_done();
+    }
+    let chunks = futures_util::stream::iter(first.map(Ok)).chain(response.bytes_stream());
     let body = futures_util::stream::unfold(
-        (chunks, Some(guard), false),
+        (Box::pin(chunks), Some(guard), started),
         move |(mut chunks, mut guard, mut started)| {
             let router = Arc::clone(&router);
             async move {

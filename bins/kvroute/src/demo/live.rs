@@ -72,6 +72,9 @@ pub struct LiveReport {
     pub faults: Vec<String>,
     /// Failed requests by the worker kvroute had sent them to (`None`: never routed).
     pub failed_by_worker: Vec<(Option<u64>, usize)>,
+    /// The first failure of each of those, as the client saw it: the worker, when it was sent
+    /// (ms from the start), the HTTP status (0: no answer) and the error.
+    pub first_failures: Vec<(Option<u64>, f64, u16, String)>,
 }
 
 /// A child process killed when dropped.
@@ -258,8 +261,14 @@ pub async fn run_live(
     };
     let (records, report) = replay::run(&scaled, &replay_options, progress).await?;
     let mut failed: std::collections::BTreeMap<Option<u64>, usize> = Default::default();
-    for r in records.iter().filter(|r| r.error.is_some()) {
-        *failed.entry(r.worker).or_default() += 1;
+    let mut first_failures = Vec::new();
+    for r in records.iter() {
+        let Some(error) = &r.error else { continue };
+        let n = failed.entry(r.worker).or_default();
+        if *n == 0 {
+            first_failures.push((r.worker, r.sent_ms, r.status, error.clone()));
+        }
+        *n += 1;
     }
     if let Some(task) = fault_task {
         let _ = task.await;
@@ -293,5 +302,6 @@ pub async fn run_live(
         active_at_end: active,
         faults,
         failed_by_worker: failed.into_iter().collect(),
+        first_failures,
     })
 }

@@ -199,7 +199,7 @@ fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
             "--kv-blocks",
             "4096",
             "--time-scale",
-            "10",
+            "5",
             "--json",
         ])
         .arg(&json)
@@ -220,7 +220,11 @@ fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
     );
     // Only the killed worker's requests failed, and the load returned to zero.
     for failed in live["failed_by_worker"].as_array().unwrap() {
-        assert_eq!(failed[0], 2, "{failed}");
+        assert_eq!(
+            failed[0], 2,
+            "{failed}: {} {}",
+            live["first_failures"], live["faults"]
+        );
     }
     assert_eq!(live["active_at_end"], 0);
     assert_eq!(live["faults"].as_array().unwrap().len(), 3);

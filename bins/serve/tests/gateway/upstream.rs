@@ -154,3 +154,75 @@ async fn one_prompt_that_makes_an_engine_fail_does_not_take_it_down() {
     assert_ne!(health(&client, &url, 1).await, "Healthy");
     serve.stop();
 }
+
+/// A stand-in engine that streams: its answer's head goes out, then, with `dies`, the
+/// connection breaks before the first chunk (an engine killed during prefill); else one chunk
+/// and `[DONE]`.
+async fn streaming_engine(dies: bool) -> (String, Arc<AtomicU64>) {
+    let got = Arc::new(AtomicU64::new(0));
+    let count = Arc::clone(&got);
+    let app = axum::Router::new().route(
+        "/v1/completions",
+        post(move || {
+            let count = Arc::clone(&count);
+            async move {
+                count.fetch_add(1, Ordering::Relaxed);
+                let chunks = futures_util::stream::unfold(0, move |n| async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let chunk = match (dies, n) {
+                        (true, _) => Err(std::io::Error::other("killed")),
+                        (false, 0) => Ok("data: {\"choices\":[{\"text\":\"a\"}]}\n\n"),
+                        (false, 1) => Ok("data: [DONE]\n\n"),
+                        _ => return None,
+                    };
+                    Some((chunk, n + 1))
+                });
+                (
+                    [(axum::http::header::CONTENT_TYPE, "text/event-stream")],
+                    axum::body::Body::from_stream(chunks),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_fails_before_its_first_chunk_is_retried_elsewhere() {
+    let (dying, dying_got) = streaming_engine(true).await;
+    let (live, live_got) = streaming_engine(false).await;
+    let (serve, url) = gateway(ServeOptions {
+        retries: 1,
+        // The prober must not take the dying engine out first: it answers nothing else.
+        probe_every: Duration::from_secs(3600),
+        router: kvroute_core::RouterConfig {
+            policy: kvroute_core::Policy::RoundRobin,
+            ..kvroute_core::RouterConfig::default()
+        },
+        ..ServeOptions::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    add(&client, &url, 1, &dying).await;
+    add(&client, &url, 2, &live).await;
+    // The client never sees the broken answers: nothing of them had reached it, so each went
+    // to the other engine.
+    for i in 0..4 {
+        let r = client
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"prompt": (0..40).map(|t| i * 1000 + t).collect::<Vec<u32>>(), "max_tokens": 1, "stream": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.headers()["x-kvroute-worker"], "2");
+        let body = r.text().await.unwrap();
+        assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+    }
+    assert!(dying_got.load(Ordering::Relaxed) >= 1);
+    assert_eq!(live_got.load(Ordering::Relaxed), 4);
+    serve.stop();
+}
