@@ -57,7 +57,7 @@ pub use frame::{
 pub use ingest::{
     IngestConfig, IngestError, IngestReport, IngestServer, IngestStats, IngestTarget,
 };
-pub use subscriber::{SubscriberConfig, SubscriberStats, Subscription};
+pub use subscriber::{RankState, SubscriberConfig, SubscriberStats, Subscription};
 pub use wire::{Message, MessageKind, MessageRef, PROTOCOL_VERSION};
 pub use worker::{
     Engine, ResponseSink, SinkClosed, WorkerServer, WorkerServerConfig, WorkerServerError,

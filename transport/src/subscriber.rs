@@ -3,6 +3,9 @@
 //! tracker and the decoder, and writing into a [`Router`].
 //!
 //! ```text
+//!  connect (backoff) ──▶ catch up from the replay ──▶ follow the live stream ──▶ (publisher gone)
+//!        ▲                                                                          │
+//!        └──────────────────────────────────────────────────────────────────────────┘
 //!  SUB ──parse_live──▶ SeqTracker::offer_live ──Apply──▶ EngineDecoder ──▶ Router::apply_event
 //!                                  ├─Held/Dropped + request──▶ DEALER [empty, from] ──▶ replies
 //!                                  │        ──offer_replayed / replay_end──▶ Apply / Lost
@@ -10,23 +13,42 @@
 //!                                  └─Lost (or no replay socket, or no answer)──▶ clear the rank
 //! ```
 //!
-//! One task per (worker, rank). A replay is served inline: live messages wait in the SUB
-//! socket's queue meanwhile, and the tracker holds what arrives ahead of the gap. A replay that
-//! does not end within [`SubscriberConfig::replay_timeout`] is abandoned: its gap counts as
-//! lost and the rank is cleared, as when the replay no longer reaches back.
+//! One task per (worker, rank), which owns its connection: nothing waits for a publisher that
+//! is not up ([`Subscription::start`] returns at once). The task connects with backoff (50 ms
+//! doubling to 1 s), and drops and remakes both sockets when the SUB's peer goes away, so a
+//! restarted engine is reached within a second of its return and its replay socket with it.
 //!
-//! Every outcome is counted in [`SubscriberStats`], which the task publishes after each message.
+//! **Every connection starts with a catch-up**, before any live batch: a publisher that went
+//! away and came back is a new process unless the replay proves otherwise. The subscription
+//! asks the replay for the last batch it applied and everything after: the same bytes at the
+//! same seq prove the same process, and what follows fills the gap. Anything else (no such
+//! batch, other bytes, no answer, no replay socket) is a new epoch: the rank is cleared and
+//! rebuilt from the oldest batch the replay holds. A new subscriber does the same from the
+//! start. A rank rebuilt from a replay that no longer reached back to its publisher's first
+//! batch, or cleared for a gap it could not fill, is `Cold` until its cache turns over: the
+//! index holds only what was stored since, and never a block the engine dropped.
+//!
+//! A replay is served inline: live messages wait in the SUB socket's queue meanwhile, and the
+//! tracker holds what arrives ahead of the gap. A replay that does not end within
+//! [`SubscriberConfig::replay_timeout`] is abandoned: its gap counts as lost and the rank is
+//! cleared, as when the replay no longer reaches back.
+//!
+//! Every outcome is counted in [`SubscriberStats`], which the task publishes after each message;
+//! each change of [`RankState`] is logged.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
 use kvroute_core::{
     DpRank, EventHeader, EventId, KvEvent, KvEventData, Router, StorageTier, WorkerId, WorkerRank,
 };
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    DealerSocket, Endpoint, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+};
 
 use crate::engine::{
     parse_live, parse_replay, replay_request, DecodeCounts, DecoderConfig, EngineDecoder,
@@ -76,8 +98,64 @@ pub struct SubscriberStats {
     pub sequence: SequenceCounts,
     /// The decoder's counts (events by kind, decode errors by kind).
     pub decode: DecodeCounts,
-    /// Whether the subscription is connected (it has received a message).
+    /// Whether the subscription has received a live message.
     pub live: bool,
+    /// Where it stands now.
+    pub state: RankState,
+    /// Connections made to the publisher (the first, then one per return).
+    pub connects: u64,
+    /// Catch-ups from the replay (one per connection with a replay socket that answered).
+    pub catch_ups: u64,
+    /// Batches applied by those catch-ups.
+    pub caught_up_batches: u64,
+    /// Reconnections whose publisher the replay proved the same process (the gap filled).
+    pub continued: u64,
+    /// Reconnections to a new process (or one the replay could not prove the same): the rank
+    /// cleared and rebuilt.
+    pub new_epochs: u64,
+    /// The seq of the last batch applied.
+    pub last_seq: Option<u64>,
+}
+
+/// Where one rank's event stream stands.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RankState {
+    /// Not connected yet: the publisher has not been reached since the subscription started.
+    #[default]
+    Connecting,
+    /// Connected, asking the replay for what the index lacks; live batches wait.
+    CatchingUp,
+    /// Following the live stream; the index holds the rank's cache.
+    Live,
+    /// Following the live stream, but the index lost part of the rank's history (a gap the
+    /// replay no longer held, or a publisher met after its replay buffer turned over): it holds
+    /// only what was stored since, until the cache turns over.
+    Cold,
+    /// The publisher went away; reconnecting. What the index holds stays until the catch-up
+    /// proves it or clears it.
+    Down,
+}
+
+impl RankState {
+    /// Every state, in the order of a stream's life.
+    pub const ALL: [RankState; 5] = [
+        RankState::Connecting,
+        RankState::CatchingUp,
+        RankState::Live,
+        RankState::Cold,
+        RankState::Down,
+    ];
+
+    /// The state's name, as `/v1/workers` and the logs give it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RankState::Connecting => "connecting",
+            RankState::CatchingUp => "catching_up",
+            RankState::Live => "live",
+            RankState::Cold => "cold",
+            RankState::Down => "down",
+        }
+    }
 }
 
 /// A running subscription; dropping it does not stop it, [`Subscription::stop`] does.
@@ -89,23 +167,17 @@ pub struct Subscription {
 }
 
 impl Subscription {
-    /// Connects and starts following the publisher, writing into `router` (on the current
-    /// tokio runtime). Connection is lazy: a publisher that is not up yet is reached when it is.
+    /// Starts following the publisher, writing into `router` (on the current tokio runtime).
+    /// Returns at once: the task connects when the publisher is up, and again whenever it
+    /// comes back. Fails only for an endpoint that is not one.
     pub async fn start(
         router: Arc<Router>,
         config: SubscriberConfig,
     ) -> Result<Self, zeromq::ZmqError> {
-        let mut sub = SubSocket::new();
-        sub.connect(&config.endpoint).await?;
-        sub.subscribe(&config.topic).await?;
-        let dealer = match &config.replay {
-            Some(endpoint) => {
-                let mut dealer = DealerSocket::new();
-                dealer.connect(endpoint).await?;
-                Some(dealer)
-            }
-            None => None,
-        };
+        config.endpoint.parse::<Endpoint>()?;
+        if let Some(replay) = &config.replay {
+            replay.parse::<Endpoint>()?;
+        }
         let stats = Arc::new(Mutex::new(SubscriberStats::default()));
         let clear = Arc::new(Notify::new());
         let follower = Follower {
@@ -122,9 +194,12 @@ impl Subscription {
             events: Vec::new(),
             stats: SubscriberStats::default(),
             shared: Arc::clone(&stats),
+            dealer: None,
+            last: None,
+            partial: false,
             config,
         };
-        let task = tokio::spawn(follower.run(sub, dealer));
+        let task = tokio::spawn(follower.run());
         Ok(Subscription { stats, clear, task })
     }
 
@@ -151,6 +226,14 @@ impl Drop for Subscription {
     }
 }
 
+/// The first wait between connection attempts, doubled after each failure up to
+/// [`MAX_BACKOFF`].
+const MIN_BACKOFF: Duration = Duration::from_millis(50);
+/// The longest wait between connection attempts: an engine back up is reached within it.
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// How long one connection attempt may take (a TCP connect and ZeroMQ's greeting).
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(1);
+
 struct Follower {
     config: SubscriberConfig,
     clear: Arc<Notify>,
@@ -161,13 +244,211 @@ struct Follower {
     events: Vec<KvEvent>,
     stats: SubscriberStats,
     shared: Arc<Mutex<SubscriberStats>>,
+    /// The replay socket, made on demand and dropped when it fails (zeromq's DEALER does not
+    /// reconnect by itself).
+    dealer: Option<DealerSocket>,
+    /// The last batch applied, by seq and bytes: what a catch-up checks continuity against.
+    last: Option<(u64, Bytes)>,
+    /// Whether the index lacks part of the rank's history (see [`RankState::Cold`]).
+    partial: bool,
+}
+
+/// Why the live stream stopped.
+enum Stop {
+    /// The publisher went away: reconnect.
+    Gone,
 }
 
 impl Follower {
-    async fn run(mut self, mut sub: SubSocket, mut dealer: Option<DealerSocket>) {
+    async fn run(mut self) {
+        let mut backoff = MIN_BACKOFF;
+        loop {
+            let Some((sub, monitor)) = self.connect_sub().await else {
+                self.pause(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            };
+            backoff = MIN_BACKOFF;
+            self.stats.connects += 1;
+            self.catch_up().await;
+            let Stop::Gone = self.follow(sub, monitor).await;
+            // Both sockets go: the next connection makes new ones.
+            self.dealer = None;
+            self.set_state(RankState::Down);
+            self.publish();
+        }
+    }
+
+    /// Waits `wait`, clearing the rank if asked meanwhile.
+    async fn pause(&mut self, wait: Duration) {
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = self.clear.notified() => {
+                self.clear_rank();
+                self.publish();
+            }
+        }
+    }
+
+    /// One attempt at the live socket, subscribed, with its monitor.
+    async fn connect_sub(
+        &mut self,
+    ) -> Option<(SubSocket, impl Stream<Item = SocketEvent> + Unpin + use<>)> {
+        let mut sub = SubSocket::new();
+        let monitor = sub.monitor();
+        let connected = tokio::time::timeout(CONNECT_ATTEMPT, sub.connect(&self.config.endpoint));
+        match connected.await {
+            Ok(Ok(())) => {}
+            _ => return None,
+        }
+        sub.subscribe(&self.config.topic).await.ok()?;
+        Some((sub, monitor))
+    }
+
+    /// The replay socket, connected now if it is not yet (`None`: there is none, or it is not
+    /// up).
+    async fn dealer(&mut self) -> Option<&mut DealerSocket> {
+        if self.dealer.is_none() {
+            let endpoint = self.config.replay.as_deref()?;
+            let mut dealer = DealerSocket::new();
+            let connected = tokio::time::timeout(CONNECT_ATTEMPT, dealer.connect(endpoint));
+            if let Ok(Ok(())) = connected.await {
+                self.dealer = Some(dealer);
+            }
+        }
+        self.dealer.as_mut()
+    }
+
+    /// Brings the index up to the publisher before any live batch: the gap since the last
+    /// batch applied, when the replay proves the publisher the same process; else a new
+    /// epoch, rebuilt from the oldest batch the replay holds.
+    async fn catch_up(&mut self) {
+        self.set_state(RankState::CatchingUp);
+        self.publish();
+        let last = self.last.clone();
+        let answer = match &last {
+            Some((seq, _)) => self.ask_all(*seq).await,
+            None => self.ask_all(0).await,
+        };
+        let batches = match (last, answer) {
+            // A new subscriber: the whole buffer, oldest first.
+            (None, Some(batches)) => {
+                self.stats.catch_ups += 1;
+                if batches.first().map_or(0, |b| b.0) > 0 {
+                    // The publisher had numbered past what its buffer holds: what was stored
+                    // before is unknown.
+                    self.partial = true;
+                }
+                batches
+            }
+            // Nothing to ask, or no answer: the live stream is all there is.
+            (None, None) => {
+                self.follow_state();
+                return;
+            }
+            (Some((seq, bytes)), Some(batches))
+                if batches.first().is_some_and(|b| b.0 == seq && b.1 == bytes) =>
+            {
+                // The same process: what follows fills the gap.
+                self.stats.catch_ups += 1;
+                self.stats.continued += 1;
+                batches.into_iter().skip(1).collect()
+            }
+            (Some(_), answered) => {
+                // A new process, or one the replay cannot prove the same.
+                self.new_epoch();
+                let batches = match answered {
+                    Some(_) => self.ask_all(0).await,
+                    None => None,
+                };
+                match batches {
+                    Some(batches) => {
+                        self.stats.catch_ups += 1;
+                        if batches.first().map_or(0, |b| b.0) > 0 {
+                            self.partial = true;
+                        }
+                        batches
+                    }
+                    None => {
+                        // Nothing proves what the engine holds: start cold.
+                        self.partial = true;
+                        self.follow_state();
+                        return;
+                    }
+                }
+            }
+        };
+        if batches.is_empty() && self.tracker.next_expected().is_none() {
+            // A publisher with nothing buffered numbers its next batch from 0.
+            self.tracker.expect(0);
+        }
+        for (seq, payload) in batches {
+            self.stats.caught_up_batches += 1;
+            self.offer_replayed(seq, payload);
+        }
+        // Live batches fetched by the catch-up arrive again: duplicates.
+        let _ = self.tracker.replay_end();
+        self.follow_state();
+    }
+
+    /// Live, or cold when the index lacks part of the rank's history.
+    fn follow_state(&mut self) {
+        let state = if self.partial {
+            RankState::Cold
+        } else {
+            RankState::Live
+        };
+        self.set_state(state);
+        self.publish();
+    }
+
+    /// A new epoch of the publisher: the rank cleared, the tracker and the decoder afresh.
+    fn new_epoch(&mut self) {
+        self.stats.new_epochs += 1;
+        tracing::warn!(
+            worker = self.config.worker.0,
+            dp_rank = self.config.dp_rank.0,
+            "KV events: the publisher came back as a new process; its rank is rebuilt"
+        );
+        self.tracker.new_epoch();
+        self.decoder.reset();
+        self.clear_rank();
+        self.last = None;
+        self.partial = false;
+    }
+
+    /// Asks the replay for everything from `from` on and collects it, within the replay
+    /// timeout (`None`: no replay socket, or no whole answer; the socket is dropped then).
+    async fn ask_all(&mut self, from: u64) -> Option<Vec<(u64, Bytes)>> {
+        let timeout = self.config.replay_timeout;
+        let dealer = self.dealer().await?;
+        let answer = tokio::time::timeout(timeout, collect_replay(dealer, from)).await;
+        match answer {
+            Ok(Ok((batches, bad))) => {
+                self.stats.bad_frames += bad;
+                Some(batches)
+            }
+            _ => {
+                self.stats.replay_timeouts += 1;
+                self.dealer = None;
+                None
+            }
+        }
+    }
+
+    /// Follows the live stream until the publisher goes away.
+    async fn follow(
+        &mut self,
+        mut sub: SubSocket,
+        mut monitor: impl Stream<Item = SocketEvent> + Unpin,
+    ) -> Stop {
         loop {
             let received = tokio::select! {
                 received = sub.recv() => received,
+                event = monitor.next() => match event {
+                    Some(SocketEvent::Disconnected(_)) | None => return Stop::Gone,
+                    Some(_) => continue,
+                },
                 () = self.clear.notified() => {
                     self.clear_rank();
                     self.publish();
@@ -175,8 +456,7 @@ impl Follower {
                 }
             };
             let Ok(message) = received else {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
+                return Stop::Gone;
             };
             self.stats.received += 1;
             self.stats.live = true;
@@ -191,54 +471,100 @@ impl Follower {
                 }
             };
             match self.tracker.offer_live(seq, payload) {
-                Verdict::Apply(batch) => self.apply(&batch),
+                Verdict::Apply(batch) => self.apply(seq, batch),
                 Verdict::Duplicate => {}
                 Verdict::Held { replay } | Verdict::Dropped { replay } => {
                     if let Some(request) = replay {
-                        self.replay(dealer.as_mut(), request).await;
+                        self.replay(request).await;
                     }
                 }
                 Verdict::Restart(batch) => {
                     self.clear_worker();
                     self.decoder.reset();
-                    self.apply(&batch);
+                    self.partial = false;
+                    self.apply(seq, batch);
                 }
                 Verdict::Lost { batch, .. } => {
                     self.clear_rank();
-                    self.apply(&batch);
+                    self.partial = true;
+                    self.apply(seq, batch);
                 }
             }
+            self.follow_state_quietly();
             self.publish();
+        }
+    }
+
+    /// The state after a live batch, without publishing twice.
+    fn follow_state_quietly(&mut self) {
+        let state = if self.partial {
+            RankState::Cold
+        } else {
+            RankState::Live
+        };
+        self.set_state(state);
+    }
+
+    fn set_state(&mut self, state: RankState) {
+        if self.stats.state != state {
+            tracing::info!(
+                worker = self.config.worker.0,
+                dp_rank = self.config.dp_rank.0,
+                from = self.stats.state.as_str(),
+                to = state.as_str(),
+                "KV events"
+            );
+            self.stats.state = state;
+        }
+    }
+
+    /// One replayed batch through the tracker.
+    fn offer_replayed(&mut self, seq: u64, payload: Bytes) {
+        match self.tracker.offer_replayed(seq, payload) {
+            Verdict::Apply(batch) => self.apply(seq, batch),
+            Verdict::Lost { batch, .. } => {
+                self.clear_rank();
+                self.partial = true;
+                self.apply(seq, batch);
+            }
+            Verdict::Restart(batch) => {
+                self.clear_worker();
+                self.decoder.reset();
+                self.apply(seq, batch);
+            }
+            Verdict::Duplicate | Verdict::Held { .. } | Verdict::Dropped { .. } => {}
         }
     }
 
     /// Fills a gap from the replay socket; without one, or without an answer in time, the gap
     /// is lost and the rank cleared.
-    async fn replay(&mut self, mut dealer: Option<&mut DealerSocket>, mut request: ReplayRequest) {
+    async fn replay(&mut self, mut request: ReplayRequest) {
         loop {
-            let answered = match dealer.as_deref_mut() {
-                Some(dealer) => {
-                    let timeout = self.config.replay_timeout;
-                    tokio::time::timeout(timeout, self.ask(dealer, request.from))
-                        .await
-                        .unwrap_or(false)
-                }
-                None => false,
+            let timeout = self.config.replay_timeout;
+            let has_socket = self.dealer().await.is_some();
+            let answered = match has_socket {
+                true => tokio::time::timeout(timeout, self.ask(request.from))
+                    .await
+                    .unwrap_or(false),
+                false => false,
             };
             let next = if answered {
                 let drain = self.tracker.replay_end();
-                for (_, batch) in &drain.apply {
-                    self.apply(batch);
+                for (seq, batch) in drain.apply {
+                    self.apply(seq, batch);
                 }
                 drain.replay
             } else {
-                if dealer.is_some() {
+                if has_socket {
                     self.stats.replay_timeouts += 1;
+                    // Remade for the next gap: the engine may be another process by then.
+                    self.dealer = None;
                 }
                 let (_missing, drain) = self.tracker.abandon_replay();
                 self.clear_rank();
-                for (_, batch) in &drain.apply {
-                    self.apply(batch);
+                self.partial = true;
+                for (seq, batch) in drain.apply {
+                    self.apply(seq, batch);
                 }
                 drain.replay
             };
@@ -251,15 +577,17 @@ impl Follower {
 
     /// Sends one replay request and takes its answers up to the end marker. False when the
     /// socket failed.
-    async fn ask(&mut self, dealer: &mut DealerSocket, from: u64) -> bool {
-        let frames = vec![Bytes::new(), Bytes::copy_from_slice(&replay_request(from))];
-        let Ok(message) = ZmqMessage::try_from(frames) else {
+    async fn ask(&mut self, from: u64) -> bool {
+        let Some(dealer) = self.dealer.as_mut() else {
             return false;
         };
-        if dealer.send(message).await.is_err() {
+        if send_replay_request(dealer, from).await.is_err() {
             return false;
         }
         loop {
+            let Some(dealer) = self.dealer.as_mut() else {
+                return false;
+            };
             let Ok(reply) = dealer.recv().await else {
                 return false;
             };
@@ -268,19 +596,7 @@ impl Follower {
                 Ok(ReplayReply::Batch(m)) => {
                     // The payload is the last frame in both layouts: kept, not copied.
                     let payload = frames.last().cloned().unwrap_or_default();
-                    match self.tracker.offer_replayed(m.seq, payload) {
-                        Verdict::Apply(batch) => self.apply(&batch),
-                        Verdict::Lost { batch, .. } => {
-                            self.clear_rank();
-                            self.apply(&batch);
-                        }
-                        Verdict::Restart(batch) => {
-                            self.clear_worker();
-                            self.decoder.reset();
-                            self.apply(&batch);
-                        }
-                        Verdict::Duplicate | Verdict::Held { .. } | Verdict::Dropped { .. } => {}
-                    }
+                    self.offer_replayed(m.seq, payload);
                 }
                 Ok(ReplayReply::End) => return true,
                 Err(_) => self.stats.bad_frames += 1,
@@ -289,17 +605,22 @@ impl Follower {
     }
 
     /// Decodes one batch and writes its events into the router.
-    fn apply(&mut self, payload: &[u8]) {
+    fn apply(&mut self, seq: u64, payload: Bytes) {
         self.events.clear();
-        if self
+        let decoded = self
             .decoder
-            .decode(payload, &mut self.next_id, &mut self.events)
-            .is_err()
-        {
+            .decode(&payload, &mut self.next_id, &mut self.events);
+        self.stats.last_seq = Some(seq);
+        self.last = Some((seq, payload));
+        if decoded.is_err() {
             return;
         }
         self.stats.applied_batches += 1;
         for event in &self.events {
+            if matches!(event.data, KvEventData::Cleared) {
+                // The engine emptied its cache: from here the index knows all of it.
+                self.partial = false;
+            }
             match self.router.apply_event(event) {
                 Ok(()) => self.stats.applied_events += 1,
                 Err(e) => {
@@ -366,6 +687,34 @@ impl Follower {
         self.stats.decode = self.decoder.counts();
         if let Ok(mut shared) = self.shared.lock() {
             *shared = self.stats;
+        }
+    }
+}
+
+/// Sends a replay request for everything from `from` on.
+async fn send_replay_request(dealer: &mut DealerSocket, from: u64) -> Result<(), ()> {
+    let frames = vec![Bytes::new(), Bytes::copy_from_slice(&replay_request(from))];
+    let message = ZmqMessage::try_from(frames).map_err(|_| ())?;
+    dealer.send(message).await.map_err(|_| ())
+}
+
+/// Asks for everything from `from` on and takes the answers up to the end marker: the
+/// batches by seq, and how many frames were not a replay's layout.
+async fn collect_replay(
+    dealer: &mut DealerSocket,
+    from: u64,
+) -> Result<(Vec<(u64, Bytes)>, u64), ()> {
+    send_replay_request(dealer, from).await?;
+    let mut batches = Vec::new();
+    let mut bad = 0;
+    loop {
+        let frames = dealer.recv().await.map_err(|_| ())?.into_vec();
+        match parse_replay(&frames) {
+            Ok(ReplayReply::Batch(m)) => {
+                batches.push((m.seq, frames.last().cloned().unwrap_or_default()));
+            }
+            Ok(ReplayReply::End) => return Ok((batches, bad)),
+            Err(_) => bad += 1,
         }
     }
 }

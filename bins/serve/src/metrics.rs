@@ -7,6 +7,7 @@ use prometheus::{
 };
 
 use kvroute_core::{Router, WorkerRank};
+use kvroute_transport::RankState;
 
 use super::backends::Backends;
 
@@ -26,6 +27,7 @@ pub(crate) struct Metrics {
     queue_depth: prometheus::IntGauge,
     load: IntGaugeVec,
     events: IntGaugeVec,
+    event_state: IntGaugeVec,
 }
 
 impl Metrics {
@@ -86,6 +88,14 @@ impl Metrics {
             ),
             &["worker", "dp_rank", "kind"],
         )?;
+        let event_state = IntGaugeVec::new(
+            Opts::new(
+                "kvroute_worker_kv_event_state",
+                "Per worker rank: 1 for the state its KV-event stream is in (connecting, \
+                 catching_up, live, cold, down), 0 for the others.",
+            ),
+            &["worker", "dp_rank", "state"],
+        )?;
         let queue_wait_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "kvroute_queue_wait_seconds",
@@ -118,6 +128,7 @@ impl Metrics {
         registry.register(Box::new(predicted_cached_tokens.clone()))?;
         registry.register(Box::new(load.clone()))?;
         registry.register(Box::new(events.clone()))?;
+        registry.register(Box::new(event_state.clone()))?;
         Ok(Metrics {
             registry,
             requests,
@@ -132,6 +143,7 @@ impl Metrics {
             queue_depth,
             load,
             events,
+            event_state,
         })
     }
 
@@ -139,6 +151,7 @@ impl Metrics {
     pub(crate) fn render(&self, router: &Router, backends: &Backends) -> String {
         self.load.reset();
         self.events.reset();
+        self.event_state.reset();
         self.queue_depth.set(gauge(router.queue_depth() as u64));
         let fleet = router.fleet();
         for entry in &fleet.ranks {
@@ -174,6 +187,11 @@ impl Metrics {
                     ("lost_batches", s.sequence.lost_batches),
                     ("replay_timeouts", s.replay_timeouts),
                     ("ranks_cleared", s.ranks_cleared),
+                    ("connects", s.connects),
+                    ("catch_ups", s.catch_ups),
+                    ("caught_up_batches", s.caught_up_batches),
+                    ("continued", s.continued),
+                    ("new_epochs", s.new_epochs),
                     ("bad_payloads", s.decode.bad_payloads),
                     ("unknown_types", s.decode.unknown_types),
                     ("malformed_events", s.decode.malformed_events),
@@ -186,6 +204,11 @@ impl Metrics {
                     self.events
                         .with_label_values(&[&w, &r, kind])
                         .set(gauge(value));
+                }
+                for state in RankState::ALL {
+                    self.event_state
+                        .with_label_values(&[&w, &r, state.as_str()])
+                        .set(i64::from(s.state == state));
                 }
             }
         }

@@ -270,6 +270,26 @@ impl<T> SeqTracker<T> {
         (missing, self.replay_end())
     }
 
+    /// The publisher is a new process (it went away and came back, and the replay could not
+    /// prove it the same one): everything held is dropped and the next batch offered is
+    /// applied whatever its seq. Counted as a restart.
+    pub fn new_epoch(&mut self) {
+        self.replayed_from = None;
+        self.counts.restarts += 1;
+        self.counts.dropped_at_restart += self.held.len() as u64;
+        self.held.clear();
+        self.replaying = false;
+        self.next = None;
+    }
+
+    /// Expects `seq` next: a publisher whose replay buffer was empty numbers its next batch
+    /// from here, and a later one is a gap to fill, not a first batch to take as it is.
+    pub fn expect(&mut self, seq: u64) {
+        if self.next.is_none() {
+            self.next = Some(seq);
+        }
+    }
+
     fn restart(&mut self, seq: u64, batch: T) -> Verdict<T> {
         self.replayed_from = None;
         self.counts.restarts += 1;

@@ -294,3 +294,35 @@ fn lost_batches_saturate_rather_than_wrap_after_huge_sequence_jumps() {
         t.counts().lost_batches
     );
 }
+
+#[test]
+fn a_new_epoch_drops_what_is_held_and_takes_the_next_batch_whatever_its_seq() {
+    let mut t = tracker();
+    t.offer_live(10, "a");
+    assert!(matches!(t.offer_live(12, "held"), Verdict::Held { .. }));
+    t.new_epoch();
+    assert_eq!(t.next_expected(), None);
+    assert!(!t.is_replaying());
+    assert_eq!(t.held(), 0);
+    // The new process's batches, as its replay gives them: a seq equal to the old next one
+    // is no duplicate.
+    assert_eq!(t.offer_replayed(11, "new"), Verdict::Apply("new"));
+    assert_eq!(t.offer_live(12, "next"), Verdict::Apply("next"));
+    let c = t.counts();
+    assert_eq!((c.restarts, c.dropped_at_restart, c.duplicates), (1, 1, 0));
+}
+
+#[test]
+fn an_expected_seq_turns_a_later_first_batch_into_a_gap() {
+    let mut t = tracker();
+    t.expect(0);
+    assert_eq!(
+        t.offer_live(2, "2"),
+        Verdict::Held {
+            replay: Some(ReplayRequest { from: 0, until: 2 })
+        }
+    );
+    // Only a tracker that expects nothing yet takes it.
+    t.expect(7);
+    assert_eq!(t.next_expected(), Some(0));
+}

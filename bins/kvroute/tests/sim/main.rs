@@ -23,6 +23,7 @@ mod demo;
 mod events_model;
 mod fleet;
 mod hooks;
+mod lifecycle;
 mod replay;
 mod scheduling;
 mod serve;
