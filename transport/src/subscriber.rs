@@ -89,6 +89,8 @@ pub struct SubscriberStats {
     pub applied_events: u64,
     /// Events the router's index refused.
     pub rejected_events: u64,
+    /// Batches refused whole for naming another dp rank than the one subscribed to.
+    pub foreign_rank_batches: u64,
     /// Replays that did not end in time.
     pub replay_timeouts: u64,
     /// Ranks cleared: for lost events (gaps the replay could not fill), or on request
@@ -612,7 +614,23 @@ impl Follower {
             .decode(&payload, &mut self.next_id, &mut self.events);
         self.stats.last_seq = Some(seq);
         self.last = Some((seq, payload));
-        if decoded.is_err() {
+        let Ok(outcome) = decoded else {
+            return;
+        };
+        if outcome.source.dp_rank != self.config.dp_rank {
+            // A batch that names a rank this publisher was not declared for (vLLM's external
+            // load balancing, a worker declared with too few ranks): its events would land on
+            // a rank that is not this one. Refused, counted, logged once.
+            self.stats.foreign_rank_batches += 1;
+            if self.stats.foreign_rank_batches == 1 {
+                tracing::warn!(
+                    worker = self.config.worker.0,
+                    dp_rank = self.config.dp_rank.0,
+                    batch_dp_rank = outcome.source.dp_rank.0,
+                    "KV events of a dp rank this endpoint was not declared for: refused \
+                     (declare the worker with its dp ranks)"
+                );
+            }
             return;
         }
         self.stats.applied_batches += 1;

@@ -146,6 +146,7 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
                             "ranks_cleared": s.ranks_cleared,
                             "decode_errors": s.decode.bad_payloads + s.decode.malformed_events,
                             "rejected_events": s.rejected_events,
+                            "foreign_rank_batches": s.foreign_rank_batches,
                             "salted_blocks": s.decode.salted_blocks,
                             "opaque_blocks": s.decode.opaque_blocks,
                         })),

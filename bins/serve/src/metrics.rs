@@ -178,6 +178,7 @@ impl Metrics {
                     ("applied_batches", s.applied_batches),
                     ("applied_events", s.applied_events),
                     ("rejected_events", s.rejected_events),
+                    ("foreign_rank_batches", s.foreign_rank_batches),
                     ("bad_frames", s.bad_frames),
                     ("gaps", s.sequence.gaps),
                     ("replay_requests", s.sequence.replay_requests),

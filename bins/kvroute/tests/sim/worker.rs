@@ -571,3 +571,69 @@ async fn the_request_wire_serves_the_same_engine() {
     w.stop();
     w.wait().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_of_a_dp_rank_the_worker_was_not_declared_with_are_refused_and_counted() {
+    use kvroute_core::{IndexConfig, PrefixIndex, Router, RouterConfig, WorkerConfig, WorkerId};
+    use kvroute_transport::{SubscriberConfig, Subscription};
+    // An engine that tags its batches dp rank 1 (one rank of an externally balanced
+    // data-parallel deployment), declared to the router as a worker of one rank.
+    let w = RunningWorker::start(WorkerOptions {
+        http: "127.0.0.1:0".parse().unwrap(),
+        engine: EngineConfig {
+            kv_blocks: 256,
+            speedup: 100.0,
+            ..EngineConfig::default()
+        },
+        max_model_len: 4_096,
+        kv_events: Some(PublisherConfig {
+            endpoint: "tcp://127.0.0.1:0".to_owned(),
+            replay_endpoint: Some("tcp://127.0.0.1:0".to_owned()),
+            topic: String::new(),
+            buffer_batches: 100,
+            dp_rank: 1,
+        }),
+        max_body: 1 << 16,
+        ..WorkerOptions::default()
+    })
+    .await
+    .unwrap();
+    let client = reqwest::Client::new();
+    let router = std::sync::Arc::new(
+        Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap(),
+    );
+    router
+        .join_worker(WorkerConfig::simple(0, 256, 16))
+        .unwrap();
+    let subscription = Subscription::start(
+        std::sync::Arc::clone(&router),
+        SubscriberConfig {
+            worker: WorkerId(0),
+            dp_rank: kvroute_core::DpRank(0),
+            endpoint: w.events.clone().unwrap(),
+            replay: w.replay.clone(),
+            topic: String::new(),
+            block_size: Some(16),
+            replay_timeout: Duration::from_secs(2),
+            sequence: Default::default(),
+        },
+    )
+    .await
+    .unwrap();
+    let a: Vec<u32> = (900_000..900_080).collect();
+    let mut tries = 0;
+    while subscription.stats().foreign_rank_batches == 0 {
+        tries += 1;
+        assert!(tries < 100, "{:?}", subscription.stats());
+        complete(&client, &w, json!({"prompt": a, "max_tokens": 1})).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let s = subscription.stats();
+    assert_eq!(s.applied_batches, 0, "{s:?}");
+    assert_eq!(known_blocks(&router, &a), 0);
+    assert_eq!(router.fleet().ranks.len(), 1);
+}
