@@ -10,6 +10,8 @@
 #  - sglang/: SGLang 0.5.23's own KV-event publisher (python/sglang/srt/disaggregation/
 #    kv_events.py), taken unchanged from its PyPI wheel, with stand-ins for the two sglang
 #    modules it imports; pyzmq, msgspec and pydantic in the venv.
+#  - vllm/: vLLM 0.33.0's own KV-event publisher (vllm/distributed/kv_events.py), taken
+#    unchanged from its PyPI wheel, with stand-ins for the four vllm modules it imports.
 # The tests skip, saying so, when these are absent. Needs npm and python3 (with venv). A re-run
 # downloads nothing already there and recomputes the expected ids only when their inputs changed.
 set -euo pipefail
@@ -74,6 +76,68 @@ class NetworkAddress:
     def to_tcp(self):
         return f"tcp://{self.host}:{self.port}"
 PY
+fi
+
+if [ ! -s "$out/vllm/vllm/distributed/kv_events.py" ]; then
+  "$out/venv/bin/pip" install --quiet --disable-pip-version-check pyzmq msgspec
+  tmp=$(mktemp -d)
+  "$out/venv/bin/pip" download --quiet --disable-pip-version-check --no-deps "vllm==0.33.0" -d "$tmp"
+  pkg="$out/vllm/vllm"
+  mkdir -p "$pkg/distributed" "$pkg/config" "$pkg/utils" "$pkg/v1/core"
+  python3 - "$tmp"/vllm-0.33.0-*.whl "$pkg/distributed/kv_events.py.part" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel, open(sys.argv[2], "wb") as out:
+    out.write(wheel.read("vllm/distributed/kv_events.py"))
+PY
+  rm -rf "$tmp"
+  for d in "$pkg" "$pkg/distributed" "$pkg/config" "$pkg/utils" "$pkg/v1" "$pkg/v1/core"; do
+    touch "$d/__init__.py"
+  done
+  # Stand-ins for what the publisher's module imports from the rest of vllm.
+  cat > "$pkg/config/kv_events.py" <<'PY'
+from dataclasses import dataclass
+
+
+@dataclass
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+PY
+  cat > "$pkg/logger.py" <<'PY'
+import logging
+
+
+def init_logger(name):
+    return logging.getLogger(name)
+PY
+  cat > "$pkg/utils/network_utils.py" <<'PY'
+def get_ip():
+    return "127.0.0.1"
+
+
+def get_tcp_uri(ip, port):
+    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+
+
+def is_valid_ipv6_address(address):
+    return ":" in address
+
+
+def split_zmq_path(path):
+    scheme, _, rest = path.partition("://")
+    host, _, port = rest.rpartition(":")
+    return scheme, host, port
+PY
+  cat > "$pkg/v1/core/kv_cache_utils.py" <<'PY'
+ExternalBlockHash = bytes | int
+PY
+  mv "$pkg/distributed/kv_events.py.part" "$pkg/distributed/kv_events.py"
 fi
 
 chats=bins/kvroute/tests/data/chats.json

@@ -359,6 +359,7 @@ impl Follower {
             (Some(_), answered) => {
                 // A new process, or one the replay cannot prove the same.
                 self.new_epoch();
+                self.publish();
                 let batches = match answered {
                     Some(_) => self.ask_all(0).await,
                     None => None,

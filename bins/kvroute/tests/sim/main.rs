@@ -24,10 +24,12 @@ mod events_model;
 mod fleet;
 mod hooks;
 mod lifecycle;
+mod publishers;
 mod replay;
 mod scheduling;
 mod serve;
 mod sglang;
+mod vllm;
 mod worker;
 mod workload;
 
