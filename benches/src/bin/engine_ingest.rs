@@ -4,7 +4,14 @@
 //! ```text
 //! cargo run --release -p kvroute-benches --bin engine-ingest
 //! cargo run --release -p kvroute-benches --bin engine-ingest -- --batches 20000 --rounds 5
+//! cargo run --release -p kvroute-benches --bin engine-ingest -- --life 20 --batches 10000
 //! ```
+//!
+//! With `--life DOWN_S`, an engine's life instead: a subscription started after the batches were
+//! published, caught up from a replay socket holding them all (vLLM's layout), then the engine
+//! gone for DOWN_S seconds and back as a new process that publishes one batch (kept for its
+//! replay); the figures are the catch-up's time and the reconnection's, from the new process's
+//! bind to its first batch applied.
 //!
 //! A PUB socket sends pre-encoded batches `[ts, [BlockStored of 64 blocks with their 1,024
 //! token ids], dp_rank]` on loopback as fast as it can; a `transport::Subscription` decodes
@@ -23,7 +30,7 @@ use kvroute_core::{
     DpRank, IndexConfig, PrefixIndex, Router, RouterConfig, WorkerConfig, WorkerId,
 };
 use kvroute_transport::{SubscriberConfig, Subscription};
-use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const BLOCKS: usize = 64;
 const BLOCK_SIZE: usize = 16;
@@ -193,15 +200,143 @@ async fn round(batches: &[Bytes], port: u16) -> Result<Round> {
     })
 }
 
+/// A publisher's replay socket, as vLLM's serves it: a request names the first seq wanted; the
+/// answer is every batch held from there, `[empty, topic, seq, payload]` each, then the end
+/// marker `[empty, empty, -1, empty]`.
+async fn serve_replay(mut router: RouterSocket, held: Arc<Vec<Bytes>>) {
+    while let Ok(request) = router.recv().await {
+        let frames = request.into_vec();
+        let (Some(peer), Some(from)) = (frames.first(), frames.last()) else {
+            continue;
+        };
+        let from = <[u8; 8]>::try_from(from.as_ref()).map_or(0, u64::from_be_bytes);
+        for (seq, payload) in held.iter().enumerate().skip(from as usize) {
+            let reply = vec![
+                peer.clone(),
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::copy_from_slice(&(seq as u64).to_be_bytes()),
+                payload.clone(),
+            ];
+            if let Ok(m) = ZmqMessage::try_from(reply) {
+                if router.send(m).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let end = vec![
+            peer.clone(),
+            Bytes::new(),
+            Bytes::new(),
+            Bytes::copy_from_slice(&(-1i64).to_be_bytes()),
+            Bytes::new(),
+        ];
+        if let Ok(m) = ZmqMessage::try_from(end) {
+            let _ = router.send(m).await;
+        }
+    }
+}
+
+/// The times of an engine's life, in seconds: a subscription started after `batches` were
+/// published catching up from the replay, and, after the engine was gone for `down`, its
+/// reconnection to the new process (the time from the new process's bind to its first batch
+/// applied).
+async fn life(batches: &[Bytes], port: u16, down: Duration) -> Result<(f64, f64)> {
+    let router = Arc::new(Router::new(
+        RouterConfig::default(),
+        PrefixIndex::new(IndexConfig::default()),
+    )?);
+    router.join_worker(WorkerConfig::simple(0, 4 << 20, BLOCK_SIZE as u32))?;
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let replay = format!("tcp://127.0.0.1:{}", port + 1);
+    let publisher = {
+        let mut p = PubSocket::new();
+        p.bind(&endpoint).await?;
+        p
+    };
+    let mut replay_socket = RouterSocket::new();
+    replay_socket.bind(&replay).await?;
+    let server = tokio::spawn(serve_replay(replay_socket, Arc::new(batches.to_vec())));
+    let started = Instant::now();
+    let subscription = Subscription::start(
+        Arc::clone(&router),
+        SubscriberConfig {
+            worker: WorkerId(0),
+            dp_rank: DpRank(0),
+            endpoint: endpoint.clone(),
+            replay: Some(replay.clone()),
+            topic: String::new(),
+            block_size: Some(BLOCK_SIZE as u32),
+            replay_timeout: Duration::from_secs(10),
+            sequence: Default::default(),
+        },
+    )
+    .await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while subscription.stats().applied_batches < batches.len() as u64 {
+        if Instant::now() > deadline {
+            bail!("the catch-up never ended: {:?}", subscription.stats());
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    let caught_up = started.elapsed().as_secs_f64();
+    // The engine goes away, stays away, and comes back as a new process.
+    drop(publisher);
+    server.abort();
+    let _ = server.await;
+    tokio::time::sleep(down).await;
+    let mut publisher = PubSocket::new();
+    publisher.bind(&endpoint).await?;
+    let mut replay_socket = RouterSocket::new();
+    replay_socket.bind(&replay).await?;
+    let back = Instant::now();
+    let before = subscription.stats().applied_batches;
+    // The new process's first batch, seq 0, published (to no one yet) and kept for its replay.
+    let frames = vec![
+        Bytes::new(),
+        Bytes::copy_from_slice(&0u64.to_be_bytes()),
+        batches[0].clone(),
+    ];
+    publisher
+        .send(ZmqMessage::try_from(frames).map_err(|_| anyhow::anyhow!("empty message"))?)
+        .await?;
+    let server = tokio::spawn(serve_replay(
+        replay_socket,
+        Arc::new(vec![batches[0].clone()]),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while subscription.stats().applied_batches == before {
+        if Instant::now() > deadline {
+            bail!("never reconnected: {:?}", subscription.stats());
+        }
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    let reconnected = back.elapsed().as_secs_f64();
+    server.abort();
+    if subscription.stats().new_epochs != 1 {
+        bail!(
+            "the new process was not seen as one: {:?}",
+            subscription.stats()
+        );
+    }
+    Ok((caught_up, reconnected))
+}
+
 fn main() -> Result<()> {
     let mut batches_n = 16_384usize;
     let mut rounds = 3usize;
+    let mut life_down = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--batches" => batches_n = args.next().unwrap_or_default().parse()?,
             "--rounds" => rounds = args.next().unwrap_or_default().parse()?,
-            other => bail!("unknown argument {other}; --batches N, --rounds N"),
+            "--life" => {
+                life_down = Some(Duration::from_secs_f64(
+                    args.next().unwrap_or_default().parse()?,
+                ))
+            }
+            other => bail!("unknown argument {other}; --batches N, --rounds N, --life DOWN_S"),
         }
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -214,6 +349,29 @@ fn main() -> Result<()> {
             .collect()
     };
     let map = encoded(Encoding::Map);
+    if let Some(down) = life_down {
+        println!(
+            "engine-ingest --life: catch-up of {batches_n} batches (64 blocks each, map) from the \
+             replay; reconnection after {:.1} s down, {rounds} rounds",
+            down.as_secs_f64()
+        );
+        let (mut catch_ups, mut reconnects) = (Vec::new(), Vec::new());
+        for r in 0..rounds {
+            let port = 41_000 + (r * 2) as u16 + (std::process::id() % 1000) as u16 * 10;
+            let (caught_up, reconnected) = runtime.block_on(life(&map, port, down))?;
+            println!(
+                "  round {r}: caught up in {caught_up:.3} s, reconnected {reconnected:.3} s after the return"
+            );
+            catch_ups.push(caught_up);
+            reconnects.push(reconnected);
+        }
+        println!(
+            "catch-up: median {:.3} s; reconnection: median {:.3} s",
+            median(catch_ups).unwrap_or(0.0),
+            median(reconnects).unwrap_or(0.0)
+        );
+        return Ok(());
+    }
     let array = encoded(Encoding::Array);
     println!(
         "engine-ingest: {batches_n} batches of one 64-block BlockStored ({} KiB map, {} KiB array each), {rounds} rounds",
