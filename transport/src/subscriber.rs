@@ -37,6 +37,7 @@
 //! Every outcome is counted in [`SubscriberStats`], which the task publishes after each message;
 //! each change of [`RankState`] is logged.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -75,6 +76,11 @@ pub struct SubscriberConfig {
     pub replay_timeout: Duration,
     /// The sequence tracker's limits.
     pub sequence: SequenceConfig,
+    /// A count, shared by any number of subscriptions, of those whose stream does not flow
+    /// (see [`Subscription::flowing`]): a subscription counts itself from its start until it
+    /// flows, again while it does not, and never once stopped. A router's front reads one
+    /// number to know that every stream flows.
+    pub not_flowing: Option<Arc<AtomicUsize>>,
 }
 
 /// What one subscription has seen.
@@ -149,6 +155,11 @@ impl RankState {
         RankState::Down,
     ];
 
+    /// Whether events flow: the index follows the rank (`Live` or `Cold`).
+    pub fn flows(self) -> bool {
+        matches!(self, RankState::Live | RankState::Cold)
+    }
+
     /// The state's name, as `/v1/workers` and the logs give it.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -165,6 +176,7 @@ impl RankState {
 #[derive(Debug)]
 pub struct Subscription {
     stats: Arc<Mutex<SubscriberStats>>,
+    flowing: Arc<AtomicBool>,
     clear: Arc<Notify>,
     task: JoinHandle<()>,
 }
@@ -183,7 +195,12 @@ impl Subscription {
         }
         let stats = Arc::new(Mutex::new(SubscriberStats::default()));
         let clear = Arc::new(Notify::new());
+        let flowing = Arc::new(AtomicBool::new(false));
+        if let Some(count) = &config.not_flowing {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
         let follower = Follower {
+            flowing: Arc::clone(&flowing),
             clear: Arc::clone(&clear),
             decoder: EngineDecoder::new(DecoderConfig {
                 worker: config.worker,
@@ -203,7 +220,18 @@ impl Subscription {
             config,
         };
         let task = tokio::spawn(follower.run());
-        Ok(Subscription { stats, clear, task })
+        Ok(Subscription {
+            stats,
+            flowing,
+            clear,
+            task,
+        })
+    }
+
+    /// Whether its events flow (its state is live or cold): read without a lock, for
+    /// choosing where a request may go.
+    pub fn flowing(&self) -> bool {
+        self.flowing.load(Ordering::Relaxed)
     }
 
     /// What it has seen so far.
@@ -240,6 +268,8 @@ const CONNECT_ATTEMPT: Duration = Duration::from_millis(500);
 
 struct Follower {
     config: SubscriberConfig,
+    /// Shared with the [`Subscription`]: whether its state flows.
+    flowing: Arc<AtomicBool>,
     clear: Arc<Notify>,
     decoder: EngineDecoder,
     tracker: SeqTracker<Bytes>,
@@ -255,6 +285,15 @@ struct Follower {
     last: Option<(u64, Bytes)>,
     /// Whether the index lacks part of the rank's history (see [`RankState::Cold`]).
     partial: bool,
+}
+
+impl Drop for Follower {
+    /// A stopped subscription no longer counts as one that does not flow.
+    fn drop(&mut self) {
+        if let (false, Some(count)) = (self.stats.state.flows(), &self.config.not_flowing) {
+            count.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Why the live stream stopped.
@@ -511,6 +550,16 @@ impl Follower {
     }
 
     fn set_state(&mut self, state: RankState) {
+        if self.stats.state.flows() != state.flows() {
+            self.flowing.store(state.flows(), Ordering::Relaxed);
+            if let Some(count) = &self.config.not_flowing {
+                if state.flows() {
+                    count.fetch_sub(1, Ordering::Relaxed);
+                } else {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
         if self.stats.state != state {
             tracing::info!(
                 worker = self.config.worker.0,

@@ -138,6 +138,7 @@ async fn round(batches: &[Bytes], port: u16) -> Result<Round> {
             block_size: Some(BLOCK_SIZE as u32),
             replay_timeout: Duration::from_secs(1),
             sequence: Default::default(),
+            not_flowing: None,
         },
     )
     .await?;
@@ -269,6 +270,7 @@ async fn life(batches: &[Bytes], port: u16, down: Duration) -> Result<(f64, f64)
             block_size: Some(BLOCK_SIZE as u32),
             replay_timeout: Duration::from_secs(10),
             sequence: Default::default(),
+            not_flowing: None,
         },
     )
     .await?;

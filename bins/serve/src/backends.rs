@@ -128,6 +128,8 @@ pub enum BackendError {
 #[derive(Debug, Default)]
 pub(crate) struct Backends {
     by_id: RwLock<BTreeMap<u64, Arc<Backend>>>,
+    /// Subscriptions whose events do not flow (not reached yet, catching up, or gone).
+    not_flowing: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// `tcp://host:port` with the port moved by `offset`; an error when the port does not fit.
@@ -299,6 +301,7 @@ impl Backends {
                 block_size: Some(spec.block_size),
                 replay_timeout: limits.replay_timeout,
                 sequence: Default::default(),
+                not_flowing: Some(Arc::clone(&self.not_flowing)),
             };
             match Subscription::start(Arc::clone(router), config).await {
                 Ok(subscription) => subscriptions.push(subscription),
@@ -343,6 +346,11 @@ impl Backends {
         Ok(blocks)
     }
 
+    /// Whether some worker's events do not flow: then [`Backend::flowing`] tells which.
+    pub(crate) fn any_not_flowing(&self) -> bool {
+        self.not_flowing.load(std::sync::atomic::Ordering::Relaxed) > 0
+    }
+
     pub(crate) fn get(&self, id: u64) -> Option<Arc<Backend>> {
         self.by_id.read().ok().and_then(|m| m.get(&id).cloned())
     }
@@ -356,6 +364,13 @@ impl Backends {
 }
 
 impl Backend {
+    /// Whether its KV events flow, on some rank (or it publishes none): until then the
+    /// index knows nothing true of it (not reached yet), or may hold what it no longer does
+    /// (catching up after a return, or gone).
+    pub(crate) fn flowing(&self) -> bool {
+        self.spec.kv_events.is_none() || self.subscriptions.iter().any(Subscription::flowing)
+    }
+
     /// Each rank's subscription counts, by rank.
     pub(crate) fn event_stats(&self) -> Vec<SubscriberStats> {
         self.subscriptions.iter().map(Subscription::stats).collect()

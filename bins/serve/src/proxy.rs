@@ -435,21 +435,31 @@ async fn forward(
     let mut excluded: Vec<WorkerId> = Vec::new();
     let attempts = state.options.retries + 1;
     for attempt in 0..attempts {
-        let allowed: Option<Vec<WorkerId>> = if excluded.is_empty() {
-            None
-        } else {
-            let rest: Vec<WorkerId> = state
-                .backends
-                .all()
-                .iter()
-                .map(|b| WorkerId(b.spec.id))
-                .filter(|w| !excluded.contains(w))
-                .collect();
-            if rest.is_empty() {
-                break;
-            }
-            Some(rest)
-        };
+        let allowed: Option<Vec<WorkerId>> =
+            if excluded.is_empty() && !state.backends.any_not_flowing() {
+                None
+            } else {
+                let all = state.backends.all();
+                let rest = |flowing_only: bool| -> Vec<WorkerId> {
+                    all.iter()
+                        .filter(|b| !flowing_only || b.flowing())
+                        .map(|b| WorkerId(b.spec.id))
+                        .filter(|w| !excluded.contains(w))
+                        .collect()
+                };
+                // A worker whose events do not flow (not reached yet, catching up after a
+                // return, gone) is passed over while another can take the request.
+                let flowing = rest(true);
+                let rest = if flowing.is_empty() {
+                    rest(false)
+                } else {
+                    flowing
+                };
+                if rest.is_empty() {
+                    break;
+                }
+                Some(rest)
+            };
         let draining = state.draining();
         let allowed = match (allowed, draining.is_empty()) {
             (a, true) => a,

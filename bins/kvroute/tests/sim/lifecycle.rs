@@ -268,3 +268,68 @@ async fn serve_started_after_its_engine_published_catches_up_from_the_replay() {
     complete(&client, &url, 100, 2).await;
     index_matches(&client, &url, &engine, 48).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_pass_over_an_engine_until_its_events_flow() {
+    let client = reqwest::Client::new();
+    let (up, later) = (Ports::new(), Ports::new());
+    let _up = engine_up(&client, &up).await;
+    let (_serve, url) = serve(&client, &[&up, &later]).await;
+    until(
+        Duration::from_secs(3),
+        "the first engine's stream never went live",
+        || async { rank(&client, &url).await["events"]["state"] == "live" },
+    )
+    .await;
+    // The second engine is not there: no request is sent to it (none fails over from it).
+    let worker_of =
+        |r: &reqwest::Response| r.headers()["x-kvroute-worker"].to_str().unwrap().to_owned();
+    for i in 0..6u32 {
+        let prompt: Vec<u32> = (0..64).map(|t| i * 1_000 + t).collect();
+        let r = client
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(worker_of(&r), "0");
+    }
+    let metrics = client
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !metrics.contains("kvroute_upstream_failures_total{kind=\"connect\"}"),
+        "{metrics}"
+    );
+    // Once it is up and its events flow, it takes requests.
+    let _later = engine_up(&client, &later).await;
+    let workers = || async {
+        let w = get(&client, &format!("{url}/v1/workers")).await.unwrap();
+        w["workers"][1]["ranks"][0]["events"]["state"] == "live"
+    };
+    until(
+        Duration::from_secs(3),
+        "the second engine's stream never went live",
+        workers,
+    )
+    .await;
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..12u32 {
+        let prompt: Vec<u32> = (0..64).map(|t| (100 + i) * 1_000 + t).collect();
+        let r = client
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        seen.insert(worker_of(&r));
+    }
+    assert!(seen.contains("1"), "{seen:?}");
+}

@@ -392,6 +392,7 @@ async fn a_subscribed_router_follows_the_engine_through_drops_and_restarts() {
             block_size: Some(16),
             replay_timeout: Duration::from_secs(2),
             sequence: Default::default(),
+            not_flowing: None,
         },
     )
     .await
@@ -620,6 +621,7 @@ async fn events_of_a_dp_rank_the_worker_was_not_declared_with_are_refused_and_co
             block_size: Some(16),
             replay_timeout: Duration::from_secs(2),
             sequence: Default::default(),
+            not_flowing: None,
         },
     )
     .await
