@@ -116,7 +116,9 @@ async fn index_matches(client: &reqwest::Client, serve: &str, engine: &Ports, at
     }
 }
 
-/// `n` completions of prompts of their own (64 tokens: 4 blocks each) sent to `url`.
+/// `n` completions of prompts of their own (64 tokens: 4 blocks each) sent to `url`. Through
+/// serve, each answer's prediction is checked against the engine's own count: no request is
+/// routed on a block the engine does not hold.
 async fn complete(client: &reqwest::Client, url: &str, first: u32, n: u32) {
     for i in 0..n {
         let prompt: Vec<u32> = (0..64).map(|t| (first + i) * 1_000 + t).collect();
@@ -126,7 +128,21 @@ async fn complete(client: &reqwest::Client, url: &str, first: u32, n: u32) {
             .send()
             .await
             .unwrap();
-        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+        assert_eq!(r.status(), 200);
+        let predicted: Option<u64> = r
+            .headers()
+            .get("x-kvroute-predicted-cached-tokens")
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        let body: Value = r.json().await.unwrap();
+        let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        if let Some(predicted) = predicted {
+            assert!(
+                predicted <= cached,
+                "predicted {predicted} cached tokens, the engine held {cached}"
+            );
+        }
     }
 }
 
@@ -222,8 +238,12 @@ async fn serve_listens_with_its_engine_down_and_follows_it_through_restarts() {
     )
     .await;
     assert_eq!(rank(&client, &url).await["index_blocks"], 0);
+    // The old process's prompts again: the new one lacks them, and no prediction claims them
+    // (`complete` checks each against the engine's count); sent twice, they are found.
+    complete(&client, &url, 0, 8).await;
+    complete(&client, &url, 0, 8).await;
     complete(&client, &url, 100, 4).await;
-    index_matches(&client, &url, &engine, 16).await;
+    index_matches(&client, &url, &engine, 48).await;
     // Restarted with batches published before serve reconnects: the catch-up fetches them.
     drop(process);
     process = engine_up(&client, &engine).await;
