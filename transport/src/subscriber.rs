@@ -124,6 +124,9 @@ pub struct SubscriberStats {
     pub new_epochs: u64,
     /// The seq of the last batch applied.
     pub last_seq: Option<u64>,
+    /// Batches held ahead of a gap while the replay fills it: how far the index lags what
+    /// arrived.
+    pub held_batches: u64,
 }
 
 /// Where one rank's event stream stands.
@@ -754,6 +757,7 @@ impl Follower {
 
     fn publish(&mut self) {
         self.stats.sequence = self.tracker.counts();
+        self.stats.held_batches = self.tracker.held() as u64;
         self.stats.decode = self.decoder.counts();
         if let Ok(mut shared) = self.shared.lock() {
             *shared = self.stats;

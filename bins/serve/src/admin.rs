@@ -131,6 +131,7 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
                             "state": s.state.as_str(),
                             "connected": s.live,
                             "last_seq": s.last_seq,
+                            "held_batches": s.held_batches,
                             "connects": s.connects,
                             "catch_ups": s.catch_ups,
                             "caught_up_batches": s.caught_up_batches,

@@ -193,6 +193,7 @@ impl Metrics {
                     ("caught_up_batches", s.caught_up_batches),
                     ("continued", s.continued),
                     ("new_epochs", s.new_epochs),
+                    ("held_batches", s.held_batches),
                     ("bad_payloads", s.decode.bad_payloads),
                     ("unknown_types", s.decode.unknown_types),
                     ("malformed_events", s.decode.malformed_events),

@@ -163,6 +163,7 @@ async fn vllms_own_publisher_is_followed_from_a_late_start_through_loss_and_rest
     let e = events(&client, &url, 0).await;
     assert_eq!(e["new_epochs"], 2, "{e}");
     assert_eq!(e["lost_batches"], 0, "{e}");
+    assert_eq!(e["held_batches"], 0, "{e}");
     assert_eq!(e["decode_errors"], 0, "{e}");
     assert_eq!(e["state"], "live", "{e}");
 }
