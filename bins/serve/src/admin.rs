@@ -158,6 +158,7 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
                 "id": b.spec.id,
                 "url": b.spec.url,
                 "draining": draining.contains(&WorkerId(b.spec.id)),
+                "ready": b.flowing(),
                 "kv_events": b.spec.kv_events,
                 "kv_blocks": b.spec.kv_blocks,
                 "block_size": b.spec.block_size,
@@ -184,7 +185,7 @@ pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Re
     };
     match state
         .backends
-        .add(&state.router, spec, &state.options.limits())
+        .add(&state.router, &state.client, spec, &state.options.limits())
         .await
     {
         Ok(b) => (StatusCode::CREATED, Json(json!({"id": b.spec.id}))).into_response(),

@@ -77,6 +77,20 @@ pub(crate) struct Backend {
     /// Failures in a row (5xx before the first byte, no answer in time): past the breaker's
     /// threshold the engine is marked down; any answer resets it.
     pub failures: std::sync::atomic::AtomicU32,
+    /// Whether its `/health` has answered since it joined (any answer: the engine is there).
+    answered: std::sync::atomic::AtomicBool,
+    /// The fleet's count of what is not ready (see [`Backends::any_not_flowing`]): this one
+    /// counts in it until its health answers.
+    not_flowing: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        if !self.answered.load(Ordering::Relaxed) {
+            self.not_flowing.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// An engine's OpenAI routes, parsed when it joins rather than per request.
@@ -128,7 +142,8 @@ pub enum BackendError {
 #[derive(Debug, Default)]
 pub(crate) struct Backends {
     by_id: RwLock<BTreeMap<u64, Arc<Backend>>>,
-    /// Subscriptions whose events do not flow (not reached yet, catching up, or gone).
+    /// Workers whose health has not answered yet, and subscriptions whose events do not flow
+    /// (not reached yet, catching up, or gone).
     not_flowing: Arc<std::sync::atomic::AtomicUsize>,
 }
 
@@ -264,6 +279,7 @@ impl Backends {
     pub(crate) async fn add(
         &self,
         router: &Arc<Router>,
+        client: &reqwest::Client,
         spec: BackendSpec,
         limits: &Limits,
     ) -> Result<Arc<Backend>, BackendError> {
@@ -317,6 +333,8 @@ impl Backends {
                 }
             }
         }
+        self.not_flowing
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let backend = Arc::new(Backend {
             spec,
             urls: checked.urls,
@@ -324,7 +342,10 @@ impl Backends {
             subscriptions,
             forgotten: std::sync::atomic::AtomicBool::new(false),
             failures: std::sync::atomic::AtomicU32::new(0),
+            answered: std::sync::atomic::AtomicBool::new(false),
+            not_flowing: Arc::clone(&self.not_flowing),
         });
+        tokio::spawn(bring_up(Arc::downgrade(&backend), client.clone()));
         if let Ok(mut map) = self.by_id.write() {
             map.insert(backend.spec.id, Arc::clone(&backend));
         }
@@ -364,16 +385,51 @@ impl Backends {
 }
 
 impl Backend {
-    /// Whether its KV events flow, on some rank (or it publishes none): until then the
+    /// Whether requests may go to it: its health has answered since it joined, and its KV
+    /// events flow on some rank (or it publishes none). Until then it may not be there, the
     /// index knows nothing true of it (not reached yet), or may hold what it no longer does
     /// (catching up after a return, or gone).
     pub(crate) fn flowing(&self) -> bool {
-        self.spec.kv_events.is_none() || self.subscriptions.iter().any(Subscription::flowing)
+        self.answered.load(std::sync::atomic::Ordering::Relaxed)
+            && (self.spec.kv_events.is_none()
+                || self.subscriptions.iter().any(Subscription::flowing))
+    }
+
+    /// Its health answered: it counts as there from now on.
+    fn health_answered(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.answered.swap(true, Ordering::Relaxed) {
+            self.not_flowing.fetch_sub(1, Ordering::Relaxed);
+            tracing::info!(worker = self.spec.id, "worker answers its health");
+        }
     }
 
     /// Each rank's subscription counts, by rank.
     pub(crate) fn event_stats(&self) -> Vec<SubscriberStats> {
         self.subscriptions.iter().map(Subscription::stats).collect()
+    }
+}
+
+/// Asks a joined worker's `/health` until it answers (any answer: it is there), every 50 ms
+/// at first, at most every second; stops once it has, or once the worker left.
+async fn bring_up(backend: std::sync::Weak<Backend>, client: reqwest::Client) {
+    let mut wait = std::time::Duration::from_millis(50);
+    loop {
+        let Some(b) = backend.upgrade() else {
+            return;
+        };
+        let health = format!("{}/health", b.spec.url.trim_end_matches('/'));
+        let asked = client
+            .get(health)
+            .timeout(std::time::Duration::from_secs(2))
+            .send();
+        if asked.await.is_ok() {
+            b.health_answered();
+            return;
+        }
+        drop(b);
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(std::time::Duration::from_secs(1));
     }
 }
 

@@ -277,10 +277,16 @@ impl RunningServe {
             }
             None => None,
         };
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .connect_timeout(options.connect_timeout)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| ServeError::Setup(e.to_string()))?;
         let backends = Arc::new(backends::Backends::default());
         for spec in &options.workers {
             backends
-                .add(&router, spec.clone(), &options.limits())
+                .add(&router, &client, spec.clone(), &options.limits())
                 .await?;
         }
         let listener =
@@ -294,12 +300,6 @@ impl RunningServe {
             addr: options.listen,
             source,
         })?;
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(256)
-            .connect_timeout(options.connect_timeout)
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| ServeError::Setup(e.to_string()))?;
         let state_metrics =
             Arc::new(metrics::Metrics::new().map_err(|e| ServeError::Setup(e.to_string()))?);
         let state = AppState {

@@ -290,15 +290,18 @@ async fn serve_started_after_its_engine_published_catches_up_from_the_replay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_pass_over_an_engine_until_its_events_flow() {
+async fn requests_pass_over_an_engine_until_it_answers_and_its_events_flow() {
     let client = reqwest::Client::new();
     let (up, later) = (Ports::new(), Ports::new());
     let _up = engine_up(&client, &up).await;
     let (_serve, url) = serve(&client, &[&up, &later]).await;
     until(
         Duration::from_secs(3),
-        "the first engine's stream never went live",
-        || async { rank(&client, &url).await["events"]["state"] == "live" },
+        "the first engine was never ready",
+        || async {
+            let w = get(&client, &format!("{url}/v1/workers")).await.unwrap();
+            w["workers"][0]["ready"] == true
+        },
     )
     .await;
     // The second engine is not there: no request is sent to it (none fails over from it).
@@ -331,11 +334,11 @@ async fn requests_pass_over_an_engine_until_its_events_flow() {
     let _later = engine_up(&client, &later).await;
     let workers = || async {
         let w = get(&client, &format!("{url}/v1/workers")).await.unwrap();
-        w["workers"][1]["ranks"][0]["events"]["state"] == "live"
+        w["workers"][1]["ready"] == true
     };
     until(
         Duration::from_secs(3),
-        "the second engine's stream never went live",
+        "the second engine was never ready",
         workers,
     )
     .await;

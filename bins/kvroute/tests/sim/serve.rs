@@ -139,11 +139,29 @@ async fn fleet_with(extra: &[String], serve_extra: &[String]) -> Fleet {
         ));
     }
     let (serve, url) = ready_serve(&client, &args).await;
-    Fleet {
+    let fleet = Fleet {
         engines,
         url,
         serve,
         client,
+    };
+    // Requests go only to workers serve has seen answer, with their events flowing.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let w = fleet.workers().await;
+        if w["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| w["ready"] == true)
+        {
+            return fleet;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the workers never got ready: {w}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -1,8 +1,8 @@
 //! Engines that stop answering or fail one request: stand-in engines on loopback (axum), one
-//! that takes connections and never answers (as a paused process does), one that answers 500
-//! to one prompt.
+//! that takes connections and then answers nothing (as a paused process does), one that
+//! answers 500 to one prompt, one that breaks before its first chunk.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,19 +14,28 @@ use serde_json::{json, Value};
 
 use super::gateway;
 
-/// A stand-in engine: its `/v1/completions` answers with `answer(prompt)` after `delay`, and
-/// counts what it got.
-async fn engine(delay: Duration, fail_prompt: Option<u32>) -> (String, Arc<AtomicU64>) {
+/// A stand-in engine: its `/v1/completions` answers at once (a 500 to `fail_prompt`), and
+/// counts what it got; once `paused` is set, it and its health answer nothing for an hour (as
+/// a paused process).
+async fn engine(fail_prompt: Option<u32>) -> (String, Arc<AtomicU64>, Arc<AtomicBool>) {
     let got = Arc::new(AtomicU64::new(0));
     let count = Arc::clone(&got);
+    let paused = Arc::new(AtomicBool::new(false));
+    let (pause, pause_health) = (Arc::clone(&paused), Arc::clone(&paused));
+    let stall = |paused: Arc<AtomicBool>| async move {
+        if paused.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+    };
     let app = axum::Router::new()
         .route(
             "/v1/completions",
             post(move |axum::Json(body): axum::Json<Value>| {
                 let count = Arc::clone(&count);
+                let pause = Arc::clone(&pause);
                 async move {
                     count.fetch_add(1, Ordering::Relaxed);
-                    tokio::time::sleep(delay).await;
+                    stall(pause).await;
                     let first = body["prompt"][0].as_u64().map(|t| t as u32);
                     if first.is_some() && first == fail_prompt {
                         return (StatusCode::INTERNAL_SERVER_ERROR, "cannot take it")
@@ -42,15 +51,33 @@ async fn engine(delay: Duration, fail_prompt: Option<u32>) -> (String, Arc<Atomi
         )
         .route(
             "/health",
-            get(move || async move {
-                tokio::time::sleep(delay).await;
-                "ok"
+            get(move || {
+                let pause = Arc::clone(&pause_health);
+                async move {
+                    stall(pause).await;
+                    "ok"
+                }
             }),
         );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, got)
+    (url, got, paused)
+}
+
+/// Waits until serve takes requests for every worker of `ids` (their health answered).
+async fn ready(client: &reqwest::Client, url: &str, ids: &[u64]) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let v = super::get_json(client, &format!("{url}/v1/workers")).await;
+        let workers = v["workers"].as_array().unwrap();
+        let up = |id: &u64| workers.iter().any(|w| w["id"] == *id && w["ready"] == true);
+        if ids.iter().all(up) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 async fn add(client: &reqwest::Client, url: &str, id: u64, engine: &str) {
@@ -87,8 +114,8 @@ async fn complete(client: &reqwest::Client, url: &str, first: u32) -> StatusCode
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_engine_is_routed_around_and_marked_down() {
-    let (hung, hung_got) = engine(Duration::from_secs(3600), None).await;
-    let (live, live_got) = engine(Duration::ZERO, None).await;
+    let (hung, hung_got, pause) = engine(None).await;
+    let (live, live_got, _) = engine(None).await;
     let (serve, url) = gateway(ServeOptions {
         first_byte_timeout: Duration::from_millis(300),
         breaker_failures: 2,
@@ -104,7 +131,10 @@ async fn a_paused_engine_is_routed_around_and_marked_down() {
     let client = reqwest::Client::new();
     add(&client, &url, 1, &hung).await;
     add(&client, &url, 2, &live).await;
-    // Every request is answered, by the live engine, within about one timeout.
+    ready(&client, &url, &[1, 2]).await;
+    // Paused after it was seen up: every request is answered, by the live engine, within
+    // about one timeout.
+    pause.store(true, Ordering::Relaxed);
     for i in 0..8 {
         let start = std::time::Instant::now();
         assert_eq!(complete(&client, &url, i * 1000).await, StatusCode::OK);
@@ -127,7 +157,7 @@ async fn a_paused_engine_is_routed_around_and_marked_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_prompt_that_makes_an_engine_fail_does_not_take_it_down() {
-    let (flaky, flaky_got) = engine(Duration::ZERO, Some(999_999)).await;
+    let (flaky, flaky_got, _) = engine(Some(999_999)).await;
     let (serve, url) = gateway(ServeOptions {
         breaker_failures: 3,
         retries: 2,
@@ -208,6 +238,7 @@ async fn an_engine_that_fails_before_its_first_chunk_is_retried_elsewhere() {
     let client = reqwest::Client::new();
     add(&client, &url, 1, &dying).await;
     add(&client, &url, 2, &live).await;
+    ready(&client, &url, &[1, 2]).await;
     // The client never sees the broken answers: nothing of them had reached it, so each went
     // to the other engine.
     for i in 0..4 {
@@ -224,5 +255,41 @@ async fn an_engine_that_fails_before_its_first_chunk_is_retried_elsewhere() {
     }
     assert!(dying_got.load(Ordering::Relaxed) >= 1);
     assert_eq!(live_got.load(Ordering::Relaxed), 4);
+    serve.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_gets_no_request_until_its_health_answers() {
+    let (silent, silent_got, pause) = engine(None).await;
+    pause.store(true, Ordering::Relaxed);
+    let (live, live_got, _) = engine(None).await;
+    let (serve, url) = gateway(ServeOptions {
+        router: kvroute_core::RouterConfig {
+            policy: kvroute_core::Policy::RoundRobin,
+            ..kvroute_core::RouterConfig::default()
+        },
+        ..ServeOptions::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    add(&client, &url, 1, &silent).await;
+    add(&client, &url, 2, &live).await;
+    ready(&client, &url, &[2]).await;
+    // Round robin would alternate: the engine that never answered its health gets nothing.
+    for i in 0..6 {
+        assert_eq!(complete(&client, &url, i * 1000).await, StatusCode::OK);
+    }
+    assert_eq!(silent_got.load(Ordering::Relaxed), 0);
+    assert_eq!(live_got.load(Ordering::Relaxed), 6);
+    // It answers: from then on it takes its share.
+    pause.store(false, Ordering::Relaxed);
+    ready(&client, &url, &[1, 2]).await;
+    for i in 0..6 {
+        assert_eq!(
+            complete(&client, &url, 100_000 + i * 1000).await,
+            StatusCode::OK
+        );
+    }
+    assert!(silent_got.load(Ordering::Relaxed) >= 2);
     serve.stop();
 }
