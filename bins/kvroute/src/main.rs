@@ -247,6 +247,17 @@ struct DemoArgs {
     /// for the hit rate over the oracle. It loads the workers: use a lower --time-scale.
     #[arg(long, requires = "live")]
     oracle: bool,
+    /// Fleet sizes to run one after the other (e.g. 8,32,64,128), arrivals scaled with the
+    /// size: the built-in workload's rate, or a trace's speed-up, times size ÷ --workers, and
+    /// its requests too (the built-in workload's default or --requests; a trace's --requests
+    /// when given). A table per size; with --json, every size's report.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "SIZES",
+        conflicts_with = "live"
+    )]
+    sweep_workers: Vec<usize>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -639,6 +650,64 @@ fn init_logs() {
         .try_init();
 }
 
+/// One demo per fleet size of `--sweep-workers`, arrivals and requests scaled with the size.
+fn run_sweep(args: &DemoArgs, config: DemoConfig) -> anyhow::Result<()> {
+    if args.sweep_workers.contains(&0) || args.workers == 0 {
+        anyhow::bail!("--sweep-workers and --workers take sizes of at least 1");
+    }
+    let mut sizes = Vec::new();
+    for &size in &args.sweep_workers {
+        let scale = size as f64 / args.workers as f64;
+        let scaled = |n: usize| ((n as f64 * scale).round() as usize).max(1);
+        let (requests, rate, speedup) = match &args.trace {
+            None => (
+                Some(scaled(args.requests.unwrap_or(4_000))),
+                args.rate * scale,
+                args.speedup,
+            ),
+            Some(_) => (args.requests.map(scaled), args.rate, args.speedup * scale),
+        };
+        let workload = workload(args.trace.as_deref(), requests, 4_000, args.seed, rate)?
+            .with_speedup(speedup);
+        let sized = DemoConfig {
+            workers: size,
+            ..config.clone()
+        };
+        eprintln!(
+            "kvroute demo, sweep: {} workers, {} ({} requests, arrivals ×{:.2}{})",
+            size,
+            workload.name(),
+            workload.len(),
+            workload.speedup(),
+            if args.trace.is_none() {
+                format!(", {rate:.0}/s")
+            } else {
+                String::new()
+            }
+        );
+        let report = demo::run(&workload, &sized, &|p| {
+            eprintln!(
+                "  {:<16} done in {:>5.1} s: hit rate {:.3}, TTFT mean {:.0} ms",
+                p.name, p.wall_seconds, p.hit_rate, p.ttft_mean_ms
+            );
+        })?;
+        println!();
+        println!("{size} workers:");
+        print!("{}", report.table());
+        sizes.push(serde_json::json!({
+            "workers": size,
+            "arrivals_per_second": if args.trace.is_none() { Some(rate) } else { None },
+            "report": report,
+        }));
+    }
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&serde_json::json!({ "sweep": sizes }))?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     let workload = workload(
         args.trace.as_deref(),
@@ -682,7 +751,7 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         policies: if args.policies.is_empty() {
             defaults.policies
         } else {
-            args.policies
+            args.policies.clone()
         },
         threads: args.threads.unwrap_or(defaults.threads),
         load_sample_every: Duration::from_secs(1),
@@ -697,6 +766,9 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         config.policies.len(),
         config.threads
     );
+    if !args.sweep_workers.is_empty() {
+        return run_sweep(&args, config);
+    }
     if args.live {
         eprintln!("(the in-process run below is the first policy's only)");
         return run_live_demo(

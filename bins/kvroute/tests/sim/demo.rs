@@ -255,3 +255,54 @@ fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
     );
     std::fs::remove_file(&json).unwrap();
 }
+
+#[test]
+fn a_sweep_runs_each_fleet_size_with_arrivals_and_requests_scaled() {
+    let json = std::env::temp_dir().join(format!("kvroute-sweep-{}.json", std::process::id()));
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "demo",
+            "--sweep-workers",
+            "2,4",
+            "--workers",
+            "2",
+            "--requests",
+            "60",
+            "--policies",
+            "kv-aware,round-robin",
+            "--json",
+        ])
+        .arg(&json)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let sizes = report["sweep"].as_array().unwrap();
+    assert_eq!(sizes.len(), 2);
+    // Twice the workers: twice the arrivals a second and twice the requests.
+    for (s, (workers, rate, requests)) in sizes.iter().zip([(2, 35.0, 60), (4, 70.0, 120)]) {
+        assert_eq!(s["workers"], workers);
+        assert_eq!(s["arrivals_per_second"].as_f64(), Some(rate));
+        assert_eq!(s["report"]["workers"], workers);
+        assert_eq!(s["report"]["requests"], requests);
+        let names: Vec<&str> = s["report"]["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["kv-aware", "round-robin"]);
+    }
+    // A size of 0 is refused.
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["demo", "--sweep-workers", "0,4", "--requests", "10"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success());
+    std::fs::remove_file(&json).unwrap();
+}
