@@ -3,11 +3,11 @@
 //! started again on the same ports. Each scenario ends with serve's index equal to the
 //! engine's cache, block for block.
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use super::serve::kvroute;
 use super::{free_port, Process};
 
 /// One engine's ports, kept so that it can be started again on them.
@@ -56,17 +56,6 @@ impl Ports {
             "50".into(),
         ])
     }
-}
-
-fn kvroute(args: &[String]) -> Process {
-    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(args)
-        .env("KVROUTE_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    Process(child)
 }
 
 /// Polls `check` every 20 ms until it holds, for at most `within`; panics with `what`.

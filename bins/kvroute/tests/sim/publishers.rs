@@ -3,18 +3,82 @@
 //! them.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use super::{free_port, Process};
+
+/// The fixtures' Python and the module path holding `engine`'s publisher `module` (relative
+/// to `target/fixtures/<engine>`), when `scripts/fixtures.sh` has run.
+pub fn fixtures(engine: &str, module: &str) -> Option<(PathBuf, PathBuf)> {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures");
+    let python = fixtures.join("venv/bin/python");
+    let path = fixtures.join(engine);
+    (python.exists() && path.join(module).exists()).then_some((python, path))
+}
+
+/// `kvroute serve` following one worker of `dp_size` ranks publishing on `events`/`replay`
+/// (port + r for rank r), answering on the URL returned. The worker's HTTP is never called:
+/// the tests ask `/v1/route`.
+pub async fn serve(events: &str, replay: &str, dp_size: u32) -> (Process, String) {
+    let http = free_port();
+    let process = Process(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{http}")])
+            .arg("--worker")
+            .arg(format!(
+                "url=http://127.0.0.1:1,events={events},replay={replay},kv_blocks=4096,dp_size={dp_size}"
+            ))
+            .env("KVROUTE_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let url = format!("http://127.0.0.1:{http}");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while client.get(format!("{url}/health")).send().await.is_err() {
+        assert!(Instant::now() < deadline, "serve never answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (process, url)
+}
+
 pub struct Publisher {
-    pub child: Child,
-    pub stdin: ChildStdin,
-    pub stdout: BufReader<ChildStdout>,
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
 }
 
 impl Publisher {
+    /// `scripts/<script>` run by `python` with `args` and `path` as its module path, once it
+    /// says it is bound.
+    pub fn start(python: &PathBuf, path: &PathBuf, script: &str, args: &[String]) -> Publisher {
+        let scripts = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts");
+        let mut child = Command::new(python)
+            .arg(scripts.join(script))
+            .args(args)
+            .env("PYTHONPATH", path)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut publisher = Publisher {
+            stdin: child.stdin.take().unwrap(),
+            stdout: BufReader::new(child.stdout.take().unwrap()),
+            child,
+        };
+        let mut line = String::new();
+        publisher.stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ok", "the publisher said {line:?}");
+        publisher
+    }
+
     pub fn send(&mut self, command: Value) {
         writeln!(self.stdin, "{command}").unwrap();
         let mut line = String::new();
@@ -69,7 +133,8 @@ pub async fn wait_predicted(client: &reqwest::Client, url: &str, tokens: &[u32],
     }
 }
 
-pub async fn events(client: &reqwest::Client, url: &str) -> Value {
+/// Serve's event counts of worker 0's rank `rank`.
+pub async fn events(client: &reqwest::Client, url: &str, rank: usize) -> Value {
     let w: Value = client
         .get(format!("{url}/v1/workers"))
         .send()
@@ -78,5 +143,5 @@ pub async fn events(client: &reqwest::Client, url: &str) -> Value {
         .json()
         .await
         .unwrap();
-    w["workers"][0]["ranks"][0]["events"].clone()
+    w["workers"][0]["ranks"][rank]["events"].clone()
 }

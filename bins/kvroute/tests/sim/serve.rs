@@ -10,7 +10,8 @@ use serde_json::{json, Value};
 
 use super::{free_port, Process};
 
-fn kvroute(args: &[String]) -> Process {
+/// A `kvroute` process with `args`, quiet.
+pub(super) fn kvroute(args: &[String]) -> Process {
     let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(args)
         .env("KVROUTE_LOG", "warn")

@@ -3,69 +3,27 @@
 //! index; a batch lost on the wire is repaired through the replay socket; a restarted
 //! publisher clears the worker.
 
-use std::io::BufReader;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::publishers::{blocks, events, predicted, wait_predicted, Publisher};
-use super::{free_port, Process};
+use super::free_port;
+use super::publishers::{blocks, events, fixtures, predicted, serve, wait_predicted, Publisher};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglangs_own_publisher_feeds_the_index_through_loss_and_restart() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let fixtures = root.join("target/fixtures");
-    let python = fixtures.join("venv/bin/python");
-    if !fixtures
-        .join("sglang/sglang/srt/disaggregation/kv_events.py")
-        .exists()
-        || !python.exists()
-    {
+    let Some((python, path)) = fixtures("sglang", "sglang/srt/disaggregation/kv_events.py") else {
         crate::skip_without_fixtures(
             "no SGLang publisher in target/fixtures (run scripts/fixtures.sh)",
         );
         return;
-    }
-    let (events_port, replay_port, http) = (free_port(), free_port(), free_port());
-    let endpoint = format!("tcp://127.0.0.1:{events_port}");
-    let replay = format!("tcp://127.0.0.1:{replay_port}");
-    let mut child = Command::new(&python)
-        .arg(root.join("scripts/sglang_publisher.py"))
-        .arg(&endpoint)
-        .arg(&replay)
-        .env("PYTHONPATH", fixtures.join("sglang"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut publisher = Publisher {
-        stdin: child.stdin.take().unwrap(),
-        stdout: BufReader::new(child.stdout.take().unwrap()),
-        child,
     };
-    let _serve = Process(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{http}")])
-            .arg("--worker")
-            .arg(format!(
-                "url=http://127.0.0.1:1,events={endpoint},replay={replay},kv_blocks=4096"
-            ))
-            .env("KVROUTE_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let url = format!("http://127.0.0.1:{http}");
+    let endpoint = format!("tcp://127.0.0.1:{}", free_port());
+    let replay = format!("tcp://127.0.0.1:{}", free_port());
+    let args = [endpoint.clone(), replay.clone()];
+    let mut publisher = Publisher::start(&python, &path, "sglang_publisher.py", &args);
+    let (_serve, url) = serve(&endpoint, &replay, 1).await;
     let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while client.get(format!("{url}/health")).send().await.is_err() {
-        assert!(Instant::now() < deadline, "serve never answered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     // Until the subscription is connected, stores are lost to the slow joiner: repeat one.
     let (warm_hashes, warm_tokens) = blocks(900, 2);
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -94,7 +52,7 @@ async fn sglangs_own_publisher_feeds_the_index_through_loss_and_restart() {
     publisher.send(json!({"op": "store", "hashes": c_hashes, "parent": null, "tokens": c_tokens}));
     wait_predicted(&client, &url, &c_tokens, 32).await;
     wait_predicted(&client, &url, &b_tokens, 48).await;
-    let e = events(&client, &url).await;
+    let e = events(&client, &url, 0).await;
     assert_eq!(e["gaps"], 1, "{e}");
     assert_eq!(e["ranks_cleared"], 0, "{e}");
     assert!(e["replayed"].as_u64().unwrap() >= 1, "{e}");
@@ -125,7 +83,7 @@ async fn sglangs_own_publisher_feeds_the_index_through_loss_and_restart() {
         0,
         "cleared at the restart"
     );
-    let e = events(&client, &url).await;
+    let e = events(&client, &url, 0).await;
     assert_eq!(e["restarts"], 1, "{e}");
     assert_eq!(e["decode_errors"], 0, "{e}");
 }

@@ -3,78 +3,31 @@
 //! after the engine published, a batch lost on the wire, restarts whose new sequence runs
 //! below, equal to and past the old one, and one rank of two restarted.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
-use super::publishers::{blocks, predicted, wait_predicted, Publisher};
+use super::publishers::{blocks, events, fixtures, predicted, serve, wait_predicted, Publisher};
 use super::{free_port, Process};
-
-/// The fixtures' Python and vLLM's module path, when `scripts/fixtures.sh` has run.
-fn fixtures() -> Option<(PathBuf, PathBuf)> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let fixtures = root.join("target/fixtures");
-    let python = fixtures.join("venv/bin/python");
-    let module = fixtures.join("vllm/vllm/distributed/kv_events.py");
-    (python.exists() && module.exists()).then(|| (python, fixtures.join("vllm")))
-}
 
 /// vLLM's publisher for dp rank `rank`, bound on the base ports + `rank`, as vLLM binds them.
 fn publisher(events: u16, replay: u16, rank: u32) -> Option<Publisher> {
-    let (python, path) = fixtures()?;
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/vllm_publisher.py");
-    let mut child = Command::new(python)
-        .arg(script)
-        .arg(format!("tcp://*:{events}"))
-        .arg(format!("tcp://*:{replay}"))
-        .arg(rank.to_string())
-        .env("PYTHONPATH", path)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut publisher = Publisher {
-        stdin: child.stdin.take().unwrap(),
-        stdout: BufReader::new(child.stdout.take().unwrap()),
-        child,
-    };
-    // It answers once bound.
-    let mut line = String::new();
-    publisher.stdout.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "ok", "the publisher said {line:?}");
-    Some(publisher)
+    let (python, path) = fixtures("vllm", "vllm/distributed/kv_events.py")?;
+    let args = [
+        format!("tcp://*:{events}"),
+        format!("tcp://*:{replay}"),
+        rank.to_string(),
+    ];
+    Some(Publisher::start(&python, &path, "vllm_publisher.py", &args))
 }
 
-/// `kvroute serve` following a worker with `dp_size` ranks publishing on `events`/`replay`
-/// (and + r), answering on the URL returned. The worker's HTTP is never called: the tests
-/// ask `/v1/route`.
-async fn serve(events: u16, replay: u16, dp_size: u32) -> (Process, String) {
-    let http = free_port();
-    let process = Process(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(["serve", "--listen", &format!("127.0.0.1:{http}")])
-            .arg("--worker")
-            .arg(format!(
-                "url=http://127.0.0.1:1,events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay},kv_blocks=4096,dp_size={dp_size}"
-            ))
-            .env("KVROUTE_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+/// Serve following vLLM's publisher on the base ports `events` and `replay`.
+async fn serve_on(events: u16, replay: u16, dp_size: u32) -> (Process, String) {
+    let (events, replay) = (
+        format!("tcp://127.0.0.1:{events}"),
+        format!("tcp://127.0.0.1:{replay}"),
     );
-    let url = format!("http://127.0.0.1:{http}");
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while client.get(format!("{url}/health")).send().await.is_err() {
-        assert!(Instant::now() < deadline, "serve never answered");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    (process, url)
+    serve(&events, &replay, dp_size).await
 }
 
 /// A free port whose next one is free too (dp rank 1 binds the base port + 1).
@@ -85,19 +38,6 @@ fn port_pair() -> u16 {
             return port;
         }
     }
-}
-
-/// Serve's event counts of rank `rank`.
-async fn events(client: &reqwest::Client, url: &str, rank: usize) -> Value {
-    let w: Value = client
-        .get(format!("{url}/v1/workers"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    w["workers"][0]["ranks"][rank]["events"].clone()
 }
 
 /// Stores `n` chains of one block each, `first..first + n`.
@@ -120,7 +60,7 @@ async fn vllms_own_publisher_is_followed_from_a_late_start_through_loss_and_rest
     // The engine publishes before serve is there: a chain of 4 blocks.
     let (a_hashes, a_tokens) = blocks(0, 4);
     publisher.send(json!({"op": "store", "hashes": a_hashes, "parent": null, "tokens": a_tokens}));
-    let (_serve, url) = serve(events_port, replay_port, 1).await;
+    let (_serve, url) = serve_on(events_port, replay_port, 1).await;
     let client = reqwest::Client::new();
     // Serve's first connection reads the replay: the chain is known with nothing sent again.
     wait_predicted(&client, &url, &a_tokens, 64).await;
@@ -181,7 +121,7 @@ async fn one_rank_of_two_restarted_leaves_the_other_ranks_blocks() {
     let Some(mut rank1) = publisher(events_port, replay_port, 1) else {
         return;
     };
-    let (_serve, url) = serve(events_port, replay_port, 2).await;
+    let (_serve, url) = serve_on(events_port, replay_port, 2).await;
     let client = reqwest::Client::new();
     let (a_hashes, a_tokens) = blocks(0, 4);
     let (b_hashes, b_tokens) = blocks(100, 4);
@@ -191,24 +131,23 @@ async fn one_rank_of_two_restarted_leaves_the_other_ranks_blocks() {
     wait_predicted(&client, &url, &a_tokens, 64).await;
     wait_predicted(&client, &url, &b_tokens, 64).await;
     rank1.send(json!({"op": "restart"}));
-    let mut p = b_tokens.clone();
-    p.extend([7, 7, 7]);
-    let v: Value = client
-        .post(format!("{url}/v1/route"))
-        .json(&json!({"prompt": p}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    eprintln!("DEBUG route {v}");
     wait_predicted(&client, &url, &b_tokens, 0).await;
     assert_eq!(predicted(&client, &url, &a_tokens).await, 64);
-    let (r0, r1) = (
-        events(&client, &url, 0).await,
-        events(&client, &url, 1).await,
-    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r1 = events(&client, &url, 1).await;
+        if r1["state"] == "live" {
+            assert_eq!(r1["new_epochs"], 1, "{r1}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{r1}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r0 = events(&client, &url, 0).await;
     assert_eq!(r0["new_epochs"], 0, "{r0}");
-    assert_eq!(r1["new_epochs"], 1, "{r1}");
+    assert_eq!(r0["state"], "live", "{r0}");
+    // The restarted rank goes on: a new store on it is followed.
+    let (c_hashes, c_tokens) = blocks(200, 2);
+    rank1.send(json!({"op": "store", "hashes": c_hashes, "parent": null, "tokens": c_tokens}));
+    wait_predicted(&client, &url, &c_tokens, 32).await;
 }

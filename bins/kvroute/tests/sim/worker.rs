@@ -15,6 +15,11 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 /// A worker on loopback ports the system picks, with KV events and replay, passes 100 times
 /// faster than the timing model.
 async fn worker() -> RunningWorker {
+    worker_of_rank(0).await
+}
+
+/// A worker whose KV-event batches name dp rank `dp_rank`.
+async fn worker_of_rank(dp_rank: u32) -> RunningWorker {
     RunningWorker::start(WorkerOptions {
         http: "127.0.0.1:0".parse().unwrap(),
         engine: EngineConfig {
@@ -28,7 +33,7 @@ async fn worker() -> RunningWorker {
             replay_endpoint: Some("tcp://127.0.0.1:0".to_owned()),
             topic: "kv@test".to_owned(),
             buffer_batches: 100,
-            dp_rank: 0,
+            dp_rank,
         }),
         max_body: 1 << 16,
         ..WorkerOptions::default()
@@ -337,6 +342,45 @@ async fn kv_events_arrive_on_vllms_wire_and_a_dropped_batch_is_replayed() {
     assert_eq!(parse_live(&restarted).unwrap().seq, 0);
 }
 
+/// A router with worker 0 (256 blocks of 16 tokens, one rank) joined, following `w`'s events
+/// as that worker's rank 0.
+async fn subscribed(
+    w: &RunningWorker,
+) -> (
+    std::sync::Arc<kvroute_core::Router>,
+    kvroute_transport::Subscription,
+) {
+    use kvroute_core::{IndexConfig, PrefixIndex, Router, RouterConfig, WorkerConfig, WorkerId};
+    use kvroute_transport::{SubscriberConfig, Subscription};
+    let router = std::sync::Arc::new(
+        Router::new(
+            RouterConfig::default(),
+            PrefixIndex::new(IndexConfig::default()),
+        )
+        .unwrap(),
+    );
+    router
+        .join_worker(WorkerConfig::simple(0, 256, 16))
+        .unwrap();
+    let subscription = Subscription::start(
+        std::sync::Arc::clone(&router),
+        SubscriberConfig {
+            worker: WorkerId(0),
+            dp_rank: kvroute_core::DpRank(0),
+            endpoint: w.events.clone().unwrap(),
+            replay: w.replay.clone(),
+            topic: String::new(),
+            block_size: Some(16),
+            replay_timeout: Duration::from_secs(2),
+            sequence: Default::default(),
+            not_flowing: None,
+        },
+    )
+    .await
+    .unwrap();
+    (router, subscription)
+}
+
 /// Blocks of `prompt` the router's index holds on worker 0.
 fn known_blocks(router: &kvroute_core::Router, prompt: &[u32]) -> u32 {
     let locals = kvroute_core::BlockHasher::new(16).local_hashes(prompt);
@@ -367,36 +411,9 @@ async fn wait_known(router: &kvroute_core::Router, prompt: &[u32], blocks: u32) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscribed_router_follows_the_engine_through_drops_and_restarts() {
-    use kvroute_core::{IndexConfig, PrefixIndex, Router, RouterConfig, WorkerConfig, WorkerId};
-    use kvroute_transport::{SubscriberConfig, Subscription};
     let w = worker().await;
     let client = reqwest::Client::new();
-    let router = std::sync::Arc::new(
-        Router::new(
-            RouterConfig::default(),
-            PrefixIndex::new(IndexConfig::default()),
-        )
-        .unwrap(),
-    );
-    router
-        .join_worker(WorkerConfig::simple(0, 256, 16))
-        .unwrap();
-    let subscription = Subscription::start(
-        std::sync::Arc::clone(&router),
-        SubscriberConfig {
-            worker: WorkerId(0),
-            dp_rank: kvroute_core::DpRank(0),
-            endpoint: w.events.clone().unwrap(),
-            replay: w.replay.clone(),
-            topic: String::new(),
-            block_size: Some(16),
-            replay_timeout: Duration::from_secs(2),
-            sequence: Default::default(),
-            not_flowing: None,
-        },
-    )
-    .await
-    .unwrap();
+    let (router, subscription) = subscribed(&w).await;
     // Until the subscription is connected, batches are lost to the slow joiner: send prompts
     // until one lands.
     let mut warm = 0u32;
@@ -575,57 +592,11 @@ async fn the_request_wire_serves_the_same_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_of_a_dp_rank_the_worker_was_not_declared_with_are_refused_and_counted() {
-    use kvroute_core::{IndexConfig, PrefixIndex, Router, RouterConfig, WorkerConfig, WorkerId};
-    use kvroute_transport::{SubscriberConfig, Subscription};
     // An engine that tags its batches dp rank 1 (one rank of an externally balanced
     // data-parallel deployment), declared to the router as a worker of one rank.
-    let w = RunningWorker::start(WorkerOptions {
-        http: "127.0.0.1:0".parse().unwrap(),
-        engine: EngineConfig {
-            kv_blocks: 256,
-            speedup: 100.0,
-            ..EngineConfig::default()
-        },
-        max_model_len: 4_096,
-        kv_events: Some(PublisherConfig {
-            endpoint: "tcp://127.0.0.1:0".to_owned(),
-            replay_endpoint: Some("tcp://127.0.0.1:0".to_owned()),
-            topic: String::new(),
-            buffer_batches: 100,
-            dp_rank: 1,
-        }),
-        max_body: 1 << 16,
-        ..WorkerOptions::default()
-    })
-    .await
-    .unwrap();
+    let w = worker_of_rank(1).await;
     let client = reqwest::Client::new();
-    let router = std::sync::Arc::new(
-        Router::new(
-            RouterConfig::default(),
-            PrefixIndex::new(IndexConfig::default()),
-        )
-        .unwrap(),
-    );
-    router
-        .join_worker(WorkerConfig::simple(0, 256, 16))
-        .unwrap();
-    let subscription = Subscription::start(
-        std::sync::Arc::clone(&router),
-        SubscriberConfig {
-            worker: WorkerId(0),
-            dp_rank: kvroute_core::DpRank(0),
-            endpoint: w.events.clone().unwrap(),
-            replay: w.replay.clone(),
-            topic: String::new(),
-            block_size: Some(16),
-            replay_timeout: Duration::from_secs(2),
-            sequence: Default::default(),
-            not_flowing: None,
-        },
-    )
-    .await
-    .unwrap();
+    let (router, subscription) = subscribed(&w).await;
     let a: Vec<u32> = (900_000..900_080).collect();
     let mut tries = 0;
     while subscription.stats().foreign_rank_batches == 0 {
