@@ -124,8 +124,9 @@ impl Books {
             return;
         };
         match e {
-            IndexError::UnknownParent { .. } => {
+            IndexError::UnknownParent { placed, .. } => {
                 self.errors.unknown_parent += 1;
+                self.events.placed_under_peer += u64::from(*placed);
                 self.ranks.entry(h.source).or_default().resync = true;
             }
             IndexError::Full { .. } => {

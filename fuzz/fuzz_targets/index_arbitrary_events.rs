@@ -210,6 +210,7 @@ struct Shadow {
     missing: u128,
     reordered: u64,
     unknown_parent: u64,
+    placed_under_peer: u64,
     unknown_blocks: u64,
     invalid_chain: u64,
     unknown_rank: u64,
@@ -402,8 +403,22 @@ impl Harness {
             );
             return;
         }
+        let placed = match got {
+            Ok(()) => true,
+            Err(IndexError::UnknownParent { rank, parent: p, placed: true }) => {
+                assert_eq!((rank, Some(p)), (h.source, parent), "unknown parent reported");
+                // Placed under another rank's block of that name: stored all the same.
+                self.shadow.unknown_parent += 1;
+                self.shadow.placed_under_peer += 1;
+                if let Some(state) = self.shadow.live.get_mut(&h.source) {
+                    state.needs_resync = true;
+                }
+                true
+            }
+            _ => false,
+        };
         match got {
-            Ok(()) => {
+            _ if placed => {
                 let added = blocks.len() as u64;
                 let evicted = after.evicted_pairs - before.evicted_pairs;
                 if self.shadow.budget.is_none() {
@@ -426,7 +441,11 @@ impl Harness {
                 }
                 self.shadow.remember(h.source, parent, blocks);
             }
-            Err(IndexError::UnknownParent { rank, parent: p }) => {
+            Err(IndexError::UnknownParent {
+                rank,
+                parent: p,
+                placed: false,
+            }) => {
                 assert_eq!(
                     (rank, Some(p)),
                     (h.source, parent),
@@ -442,7 +461,7 @@ impl Harness {
                     "a rejected store changed the index"
                 );
             }
-            Err(e) => panic!("stored event rejected with {e:?}"),
+            other => panic!("stored event rejected with {other:?}"),
         }
     }
 
@@ -618,8 +637,14 @@ impl Harness {
         let s = self.index.stats();
         let sh = &self.shadow;
         assert_eq!(s.ranks, sh.live.len(), "live ranks");
-        let events = (s.events.events, s.events.gaps, s.events.reordered);
-        assert_eq!(events, (sh.events, sh.gaps, sh.reordered), "event counts");
+        let events = (
+            s.events.events,
+            s.events.gaps,
+            s.events.reordered,
+            s.events.placed_under_peer,
+        );
+        let want = (sh.events, sh.gaps, sh.reordered, sh.placed_under_peer);
+        assert_eq!(events, want, "event counts");
         if let Ok(missing) = u64::try_from(sh.missing) {
             assert_eq!(s.events.missing, missing, "missing event ids");
         }

@@ -26,8 +26,15 @@
 //! batch, other bytes, no answer, no replay socket) is a new epoch: the rank is cleared and
 //! rebuilt from the oldest batch the replay holds. A new subscriber does the same from the
 //! start. A rank rebuilt from a replay that no longer reached back to its publisher's first
-//! batch, or cleared for a gap it could not fill, is `Cold` until its cache turns over: the
-//! index holds only what was stored since, and never a block the engine dropped.
+//! batch, or cleared for a gap it could not fill, is `Partial` until its cache turns over: the
+//! index holds only what was stored since, and never a block the engine dropped. A Stored
+//! event continuing a block the index never saw shows the engine still holds part of that
+//! history (the index places the chain under another rank's block of that name where it can,
+//! see [`IndexError::UnknownParent`]); the cache has turned over once the rank has stored its
+//! whole capacity ([`SubscriberConfig::capacity_blocks`]) with no such event since. Without a
+//! capacity, it stays partial until the engine clears its cache.
+//!
+//! [`IndexError::UnknownParent`]: kvroute_core::IndexError::UnknownParent
 //!
 //! A replay is served inline: live messages wait in the SUB socket's queue meanwhile, and the
 //! tracker holds what arrives ahead of the gap. A replay that does not end within
@@ -44,7 +51,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use kvroute_core::{
-    DpRank, EventHeader, EventId, KvEvent, KvEventData, Router, StorageTier, WorkerId, WorkerRank,
+    DpRank, EventHeader, EventId, IndexError, KvEvent, KvEventData, Router, StorageTier, WorkerId,
+    WorkerRank,
 };
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -76,6 +84,9 @@ pub struct SubscriberConfig {
     pub replay_timeout: Duration,
     /// The sequence tracker's limits.
     pub sequence: SequenceConfig,
+    /// The rank's KV cache, in blocks, when known: a partial rank is live again once it has
+    /// stored this many blocks with no sign of an older one (see [`RankState::Partial`]).
+    pub capacity_blocks: Option<u64>,
     /// A count, shared by any number of subscriptions, of those whose stream does not flow
     /// (see [`Subscription::flowing`]): a subscription counts itself from its start until it
     /// flows, again while it does not, and never once stopped. A router's front reads one
@@ -122,6 +133,15 @@ pub struct SubscriberStats {
     /// Reconnections to a new process (or one the replay could not prove the same): the rank
     /// cleared and rebuilt.
     pub new_epochs: u64,
+    /// Stored events continuing a block the index did not hold for the rank (what a partial
+    /// rank's engine kept from before): placed under another rank's block of that name, or
+    /// refused.
+    pub unrooted_stores: u64,
+    /// Of those, the ones placed under another rank's block.
+    pub placed_under_peer: u64,
+    /// Blocks stored since the index was last shown to lack part of the rank's cache (a
+    /// partial rank is live again once they reach its capacity).
+    pub turnover_blocks: u64,
     /// The seq of the last batch applied.
     pub last_seq: Option<u64>,
     /// Batches held ahead of a gap while the replay fills it: how far the index lags what
@@ -139,10 +159,11 @@ pub enum RankState {
     CatchingUp,
     /// Following the live stream; the index holds the rank's cache.
     Live,
-    /// Following the live stream, but the index lost part of the rank's history (a gap the
-    /// replay no longer held, or a publisher met after its replay buffer turned over): it holds
-    /// only what was stored since, until the cache turns over.
-    Cold,
+    /// Following the live stream, but the index knows part of the rank's cache only (a gap
+    /// the replay no longer held, a publisher met after its replay buffer turned over, a
+    /// chain whose parent it never saw): it holds what was stored since, never a block the
+    /// engine dropped, until the cache turns over.
+    Partial,
     /// The publisher went away; reconnecting. What the index holds stays until the catch-up
     /// proves it or clears it.
     Down,
@@ -154,13 +175,13 @@ impl RankState {
         RankState::Connecting,
         RankState::CatchingUp,
         RankState::Live,
-        RankState::Cold,
+        RankState::Partial,
         RankState::Down,
     ];
 
-    /// Whether events flow: the index follows the rank (`Live` or `Cold`).
+    /// Whether events flow: the index follows the rank (`Live` or `Partial`).
     pub fn flows(self) -> bool {
-        matches!(self, RankState::Live | RankState::Cold)
+        matches!(self, RankState::Live | RankState::Partial)
     }
 
     /// The state's name, as `/v1/workers` and the logs give it.
@@ -169,7 +190,7 @@ impl RankState {
             RankState::Connecting => "connecting",
             RankState::CatchingUp => "catching_up",
             RankState::Live => "live",
-            RankState::Cold => "cold",
+            RankState::Partial => "partial",
             RankState::Down => "down",
         }
     }
@@ -220,6 +241,7 @@ impl Subscription {
             dealer: None,
             last: None,
             partial: false,
+            turnover: 0,
             config,
         };
         let task = tokio::spawn(follower.run());
@@ -231,7 +253,7 @@ impl Subscription {
         })
     }
 
-    /// Whether its events flow (its state is live or cold): read without a lock, for
+    /// Whether its events flow (its state is live or partial): read without a lock, for
     /// choosing where a request may go.
     pub fn flowing(&self) -> bool {
         self.flowing.load(Ordering::Relaxed)
@@ -286,8 +308,10 @@ struct Follower {
     dealer: Option<DealerSocket>,
     /// The last batch applied, by seq and bytes: what a catch-up checks continuity against.
     last: Option<(u64, Bytes)>,
-    /// Whether the index lacks part of the rank's history (see [`RankState::Cold`]).
+    /// Whether the index lacks part of the rank's history (see [`RankState::Partial`]).
     partial: bool,
+    /// Blocks stored since the index was last shown to lack part of the rank's cache.
+    turnover: u64,
 }
 
 impl Drop for Follower {
@@ -383,7 +407,7 @@ impl Follower {
                 if batches.first().map_or(0, |b| b.0) > 0 {
                     // The publisher had numbered past what its buffer holds: what was stored
                     // before is unknown.
-                    self.partial = true;
+                    self.set_partial();
                 }
                 batches
             }
@@ -412,13 +436,13 @@ impl Follower {
                     Some(batches) => {
                         self.stats.catch_ups += 1;
                         if batches.first().map_or(0, |b| b.0) > 0 {
-                            self.partial = true;
+                            self.set_partial();
                         }
                         batches
                     }
                     None => {
-                        // Nothing proves what the engine holds: start cold.
-                        self.partial = true;
+                        // Nothing proves what the engine holds: start partial.
+                        self.set_partial();
                         self.follow_state();
                         return;
                     }
@@ -438,10 +462,10 @@ impl Follower {
         self.follow_state();
     }
 
-    /// Live, or cold when the index lacks part of the rank's history.
+    /// Live, or partial when the index lacks part of the rank's history.
     fn follow_state(&mut self) {
         let state = if self.partial {
-            RankState::Cold
+            RankState::Partial
         } else {
             RankState::Live
         };
@@ -533,7 +557,7 @@ impl Follower {
                 }
                 Verdict::Lost { batch, .. } => {
                     self.clear_rank();
-                    self.partial = true;
+                    self.set_partial();
                     self.apply(seq, batch);
                 }
             }
@@ -545,7 +569,7 @@ impl Follower {
     /// The state after a live batch, without publishing twice.
     fn follow_state_quietly(&mut self) {
         let state = if self.partial {
-            RankState::Cold
+            RankState::Partial
         } else {
             RankState::Live
         };
@@ -581,7 +605,7 @@ impl Follower {
             Verdict::Apply(batch) => self.apply(seq, batch),
             Verdict::Lost { batch, .. } => {
                 self.clear_rank();
-                self.partial = true;
+                self.set_partial();
                 self.apply(seq, batch);
             }
             Verdict::Restart(batch) => {
@@ -619,7 +643,7 @@ impl Follower {
                 }
                 let (_missing, drain) = self.tracker.abandon_replay();
                 self.clear_rank();
-                self.partial = true;
+                self.set_partial();
                 for (seq, batch) in drain.apply {
                     self.apply(seq, batch);
                 }
@@ -694,8 +718,25 @@ impl Follower {
                 // The engine emptied its cache: from here the index knows all of it.
                 self.partial = false;
             }
-            match self.router.apply_event(event) {
-                Ok(()) => self.stats.applied_events += 1,
+            let result = self.router.apply_event(event);
+            match (&event.data, &result) {
+                (KvEventData::Stored { blocks, .. }, Ok(())) => {
+                    self.turnover += blocks.len() as u64;
+                }
+                (_, Err(IndexError::UnknownParent { placed, .. })) => {
+                    // The engine holds a block the index never saw stored.
+                    self.stats.unrooted_stores += 1;
+                    self.stats.placed_under_peer += u64::from(*placed);
+                    self.partial = true;
+                    self.turnover = 0;
+                }
+                _ => {}
+            }
+            match result {
+                // A chain placed under another rank's block is stored all the same.
+                Ok(()) | Err(IndexError::UnknownParent { placed: true, .. }) => {
+                    self.stats.applied_events += 1;
+                }
                 Err(e) => {
                     self.stats.rejected_events += 1;
                     // The first rejection of a stream, then one in 1,024: counted always,
@@ -712,6 +753,25 @@ impl Follower {
                 }
             }
         }
+        self.stats.turnover_blocks = self.turnover;
+        let capacity = self.config.capacity_blocks;
+        if self.partial && capacity.is_some_and(|c| self.turnover >= c) {
+            // The engine stored its whole cache's worth since the last sign of an older
+            // block: what the index lacked has been evicted.
+            self.partial = false;
+            tracing::info!(
+                worker = self.config.worker.0,
+                dp_rank = self.config.dp_rank.0,
+                stored = self.turnover,
+                "KV events: the rank's cache turned over; the index knows all of it again"
+            );
+        }
+    }
+
+    /// The index lacks part of the rank's cache: partial until it turns over.
+    fn set_partial(&mut self) {
+        self.partial = true;
+        self.turnover = 0;
     }
 
     /// Drops what the index holds of this rank.

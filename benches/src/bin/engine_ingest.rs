@@ -139,6 +139,7 @@ async fn round(batches: &[Bytes], port: u16) -> Result<Round> {
             replay_timeout: Duration::from_secs(1),
             sequence: Default::default(),
             not_flowing: None,
+            capacity_blocks: None,
         },
     )
     .await?;
@@ -271,6 +272,7 @@ async fn life(batches: &[Bytes], port: u16, down: Duration) -> Result<(f64, f64)
             replay_timeout: Duration::from_secs(10),
             sequence: Default::default(),
             not_flowing: None,
+            capacity_blocks: None,
         },
     )
     .await?;

@@ -318,6 +318,7 @@ impl Backends {
                 replay_timeout: limits.replay_timeout,
                 sequence: Default::default(),
                 not_flowing: Some(Arc::clone(&self.not_flowing)),
+                capacity_blocks: Some(spec.kv_blocks),
             };
             match Subscription::start(Arc::clone(router), config).await {
                 Ok(subscription) => subscriptions.push(subscription),

@@ -92,7 +92,7 @@ impl Metrics {
             Opts::new(
                 "kvroute_worker_kv_event_state",
                 "Per worker rank: 1 for the state its KV-event stream is in (connecting, \
-                 catching_up, live, cold, down), 0 for the others.",
+                 catching_up, live, partial, down), 0 for the others.",
             ),
             &["worker", "dp_rank", "state"],
         )?;
@@ -194,6 +194,9 @@ impl Metrics {
                     ("continued", s.continued),
                     ("new_epochs", s.new_epochs),
                     ("held_batches", s.held_batches),
+                    ("unrooted_stores", s.unrooted_stores),
+                    ("placed_under_peer", s.placed_under_peer),
+                    ("turnover_blocks", s.turnover_blocks),
                     ("bad_payloads", s.decode.bad_payloads),
                     ("unknown_types", s.decode.unknown_types),
                     ("malformed_events", s.decode.malformed_events),

@@ -17,7 +17,9 @@
 //!
 //! Engines name blocks by their own opaque hashes. Each rank keeps its own map from name to
 //! position: the names of one rank's events are looked up in one small map that stays warm in
-//! cache while that rank's events are applied, and two ranks never see each other's names.
+//! cache while that rank's events are applied. Only a Stored event whose parent its rank does
+//! not hold (a rank known in part) looks in the other ranks' maps, to place the chain where
+//! they all hold a block of that name.
 //! Physical copies of one block in one (rank, tier) are counted, so the block leaves only with
 //! its last copy.
 //!

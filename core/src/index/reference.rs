@@ -47,7 +47,7 @@ impl ReferenceIndex {
         parent: Option<BlockHash>,
         blocks: &[StoredBlock],
     ) -> Result<(), IndexError> {
-        let rank = self.ranks.entry(header.source).or_default();
+        self.ranks.entry(header.source).or_default();
         if blocks.is_empty() {
             return Ok(());
         }
@@ -60,18 +60,34 @@ impl ReferenceIndex {
                 });
             }
         }
+        // A parent the rank does not hold: the one prefix the other ranks hold under that
+        // name, if they agree on one.
+        let mut unrooted = None;
         let mut prefix = match parent {
             None => Vec::new(),
-            Some(p) => match rank.names.get(&p) {
-                Some(pre) if rank.holds_any(pre) => pre.clone(),
+            Some(p) => match self.ranks[&header.source].names.get(&p) {
+                Some(pre) if self.ranks[&header.source].holds_any(pre) => pre.clone(),
                 _ => {
-                    return Err(IndexError::UnknownParent {
+                    let peers: Vec<&Prefix> = (self.ranks.iter())
+                        .filter(|(r, _)| **r != header.source)
+                        .filter_map(|(_, m)| m.names.get(&p).filter(|pre| m.holds_any(pre)))
+                        .collect();
+                    let refused = IndexError::UnknownParent {
                         rank: header.source,
                         parent: p,
-                    })
+                        placed: false,
+                    };
+                    match peers.first() {
+                        Some(&pre) if peers.iter().all(|&other| other == pre) => {
+                            unrooted = Some(p);
+                            pre.clone()
+                        }
+                        _ => return Err(refused),
+                    }
                 }
             },
         };
+        let rank = self.ranks.entry(header.source).or_default();
         for b in blocks {
             prefix.push(b.local_hash);
             *rank
@@ -80,7 +96,14 @@ impl ReferenceIndex {
                 .or_insert(0) += 1;
             rank.names.insert(b.block_hash, prefix.clone());
         }
-        Ok(())
+        match unrooted {
+            None => Ok(()),
+            Some(parent) => Err(IndexError::UnknownParent {
+                rank: header.source,
+                parent,
+                placed: true,
+            }),
+        }
     }
 
     /// Applies a Removed event: one copy of each named block leaves the event's tier.

@@ -6,14 +6,20 @@ use crate::event::{BlockHash, EventId, WorkerId, WorkerRank};
 /// Why an event or call was rejected. Every rejection is also counted in [`ErrorCounts`].
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum IndexError {
-    /// A Stored event continues a parent block the rank does not hold: nothing is stored, and
-    /// the rank is flagged for resynchronisation.
-    #[error("stored event of {rank} continues parent block {parent:?}, which the rank does not hold; the rank needs resynchronisation")]
+    /// A Stored event continues a parent block the rank does not hold (the index missed the
+    /// parent's store: a rank met late, or cleared for a gap). When other ranks name a block
+    /// so, all at one position (engines that hash blocks alike), the chain is placed there
+    /// (`placed`): the rank holds the event's blocks but not their ancestors, so they score
+    /// nothing for it until it stores those, and its removals and children apply. Otherwise
+    /// nothing is stored. Either way the rank is flagged for resynchronisation.
+    #[error("stored event of {rank} continues parent block {parent:?}, which the rank does not hold; {}", placed_text(.placed))]
     UnknownParent {
         /// The event's source.
         rank: WorkerRank,
         /// The parent it names.
         parent: BlockHash,
+        /// Whether the blocks were placed under another rank's block of that name.
+        placed: bool,
     },
     /// A Removed event names blocks the rank does not hold in that tier; the blocks it does
     /// hold were removed.
@@ -75,6 +81,14 @@ pub enum IndexError {
     },
 }
 
+fn placed_text(placed: &bool) -> &'static str {
+    if *placed {
+        "its blocks were placed under another rank's block of that name"
+    } else {
+        "nothing is stored; the rank needs resynchronisation"
+    }
+}
+
 /// Rejections, per kind. `unknown_blocks` counts blocks, the others count events or calls.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ErrorCounts {
@@ -107,6 +121,9 @@ pub struct EventCounts {
     pub missing: u64,
     /// Events whose id was not above the last one seen (duplicates and late arrivals).
     pub reordered: u64,
+    /// Stored events of a parent their rank did not hold, placed under another rank's block
+    /// of that name ([`IndexError::UnknownParent`] with `placed`; counted there too).
+    pub placed_under_peer: u64,
 }
 
 /// Where a rank's event stream stands.

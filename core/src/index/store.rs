@@ -114,16 +114,23 @@ impl PrefixIndex {
                 block: bad.block_hash,
             });
         }
-        let (shard, start) = match found {
-            Ok(at) => at,
-            Err(p) => {
-                self.errors.unknown_parent += 1;
-                self.flag_resync(rank);
-                return Err(IndexError::UnknownParent {
-                    rank: header.source,
-                    parent: p,
-                });
-            }
+        let (shard, start, unrooted) = match found {
+            Ok((shard, start)) => (shard, start, None),
+            Err(p) => match self.peer_position(rank, p.0) {
+                Some(loc) => {
+                    let (shard, pos) = unpack(loc);
+                    (shard, Some(pos), Some(p))
+                }
+                None => {
+                    self.errors.unknown_parent += 1;
+                    self.flag_resync(rank);
+                    return Err(IndexError::UnknownParent {
+                        rank: header.source,
+                        parent: p,
+                        placed: false,
+                    });
+                }
+            },
         };
         // A store creates at most one run per block: refuse it whole if that could not fit.
         if !self.shards[shard].has_room_for(blocks.len()) {
@@ -197,6 +204,43 @@ impl PrefixIndex {
         self.placed = placed;
         self.shards[shard].commit();
         self.enforce_budget();
-        Ok(())
+        match unrooted {
+            None => Ok(()),
+            Some(parent) => {
+                self.errors.unknown_parent += 1;
+                self.events.placed_under_peer += 1;
+                self.flag_resync(rank);
+                Err(IndexError::UnknownParent {
+                    rank: header.source,
+                    parent,
+                    placed: true,
+                })
+            }
+        }
+    }
+
+    /// Where the other ranks hold a block named `name`: its packed position when every rank
+    /// that holds a block so named holds it there (`None` when none does, or they disagree:
+    /// engines that hash blocks differently may reuse a name for another block).
+    fn peer_position(&self, rank: u32, name: u64) -> Option<u32> {
+        let mut found = None;
+        for (id, state) in self.ranks.iter().enumerate() {
+            let id = id as u32;
+            let Some(state) = state.as_ref().filter(|_| id != rank) else {
+                continue;
+            };
+            let Some(loc) = state.names.get(name, &self.shards) else {
+                continue;
+            };
+            if !self.holds(loc, id, None) {
+                continue;
+            }
+            match found {
+                None => found = Some(loc),
+                Some(at) if at == loc => {}
+                Some(_) => return None,
+            }
+        }
+        found
     }
 }

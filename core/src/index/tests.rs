@@ -185,7 +185,8 @@ fn dp_ranks_are_separate_caches() {
     let s = scores_of(&ix.reader(), &query(5), MatchOptions::default());
     assert_eq!(s.blocks(WorkerRank::new(1, 0)), 5);
     assert_eq!(s.blocks(WorkerRank::new(1, 1)), 2);
-    // The parent is looked up in the event's own rank.
+    // The parent is looked up in the event's own rank: another rank's block of that name
+    // places the chain, which scores nothing for this rank without its ancestors.
     let err = ix
         .apply_stored(
             hdr(1, 1, 1, device()),
@@ -193,7 +194,88 @@ fn dp_ranks_are_separate_caches() {
             &chain(5, 6, 0),
         )
         .unwrap_err();
-    assert!(matches!(err, IndexError::UnknownParent { .. }));
+    assert!(matches!(
+        err,
+        IndexError::UnknownParent { placed: true, .. }
+    ));
+    let s = scores_of(&ix.reader(), &query(6), MatchOptions::default());
+    assert_eq!(s.blocks(WorkerRank::new(1, 0)), 5);
+    assert_eq!(s.blocks(WorkerRank::new(1, 1)), 2);
+}
+
+#[test]
+fn a_partially_known_rank_places_its_chains_under_a_peers_block_and_scores_only_rooted_ones() {
+    let mut ix = idx();
+    let (a, b) = (WorkerRank::new(1, 0), WorkerRank::new(2, 0));
+    ix.apply_stored(hdr(1, 0, 0, device()), None, &chain(0, 10, 0))
+        .unwrap();
+    // Worker 2 was met late: it holds blocks 0..10 the index never saw stored, and stores
+    // 10..12 after them. Worker 1 names block 9 alike, so the chain is placed there.
+    let err = ix
+        .apply_stored(
+            hdr(2, 0, 0, device()),
+            Some(BlockHash(1009)),
+            &chain(10, 12, 0),
+        )
+        .unwrap_err();
+    assert_eq!(
+        err,
+        IndexError::UnknownParent {
+            rank: b,
+            parent: BlockHash(1009),
+            placed: true,
+        }
+    );
+    assert!(err
+        .to_string()
+        .contains("placed under another rank's block"));
+    let stats = ix.stats();
+    assert_eq!(stats.errors.unknown_parent, 1);
+    assert_eq!(stats.events.placed_under_peer, 1);
+    assert_eq!(ix.ranks_needing_resync(), vec![b]);
+    assert_eq!(stats.stored_pairs, 12);
+    // Never credited with blocks it may not hold: its leading blocks are unknown.
+    let s = scores_of(&ix.reader(), &query(12), MatchOptions::default());
+    assert_eq!((s.blocks(a), s.blocks(b)), (10, 0));
+    // Its own placed block is a parent now, and its removals apply.
+    ix.apply_stored(
+        hdr(2, 0, 1, device()),
+        Some(BlockHash(1011)),
+        &chain(12, 13, 0),
+    )
+    .unwrap();
+    ix.apply_removed(hdr(2, 0, 2, device()), &[BlockHash(1012)])
+        .unwrap();
+    // Once it stores the leading blocks again, the whole chain scores.
+    ix.apply_stored(hdr(2, 0, 3, device()), None, &chain(0, 10, 0))
+        .unwrap();
+    let s = scores_of(&ix.reader(), &query(13), MatchOptions::default());
+    assert_eq!((s.blocks(a), s.blocks(b)), (10, 12));
+    // Two ranks that name one block at two positions (engines that hash alike for some
+    // blocks only) place nothing.
+    ix.apply_stored(hdr(3, 0, 0, device()), None, &chain(20, 22, 0))
+        .unwrap();
+    let elsewhere = [StoredBlock {
+        block_hash: BlockHash(1021),
+        local_hash: LocalHash(31),
+    }];
+    ix.apply_stored(hdr(4, 0, 0, device()), None, &elsewhere)
+        .unwrap();
+    let before = ix.stats().stored_pairs;
+    assert_eq!(
+        ix.apply_stored(
+            hdr(5, 0, 0, device()),
+            Some(BlockHash(1021)),
+            &chain(40, 41, 0)
+        ),
+        Err(IndexError::UnknownParent {
+            rank: WorkerRank::new(5, 0),
+            parent: BlockHash(1021),
+            placed: false,
+        })
+    );
+    assert_eq!(ix.stats().stored_pairs, before);
+    assert_eq!(ix.stats().events.placed_under_peer, 1);
 }
 
 #[test]
@@ -209,7 +291,8 @@ fn unknown_parent_is_rejected_counted_and_flags_resync() {
         err,
         IndexError::UnknownParent {
             rank: r,
-            parent: BlockHash(9)
+            parent: BlockHash(9),
+            placed: false,
         }
     );
     assert!(err.to_string().contains("does not hold"));
@@ -420,6 +503,7 @@ fn a_name_left_for_a_block_no_longer_held_is_not_a_parent() {
         Err(IndexError::UnknownParent {
             rank: WorkerRank::new(1, 0),
             parent: BlockHash(1002),
+            placed: false,
         })
     );
     assert_eq!(ix.stats().blocks, 0);

@@ -24,13 +24,23 @@ pub fn fixtures(engine: &str, module: &str) -> Option<(PathBuf, PathBuf)> {
 /// (port + r for rank r), answering on the URL returned. The worker's HTTP is never called:
 /// the tests ask `/v1/route`.
 pub async fn serve(events: &str, replay: &str, dp_size: u32) -> (Process, String) {
+    serve_sized(events, replay, dp_size, 4096).await
+}
+
+/// [`serve`], the worker declared with `kv_blocks` blocks per rank.
+pub async fn serve_sized(
+    events: &str,
+    replay: &str,
+    dp_size: u32,
+    kv_blocks: u64,
+) -> (Process, String) {
     let http = free_port();
     let process = Process(
         Command::new(env!("CARGO_BIN_EXE_kvroute"))
             .args(["serve", "--listen", &format!("127.0.0.1:{http}")])
             .arg("--worker")
             .arg(format!(
-                "url=http://127.0.0.1:1,events={events},replay={replay},kv_blocks=4096,dp_size={dp_size}"
+                "url=http://127.0.0.1:1,events={events},replay={replay},kv_blocks={kv_blocks},dp_size={dp_size}"
             ))
             .env("KVROUTE_LOG", "warn")
             .stdout(Stdio::null())

@@ -374,6 +374,7 @@ async fn subscribed(
             replay_timeout: Duration::from_secs(2),
             sequence: Default::default(),
             not_flowing: None,
+            capacity_blocks: Some(256),
         },
     )
     .await
