@@ -35,12 +35,15 @@ pub(crate) async fn route(
     if book && granted != Granted::Admin {
         return refuse(&state, StatusCode::FORBIDDEN);
     }
+    // The workers the proxy would consider now: ready ones first, never a draining one.
+    let allowed = crate::proxy::allowed_workers(&state, &[]).flatten();
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let request = RouteRequest {
         id,
         tokens: &routed.tokens,
         hints: RouteHints {
             mode: if book { Mode::Book } else { Mode::QueryOnly },
+            allowed: allowed.as_deref(),
             prompt_len: Some(routed.prompt_len),
             expected_output_tokens: routed.expected_output,
             lora_name: routed.lora.as_deref(),

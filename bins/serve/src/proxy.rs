@@ -435,44 +435,8 @@ async fn forward(
     let mut excluded: Vec<WorkerId> = Vec::new();
     let attempts = state.options.retries + 1;
     for attempt in 0..attempts {
-        let allowed: Option<Vec<WorkerId>> =
-            if excluded.is_empty() && !state.backends.any_not_flowing() {
-                None
-            } else {
-                let all = state.backends.all();
-                let rest = |flowing_only: bool| -> Vec<WorkerId> {
-                    all.iter()
-                        .filter(|b| !flowing_only || b.flowing())
-                        .map(|b| WorkerId(b.spec.id))
-                        .filter(|w| !excluded.contains(w))
-                        .collect()
-                };
-                // A worker whose events do not flow (not reached yet, catching up after a
-                // return, gone) is passed over while another can take the request.
-                let flowing = rest(true);
-                let rest = if flowing.is_empty() {
-                    rest(false)
-                } else {
-                    flowing
-                };
-                if rest.is_empty() {
-                    break;
-                }
-                Some(rest)
-            };
-        let draining = state.draining();
-        let allowed = match (allowed, draining.is_empty()) {
-            (a, true) => a,
-            (Some(a), false) => Some(a.into_iter().filter(|w| !draining.contains(w)).collect()),
-            (None, false) => Some(
-                state
-                    .backends
-                    .all()
-                    .iter()
-                    .map(|b| WorkerId(b.spec.id))
-                    .filter(|w| !draining.contains(w))
-                    .collect(),
-            ),
+        let Some(allowed) = allowed_workers(state, &excluded) else {
+            break;
         };
         let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
         let request = RouteRequest {
@@ -640,6 +604,52 @@ fn is_event_stream(response: &reqwest::Response) -> bool {
         .get(reqwest::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+/// The workers a request may go to now, past those `excluded` (tried already): `Some(None)`
+/// any, `Some(Some(list))` those, `None` none left to try. A worker whose events do not flow
+/// (not reached yet, catching up after a return, gone) or whose health has not answered is
+/// passed over while another can take the request; a draining worker never gets one.
+pub(crate) fn allowed_workers(
+    state: &AppState,
+    excluded: &[WorkerId],
+) -> Option<Option<Vec<WorkerId>>> {
+    let allowed = if excluded.is_empty() && !state.backends.any_not_flowing() {
+        None
+    } else {
+        let all = state.backends.all();
+        let rest = |flowing_only: bool| -> Vec<WorkerId> {
+            all.iter()
+                .filter(|b| !flowing_only || b.flowing())
+                .map(|b| WorkerId(b.spec.id))
+                .filter(|w| !excluded.contains(w))
+                .collect()
+        };
+        let flowing = rest(true);
+        let rest = if flowing.is_empty() {
+            rest(false)
+        } else {
+            flowing
+        };
+        if rest.is_empty() {
+            return None;
+        }
+        Some(rest)
+    };
+    let draining = state.draining();
+    Some(match (allowed, draining.is_empty()) {
+        (a, true) => a,
+        (Some(a), false) => Some(a.into_iter().filter(|w| !draining.contains(w)).collect()),
+        (None, false) => Some(
+            state
+                .backends
+                .all()
+                .iter()
+                .map(|b| WorkerId(b.spec.id))
+                .filter(|w| !draining.contains(w))
+                .collect(),
+        ),
+    })
 }
 
 /// Sends the engine's answer back as it comes (a stream's first chunk, when it streams,

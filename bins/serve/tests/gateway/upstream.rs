@@ -112,6 +112,20 @@ async fn complete(client: &reqwest::Client, url: &str, first: u32) -> StatusCode
         .status()
 }
 
+/// The worker `/v1/route` names for a prompt from `first`.
+async fn routed_to(client: &reqwest::Client, url: &str, first: u32) -> u64 {
+    let v: Value = client
+        .post(format!("{url}/v1/route"))
+        .json(&json!({"prompt": (0..40).map(|t| first + t).collect::<Vec<u32>>()}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["worker"].as_u64().unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_engine_is_routed_around_and_marked_down() {
     let (hung, hung_got, pause) = engine(None).await;
@@ -281,6 +295,10 @@ async fn an_engine_gets_no_request_until_its_health_answers() {
     }
     assert_eq!(silent_got.load(Ordering::Relaxed), 0);
     assert_eq!(live_got.load(Ordering::Relaxed), 6);
+    // The decision alone says what the proxy does.
+    for i in 0..4 {
+        assert_eq!(routed_to(&client, &url, 50_000 + i * 1000).await, 2);
+    }
     // It answers: from then on it takes its share.
     pause.store(false, Ordering::Relaxed);
     ready(&client, &url, &[1, 2]).await;
