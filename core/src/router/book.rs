@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use super::scratch::Prompt;
-use super::{bump, Bookkeeping, Decision, Phase, RouteError, RouteRequest, Router};
+use super::{bump, Bookkeeping, Decision, Fallback, Phase, RouteError, RouteRequest, Router};
 use crate::approx::checkpoint_keys_extend;
 use crate::config::Speculative;
 use crate::event::WorkerRank;
@@ -62,8 +62,11 @@ impl Router {
                         _ => {}
                     }
                 }
-                if d.fallback.is_some() {
+                if d.fallback.is_some() && hints.phase == Phase::Prefill {
                     bump(&self.counters.prefill_fallbacks);
+                }
+                if d.fallback == Some(Fallback::AggregatedToDecode) {
+                    bump(&self.counters.whole_on_decode);
                 }
             }
         }

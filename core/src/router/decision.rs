@@ -30,6 +30,10 @@ pub enum Fallback {
     /// A prefill-phase request went to an aggregated worker: no prefill worker has joined
     /// (and disaggregation is not enforced).
     PrefillToAggregated,
+    /// A whole request (aggregated, or prefill with no prefill worker and disaggregation not
+    /// enforced) went to a decode worker: the fleet has no aggregated worker, and a decode
+    /// worker computes a prompt no prefill worker handed it.
+    AggregatedToDecode,
 }
 
 /// Whether the decision booked load.

@@ -264,8 +264,12 @@ pub struct RouterCounts {
     /// Decisions that found every eligible rank busy and took the least loaded
     /// ([`DecidedBy::FallbackAllBusy`](crate::DecidedBy::FallbackAllBusy)).
     pub all_busy: u64,
-    /// Prefill-phase requests served by aggregated workers (no prefill worker joined).
+    /// Prefill-phase requests served by aggregated workers, or by decode workers in a fleet
+    /// without aggregated ones (no prefill worker joined).
     pub prefill_fallbacks: u64,
+    /// Whole requests served by a decode worker: the fleet has no aggregated worker
+    /// ([`Fallback::AggregatedToDecode`](crate::Fallback::AggregatedToDecode)).
+    pub whole_on_decode: u64,
     /// Ranks probed for prompt blocks already active on them.
     pub shared_probes: u64,
     /// Probes skipped because the rank's table was held by another thread.
@@ -337,6 +341,7 @@ pub(super) struct Counters {
     pub(super) untracked: AtomicU64,
     pub(super) all_busy: AtomicU64,
     pub(super) prefill_fallbacks: AtomicU64,
+    pub(super) whole_on_decode: AtomicU64,
     pub(super) shared_probes: AtomicU64,
     pub(super) shared_probes_busy: AtomicU64,
     pub(super) no_tokens: AtomicU64,
@@ -376,6 +381,7 @@ impl Router {
             untracked: r(&c.untracked),
             all_busy: r(&c.all_busy),
             prefill_fallbacks: r(&c.prefill_fallbacks),
+            whole_on_decode: r(&c.whole_on_decode),
             shared_probes: r(&c.shared_probes),
             shared_probes_busy: r(&c.shared_probes_busy),
             no_tokens: r(&c.no_tokens),

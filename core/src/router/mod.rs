@@ -23,7 +23,8 @@
 //!
 //! **Phases.** A prefill-phase request goes to prefill workers; when none has joined it falls
 //! back to aggregated workers (reported as [`Fallback::PrefillToAggregated`]) unless the config
-//! enforces disaggregation ([`Disaggregation::Enforced`]).
+//! enforces disaggregation ([`Disaggregation::Enforced`]). A whole request in a fleet of prefill
+//! and decode workers only is served by a decode worker ([`Fallback::AggregatedToDecode`]).
 //!
 //! **Request metrics** ([`Metrics::On`]; [`Router::request_metrics`]) are recorded only for
 //! requests marked as having reached their worker ([`Router::mark_dispatched`], or the guard's

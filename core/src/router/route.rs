@@ -474,7 +474,9 @@ impl Router {
     }
 
     /// The role a request of `phase` is served by, and the fallback taken to find it (with
-    /// optional disaggregation and no prefill worker, prefill goes to aggregated workers).
+    /// optional disaggregation and no prefill worker, prefill goes to aggregated workers; a
+    /// whole request in a fleet with decode workers and no aggregated one goes to a decode
+    /// worker).
     pub(super) fn selection_role(
         &self,
         fleet: &Fleet,
@@ -485,10 +487,19 @@ impl Router {
             Phase::Prefill => WorkerRole::Prefill,
             Phase::Decode => WorkerRole::Decode,
         };
+        let has = |role: WorkerRole| fleet.ranks.iter().any(|r| r.role == role);
+        if role == WorkerRole::Aggregated && !has(WorkerRole::Aggregated) && has(WorkerRole::Decode)
+        {
+            // A fleet of prefill and decode workers serves a whole request on a decode worker.
+            return (WorkerRole::Decode, Some(Fallback::AggregatedToDecode));
+        }
         if role == WorkerRole::Prefill
             && self.config.disaggregation == Disaggregation::Optional
-            && !fleet.ranks.iter().any(|r| r.role == WorkerRole::Prefill)
+            && !has(WorkerRole::Prefill)
         {
+            if !has(WorkerRole::Aggregated) && has(WorkerRole::Decode) {
+                return (WorkerRole::Decode, Some(Fallback::AggregatedToDecode));
+            }
             return (WorkerRole::Aggregated, Some(Fallback::PrefillToAggregated));
         }
         (role, None)

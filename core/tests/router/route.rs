@@ -995,6 +995,50 @@ fn prefill_falls_back_to_aggregated_unless_enforced() {
     assert!(matches!(r.route(&qd), Err(RouteError::NoWorkers { .. })));
 }
 
+#[test]
+fn a_whole_request_in_a_fleet_without_aggregated_workers_goes_to_a_decode_worker() {
+    let t = tokens(64);
+    let r = router(RouterConfig::default());
+    for (id, role) in [(1, WorkerRole::Prefill), (2, WorkerRole::Decode)] {
+        r.join_worker(WorkerConfig {
+            role,
+            ..WorkerConfig::simple(id, 1000, BS)
+        })
+        .unwrap();
+    }
+    // Aggregated: a decode worker computes the prompt itself, booked as a whole request.
+    let d = r.route(&req(1, &t)).unwrap();
+    assert_eq!(
+        (d.worker, d.fallback),
+        (WorkerRank::new(2, 0), Some(Fallback::AggregatedToDecode))
+    );
+    assert_eq!(r.load(d.worker).unwrap().prefill_tokens, 64);
+    // Prefill with the prefill worker outside the allowed set: no fallback (it has joined).
+    let mut q = req(2, &t);
+    q.hints.phase = Phase::Prefill;
+    let d = r.route(&q).unwrap();
+    assert_eq!((d.worker, d.fallback), (WorkerRank::new(1, 0), None));
+    let c = r.counts();
+    assert_eq!((c.whole_on_decode, c.prefill_fallbacks), (1, 0));
+    // With no prefill worker, a prefill-phase request is a whole one on a decode worker.
+    let r = router(RouterConfig::default());
+    r.join_worker(WorkerConfig {
+        role: WorkerRole::Decode,
+        ..WorkerConfig::simple(2, 1000, BS)
+    })
+    .unwrap();
+    let mut q = req(3, &t);
+    q.hints.phase = Phase::Prefill;
+    let d = r.route(&q).unwrap();
+    assert_eq!(d.fallback, Some(Fallback::AggregatedToDecode));
+    let c = r.counts();
+    assert_eq!((c.whole_on_decode, c.prefill_fallbacks), (1, 1));
+    // An aggregated worker, when there is one, serves whole requests.
+    r.join_worker(WorkerConfig::simple(3, 1000, BS)).unwrap();
+    let d = r.route(&req(4, &t)).unwrap();
+    assert_eq!((d.worker, d.fallback), (WorkerRank::new(3, 0), None));
+}
+
 /// Two workers, equal but for one running a request with the same 8-block system prompt:
 /// with the prompt counted once, that worker is cheaper by the shared blocks and wins,
 /// where charging the whole prompt again would make it the dearer one.
