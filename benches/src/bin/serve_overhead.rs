@@ -364,6 +364,8 @@ fn main() -> Result<()> {
             block_size: 16,
             api_key: None,
             labels: Default::default(),
+            role: Default::default(),
+            bootstrap_port: None,
         }],
         tokenizer: text.then(|| {
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/fixtures/qwen3")

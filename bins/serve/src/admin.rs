@@ -35,14 +35,39 @@ pub(crate) async fn route(
     if book && granted != Granted::Admin {
         return refuse(&state, StatusCode::FORBIDDEN);
     }
+    let mode = if book { Mode::Book } else { Mode::QueryOnly };
+    if state.backends.any_split() {
+        // Both halves: the prefill worker (none when serving is not split now) and the decode
+        // worker, each booked with `book`, freed each by its own request id.
+        return match crate::disagg::route_both(&state, &routed, mode) {
+            Ok((prefill, decode)) => {
+                ok(&state, ROUTE);
+                let main = prefill.as_ref().unwrap_or(&decode);
+                let mut v = decision_json(&state, main);
+                v["prompt_tokens"] = json!(routed.prompt_len);
+                v["tokenized_tokens"] = json!(routed.tokens.len());
+                v["booked"] = json!(book);
+                v["disaggregated"] = json!(state.disagg.get() && prefill.is_some());
+                v["prefill"] = prefill.map_or(Value::Null, |d| decision_json(&state, &d));
+                v["decode"] = decision_json(&state, &decode);
+                Json(v).into_response()
+            }
+            Err(e) => error(
+                &state,
+                ROUTE,
+                StatusCode::SERVICE_UNAVAILABLE,
+                e.to_string(),
+            ),
+        };
+    }
     // The workers the proxy would consider now: ready ones first, never a draining one.
-    let allowed = crate::proxy::allowed_workers(&state, &[]).flatten();
+    let allowed = crate::proxy::allowed_workers(&state, &[], crate::proxy::Pool::All).flatten();
     let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
     let request = RouteRequest {
         id,
         tokens: &routed.tokens,
         hints: RouteHints {
-            mode: if book { Mode::Book } else { Mode::QueryOnly },
+            mode,
             allowed: allowed.as_deref(),
             prompt_len: Some(routed.prompt_len),
             expected_output_tokens: routed.expected_output,
@@ -53,35 +78,12 @@ pub(crate) async fn route(
     };
     match state.router.route(&request) {
         Ok(d) => {
-            state
-                .metrics
-                .requests
-                .with_label_values(&[ROUTE, "ok"])
-                .inc();
-            let url = state
-                .backends
-                .get(d.worker.worker.0)
-                .map(|b| b.spec.url.clone());
-            Json(json!({
-                "request_id": id.0,
-                "worker": d.worker.worker.0,
-                "dp_rank": d.worker.dp_rank.0,
-                "url": url,
-                "predicted_cached_tokens": d.predicted_cached_tokens,
-                "index_cached_tokens": d.overlap.cached_tokens,
-                "overlap_blocks": d.overlap.blocks,
-                "prompt_tokens": routed.prompt_len,
-                "tokenized_tokens": routed.tokens.len(),
-                "booked": book,
-                "decided_by": format!("{:?}", d.decided_by),
-                "cost": {
-                    "prefill_blocks": d.cost.prefill_blocks,
-                    "prefill_cost": d.cost.prefill_cost,
-                    "decode_cost": d.cost.decode_cost,
-                    "total": d.cost.total,
-                },
-            }))
-            .into_response()
+            ok(&state, ROUTE);
+            let mut v = decision_json(&state, &d);
+            v["prompt_tokens"] = json!(routed.prompt_len);
+            v["tokenized_tokens"] = json!(routed.tokens.len());
+            v["booked"] = json!(book);
+            Json(v).into_response()
         }
         Err(e) => error(
             &state,
@@ -90,6 +92,38 @@ pub(crate) async fn route(
             e.to_string(),
         ),
     }
+}
+
+fn ok(state: &AppState, route: &str) {
+    state
+        .metrics
+        .requests
+        .with_label_values(&[route, "ok"])
+        .inc();
+}
+
+/// A decision as `/v1/route` reports it.
+fn decision_json(state: &AppState, d: &kvroute_core::Decision) -> Value {
+    let url = state
+        .backends
+        .get(d.worker.worker.0)
+        .map(|b| b.spec.url.clone());
+    json!({
+        "request_id": d.request.0,
+        "worker": d.worker.worker.0,
+        "dp_rank": d.worker.dp_rank.0,
+        "url": url,
+        "predicted_cached_tokens": d.predicted_cached_tokens,
+        "index_cached_tokens": d.overlap.cached_tokens,
+        "overlap_blocks": d.overlap.blocks,
+        "decided_by": format!("{:?}", d.decided_by),
+        "cost": {
+            "prefill_blocks": d.cost.prefill_blocks,
+            "prefill_cost": d.cost.prefill_cost,
+            "decode_cost": d.cost.decode_cost,
+            "total": d.cost.total,
+        },
+    })
 }
 
 /// Whether a `/v1/route` body is a chat (it has `messages`).
@@ -169,6 +203,8 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
                 "kv_blocks": b.spec.kv_blocks,
                 "block_size": b.spec.block_size,
                 "labels": b.spec.labels,
+                "role": b.spec.role.as_str(),
+                "bootstrap_port": b.spec.bootstrap_port,
                 "ranks": ranks,
             })
         })

@@ -48,6 +48,48 @@ pub struct BackendSpec {
     /// Labels for routing constraints.
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// Its part in serving: whole requests (`both`, the default), or one half of
+    /// disaggregated serving (`prefill`, `decode`).
+    #[serde(default)]
+    pub role: Role,
+    /// A prefill worker's KV bootstrap port (SGLang's `--disaggregation-bootstrap-port`, 8998
+    /// when not given): what both workers of a request are told in SGLang's protocol.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
+}
+
+/// A worker's part in serving.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Whole requests: prefill and decode on one engine.
+    #[default]
+    Both,
+    /// Prefill only: computes prompts and hands their KV cache to a decode worker.
+    Prefill,
+    /// Decode only: generates from a cache a prefill worker handed it (and serves whole
+    /// requests when no prefill worker is there).
+    Decode,
+}
+
+impl Role {
+    /// The core's name for it.
+    pub fn worker_role(self) -> WorkerRole {
+        match self {
+            Role::Both => WorkerRole::Aggregated,
+            Role::Prefill => WorkerRole::Prefill,
+            Role::Decode => WorkerRole::Decode,
+        }
+    }
+
+    /// As the config and `/v1/workers` spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
 }
 
 fn one() -> u32 {
@@ -145,6 +187,8 @@ pub(crate) struct Backends {
     /// Workers whose health has not answered yet, and subscriptions whose events do not flow
     /// (not reached yet, catching up, or gone).
     not_flowing: Arc<std::sync::atomic::AtomicUsize>,
+    /// Workers with a part in disaggregated serving (role `prefill` or `decode`).
+    split: std::sync::atomic::AtomicUsize,
 }
 
 /// `tcp://host:port` with the port moved by `offset`; an error when the port does not fit.
@@ -293,7 +337,7 @@ impl Backends {
             dp_size: spec.dp_size,
             kv_blocks: spec.kv_blocks,
             block_size: spec.block_size,
-            role: WorkerRole::default(),
+            role: spec.role.worker_role(),
             max_batched_tokens: WorkerConfig::simple(0, 1, 1).max_batched_tokens,
             labels: spec
                 .labels
@@ -348,9 +392,18 @@ impl Backends {
         });
         tokio::spawn(bring_up(Arc::downgrade(&backend), client.clone()));
         if let Ok(mut map) = self.by_id.write() {
+            if backend.spec.role != Role::Both {
+                self.split
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             map.insert(backend.spec.id, Arc::clone(&backend));
         }
-        tracing::info!(worker = backend.spec.id, url = %backend.spec.url, "worker joined");
+        tracing::info!(
+            worker = backend.spec.id,
+            url = %backend.spec.url,
+            role = backend.spec.role.as_str(),
+            "worker joined"
+        );
         Ok(backend)
     }
 
@@ -360,12 +413,21 @@ impl Backends {
         let Some(backend) = removed else {
             return Err(BackendError::Unknown(id));
         };
+        if backend.spec.role != Role::Both {
+            self.split
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
         for s in &backend.subscriptions {
             s.stop();
         }
         let blocks = router.leave_worker(WorkerId(id))?;
         tracing::info!(worker = id, blocks, "worker left");
         Ok(blocks)
+    }
+
+    /// Whether some worker has a part in disaggregated serving (role `prefill` or `decode`).
+    pub(crate) fn any_split(&self) -> bool {
+        self.split.load(std::sync::atomic::Ordering::Relaxed) > 0
     }
 
     /// Whether some worker's events do not flow: then [`Backend::flowing`] tells which.

@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 use super::backends::BackendSpec;
 use super::networks::Network;
 use super::ServeOptions;
-use kvroute_core::{Policy, PolicyKind, Queueing, Speculative, UnknownPolicy};
+use crate::disagg::Conditional;
+use kvroute_core::{Disaggregation, Policy, PolicyKind, Queueing, Speculative, UnknownPolicy};
 
 /// Every key of `kvroute serve`'s configuration, each optional: a key left out keeps the
 /// default (`--print-config` shows them all).
@@ -184,14 +185,42 @@ pub struct ServeConfig {
     #[arg(long, value_name = "S", env = "KVROUTE_SPECULATIVE_S")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculative_s: Option<f64>,
+    /// With prefill and decode workers and none of them ready for prefill: `optional` serves
+    /// requests whole on the others, `enforced` refuses them (a retryable 503).
+    #[arg(long, env = "KVROUTE_DISAGGREGATION")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<String>,
+    /// How prefill workers hand the KV cache to decode workers: `vllm` (kv_transfer_params)
+    /// or `sglang` (bootstrap host, port and room).
+    #[arg(long, env = "KVROUTE_PD_PROTOCOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd_protocol: Option<String>,
+    /// A failed prefill has its request served whole on a decode worker (else a 502).
+    #[arg(long, env = "KVROUTE_PREFILL_ERROR_FALLBACK", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_error_fallback: Option<bool>,
+    /// Conditional disaggregation: a decode worker whose cache leaves at most this many
+    /// prompt tokens to compute serves the request whole (absent: off).
+    #[arg(long, env = "KVROUTE_CONDITIONAL_MAX_NEW_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conditional_max_new_tokens: Option<u64>,
+    /// ... and at most this share of the prompt, in (0, 1] (default 1).
+    #[arg(long, env = "KVROUTE_CONDITIONAL_MAX_NEW_SHARE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conditional_max_new_share: Option<f64>,
+    /// Label keys a decode worker must share with its request's prefill worker (the KV
+    /// transfer's topology), comma-separated.
+    #[arg(long, value_delimiter = ',', env = "KVROUTE_KV_TRANSFER_LABELS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_labels: Option<Vec<String>>,
     /// The engines, as `[[workers]]` tables in the file.
     #[arg(skip)]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub workers: Vec<BackendSpec>,
     /// An engine, on the command line: `url=http://HOST:PORT[,kv_events=tcp://HOST:PORT]
     /// [,kv_replay=tcp://HOST:PORT][,kv_blocks=N][,block_size=N][,dp_size=N][,topic=T]
-    /// [,api_key=K][,id=N]`, the keys of a `[[workers]]` table. Repeat it; these join after
-    /// the file's.
+    /// [,api_key=K][,id=N][,role=both|prefill|decode][,bootstrap_port=N]`, the keys of a
+    /// `[[workers]]` table. Repeat it; these join after the file's.
     #[arg(long = "worker", value_name = "SPEC")]
     #[serde(skip)]
     pub worker_flags: Vec<String>,
@@ -366,6 +395,48 @@ impl ServeConfig {
                 Speculative::On { ttl }
             };
         }
+        if let Some(v) = self.disaggregation {
+            o.router.disaggregation = match v.as_str() {
+                "optional" => Disaggregation::Optional,
+                "enforced" => Disaggregation::Enforced,
+                other => {
+                    return Err(ConfigError::Invalid(format!(
+                        "disaggregation {other:?}: optional or enforced"
+                    )))
+                }
+            };
+        }
+        if let Some(v) = self.pd_protocol {
+            o.disagg.protocol = v.parse().map_err(ConfigError::Invalid)?;
+        }
+        set(
+            &mut o.disagg.prefill_error_fallback,
+            self.prefill_error_fallback,
+        );
+        let share = self
+            .conditional_max_new_share
+            .or(o.disagg.conditional.map(|c| c.max_new_share))
+            .unwrap_or(1.0);
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(ConfigError::Invalid(
+                "conditional_max_new_share must be in (0, 1]".to_owned(),
+            ));
+        }
+        let tokens = self
+            .conditional_max_new_tokens
+            .or(o.disagg.conditional.map(|c| c.max_new_tokens));
+        o.disagg.conditional = tokens.map(|max_new_tokens| Conditional {
+            max_new_tokens,
+            max_new_share: share,
+        });
+        if let Some(labels) = self.kv_transfer_labels {
+            if labels.iter().any(|l| l.is_empty()) {
+                return Err(ConfigError::Invalid(
+                    "a kv_transfer_labels key is empty".to_owned(),
+                ));
+            }
+            o.disagg.transfer_labels = labels;
+        }
         o.workers.extend(self.workers);
         for flag in &self.worker_flags {
             let spec = parse_worker_flag(flag, o.workers.len() as u64)?;
@@ -425,6 +496,18 @@ impl ServeConfig {
                 Speculative::On { ttl } => s(ttl),
                 Speculative::Off => Some(0.0),
             },
+            disaggregation: Some(
+                match r.disaggregation {
+                    Disaggregation::Optional => "optional",
+                    Disaggregation::Enforced => "enforced",
+                }
+                .to_owned(),
+            ),
+            pd_protocol: Some(options.disagg.protocol.as_str().to_owned()),
+            prefill_error_fallback: Some(options.disagg.prefill_error_fallback),
+            conditional_max_new_tokens: options.disagg.conditional.map(|c| c.max_new_tokens),
+            conditional_max_new_share: options.disagg.conditional.map(|c| c.max_new_share),
+            kv_transfer_labels: Some(options.disagg.transfer_labels.clone()),
             workers: options
                 .workers
                 .iter()
@@ -463,7 +546,7 @@ pub fn parse_worker_flag(flag: &str, position: u64) -> Result<BackendSpec, Confi
             k => k,
         };
         let value = match key {
-            "id" | "dp_size" | "kv_blocks" | "block_size" => value
+            "id" | "dp_size" | "kv_blocks" | "block_size" | "bootstrap_port" => value
                 .parse::<i64>()
                 .map(toml::Value::Integer)
                 .map_err(|_| {

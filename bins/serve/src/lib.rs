@@ -25,6 +25,7 @@ mod admin;
 mod auth;
 mod backends;
 mod config;
+pub mod disagg;
 pub mod headers;
 mod listener;
 mod metrics;
@@ -48,7 +49,7 @@ use kvroute_text::ModelText;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-pub use backends::{BackendError, BackendSpec, MAX_DP_SIZE};
+pub use backends::{BackendError, BackendSpec, Role, MAX_DP_SIZE};
 pub use config::{parse_worker_flag, ConfigError, ServeConfig};
 pub use networks::{BadNetwork, Network};
 
@@ -123,6 +124,9 @@ pub struct ServeOptions {
     /// with the same new text arriving while this one is in prefill sees only its tokenized
     /// part active.
     pub tokenize_whole: bool,
+    /// How a fleet with prefill and decode workers serves requests (the protocol, fallbacks,
+    /// conditional disaggregation; `router.disaggregation` says whether it is enforced).
+    pub disagg: disagg::DisaggOptions,
     /// The longest prompt the engines take, in tokens (vLLM's `--max-model-len`): a longer
     /// one is refused with a 400 after at most about this many tokens of work. None: the
     /// tokenizer config's `model_max_length`, when it has a real one.
@@ -168,6 +172,7 @@ impl Default for ServeOptions {
             worker_networks: Vec::new(),
             tokenizer: None,
             tokenize_whole: false,
+            disagg: disagg::DisaggOptions::default(),
             max_model_len: None,
         }
     }
@@ -186,6 +191,8 @@ pub(crate) struct AppState {
     pub next_id: Arc<AtomicU64>,
     pub text: Option<Arc<ModelText>>,
     draining: Arc<RwLock<HashSet<WorkerId>>>,
+    /// Whether disaggregated serving is active now.
+    pub disagg: Arc<disagg::Activation>,
 }
 
 impl AppState {
@@ -311,6 +318,7 @@ impl RunningServe {
             next_id: Arc::new(AtomicU64::new(0)),
             text,
             draining: Arc::default(),
+            disagg: Arc::default(),
         };
         let app = axum::Router::new()
             .route("/v1/completions", post(proxy::completions))

@@ -21,6 +21,10 @@ pub(crate) struct Metrics {
     pub prompt_tokens: IntCounterVec,
     pub predicted_cached_tokens: Histogram,
     pub retries: IntCounterVec,
+    /// Requests in a fleet with prefill and decode workers, by the way they were served.
+    pub disagg: IntCounterVec,
+    /// 1 while disaggregated serving is active (a prefill worker is ready), else 0.
+    pub disagg_active: prometheus::IntGauge,
     pub queue_wait_seconds: Histogram,
     pub expired: prometheus::IntCounter,
     pub refused_connections: prometheus::IntCounter,
@@ -73,6 +77,20 @@ impl Metrics {
             ),
             &["kind"],
         )?;
+        let disagg = IntCounterVec::new(
+            Opts::new(
+                "kvroute_disagg_requests_total",
+                "Requests in a fleet with prefill and decode workers, by the way they were \
+                 served: disaggregated, local (conditional: the decode worker's cache left \
+                 little to compute), whole (no prefill worker ready), prefill_failed, \
+                 prefill_fallback (served whole after a prefill failure).",
+            ),
+            &["how"],
+        )?;
+        let disagg_active = prometheus::IntGauge::new(
+            "kvroute_disagg_active",
+            "1 while disaggregated serving is active (some prefill worker is ready), else 0.",
+        )?;
         let load = IntGaugeVec::new(
             Opts::new(
                 "kvroute_worker_load",
@@ -120,7 +138,8 @@ impl Metrics {
         registry.register(Box::new(refused_connections.clone()))?;
         registry.register(Box::new(queue_wait_seconds.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
-        for m in [&requests, &retries, &prompt_tokens] {
+        registry.register(Box::new(disagg_active.clone()))?;
+        for m in [&requests, &retries, &prompt_tokens, &disagg] {
             registry.register(Box::new(m.clone()))?;
         }
         registry.register(Box::new(decision_seconds.clone()))?;
@@ -137,6 +156,8 @@ impl Metrics {
             prompt_tokens,
             predicted_cached_tokens,
             retries,
+            disagg,
+            disagg_active,
             queue_wait_seconds,
             expired,
             refused_connections,

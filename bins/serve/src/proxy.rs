@@ -18,15 +18,16 @@ use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use kvroute_core::{
-    Admission, RequestGuard, RequestId, RouteError, RouteHints, RouteRequest, Router, WorkerId,
+    Admission, Label, Phase, Pinned, RequestGuard, RequestId, RouteError, RouteHints, RouteRequest,
+    Router, WorkerId,
 };
 use serde_json::Value;
 
-use super::backends::mark_unreachable;
+use super::backends::{mark_unreachable, Role};
 use super::AppState;
 use crate::headers;
 use kvroute_text::{ModelText, ModelTextError, Partial};
@@ -53,6 +54,7 @@ pub(crate) fn error(
 }
 
 /// What routing reads of a request body.
+#[derive(Clone, Debug)]
 pub(crate) struct Routed {
     /// The prompt's ids, or of a text prompt the first of them: as far as they could matter
     /// to the decision (see [`Routed::with_text`]).
@@ -78,7 +80,7 @@ pub(crate) struct Refusal {
 }
 
 impl Refusal {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
         Refusal {
             status,
             message: message.into(),
@@ -367,7 +369,7 @@ pub(crate) fn read_prompt(
     Ok((value, routed))
 }
 
-fn route_error(state: &AppState, route: &str, e: &RouteError) -> Response {
+pub(crate) fn route_error(state: &AppState, route: &str, e: &RouteError) -> Response {
     match e {
         RouteError::NoTokens { .. } | RouteError::InvalidHint { .. } => {
             error(state, route, StatusCode::BAD_REQUEST, e.to_string())
@@ -382,7 +384,11 @@ fn route_error(state: &AppState, route: &str, e: &RouteError) -> Response {
     }
 }
 
-pub(crate) async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+pub(crate) async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     const ROUTE: &str = "completions";
     let started = Instant::now();
     let routed = match read_completion_async(&state, &body).await {
@@ -390,10 +396,23 @@ pub(crate) async fn completions(State(state): State<AppState>, body: Bytes) -> R
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
     let read_in = started.elapsed();
-    forward(&state, ROUTE, Api::Completions, body, &routed, read_in).await
+    forward(
+        &state,
+        ROUTE,
+        Api::Completions,
+        &headers,
+        body,
+        &routed,
+        read_in,
+    )
+    .await
 }
 
-pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+pub(crate) async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     const ROUTE: &str = "chat_completions";
     let started = Instant::now();
     let routed = match read_prompt_async(&state, &body, true).await {
@@ -401,26 +420,107 @@ pub(crate) async fn chat_completions(State(state): State<AppState>, body: Bytes)
         Err(refusal) => return refusal.respond(&state, ROUTE),
     };
     let read_in = started.elapsed();
-    forward(&state, ROUTE, Api::Chat, body, &routed, read_in).await
+    forward(&state, ROUTE, Api::Chat, &headers, body, &routed, read_in).await
 }
 
 /// Which of an engine's OpenAI routes a request goes to.
 #[derive(Clone, Copy, Debug)]
-enum Api {
+pub(crate) enum Api {
     Completions,
     Chat,
 }
 
-/// Routes and sends `body` to the chosen engine's `api` route, retrying on another worker
-/// when the chosen one fails before answering.
+/// A request as the client sent it: which route, and the routing fields read from it.
+#[derive(Clone, Copy)]
+pub(crate) struct Asked<'a> {
+    /// The route's name in the metrics.
+    pub route: &'static str,
+    pub api: Api,
+    pub routed: &'a Routed,
+    /// How long reading the body's routing fields (and tokenizing) took.
+    pub read_in: std::time::Duration,
+}
+
+/// What one engine request of a client's request is: the body sent, the phase it is routed
+/// for, the workers it may go to, and what pins or constrains the choice.
+pub(crate) struct Leg {
+    pub body: Bytes,
+    pub phase: Phase,
+    pub pool: Pool,
+    pub pinned: Pinned,
+    /// Labels (key, value) the worker must carry.
+    pub required: Vec<(String, String)>,
+}
+
+impl Leg {
+    /// The whole request, as the client sent it, to any worker.
+    pub(crate) fn whole(body: Bytes) -> Self {
+        Leg {
+            body,
+            phase: Phase::Aggregated,
+            pool: Pool::All,
+            pinned: Pinned::default(),
+            required: Vec::new(),
+        }
+    }
+}
+
+/// The workers a leg may go to, by role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pool {
+    /// Any worker.
+    All,
+    /// Workers of these roles.
+    Roles(&'static [Role]),
+}
+
+impl Pool {
+    fn holds(self, role: Role) -> bool {
+        match self {
+            Pool::All => true,
+            Pool::Roles(roles) => roles.contains(&role),
+        }
+    }
+}
+
+/// Routes the client's request: whole, or in a fleet with prefill and decode workers, in the
+/// two halves of disaggregated serving.
 async fn forward(
     state: &AppState,
     route: &'static str,
     api: Api,
+    headers: &HeaderMap,
     body: Bytes,
     routed: &Routed,
     read_in: std::time::Duration,
 ) -> Response {
+    let asked = Asked {
+        route,
+        api,
+        routed,
+        read_in,
+    };
+    if state.backends.any_split() {
+        return crate::disagg::forward(state, asked, headers, body).await;
+    }
+    dispatch(state, asked, Leg::whole(body)).await
+}
+
+/// Routes and sends a leg to the chosen engine's route, retrying on another worker when the
+/// chosen one fails before answering; relays the answer.
+pub(crate) async fn dispatch(state: &AppState, asked: Asked<'_>, leg: Leg) -> Response {
+    let Asked {
+        route,
+        api,
+        routed,
+        read_in,
+    } = asked;
+    let body = leg.body;
+    let required: Vec<Label<'_>> = leg
+        .required
+        .iter()
+        .map(|(key, value)| Label { key, value })
+        .collect();
     state
         .metrics
         .prompt_read_seconds
@@ -435,7 +535,7 @@ async fn forward(
     let mut excluded: Vec<WorkerId> = Vec::new();
     let attempts = state.options.retries + 1;
     for attempt in 0..attempts {
-        let Some(allowed) = allowed_workers(state, &excluded) else {
+        let Some(allowed) = allowed_workers(state, &excluded, leg.pool) else {
             break;
         };
         let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
@@ -443,11 +543,14 @@ async fn forward(
             id,
             tokens: &routed.tokens,
             hints: RouteHints {
+                phase: leg.phase,
+                pinned: leg.pinned,
                 prompt_len: Some(routed.prompt_len),
                 expected_output_tokens: routed.expected_output,
                 lora_name: routed.lora.as_deref(),
                 cache_salt: routed.cache_salt.as_deref(),
                 allowed: allowed.as_deref(),
+                required: &required,
                 ..RouteHints::default()
             },
         };
@@ -606,20 +709,23 @@ fn is_event_stream(response: &reqwest::Response) -> bool {
         .is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
-/// The workers a request may go to now, past those `excluded` (tried already): `Some(None)`
-/// any, `Some(Some(list))` those, `None` none left to try. A worker whose events do not flow
+/// The workers of `pool` a request may go to now, past those `excluded` (tried already):
+/// `Some(None)` any, `Some(Some(list))` those, `None` none left to try. A worker whose events do not flow
 /// (not reached yet, catching up after a return, gone) or whose health has not answered is
 /// passed over while another can take the request; a draining worker never gets one.
 pub(crate) fn allowed_workers(
     state: &AppState,
     excluded: &[WorkerId],
+    pool: Pool,
 ) -> Option<Option<Vec<WorkerId>>> {
-    let allowed = if excluded.is_empty() && !state.backends.any_not_flowing() {
+    let any = pool == Pool::All && excluded.is_empty() && !state.backends.any_not_flowing();
+    let allowed = if any {
         None
     } else {
         let all = state.backends.all();
         let rest = |flowing_only: bool| -> Vec<WorkerId> {
             all.iter()
+                .filter(|b| pool.holds(b.spec.role))
                 .filter(|b| !flowing_only || b.flowing())
                 .map(|b| WorkerId(b.spec.id))
                 .filter(|w| !excluded.contains(w))

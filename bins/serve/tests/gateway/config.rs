@@ -25,6 +25,13 @@ fn every_key_has_one_name_in_the_file_the_environment_and_the_flags() {
         max_model_len: Some(8),
         model: Some("m".into()),
         tokenizer: Some("t".into()),
+        disagg: kvroute_serve::disagg::DisaggOptions {
+            conditional: Some(kvroute_serve::disagg::Conditional {
+                max_new_tokens: 64,
+                max_new_share: 0.5,
+            }),
+            ..Default::default()
+        },
         router: kvroute_core::RouterConfig {
             busy: kvroute_core::BusyThresholds {
                 decode_blocks_fraction: Some(0.9),

@@ -15,6 +15,7 @@
 mod auth;
 mod bookings;
 mod config;
+mod disagg;
 mod listener;
 mod prompts;
 mod upstream;

@@ -1,0 +1,775 @@
+//! Disaggregated serving: in a fleet with prefill and decode workers, a request's prompt is
+//! computed on a prefill worker chosen by its cache, its output generated on a decode worker
+//! chosen by its load (no credit for cached blocks, no prefill booked), and the KV cache is
+//! handed between them by the engines' own connector, in vLLM's protocol or SGLang's:
+//!
+//! ```text
+//!  vLLM    client ─▶ prefill worker: max_tokens 1, not streamed, kv_transfer_params asking
+//!                    │               for a remote decode
+//!                    └─ its answer's kv_transfer_params ─▶ decode worker: the client's request
+//!                                                           └─ answer ─▶ client
+//!  SGLang  client ─▶ prefill worker ┐ at once, both with bootstrap_host and bootstrap_port
+//!                 ─▶ decode worker  ┘ (the prefill worker's) and one random bootstrap_room;
+//!                                     the decode worker's answer is the client's
+//! ```
+//!
+//! The rules, the reference's:
+//! - With no prefill worker ready (none joined, or all down, not ready or draining), requests
+//!   are served whole, by aggregated workers or else decode workers; serving is disaggregated
+//!   again as soon as one is ready. With `disaggregation = "enforced"` they get a retryable 503
+//!   instead.
+//! - A prefill worker that fails (5xx, broken connection, no answer in time) fails the request
+//!   with a 502, or with `prefill_error_fallback` has it served whole on a decode worker. One
+//!   that refuses the connection is marked down and the next prefill worker is tried.
+//! - Backpressure while choosing the prefill worker (the admission queue full) is a 429 with
+//!   `Retry-After`; the request does not fall back into the decode workers' queue.
+//! - Once the prefill is done, the decode request is sent whatever the client does: the KV
+//!   transfer must complete for the prefill worker to free its blocks. A client gone by then
+//!   closes the decode answer after its first byte.
+//! - `x-kvroute-prefill-worker` and `x-kvroute-decode-worker` pin the halves (an external
+//!   scheduler's choice).
+//! - `kv_transfer_labels`: label keys a decode worker must share with the chosen prefill worker
+//!   (the KV transfer's topology: a rack, a NVLink domain).
+//! - Conditional disaggregation (`conditional_max_new_tokens`): when the decode worker's cache
+//!   leaves at most that many prompt tokens to compute, and at most `conditional_max_new_share`
+//!   of the prompt, the decode worker serves the request whole.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use kvroute_core::{
+    Admission, Decision, Disaggregation, Mode, Phase, Pinned, RequestGuard, RequestId, RouteHints,
+    RouteRequest, Router, WorkerId,
+};
+use serde_json::{json, Value};
+
+use crate::backends::{mark_unreachable, Backend, Role};
+use crate::proxy::{self, Api, Asked, Leg, Pool, Routed};
+use crate::AppState;
+
+/// Pins the prefill half of a request to a worker (its id).
+pub const PREFILL_WORKER: &str = "x-kvroute-prefill-worker";
+/// Pins the decode half of a request to a worker (its id).
+pub const DECODE_WORKER: &str = "x-kvroute-decode-worker";
+
+/// The port SGLang's prefill servers take bootstrap connections on unless told otherwise.
+pub const SGLANG_BOOTSTRAP_PORT: u16 = 8998;
+
+/// How the engines hand a prompt's KV cache from prefill to decode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Protocol {
+    /// vLLM's `kv_transfer_params` (NixlConnector and the like): prefill first, then decode
+    /// with what the prefill answered.
+    #[default]
+    Vllm,
+    /// SGLang's bootstrap: both halves at once, meeting at the prefill worker's bootstrap
+    /// server under one room number.
+    Sglang,
+}
+
+impl Protocol {
+    /// As the config spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Vllm => "vllm",
+            Protocol::Sglang => "sglang",
+        }
+    }
+}
+
+impl std::str::FromStr for Protocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(Protocol::Vllm),
+            "sglang" => Ok(Protocol::Sglang),
+            other => Err(format!("pd_protocol {other:?}: vllm or sglang")),
+        }
+    }
+}
+
+/// When the decode worker serves a request whole instead of taking it from a prefill worker.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Conditional {
+    /// Most prompt tokens its cache may leave to compute.
+    pub max_new_tokens: u64,
+    /// Most of the prompt, as a share in (0, 1], its cache may leave to compute.
+    pub max_new_share: f64,
+}
+
+/// How a fleet with prefill and decode workers serves requests.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DisaggOptions {
+    /// The engines' protocol.
+    pub protocol: Protocol,
+    /// A prefill worker's failure has the request served whole on a decode worker (else the
+    /// request fails with a 502).
+    pub prefill_error_fallback: bool,
+    /// Conditional disaggregation (none: every request is split while a prefill worker is
+    /// ready).
+    pub conditional: Option<Conditional>,
+    /// Label keys a decode worker must share with the request's prefill worker.
+    pub transfer_labels: Vec<String>,
+}
+
+/// Whether disaggregated serving is active: some prefill worker ready. Setting it is
+/// idempotent; each change is logged and shown in `/metrics`.
+#[derive(Debug, Default)]
+pub(crate) struct Activation(AtomicBool);
+
+impl Activation {
+    /// Sets it; true when that changed it.
+    pub(crate) fn set(&self, active: bool) -> bool {
+        self.0.swap(active, Ordering::Relaxed) != active
+    }
+
+    pub(crate) fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// The workers a request's halves are pinned to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Pins {
+    pub prefill: Option<WorkerId>,
+    pub decode: Option<WorkerId>,
+}
+
+impl Pins {
+    /// The pins the request's headers give: each an id of a worker of the right role (a
+    /// prefill pin: `prefill`; a decode pin: `decode` or `both`), else a 400.
+    pub(crate) fn read(state: &AppState, headers: &HeaderMap) -> Result<Pins, proxy::Refusal> {
+        let pin = |name: &str, roles: &[Role]| -> Result<Option<WorkerId>, proxy::Refusal> {
+            let Some(value) = headers.get(name) else {
+                return Ok(None);
+            };
+            let bad = |why: &str| {
+                proxy::Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("{name}: {:?} {why}", value.to_str().unwrap_or("?")),
+                )
+            };
+            let id: u64 = value
+                .to_str()
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .ok_or_else(|| bad("is not a worker id"))?;
+            match state.backends.get(id) {
+                None => Err(bad("names no worker")),
+                Some(b) if !roles.contains(&b.spec.role) => {
+                    Err(bad(&format!("names a {} worker", b.spec.role.as_str())))
+                }
+                Some(_) => Ok(Some(WorkerId(id))),
+            }
+        };
+        Ok(Pins {
+            prefill: pin(PREFILL_WORKER, &[Role::Prefill])?,
+            decode: pin(DECODE_WORKER, &[Role::Decode, Role::Both])?,
+        })
+    }
+}
+
+/// The ids of the workers of `role` that may take a request now: ready (health answered,
+/// events flowing), not draining.
+fn ready(state: &AppState, role: Role) -> Vec<WorkerId> {
+    let draining = state.draining();
+    state
+        .backends
+        .all()
+        .iter()
+        .filter(|b| b.spec.role == role && b.flowing())
+        .map(|b| WorkerId(b.spec.id))
+        .filter(|w| !draining.contains(w))
+        .collect()
+}
+
+/// Records whether serving is disaggregated now, logging a change.
+fn activate(state: &AppState, active: bool) {
+    if state.disagg.set(active) {
+        state.metrics.disagg_active.set(i64::from(active));
+        if active {
+            tracing::info!("a prefill worker is ready: requests are served disaggregated");
+        } else {
+            tracing::warn!("no prefill worker is ready: requests are served whole");
+        }
+    }
+}
+
+/// Serves the client's request in a fleet with prefill and decode workers (see the module).
+pub(crate) async fn forward(
+    state: &AppState,
+    asked: Asked<'_>,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let pins = match Pins::read(state, headers) {
+        Ok(pins) => pins,
+        Err(refusal) => return refusal.respond(state, asked.route),
+    };
+    let prefill_pool = ready(state, Role::Prefill);
+    let active = pins.prefill.is_some() || !prefill_pool.is_empty();
+    activate(state, active);
+    if !active {
+        if state.options.router.disaggregation == Disaggregation::Enforced {
+            let mut r = proxy::error(
+                state,
+                asked.route,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "disaggregated serving is enforced and no prefill worker is ready",
+            );
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return r;
+        }
+        count(state, "whole");
+        return proxy::dispatch(state, asked, whole(body, pins)).await;
+    }
+    let options = &state.options.disagg;
+    if let Some(conditional) = options.conditional {
+        if let Some(worker) = local_decode(state, asked.routed, pins, conditional) {
+            count(state, "local");
+            let leg = Leg {
+                pinned: Pinned {
+                    backend_instance: Some(worker),
+                    ..Pinned::default()
+                },
+                ..Leg::whole(body)
+            };
+            return proxy::dispatch(state, asked, leg).await;
+        }
+    }
+    let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(&body) else {
+        // The prompt was read from it, so it is a JSON object.
+        return proxy::error(
+            state,
+            asked.route,
+            StatusCode::BAD_REQUEST,
+            "the body must be a JSON object",
+        );
+    };
+    match options.protocol {
+        Protocol::Vllm => vllm(state, asked, request, body, pins, prefill_pool).await,
+        Protocol::Sglang => sglang(state, asked, request, pins, prefill_pool).await,
+    }
+}
+
+/// The whole request, to a decode worker (or an aggregated one): no prefill worker serves it.
+fn whole(body: Bytes, pins: Pins) -> Leg {
+    Leg {
+        pool: Pool::Roles(&[Role::Both, Role::Decode]),
+        pinned: Pinned {
+            backend_instance: pins.decode,
+            ..Pinned::default()
+        },
+        ..Leg::whole(body)
+    }
+}
+
+fn count(state: &AppState, how: &str) {
+    state.metrics.disagg.with_label_values(&[how]).inc();
+}
+
+/// The decode worker that would serve the request, when its cache leaves little enough of
+/// the prompt to compute for it to serve the request whole (see [`Conditional`]).
+fn local_decode(
+    state: &AppState,
+    routed: &Routed,
+    pins: Pins,
+    conditional: Conditional,
+) -> Option<WorkerId> {
+    let pool = ready(state, Role::Decode);
+    let request = RouteRequest {
+        id: RequestId(state.next_id.fetch_add(1, Ordering::Relaxed)),
+        tokens: &routed.tokens,
+        hints: RouteHints {
+            phase: Phase::Decode,
+            mode: Mode::QueryOnly,
+            pinned: Pinned {
+                decode_worker: pins.decode,
+                ..Pinned::default()
+            },
+            prompt_len: Some(routed.prompt_len),
+            lora_name: routed.lora.as_deref(),
+            cache_salt: routed.cache_salt.as_deref(),
+            allowed: (!pool.is_empty()).then_some(pool.as_slice()),
+            ..RouteHints::default()
+        },
+    };
+    let d = state.router.route(&request).ok()?;
+    let new = routed.prompt_len.saturating_sub(d.overlap.cached_tokens);
+    let share = new as f64 / routed.prompt_len.max(1) as f64;
+    (new <= conditional.max_new_tokens && share <= conditional.max_new_share)
+        .then_some(d.worker.worker)
+}
+
+/// A prefill worker chosen and booked: its decision and the guard that frees it.
+struct Prefill {
+    decision: Decision,
+    guard: RequestGuard<Arc<Router>>,
+    backend: Arc<Backend>,
+}
+
+/// Chooses and books a prefill worker among `pool` (or the pinned one), past `excluded`.
+async fn choose_prefill(
+    state: &AppState,
+    asked: Asked<'_>,
+    pins: Pins,
+    pool: &[WorkerId],
+) -> Result<Prefill, Response> {
+    let routed = asked.routed;
+    let request = RouteRequest {
+        id: RequestId(state.next_id.fetch_add(1, Ordering::Relaxed)),
+        tokens: &routed.tokens,
+        hints: RouteHints {
+            phase: Phase::Prefill,
+            pinned: Pinned {
+                prefill_worker: pins.prefill,
+                ..Pinned::default()
+            },
+            prompt_len: Some(routed.prompt_len),
+            // The prefill worker generates one token.
+            expected_output_tokens: Some(1),
+            lora_name: routed.lora.as_deref(),
+            cache_salt: routed.cache_salt.as_deref(),
+            allowed: Some(pool),
+            ..RouteHints::default()
+        },
+    };
+    let decision = match state.router.submit(&request) {
+        Ok(Admission::Routed(d)) => d,
+        Ok(Admission::Queued(ticket)) => Router::wait(Arc::clone(&state.router), ticket)
+            .await
+            .map_err(|e| proxy::route_error(state, asked.route, &e))?,
+        Err(e) => return Err(proxy::route_error(state, asked.route, &e)),
+    };
+    let guard = RequestGuard::new(Arc::clone(&state.router), decision.request);
+    let Some(backend) = state.backends.get(decision.worker.worker.0) else {
+        return Err(proxy::error(
+            state,
+            asked.route,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the prefill worker left",
+        ));
+    };
+    state
+        .metrics
+        .predicted_cached_tokens
+        .observe(decision.predicted_cached_tokens as f64);
+    Ok(Prefill {
+        decision,
+        guard,
+        backend,
+    })
+}
+
+/// The engine request for one of a worker's routes, with its key and dp rank.
+fn engine_request(
+    state: &AppState,
+    backend: &Backend,
+    api: Api,
+    decision: &Decision,
+    body: Vec<u8>,
+) -> reqwest::RequestBuilder {
+    let url = match api {
+        Api::Completions => &backend.urls.completions,
+        Api::Chat => &backend.urls.chat,
+    };
+    let mut upstream = state
+        .client
+        .post(url.clone())
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(body);
+    if let Some(authorization) = &backend.authorization {
+        upstream = upstream.header(header::AUTHORIZATION, authorization.clone());
+    }
+    if backend.spec.dp_size > 1 {
+        upstream = upstream.header(
+            crate::headers::DATA_PARALLEL_RANK,
+            decision.worker.dp_rank.0,
+        );
+    }
+    upstream
+}
+
+/// The decode half: routed among the decode workers sharing the prefill worker's transfer
+/// labels, sent whatever the client does meanwhile.
+async fn decode(
+    state: &AppState,
+    asked: Asked<'_>,
+    body: Bytes,
+    pins: Pins,
+    prefill: &Backend,
+) -> Response {
+    let required: Vec<(String, String)> = state
+        .options
+        .disagg
+        .transfer_labels
+        .iter()
+        .filter_map(|key| {
+            let value = prefill.spec.labels.get(key)?;
+            Some((key.clone(), value.clone()))
+        })
+        .collect();
+    let leg = Leg {
+        body,
+        phase: Phase::Decode,
+        pool: Pool::Roles(&[Role::Decode]),
+        pinned: Pinned {
+            decode_worker: pins.decode,
+            ..Pinned::default()
+        },
+        required,
+    };
+    // Its own task: a client that leaves now does not stop the transfer (the dispatch
+    // returns once the decode worker's first byte has come, the cache handed over).
+    let (state, routed) = (state.clone(), asked.routed.clone());
+    let (route, api, read_in) = (asked.route, asked.api, asked.read_in);
+    let task = tokio::spawn(async move {
+        let asked = Asked {
+            route,
+            api,
+            routed: &routed,
+            read_in,
+        };
+        proxy::dispatch(&state, asked, leg).await
+    });
+    task.await
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// A prefill worker failed: the request fails with a 502, or is served whole on a decode
+/// worker with `prefill_error_fallback`.
+async fn prefill_failed(
+    state: &AppState,
+    asked: Asked<'_>,
+    body: Bytes,
+    pins: Pins,
+    why: String,
+) -> Response {
+    if state.options.disagg.prefill_error_fallback {
+        count(state, "prefill_fallback");
+        tracing::debug!(error = %why, "prefill failed: served whole");
+        return proxy::dispatch(state, asked, whole(body, pins)).await;
+    }
+    count(state, "prefill_failed");
+    proxy::error(
+        state,
+        asked.route,
+        StatusCode::BAD_GATEWAY,
+        format!("the prefill worker failed: {why}"),
+    )
+}
+
+/// vLLM's protocol: the prefill worker computes the prompt and answers with the parameters
+/// the decode worker fetches the cache by.
+async fn vllm(
+    state: &AppState,
+    asked: Asked<'_>,
+    request: serde_json::Map<String, Value>,
+    body: Bytes,
+    pins: Pins,
+    mut pool: Vec<WorkerId>,
+) -> Response {
+    let mut first = request.clone();
+    first.insert("max_tokens".to_owned(), json!(1));
+    if first.contains_key("max_completion_tokens") {
+        first.insert("max_completion_tokens".to_owned(), json!(1));
+    }
+    first.insert("stream".to_owned(), json!(false));
+    first.remove("stream_options");
+    first.insert(
+        "kv_transfer_params".to_owned(),
+        json!({
+            "do_remote_decode": true,
+            "do_remote_prefill": false,
+            "remote_engine_id": null,
+            "remote_block_ids": null,
+            "remote_host": null,
+            "remote_port": null,
+        }),
+    );
+    let first = Value::Object(first).to_string().into_bytes();
+    let answer = loop {
+        let prefill = match choose_prefill(state, asked, pins, &pool).await {
+            Ok(p) => p,
+            Err(refusal) => return refusal,
+        };
+        let worker = prefill.decision.worker.worker;
+        let sent = engine_request(
+            state,
+            &prefill.backend,
+            asked.api,
+            &prefill.decision,
+            first.clone(),
+        );
+        let answered = tokio::time::timeout(state.options.first_byte_timeout, async {
+            let response = sent.send().await?;
+            let status = response.status();
+            let bytes = response.bytes().await?;
+            Ok::<_, reqwest::Error>((status, bytes))
+        })
+        .await;
+        match answered {
+            Ok(Ok((status, bytes))) if status.is_success() => {
+                prefill.backend.answered();
+                let _ = prefill.guard.prefill_done();
+                let _ = prefill.guard.finish();
+                break (prefill.backend, bytes);
+            }
+            Ok(Ok((status, bytes))) if status.is_client_error() => {
+                // The engine refused the request itself: its answer is the client's.
+                prefill.backend.answered();
+                drop(prefill.guard);
+                return relay_refusal(state, asked.route, status, bytes);
+            }
+            Ok(Ok((status, _))) => {
+                prefill
+                    .backend
+                    .failed(&state.router, state.options.breaker_failures);
+                let why = format!("worker {} answered {status}", worker.0);
+                return prefill_failed(state, asked, body, pins, why).await;
+            }
+            Ok(Err(e)) if e.is_connect() && pins.prefill.is_none() => {
+                // Down: the next prefill worker, if there is one.
+                mark_unreachable(&state.router, worker.0);
+                state.metrics.retries.with_label_values(&["connect"]).inc();
+                pool.retain(|w| *w != worker);
+                if pool.is_empty() {
+                    let why = format!("worker {} refused the connection", worker.0);
+                    return prefill_failed(state, asked, body, pins, why).await;
+                }
+            }
+            Ok(Err(e)) => {
+                prefill
+                    .backend
+                    .failed(&state.router, state.options.breaker_failures);
+                let why = format!("worker {}: {e}", worker.0);
+                return prefill_failed(state, asked, body, pins, why).await;
+            }
+            Err(_) => {
+                prefill
+                    .backend
+                    .failed(&state.router, state.options.breaker_failures);
+                let why = format!("worker {} sent nothing in time", worker.0);
+                return prefill_failed(state, asked, body, pins, why).await;
+            }
+        }
+    };
+    let (prefill, bytes) = answer;
+    let params = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("kv_transfer_params").cloned())
+        .unwrap_or(Value::Null);
+    let mut second = request;
+    second.insert("kv_transfer_params".to_owned(), params);
+    let second = Bytes::from(Value::Object(second).to_string());
+    count(state, "disaggregated");
+    decode(state, asked, second, pins, &prefill).await
+}
+
+/// SGLang's protocol: both halves at once, meeting at the prefill worker's bootstrap server.
+async fn sglang(
+    state: &AppState,
+    asked: Asked<'_>,
+    mut request: serde_json::Map<String, Value>,
+    pins: Pins,
+    pool: Vec<WorkerId>,
+) -> Response {
+    let prefill = match choose_prefill(state, asked, pins, &pool).await {
+        Ok(p) => p,
+        Err(refusal) => return refusal,
+    };
+    let host = prefill
+        .backend
+        .urls
+        .completions
+        .host_str()
+        .unwrap_or("127.0.0.1")
+        .to_owned();
+    let port = prefill
+        .backend
+        .spec
+        .bootstrap_port
+        .unwrap_or(SGLANG_BOOTSTRAP_PORT);
+    let room = bootstrap_room();
+    request.insert("bootstrap_host".to_owned(), json!(host));
+    request.insert("bootstrap_port".to_owned(), json!(port));
+    request.insert("bootstrap_room".to_owned(), json!(room));
+    let body = Value::Object(request).to_string().into_bytes();
+    let sent = engine_request(
+        state,
+        &prefill.backend,
+        asked.api,
+        &prefill.decision,
+        body.clone(),
+    );
+    // The prefill half in the background, whatever the client does: its answer is read to
+    // the end and dropped, and frees its booking.
+    let timeout = state.options.first_byte_timeout;
+    let (router, breaker) = (Arc::clone(&state.router), state.options.breaker_failures);
+    let backend = Arc::clone(&prefill.backend);
+    let guard = prefill.guard;
+    let worker = prefill.decision.worker.worker;
+    let metrics = Arc::clone(&state.metrics);
+    tokio::spawn(async move {
+        let answered = tokio::time::timeout(timeout, async {
+            let response = sent.send().await?;
+            let status = response.status();
+            response.bytes().await?;
+            Ok::<_, reqwest::Error>(status)
+        })
+        .await;
+        match answered {
+            Ok(Ok(status)) if !status.is_server_error() => {
+                backend.answered();
+                let _ = guard.prefill_done();
+                let _ = guard.finish();
+            }
+            failed => {
+                metrics.disagg.with_label_values(&["prefill_failed"]).inc();
+                tracing::debug!(worker = worker.0, ?failed, "SGLang prefill failed");
+                match failed {
+                    Ok(Err(e)) if e.is_connect() => mark_unreachable(&router, worker.0),
+                    _ => {
+                        backend.failed(&router, breaker);
+                    }
+                }
+            }
+        }
+    });
+    count(state, "disaggregated");
+    decode(state, asked, Bytes::from(body), pins, &prefill.backend).await
+}
+
+/// A random bootstrap room (SGLang's are 63-bit): the process's random hasher keys, new for
+/// each call, over a count.
+fn bootstrap_room() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNT.fetch_add(1, Ordering::Relaxed));
+    h.finish() >> 1
+}
+
+/// An engine's refusal of a request (a 4xx), passed on as it is.
+fn relay_refusal(
+    state: &AppState,
+    route: &str,
+    status: reqwest::StatusCode,
+    body: Bytes,
+) -> Response {
+    state
+        .metrics
+        .requests
+        .with_label_values(&[route, "upstream_client_error"])
+        .inc();
+    let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_REQUEST);
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// The choices `/v1/route` reports in a fleet with prefill and decode workers: the prefill
+/// worker (none when serving is not disaggregated now) and the decode worker, each booked or
+/// not by `mode`.
+pub(crate) fn route_both(
+    state: &AppState,
+    routed: &Routed,
+    mode: Mode,
+) -> Result<(Option<Decision>, Decision), kvroute_core::RouteError> {
+    let hints = RouteHints {
+        mode,
+        prompt_len: Some(routed.prompt_len),
+        expected_output_tokens: routed.expected_output,
+        lora_name: routed.lora.as_deref(),
+        cache_salt: routed.cache_salt.as_deref(),
+        ..RouteHints::default()
+    };
+    let id = || RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
+    let prefill_pool = ready(state, Role::Prefill);
+    activate(state, !prefill_pool.is_empty());
+    if prefill_pool.is_empty() {
+        let pool =
+            proxy::allowed_workers(state, &[], Pool::Roles(&[Role::Both, Role::Decode])).flatten();
+        let request = RouteRequest {
+            id: id(),
+            tokens: &routed.tokens,
+            hints: RouteHints {
+                allowed: pool.as_deref(),
+                ..hints
+            },
+        };
+        return state.router.route(&request).map(|d| (None, d));
+    }
+    let prefill = state.router.route(&RouteRequest {
+        id: id(),
+        tokens: &routed.tokens,
+        hints: RouteHints {
+            phase: Phase::Prefill,
+            allowed: Some(&prefill_pool),
+            expected_output_tokens: Some(1),
+            ..hints
+        },
+    })?;
+    let decode_pool = ready(state, Role::Decode);
+    let decode = state.router.route(&RouteRequest {
+        id: id(),
+        tokens: &routed.tokens,
+        hints: RouteHints {
+            phase: Phase::Decode,
+            allowed: (!decode_pool.is_empty()).then_some(decode_pool.as_slice()),
+            ..hints
+        },
+    });
+    match decode {
+        Ok(decode) => Ok((Some(prefill), decode)),
+        Err(e) => {
+            if mode == Mode::Book {
+                let _ = state.router.free(prefill.request);
+            }
+            Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activation_changes_once_per_transition() {
+        let a = Activation::default();
+        assert!(!a.get());
+        // Deactivating what is not active changes nothing, however often.
+        assert!(!a.set(false));
+        assert!(!a.set(false));
+        assert!(a.set(true), "activated");
+        assert!(!a.set(true), "activating again is no change");
+        assert!(a.set(false), "deactivated");
+        assert!(!a.set(false), "deactivation is idempotent");
+        assert!(a.set(true), "reactivated");
+        assert!(a.get());
+    }
+
+    #[test]
+    fn protocols_parse_by_name() {
+        assert_eq!("vllm".parse(), Ok(Protocol::Vllm));
+        assert_eq!("sglang".parse(), Ok(Protocol::Sglang));
+        assert!("trtllm"
+            .parse::<Protocol>()
+            .unwrap_err()
+            .contains("vllm or sglang"));
+        for p in [Protocol::Vllm, Protocol::Sglang] {
+            assert_eq!(p.as_str().parse(), Ok(p));
+        }
+    }
+}
