@@ -123,6 +123,23 @@ impl Engine {
         self.known.is_empty()
     }
 
+    /// Queues the decode half of a disaggregated request: its prompt's KV, every full block
+    /// but the one holding its last token, was computed by a prefill engine and handed over.
+    /// It goes to the front of the waiting queue (its blocks were promised when the transfer
+    /// began); when scheduled, the handed blocks take blocks of the cache, are cached and
+    /// published as stored, and only the prompt's tail is computed. Preempted, it computes
+    /// its prompt itself.
+    pub fn admit_transferred(&mut self, request: EngineRequest) -> Result<(), SimError> {
+        let block = self.config.block_size as usize;
+        let received = (request.prompt.len().saturating_sub(1) / block) * block;
+        self.admit(request)?;
+        if let Some(mut seq) = self.scheduler.waiting.pop_back() {
+            seq.received = received;
+            self.scheduler.waiting.push_front(seq);
+        }
+        Ok(())
+    }
+
     /// Queues a request at the back of the waiting queue; it is scheduled from the next pass.
     pub fn admit(&mut self, request: EngineRequest) -> Result<(), SimError> {
         let id = request.id;

@@ -73,6 +73,9 @@ pub(crate) struct Sequence {
     pub(crate) cached_tokens: Option<u32>,
     /// The request's cache salt, named on the Stored events of its blocks.
     pub(crate) cache_salt: Option<Arc<str>>,
+    /// Prompt tokens whose KV another engine computed and handed over (disaggregated
+    /// serving's decode half): they take blocks but no compute. Lost if it is preempted.
+    pub(crate) received: usize,
     /// Seeds the pseudo tokens: a hash of the prompt, so the same prompt yields the same
     /// output, as greedy decoding does.
     output_seed: u64,
@@ -100,6 +103,7 @@ impl Sequence {
             cached_blocks: 0,
             cached_tokens: None,
             cache_salt: request.cache_salt,
+            received: 0,
             output_seed,
         }
     }

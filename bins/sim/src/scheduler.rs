@@ -184,9 +184,10 @@ impl Scheduler {
                 return;
             };
             let hits = self.cached_prefix(seq);
-            let hit_tokens = hits.len() * self.limits.block_size;
-            let tokens = (seq.tokens.len() - hit_tokens).min(*budget);
-            let needed = (hit_tokens + tokens).div_ceil(self.limits.block_size) - hits.len();
+            // Tokens with their KV at hand: found cached, or handed over by another engine.
+            let ready = (hits.len() * self.limits.block_size).max(seq.received);
+            let tokens = (seq.tokens.len() - ready).min(*budget);
+            let needed = (ready + tokens).div_ceil(self.limits.block_size) - hits.len();
             let idle_hits = hits.iter().filter(|&&b| self.pool.is_idle(b)).count();
             if needed + idle_hits > self.pool.available() {
                 return;
@@ -222,8 +223,9 @@ impl Scheduler {
         let hit_tokens = hits.len() * self.limits.block_size;
         seq.cached_blocks = hits.len();
         seq.blocks = hits;
-        seq.computed = hit_tokens;
-        let target = hit_tokens + tokens;
+        // Received blocks are cached (and published) as they are placed, as computed ones.
+        seq.computed = hit_tokens.max(seq.received);
+        let target = seq.computed + tokens;
         if !grow(
             &mut seq,
             target,
@@ -399,4 +401,5 @@ fn release(seq: &mut Sequence, pool: &mut BlockPool) {
     seq.blocks.clear();
     seq.cached_blocks = 0;
     seq.computed = 0;
+    seq.received = 0;
 }

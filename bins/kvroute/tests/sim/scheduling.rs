@@ -144,3 +144,51 @@ fn the_seat_limit_holds_requests_back() {
     assert_eq!(pass.scheduled, 2);
     assert_eq!(engine.stats().waiting, 1);
 }
+
+#[test]
+fn a_transferred_prompt_computes_only_its_tail_and_publishes_the_blocks_it_received() {
+    // 200 tokens: 12 full blocks handed over; the 13th block's 8 tokens are computed.
+    let mut engine = engine(100, 64);
+    engine.admit(request(9, tokens(9_000, 40), 30)).unwrap();
+    engine.step().unwrap();
+    engine.take_events();
+    engine
+        .admit_transferred(request(1, tokens(0, 200), 3))
+        .unwrap();
+    // It goes first: scheduled in the next pass, ahead of nothing waiting but before any
+    // later arrival, with the running request's decode.
+    engine.admit(request(2, tokens(5_000, 64), 1)).unwrap();
+    let pass = engine.step().unwrap();
+    // Its tail, then B's first chunk: the budget less the running request's decode token.
+    assert_eq!(pass.shape.prefill_tokens, 8 + 55);
+    let outputs = engine.take_outputs();
+    let one = outputs
+        .iter()
+        .find(|o| o.id == crate::RequestId(1))
+        .unwrap();
+    assert!(
+        one.first_token_at.is_some(),
+        "its first token after one pass"
+    );
+    assert_eq!(
+        one.cached_tokens, 0,
+        "received blocks are not prefix-cache hits"
+    );
+    let stored: usize = engine
+        .take_events()
+        .iter()
+        .flat_map(|b| &b.events)
+        .map(|e| e.stored_blocks().count())
+        .sum();
+    assert!(
+        stored >= 12,
+        "the received blocks are published as stored: {stored}"
+    );
+    // A later request with the same prompt finds them cached.
+    let mut t = Transcript::default();
+    run_to_idle(&mut engine, &mut t);
+    engine.admit(request(3, tokens(0, 200), 1)).unwrap();
+    run_to_idle(&mut engine, &mut t);
+    assert_eq!(engine.stats().prefix_hit_tokens, 192);
+    assert_eq!(engine.stats().blocks.in_use, 0);
+}
