@@ -42,6 +42,7 @@ mod fleet;
 mod request;
 mod scheduler;
 mod timing;
+mod transfer;
 pub mod workload;
 
 #[cfg(test)]
@@ -59,3 +60,4 @@ pub use kvroute_core::RequestId;
 pub use request::{EngineRequest, Finish, RequestOutput};
 pub use scheduler::Admission;
 pub use timing::{Calibration, LinearFit, PassShape, TimingError, TimingModel};
+pub use transfer::KvTransfer;
