@@ -54,7 +54,7 @@ pub use engine::{ClearMode, Engine, EngineStats, Occupancy, Pass};
 pub use error::SimError;
 pub use events::{EngineBlockHash, EngineEvent, EventBatch, Medium};
 pub use fleet::{
-    Arrival, Fleet, FleetConfig, FleetError, FleetReport, LoadSeries, Picker, RequestRecord,
+    Arrival, Fleet, FleetConfig, FleetError, FleetReport, LoadSeries, Picker, RequestRecord, Split,
 };
 pub use kvroute_core::RequestId;
 pub use request::{EngineRequest, Finish, RequestOutput};

@@ -73,6 +73,7 @@ pub(super) fn run_policy(
         workers: config.workers,
         engine,
         router: policy.router_config(&config.router),
+        split: None,
     })?;
     if policy == DemoPolicy::DynamoDefault {
         fleet.set_picker(Box::new(DynamoPicker::new(

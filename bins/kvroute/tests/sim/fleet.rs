@@ -49,6 +49,7 @@ fn run(policy: Policy) -> (Fleet, FleetReport) {
             policy,
             ..RouterConfig::default()
         },
+        split: None,
     })
     .unwrap();
     for arrival in workload() {
@@ -130,6 +131,7 @@ fn one_engine() -> Fleet {
             ..EngineConfig::default()
         },
         router: RouterConfig::default(),
+        split: None,
     })
     .unwrap()
 }
@@ -198,4 +200,78 @@ fn a_request_id_is_submitted_once_and_never_in_the_past() {
     assert!(fleet.submit(late).is_err());
     assert_eq!(fleet.report().finished, 1);
     assert_eq!(fleet.router().active_requests(), 0);
+}
+
+/// The workload on 4 engines of 96 blocks, one computing prompts and three decoding.
+fn run_split(local_max_new_tokens: Option<u64>) -> Fleet {
+    let mut fleet = Fleet::new(FleetConfig {
+        workers: WORKERS,
+        engine: EngineConfig {
+            kv_blocks: 96,
+            ..EngineConfig::default()
+        },
+        router: RouterConfig::default(),
+        split: Some(kvroute_sim::Split {
+            prefill_workers: 1,
+            transfer: kvroute_sim::KvTransfer::default(),
+            local_max_new_tokens,
+        }),
+    })
+    .unwrap();
+    for arrival in workload() {
+        fleet.submit(arrival).unwrap();
+    }
+    fleet.run_until_idle().unwrap();
+    fleet
+}
+
+#[test]
+fn a_split_fleet_computes_prompts_on_its_prefill_engine_and_decodes_after_the_transfer() {
+    let fleet = run_split(None);
+    let transfer = kvroute_sim::KvTransfer::default();
+    let prefill = WorkerRank::new(0, 0);
+    for r in fleet.records() {
+        assert_eq!(r.prefill_worker, Some(prefill), "{r:?}");
+        assert_ne!(r.worker, prefill, "decoded elsewhere: {r:?}");
+        assert!(r.finished.is_some(), "{r:?}");
+        // Its first token came after the prompt's KV crossed the link.
+        let full = u64::from((r.prompt_tokens - 1) / 16 * 16);
+        assert!(
+            r.first_token.unwrap() >= r.arrival + transfer.duration(full),
+            "{r:?}"
+        );
+    }
+    // Every decode ran on a decode engine, every prompt on the prefill engine, and the
+    // prefill engine's cache served the shared system prompts.
+    let decoded: u64 = fleet.engines()[1..]
+        .iter()
+        .map(|e| e.stats().prefix_query_tokens)
+        .sum();
+    assert!(decoded > 0);
+    let report = fleet.report();
+    assert_eq!(report.finished, 40);
+    assert!(report.hit_rate > 0.3, "{report:?}");
+    assert_eq!(report.active_requests, 0, "nothing left booked");
+    assert!(fleet.router().total_load().is_idle());
+    // The decode engines published the blocks they received: the router's index has them.
+    let last = fleet.records().last().unwrap();
+    let engine = &fleet.engines()[last.worker.worker.0 as usize];
+    assert!(engine.stats().blocks.cached > 0);
+}
+
+#[test]
+fn conditional_disaggregation_serves_whole_what_the_decode_engine_would_compute_little_of() {
+    // Every prompt here is under 320 tokens: a cap of 400 new tokens serves all whole.
+    let fleet = run_split(Some(400));
+    assert!(fleet.records().iter().all(|r| r.prefill_worker.is_none()));
+    assert!(fleet.records().iter().all(|r| r.worker.worker.0 != 0));
+    assert_eq!(
+        fleet.engines()[0].stats().passes,
+        0,
+        "the prefill engine idles"
+    );
+    // A cap of 0 splits every request whose decode engine holds nothing of it.
+    let fleet = run_split(Some(0));
+    assert!(fleet.records().iter().any(|r| r.prefill_worker.is_some()));
+    assert_eq!(fleet.report().active_requests, 0);
 }

@@ -16,6 +16,12 @@
 //! (which books its load), admitted to the chosen engine, and held by a [`RequestGuard`] that
 //! the engine's outputs drive: the first token reports the prefill done, the finish frees it.
 //!
+//! **Disaggregated** ([`FleetConfig::split`], `disagg.rs`): the first engines compute prompts,
+//! the others decode. An arrival is routed to a prefill engine (the router's prefill phase)
+//! and generates one token there; the prompt's KV then crosses the link ([`KvTransfer`]), a
+//! third kind of event, and the request is routed to a decode engine (no credit for cached
+//! blocks, no prefill booked), admitted with its KV handed over, and answers from there.
+//!
 //! The router's prediction can miss the engine's truth. A request routed while an earlier one
 //! with the same prefix is still in its prefill on that worker is predicted to find those
 //! blocks (the router knows the rank's active prompts), though they are not published yet;
@@ -30,13 +36,16 @@ use std::time::{Duration, Instant};
 use kvroute_core::{
     seq_hashes, BlockHasher, Clock, EventId, IndexConfig, IndexError, LoadError, ManualClock,
     Pinned, PrefixIndex, RequestGuard, RequestId, RouteError, RouteHints, RouteRequest, Router,
-    RouterConfig, RouterError, WorkerConfig, WorkerRank,
+    RouterConfig, RouterError, WorkerConfig, WorkerRank, WorkerRole,
 };
 
 use super::config::EngineConfig;
 use super::engine::Engine;
 use super::error::SimError;
 use super::request::{EngineRequest, RequestOutput};
+use super::transfer::KvTransfer;
+
+mod disagg;
 
 /// How a fleet is built.
 #[derive(Clone, Debug)]
@@ -47,6 +56,21 @@ pub struct FleetConfig {
     pub engine: EngineConfig,
     /// The router's configuration; its block size must be the engines'.
     pub router: RouterConfig,
+    /// Disaggregated serving (none: every engine serves whole requests).
+    pub split: Option<Split>,
+}
+
+/// Disaggregated serving: engines `0..prefill_workers` compute prompts, the others decode.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Split {
+    /// Prefill engines, at least 1 and fewer than the fleet's.
+    pub prefill_workers: usize,
+    /// How long a prompt's KV takes to reach its decode engine.
+    pub transfer: KvTransfer,
+    /// Conditional disaggregation: a request whose decode engine's cache (as the router's
+    /// index knows it) leaves at most this many prompt tokens to compute is served whole
+    /// there (none: every request is split).
+    pub local_max_new_tokens: Option<u64>,
 }
 
 /// Chooses the rank for each request in place of the router's policy: a peer's selection
@@ -138,8 +162,12 @@ pub struct RequestRecord {
     /// Prompt tokens the router predicted cached on the chosen rank
     /// (`Decision::predicted_cached_tokens`).
     pub predicted_cached: u64,
-    /// Prompt tokens the engine found cached (0 until it is scheduled).
+    /// Prompt tokens the engine found cached (0 until it is scheduled); split, the prefill
+    /// engine's.
     pub cached: u32,
+    /// Split: the prefill engine that computed the prompt (`worker` is then its decode
+    /// engine, once the KV has reached it).
+    pub prefill_worker: Option<WorkerRank>,
     /// The most prompt tokens any engine held at arrival, leaving the last token to compute
     /// as admission does: what an oracle placing this one request would have found.
     pub oracle_cached: u32,
@@ -215,6 +243,13 @@ pub struct Fleet {
     route_ns: Vec<u64>,
     /// Each worker's active tokens every `sample_every` of virtual time, when set.
     load: LoadSeries,
+    /// Disaggregated serving, when set.
+    split: Option<Split>,
+    /// Split requests in their prefill, by id.
+    prefilling: HashMap<RequestId, disagg::Handoff>,
+    /// KV transfers under way, by the time they end then start order.
+    transfers: BTreeMap<(Duration, u64), disagg::Handoff>,
+    transfers_started: u64,
 }
 
 /// Each worker's active tokens sampled at a fixed step of virtual time.
@@ -240,6 +275,13 @@ impl Fleet {
                 reason: "the router's block size must be the engines'",
             });
         }
+        if let Some(split) = config.split {
+            if split.prefill_workers == 0 || split.prefill_workers >= config.workers {
+                return Err(FleetError::Config {
+                    reason: "a split fleet needs a prefill worker and a decode worker",
+                });
+            }
+        }
         let clock = ManualClock::new();
         let origin = clock.now();
         let index = PrefixIndex::new(IndexConfig::default());
@@ -247,11 +289,19 @@ impl Fleet {
         let mut engines = Vec::with_capacity(config.workers);
         for id in 0..config.workers {
             engines.push(Engine::new(config.engine)?);
-            router.join_worker(WorkerConfig::simple(
-                id as u64,
-                u64::from(config.engine.kv_blocks),
-                config.engine.block_size,
-            ))?;
+            let role = match config.split {
+                Some(s) if id < s.prefill_workers => WorkerRole::Prefill,
+                Some(_) => WorkerRole::Decode,
+                None => WorkerRole::Aggregated,
+            };
+            router.join_worker(WorkerConfig {
+                role,
+                ..WorkerConfig::simple(
+                    id as u64,
+                    u64::from(config.engine.kv_blocks),
+                    config.engine.block_size,
+                )
+            })?;
         }
         Ok(Fleet {
             router: Arc::new(router),
@@ -273,6 +323,10 @@ impl Fleet {
             hasher: BlockHasher::new(config.engine.block_size as usize),
             route_ns: Vec::new(),
             load: LoadSeries::default(),
+            split: config.split,
+            prefilling: HashMap::new(),
+            transfers: BTreeMap::new(),
+            transfers_started: 0,
         })
     }
 
@@ -323,13 +377,19 @@ impl Fleet {
     /// Runs every arrival and pass end at or before `until`, in time order.
     pub fn run_to(&mut self, until: Duration) -> Result<(), FleetError> {
         loop {
+            // At equal times: a pass's end, then a transfer's, then an arrival.
             let arrival = self.pending.keys().next().map(|&(at, _)| at);
+            let transfer = self.transfers.keys().next().map(|&(at, _)| at);
             let pass_end = self.next_pass_end();
-            match (arrival, pass_end) {
-                (_, Some((worker, end))) if end <= until && arrival.is_none_or(|a| end <= a) => {
+            let before = |t: Duration, other: Option<Duration>| other.is_none_or(|o| t <= o);
+            match (arrival, transfer, pass_end) {
+                (_, _, Some((worker, end)))
+                    if end <= until && before(end, arrival) && before(end, transfer) =>
+                {
                     self.end_pass(worker, end)?;
                 }
-                (Some(at), _) if at <= until => self.arrive(at)?,
+                (_, Some(at), _) if at <= until && before(at, arrival) => self.hand_over(at)?,
+                (Some(at), _, _) if at <= until => self.arrive(at)?,
                 _ => break,
             }
         }
@@ -440,6 +500,9 @@ impl Fleet {
 
     /// Notes what a pass did for one request and moves its lifecycle on.
     fn record_output(&mut self, output: &RequestOutput) -> Result<(), FleetError> {
+        if self.prefilling.contains_key(&output.id) {
+            return self.prefill_output(output);
+        }
         if let Some(&i) = self.record_of.get(&output.id) {
             let record = &mut self.records[i];
             let worker = record.worker.worker.0 as usize;
@@ -453,7 +516,9 @@ impl Fleet {
                 }
             }
             record.output_tokens += output.tokens.len() as u32;
-            record.cached = output.cached_tokens;
+            if record.prefill_worker.is_none() {
+                record.cached = output.cached_tokens;
+            }
             if output.first_token_at.is_some() {
                 record.first_token = output.first_token_at;
             }
@@ -487,6 +552,13 @@ impl Fleet {
             tokens: &arrival.prompt,
             hints: RouteHints::default(),
         };
+        if let Some(split) = self.split {
+            match self.local_decode(&arrival, split) {
+                // Served whole where its decode would go: pinned there.
+                Some(worker) => request.hints.pinned.backend_instance = Some(worker),
+                None => return self.arrive_split(arrival, oracle_cached, started),
+            }
+        }
         if let Some(picker) = self.picker.as_mut() {
             let rank = picker.pick(&self.router, arrival.id, &arrival.prompt)?;
             request.hints.pinned = Pinned {
@@ -526,6 +598,7 @@ impl Fleet {
             output_tokens: 0,
             predicted_cached: decision.predicted_cached_tokens,
             cached: 0,
+            prefill_worker: None,
             oracle_cached,
         });
         self.active_tokens[worker] += arrival.prompt.len() as u64;

@@ -1,0 +1,212 @@
+//! A split request's way through the fleet: routed to a prefill engine, one token there, its
+//! prompt's KV across the link, then routed to a decode engine and admitted with the KV
+//! handed over.
+//!
+//! ```text
+//!  arrive_split ──route (prefill phase)──▶ prefill engine: max_tokens 1
+//!       prefill_output (its token): the prefill freed ──▶ transfers (ends at now + link time)
+//!  hand_over ──route (decode phase)──▶ decode engine: admit_transferred ──▶ outputs as usual
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::{
+    Mode, Phase, Pinned, RequestGuard, RequestId, RouteHints, RouteRequest, WorkerId,
+};
+
+use super::{Arrival, Fleet, FleetError, RequestRecord, Split};
+use crate::request::{EngineRequest, RequestOutput};
+
+/// A split request between its two engines: what its decode half needs.
+#[derive(Clone, Debug)]
+pub(super) struct Handoff {
+    id: RequestId,
+    prompt: Vec<u32>,
+    max_output_tokens: u32,
+    arrival: Duration,
+}
+
+impl Fleet {
+    /// The decode engine that serves `arrival` whole under conditional disaggregation: the
+    /// one the router would choose for its decode, when the index says its cache leaves at
+    /// most `split.local_max_new_tokens` of the prompt to compute.
+    pub(super) fn local_decode(&self, arrival: &Arrival, split: Split) -> Option<WorkerId> {
+        let cap = split.local_max_new_tokens?;
+        let request = RouteRequest {
+            id: arrival.id,
+            tokens: &arrival.prompt,
+            hints: RouteHints {
+                phase: Phase::Decode,
+                mode: Mode::QueryOnly,
+                ..RouteHints::default()
+            },
+        };
+        let d = self.router.route(&request).ok()?;
+        let new = (arrival.prompt.len() as u64).saturating_sub(d.overlap.cached_tokens);
+        (new <= cap).then_some(d.worker.worker)
+    }
+
+    /// A split arrival: routed to a prefill engine and admitted there for one token.
+    pub(super) fn arrive_split(
+        &mut self,
+        arrival: Arrival,
+        oracle_cached: u32,
+        started: Instant,
+    ) -> Result<(), FleetError> {
+        let at = self.now;
+        let request = RouteRequest {
+            id: arrival.id,
+            tokens: &arrival.prompt,
+            hints: RouteHints {
+                phase: Phase::Prefill,
+                expected_output_tokens: Some(1),
+                ..RouteHints::default()
+            },
+        };
+        let decision = self.router.route(&request)?;
+        self.route_ns
+            .push(started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
+        let mut guard = RequestGuard::new(Arc::clone(&self.router), decision.request);
+        guard.mark_dispatched()?;
+        let worker = decision.worker.worker.0 as usize;
+        self.admit_on(
+            worker,
+            EngineRequest {
+                id: arrival.id,
+                prompt: arrival.prompt.clone(),
+                max_output_tokens: 1,
+                arrival: at,
+                cache_salt: None,
+            },
+            false,
+        )?;
+        self.record_of.insert(arrival.id, self.records.len());
+        self.records.push(RequestRecord {
+            id: arrival.id,
+            worker: decision.worker,
+            arrival: at,
+            first_token: None,
+            finished: None,
+            prompt_tokens: arrival.prompt.len() as u32,
+            output_tokens: 0,
+            predicted_cached: decision.predicted_cached_tokens,
+            cached: 0,
+            prefill_worker: Some(decision.worker),
+            oracle_cached,
+        });
+        self.active_tokens[worker] += arrival.prompt.len() as u64;
+        self.guards.insert(arrival.id, guard);
+        self.prefilling.insert(
+            arrival.id,
+            Handoff {
+                id: arrival.id,
+                prompt: arrival.prompt,
+                max_output_tokens: arrival.max_output_tokens,
+                arrival: at,
+            },
+        );
+        Ok(())
+    }
+
+    /// The prefill engine's token for a split request: the prefill is freed, and the prompt's
+    /// KV starts across the link.
+    pub(super) fn prefill_output(&mut self, output: &RequestOutput) -> Result<(), FleetError> {
+        if output.finish.is_none() {
+            return Ok(());
+        }
+        let Some(handoff) = self.prefilling.remove(&output.id) else {
+            return Ok(());
+        };
+        if let Some(guard) = self.guards.remove(&output.id) {
+            guard.prefill_done()?;
+            guard.finish()?;
+        }
+        if let Some(&i) = self.record_of.get(&output.id) {
+            let record = &mut self.records[i];
+            record.cached = output.cached_tokens;
+            let worker = record.worker.worker.0 as usize;
+            if let Some(active) = self.active_tokens.get_mut(worker) {
+                *active = active.saturating_sub(u64::from(record.prompt_tokens));
+            }
+        }
+        let Some(split) = self.split else {
+            return Ok(());
+        };
+        let block = self.hasher.block_size();
+        let full = (handoff.prompt.len().saturating_sub(1) / block * block) as u64;
+        let ends = self.now + split.transfer.duration(full);
+        self.transfers
+            .insert((ends, self.transfers_started), handoff);
+        self.transfers_started += 1;
+        Ok(())
+    }
+
+    /// The first transfer ending at `at`: its request routed to a decode engine and admitted
+    /// there with its KV.
+    pub(super) fn hand_over(&mut self, at: Duration) -> Result<(), FleetError> {
+        let Some((_, handoff)) = self.transfers.pop_first() else {
+            return Ok(());
+        };
+        self.set_time(at);
+        let request = RouteRequest {
+            id: handoff.id,
+            tokens: &handoff.prompt,
+            hints: RouteHints {
+                phase: Phase::Decode,
+                expected_output_tokens: Some(handoff.max_output_tokens),
+                pinned: Pinned::default(),
+                ..RouteHints::default()
+            },
+        };
+        let decision = self.router.route(&request)?;
+        let mut guard = RequestGuard::new(Arc::clone(&self.router), decision.request);
+        guard.mark_dispatched()?;
+        let worker = decision.worker.worker.0 as usize;
+        self.admit_on(
+            worker,
+            EngineRequest {
+                id: handoff.id,
+                prompt: handoff.prompt.clone(),
+                max_output_tokens: handoff.max_output_tokens,
+                arrival: handoff.arrival,
+                cache_salt: None,
+            },
+            true,
+        )?;
+        if let Some(&i) = self.record_of.get(&handoff.id) {
+            self.records[i].worker = decision.worker;
+        }
+        self.active_tokens[worker] += handoff.prompt.len() as u64;
+        self.guards.insert(handoff.id, guard);
+        Ok(())
+    }
+
+    /// Admits `request` to engine `worker` (with its KV handed over when `transferred`), and
+    /// starts a pass there if it was idle.
+    pub(super) fn admit_on(
+        &mut self,
+        worker: usize,
+        request: EngineRequest,
+        transferred: bool,
+    ) -> Result<(), FleetError> {
+        let now = self.now;
+        let idle = !self.in_pass[worker];
+        let engine = self.engines.get_mut(worker).ok_or(FleetError::Config {
+            reason: "the router chose a worker the fleet does not have",
+        })?;
+        if idle {
+            // Idle: its clock stands at its last pass's end; it starts now.
+            engine.advance_to(now);
+        }
+        if transferred {
+            engine.admit_transferred(request)?;
+        } else {
+            engine.admit(request)?;
+        }
+        if idle {
+            self.start_pass(worker);
+        }
+        Ok(())
+    }
+}
