@@ -830,7 +830,7 @@ fn an_engine_that_ends_a_request_without_finishing_it_still_ends_the_stream() {
 fn a_consumer_that_stops_reading_for_a_while_holds_the_worker_back_without_losing_it() {
     for backend in backends() {
         let config = WorkerServerConfig {
-            idle_timeout: Duration::from_millis(200),
+            idle_timeout: Duration::from_millis(500),
             heartbeat_interval: Duration::from_millis(20),
             ..worker_config(backend, loopback())
         };
@@ -839,7 +839,7 @@ fn a_consumer_that_stops_reading_for_a_while_holds_the_worker_back_without_losin
         let addr = worker.local_addr();
         backend::block_on(backend, async move {
             let client = DispatchClient::start(DispatchConfig {
-                idle_timeout: Duration::from_millis(200),
+                idle_timeout: Duration::from_millis(500),
                 heartbeat_interval: Duration::from_millis(20),
                 ..client_config(backend, addr, WORKER)
             });
@@ -849,8 +849,9 @@ fn a_consumer_that_stops_reading_for_a_while_holds_the_worker_back_without_losin
                 .dispatch(request(1, vec![1, 2, 3], 200_000))
                 .await
                 .expect("dispatches");
-            // The stream's queue holds 4 items: the rest wait in the sockets and the worker.
-            tokio::time::sleep(Duration::from_millis(600)).await;
+            // The stream's queue holds 4 items: the rest wait in the sockets and the worker,
+            // for three idle timeouts (the timeout leaves room for a loaded machine's stalls).
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
             let (items, error) = drain(&mut s).await;
             assert_eq!((items.len(), error), (200_001, None), "{backend}");
             let stats = client.shutdown().await;

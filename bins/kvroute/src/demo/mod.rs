@@ -20,9 +20,11 @@
 //! * `sglang.rs`: [`SglangPicker`], SGLang's router's `cache_aware` rule on the same fleet.
 //! * `run.rs`: one policy's run and its [`PolicyReport`].
 //! * `live.rs`: [`run_live`], the same through real processes (`demo --live`).
+//! * `disagg.rs`: [`run_disagg`], aggregated against disaggregated serving (`demo --disagg`).
 //! * `table.rs`: the report as the terminal shows it.
 //! * `plot.rs`: the report as an SVG picture.
 
+mod disagg;
 mod dynamo;
 mod live;
 mod plot;
@@ -43,6 +45,7 @@ use kvroute_sim::workload::Workload;
 use kvroute_sim::{EngineConfig, FleetError};
 
 pub use crate::plot::PlotError;
+pub use disagg::{run_disagg, DisaggConfig, DisaggReport, ModeReport};
 pub use dynamo::DynamoPicker;
 pub use live::{run_live, CacheCheck, LiveOptions, LiveReport};
 pub use plot::write_svg;

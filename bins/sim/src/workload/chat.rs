@@ -63,6 +63,23 @@ impl Default for ChatConfig {
     }
 }
 
+impl ChatConfig {
+    /// The long mix: most conversations open with a long document (4,000 to 16,000 tokens)
+    /// and replies run long (400 to 1,500 tokens), over few turns, so that on an engine
+    /// serving whole requests the prefill chunks of new documents slow every decode: the
+    /// case for splitting prefill from decode.
+    pub fn long_mix() -> Self {
+        ChatConfig {
+            document_share: 0.9,
+            document_tokens: (4_000, 16_000),
+            turns: (1, 3),
+            user_tokens: (50, 300),
+            reply_tokens: (400, 1_500),
+            ..ChatConfig::default()
+        }
+    }
+}
+
 /// Content streams of [`pseudo_token`] for the built-in workload.
 const STREAM_SYSTEM: u64 = 1;
 const STREAM_DOCUMENT: u64 = 2;

@@ -88,9 +88,13 @@ impl Workload {
         self.speedup
     }
 
-    /// A name for reports: `builtin-chat` or the trace's.
+    /// A name for reports: `builtin-chat` (`builtin-long` for [`ChatConfig::long_mix`]'s
+    /// lengths) or the trace's.
     pub fn name(&self) -> &str {
         match &self.source {
+            Source::Chat(c) if c.document_tokens == ChatConfig::long_mix().document_tokens => {
+                "builtin-long"
+            }
             Source::Chat(_) => "builtin-chat",
             Source::Trace { name, .. } => name,
         }
