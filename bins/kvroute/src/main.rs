@@ -11,11 +11,11 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use kvroute::demo::{self, DemoConfig, DemoPolicy};
 use kvroute::replay::{self, ReplayOptions};
-use kvroute::worker::{PublisherConfig, RunningWorker, WorkerOptions};
+use kvroute::worker::{DisaggOptions, PublisherConfig, Role, RunningWorker, WorkerOptions};
 use kvroute_core::{Affinity, RouterConfig};
 use kvroute_serve::{RunningServe, ServeConfig, ServeOptions};
 use kvroute_sim::workload::{read_trace, ChatConfig, Workload};
-use kvroute_sim::{EngineConfig, TimingModel};
+use kvroute_sim::{EngineConfig, KvTransfer, TimingModel};
 use mimalloc::MiMalloc;
 
 #[global_allocator]
@@ -163,6 +163,40 @@ struct WorkerArgs {
     /// The worker's id in the request wire's handshake.
     #[arg(long, default_value_t = 0, requires = "wire")]
     worker_id: u64,
+    /// Its part when prefill and decode are split: `prefill` computes prompts for decode
+    /// workers (vLLM's `kv_transfer_params` with do_remote_decode, SGLang's bootstrap room),
+    /// `decode` pulls a prompt's KV from one and decodes, `both` serves whole requests and
+    /// either half of vLLM's protocol. Every role serves a request with no transfer whole.
+    #[arg(long, default_value = "both", value_name = "both|prefill|decode")]
+    role: Role,
+    /// The port of a prefill worker's bootstrap server, where SGLang's decode workers pull
+    /// a room's KV (on --listen's address; 0: the system picks). Default with --role
+    /// prefill: 8998, SGLang's.
+    #[arg(long, value_name = "PORT")]
+    bootstrap_port: Option<u16>,
+    /// The KV transfer link's bandwidth, in gigabits per second (a decode worker times its
+    /// pulls by it).
+    #[arg(long, default_value_t = 400.0, value_name = "GBIT/S")]
+    kv_link_gbps: f64,
+    /// The fixed cost of one KV transfer (handshake and first round trip), in milliseconds.
+    #[arg(long, default_value_t = 1.0, value_name = "MS")]
+    kv_transfer_latency_ms: f64,
+    /// How long a prefill worker keeps a computed prompt for its decode worker, and how
+    /// long a decode worker waits for a bootstrap room, in milliseconds.
+    #[arg(long, default_value_t = 60_000, value_name = "MS")]
+    kv_transfer_timeout_ms: u64,
+    /// The model's layers, for the KV bytes a token moves (default: Llama-3.1-8B's 32).
+    #[arg(long, value_name = "N")]
+    kv_layers: Option<u32>,
+    /// Its key-value heads (default 8).
+    #[arg(long, value_name = "N")]
+    kv_heads: Option<u32>,
+    /// Dimensions per head (default 128).
+    #[arg(long, value_name = "N")]
+    kv_head_dim: Option<u32>,
+    /// Bytes per KV value (default 2, BF16; 1 for FP8).
+    #[arg(long, value_name = "N")]
+    kv_dtype_bytes: Option<u32>,
 }
 
 #[derive(Debug, Args)]
@@ -258,6 +292,33 @@ struct DemoArgs {
         conflicts_with = "live"
     )]
     sweep_workers: Vec<usize>,
+    /// The built-in workload's mix: `chat` (the default), or `long` (long documents and long
+    /// replies: where splitting prefill from decode pays).
+    #[arg(long, default_value = "chat", value_name = "chat|long")]
+    mix: String,
+    /// Compare serving whole requests with disaggregated prefill and decode on the same
+    /// GPUs (--workers), at several splits, with and without conditional disaggregation, by
+    /// goodput (requests a second meeting --slo-ttft-ms and --slo-itl-ms).
+    #[arg(long, conflicts_with_all = ["live", "sweep_workers"])]
+    disagg: bool,
+    /// With --disagg: the prefill workers of each split (default: a quarter, three eighths
+    /// and half of --workers).
+    #[arg(long, value_delimiter = ',', value_name = "P", requires = "disagg")]
+    splits: Vec<usize>,
+    /// With --disagg: the time-to-first-token objective, ms.
+    #[arg(long, default_value_t = 2_000.0, value_name = "MS")]
+    slo_ttft_ms: f64,
+    /// With --disagg: the inter-token latency objective (a request's mean), ms.
+    #[arg(long, default_value_t = 25.0, value_name = "MS")]
+    slo_itl_ms: f64,
+    /// With --disagg: conditional disaggregation serves a request whole on its decode worker
+    /// when that worker's cache leaves at most this many prompt tokens to compute.
+    #[arg(long, default_value_t = 512, value_name = "TOKENS")]
+    conditional_max_new_tokens: u64,
+    /// With --disagg: the link the KV crosses from prefill to decode, in gigabits per
+    /// second (the default: a 400 Gb/s RDMA NIC).
+    #[arg(long = "kv-link-gbps", default_value_t = 400.0, value_name = "GBIT/S")]
+    disagg_link_gbps: f64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -594,6 +655,7 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
         ..defaults.engine
     };
     engine.validate()?;
+    let disagg = worker_disagg(&args)?;
     let options = WorkerOptions {
         http: args.listen,
         model: args.model,
@@ -609,6 +671,7 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
             buffer_batches: args.kv_buffer,
             dp_rank: 0,
         }),
+        disagg,
         ..defaults
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -621,6 +684,7 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
             events = ?worker.events,
             replay = ?worker.replay,
             wire = ?worker.wire,
+            bootstrap = ?worker.bootstrap,
             "kvroute worker serving"
         );
         let exited = tokio::select! {
@@ -638,6 +702,45 @@ fn run_worker(args: WorkerArgs) -> anyhow::Result<()> {
             worker.wait().await?;
         }
         Ok(())
+    })
+}
+
+/// The worker's role, bootstrap server and transfer link from its flags.
+fn worker_disagg(args: &WorkerArgs) -> anyhow::Result<DisaggOptions> {
+    use kvroute_serve::disagg::SGLANG_BOOTSTRAP_PORT;
+    let bootstrap_port = match (args.role, args.bootstrap_port) {
+        (Role::Prefill, port) => Some(port.unwrap_or(SGLANG_BOOTSTRAP_PORT)),
+        (_, None) => None,
+        (role, Some(_)) => anyhow::bail!(
+            "--bootstrap-port is a prefill worker's (this one's --role is {})",
+            role.as_str()
+        ),
+    };
+    if !(args.kv_link_gbps.is_finite() && args.kv_link_gbps > 0.0) {
+        anyhow::bail!("--kv-link-gbps must be a positive number");
+    }
+    if !(args.kv_transfer_latency_ms.is_finite() && args.kv_transfer_latency_ms >= 0.0) {
+        anyhow::bail!("--kv-transfer-latency-ms must be a number of at least 0");
+    }
+    let shape = KvTransfer::default();
+    let transfer = KvTransfer {
+        layers: args.kv_layers.unwrap_or(shape.layers),
+        kv_heads: args.kv_heads.unwrap_or(shape.kv_heads),
+        head_dim: args.kv_head_dim.unwrap_or(shape.head_dim),
+        dtype_bytes: args.kv_dtype_bytes.unwrap_or(shape.dtype_bytes),
+        link_gbytes_per_s: args.kv_link_gbps / 8.0,
+        latency: Duration::from_secs_f64(args.kv_transfer_latency_ms / 1e3),
+    };
+    if transfer.bytes_per_token() == 0 {
+        anyhow::bail!(
+            "--kv-layers, --kv-heads, --kv-head-dim and --kv-dtype-bytes must be at least 1"
+        );
+    }
+    Ok(DisaggOptions {
+        role: args.role,
+        bootstrap: bootstrap_port.map(|port| std::net::SocketAddr::new(args.listen.ip(), port)),
+        transfer,
+        timeout: Duration::from_millis(args.kv_transfer_timeout_ms),
     })
 }
 
@@ -708,14 +811,72 @@ fn run_sweep(args: &DemoArgs, config: DemoConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `demo --disagg`: aggregated against disaggregated serving on the same GPUs.
+fn run_disagg_demo(args: &DemoArgs, workload: &Workload, config: DemoConfig) -> anyhow::Result<()> {
+    // The policy that picks prefill workers: the one --policies names, else kv-aware.
+    let router = match args.policies.as_slice() {
+        [] => config.router.clone(),
+        [one] if one.router_policy().is_some() => one.router_config(&config.router),
+        _ => anyhow::bail!(
+            "--disagg takes one of the router's own policies in --policies (it picks the \
+             prefill worker)"
+        ),
+    };
+    let disagg = demo::DisaggConfig {
+        workers: config.workers,
+        engine: config.engine,
+        router,
+        transfer: kvroute_sim::KvTransfer {
+            link_gbytes_per_s: args.disagg_link_gbps / 8.0,
+            ..kvroute_sim::KvTransfer::default()
+        },
+        splits: if args.splits.is_empty() {
+            demo::DisaggConfig::default_splits(config.workers)
+        } else {
+            args.splits.clone()
+        },
+        slo_ttft_ms: args.slo_ttft_ms,
+        slo_itl_ms: args.slo_itl_ms,
+        conditional_max_new_tokens: args.conditional_max_new_tokens,
+        threads: config.threads,
+    };
+    let report = demo::run_disagg(workload, &disagg, &|m| {
+        eprintln!(
+            "  {:<18} done in {:>5.1} s: goodput {:.2}/s, TTFT mean {:.0} ms, ITL mean {:.1} ms",
+            m.name, m.wall_seconds, m.goodput_rps, m.ttft_mean_ms, m.itl_mean_ms
+        );
+    })?;
+    println!();
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
 fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
-    let workload = workload(
-        args.trace.as_deref(),
-        args.requests,
-        4_000,
-        args.seed,
-        args.rate,
-    )?
+    let base = match args.mix.as_str() {
+        "chat" => ChatConfig::default(),
+        "long" => ChatConfig::long_mix(),
+        other => anyhow::bail!("--mix {other:?}: chat or long"),
+    };
+    let workload = match &args.trace {
+        Some(_) => workload(
+            args.trace.as_deref(),
+            args.requests,
+            4_000,
+            args.seed,
+            args.rate,
+        )?,
+        None => Workload::chat(ChatConfig {
+            requests: args.requests.unwrap_or(4_000),
+            seed: args.seed,
+            rate: args.rate,
+            ..base
+        }),
+    }
     .with_speedup(args.speedup);
     let defaults = DemoConfig::default();
     let engine = EngineConfig {
@@ -768,6 +929,9 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     );
     if !args.sweep_workers.is_empty() {
         return run_sweep(&args, config);
+    }
+    if args.disagg {
+        return run_disagg_demo(&args, &workload, config);
     }
     if args.live {
         eprintln!("(the in-process run below is the first policy's only)");

@@ -52,7 +52,7 @@ impl DemoPolicy {
     ];
 
     /// The router's policy this runs, for the policies that are the router's own.
-    fn router_policy(&self) -> Option<PolicyKind> {
+    pub fn router_policy(&self) -> Option<PolicyKind> {
         match self {
             DemoPolicy::KvAware | DemoPolicy::KvAwareTemperature(_) => Some(PolicyKind::KvAware),
             DemoPolicy::CacheThreshold => Some(PolicyKind::CacheThreshold),

@@ -26,6 +26,16 @@ use kvroute_sim::{
 
 use super::publisher::Publisher;
 
+/// Where an admitted request's prompt KV comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PromptKv {
+    /// The engine computes it (what its cache lacks).
+    Computed,
+    /// A prefill worker computed it and handed it over: the decode half of a disaggregated
+    /// request ([`Engine::admit_transferred`]).
+    Transferred,
+}
+
 /// What the driver is asked to do.
 #[derive(Debug)]
 pub(crate) enum Command {
@@ -34,6 +44,7 @@ pub(crate) enum Command {
         prompt: Vec<u32>,
         cache_salt: Option<Arc<str>>,
         max_output_tokens: u32,
+        kv: PromptKv,
         sink: mpsc::UnboundedSender<RequestOutput>,
         reply: oneshot::Sender<Result<RequestId, SimError>>,
     },
@@ -64,6 +75,8 @@ pub struct DriverStats {
     pub engine: EngineStats,
     /// Requests admitted since start.
     pub admitted: u64,
+    /// Of those, decode halves admitted with their prompt's KV handed over.
+    pub transferred: u64,
     /// Requests aborted because their caller went away.
     pub aborted: u64,
     /// Requests that generated all their tokens.
@@ -159,6 +172,7 @@ impl Task {
                 prompt,
                 cache_salt,
                 max_output_tokens,
+                kv,
                 sink,
                 reply,
             } => {
@@ -166,20 +180,25 @@ impl Task {
                 self.next_id += 1;
                 let prompt_tokens = prompt.len() as u64;
                 let now = self.origin.elapsed().max(self.engine.now());
-                let result = self
-                    .engine
-                    .admit(EngineRequest {
-                        id,
-                        prompt,
-                        max_output_tokens,
-                        arrival: now,
-                        cache_salt,
-                    })
-                    .map(|()| id);
+                let request = EngineRequest {
+                    id,
+                    prompt,
+                    max_output_tokens,
+                    arrival: now,
+                    cache_salt,
+                };
+                let result = match kv {
+                    PromptKv::Computed => self.engine.admit(request),
+                    PromptKv::Transferred => self.engine.admit_transferred(request),
+                }
+                .map(|()| id);
                 if result.is_ok() {
                     self.sinks.insert(id, sink);
                     self.stats.admitted += 1;
                     self.stats.prompt_tokens += prompt_tokens;
+                    if kv == PromptKv::Transferred {
+                        self.stats.transferred += 1;
+                    }
                 }
                 let _ = reply.send(result);
             }

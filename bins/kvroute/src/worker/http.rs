@@ -12,14 +12,18 @@
 //! | `POST /admin/restart` | the engine as a restarted process: cache emptied, event sequence from 0 |
 //! | `POST /admin/pause`, `/admin/resume`, `/admin/exit`; `GET /admin/stats` | the engine |
 //! | `POST /admin/cached` | a completion's or chat's body → the prompt tokens cached here now (a replay's oracle) |
+//! | `POST /kv/pull` | a decode worker takes a prompt's KV computed here (vLLM's protocol; see `disagg.rs`) |
+//!
+//! A prefill worker's bootstrap server (SGLang's protocol) answers `POST /kv/pull` for rooms
+//! and `GET /health` on its own port.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Query, State};
-use axum::http::StatusCode;
+use axum::extract::{DefaultBodyLimit, FromRef, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -30,7 +34,8 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 use kvroute_sim::{Admission, Finish, RequestId, RequestOutput};
 
-use super::driver::{Command, Driver, DriverStats};
+use super::disagg::{self, DisaggOptions, Half, Handoff, HandoffKey, Handoffs};
+use super::driver::{Command, Driver, DriverStats, PromptKv};
 use super::metrics::Metrics;
 use super::publisher::{EventFault, Publisher};
 use kvroute_serve::openai::{ErrorBody, ModelCard, ModelList, Prompt, Usage};
@@ -47,6 +52,24 @@ pub(crate) struct AppState {
     pub max_model_len: u32,
     pub shutdown: Arc<Notify>,
     pub text: Option<Arc<ModelText>>,
+    /// Where HTTP listens (a prefill half's `remote_port`).
+    pub http: std::net::SocketAddr,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Its role and transfer link.
+    pub disagg: Arc<DisaggOptions>,
+    /// The hand-overs kept for decode workers, and the transfer counts.
+    pub handoffs: Arc<Handoffs>,
+    /// Names this worker in a prefill half's answer (`remote_engine_id`).
+    pub engine_id: Arc<str>,
+    /// Pulls prompts' KV from prefill workers.
+    pub client: reqwest::Client,
+}
+
+impl FromRef<AppState> for Arc<Handoffs> {
+    fn from_ref(state: &AppState) -> Self {
+        Arc::clone(&state.handoffs)
+    }
 }
 
 /// The routes, with a body limit of `max_body` bytes.
@@ -67,8 +90,17 @@ pub(crate) fn router(state: AppState, max_body: usize) -> Router {
         .route("/admin/exit", post(exit))
         .route("/admin/stats", get(admin_stats))
         .route("/admin/cached", post(admin_cached))
+        .route("/kv/pull", post(disagg::pull))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
+}
+
+/// A prefill worker's bootstrap server: where SGLang's decode workers pull a room's KV.
+pub(crate) fn bootstrap_router(handoffs: Arc<Handoffs>) -> Router {
+    Router::new()
+        .route("/kv/pull", post(disagg::pull))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .with_state(handoffs)
 }
 
 /// An error in OpenAI's shape.
@@ -99,12 +131,16 @@ enum Kind {
     Chat,
 }
 
-async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
-    generate(state, Kind::Completion, body).await
+async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(state, Kind::Completion, &headers, body).await
 }
 
-async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
-    generate(state, Kind::Chat, body).await
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    generate(state, Kind::Chat, &headers, body).await
 }
 
 /// The prompt's token ids: a completion's token ids or text, a chat's rendered messages.
@@ -172,7 +208,7 @@ fn cache_salt(request: &Value) -> Result<Option<Arc<str>>, String> {
     }
 }
 
-async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
+async fn generate(state: AppState, kind: Kind, headers: &HeaderMap, body: Bytes) -> Response {
     let request = match request_object(&body) {
         Ok(v) => v,
         Err(message) => return bad_request(message),
@@ -213,13 +249,23 @@ async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
             prompt.len()
         ));
     }
+    let half = match Half::read(&request, state.disagg.role) {
+        Ok(half) => half,
+        Err(message) => return bad_request(message),
+    };
     let prompt_tokens = prompt.len() as u32;
+    let (kv, max_tokens, handoff) =
+        match begin_half(&state, half, &prompt, &cache_salt, max_tokens).await {
+            Ok(begun) => begun,
+            Err(response) => return response,
+        };
     let (sink, outputs) = mpsc::unbounded_channel();
     let (reply, admitted) = oneshot::channel();
     if !state.driver.send(Command::Admit {
         prompt,
         cache_salt,
         max_output_tokens: max_tokens,
+        kv,
         sink,
         reply,
     }) {
@@ -233,6 +279,17 @@ async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
     let guard = AbortOnDrop {
         driver: state.driver.clone(),
         id,
+    };
+    // A prefill half's hand-over is ready once its prompt is computed; vLLM's answers the
+    // parameters its decode worker pulls the prompt by.
+    let (outputs, transfer) = match handoff {
+        Some(handoff) => {
+            let host = advertised_host(&state, headers);
+            let port = state.http.port();
+            let params = handoff.vllm_params(&state.engine_id, &host, port, state.block_size);
+            (handoff.watch(outputs), params)
+        }
+        None => (outputs, None),
     };
     let meta = Meta {
         kind,
@@ -256,8 +313,86 @@ async fn generate(state: AppState, kind: Kind, body: Bytes) -> Response {
             .unwrap_or(false);
         stream_completion(meta, outputs, include_usage, guard).into_response()
     } else {
-        whole_completion(meta, outputs, guard).await
+        whole_completion(meta, outputs, guard, transfer).await
     }
+}
+
+/// What serving `half` of a request takes before its admission: a decode half's transfer (a
+/// failed one is the request's answer), a prefill half's hand-over begun (SGLang's computes
+/// one token). Returns where the prompt's KV comes from, the tokens to generate and the
+/// hand-over.
+async fn begin_half(
+    state: &AppState,
+    half: Half,
+    prompt: &[u32],
+    cache_salt: &Option<Arc<str>>,
+    max_tokens: u32,
+) -> Result<(PromptKv, u32, Option<Handoff>), Response> {
+    let handed = disagg::handed_tokens(prompt.len(), state.block_size);
+    match half {
+        Half::Whole => Ok((PromptKv::Computed, max_tokens, None)),
+        Half::Decode(source) => match receive(state, source, prompt, cache_salt.clone()).await {
+            Ok(()) => Ok((PromptKv::Transferred, max_tokens, None)),
+            Err(why) => Err(error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the KV transfer failed: {why}"),
+            )),
+        },
+        Half::VllmPrefill => {
+            let key = state.handoffs.new_request_key(&state.engine_id);
+            let handoff = Handoff::begin(&state.handoffs, key, handed);
+            Ok((PromptKv::Computed, max_tokens, Some(handoff)))
+        }
+        Half::SglangPrefill(room) => {
+            let handoff = Handoff::begin(&state.handoffs, HandoffKey::Room(room), handed);
+            Ok((PromptKv::Computed, 1, Some(handoff)))
+        }
+    }
+}
+
+/// The decode half's transfer: the prompt's full blocks pulled from `source`, timed over those
+/// this worker's cache lacks.
+async fn receive(
+    state: &AppState,
+    source: disagg::Source,
+    prompt: &[u32],
+    cache_salt: Option<Arc<str>>,
+) -> Result<(), String> {
+    let expected = disagg::handed_tokens(prompt.len(), state.block_size);
+    let (reply, cached) = oneshot::channel();
+    if !state.driver.send(Command::Cached {
+        prompt: prompt.to_vec(),
+        cache_salt,
+        reply,
+    }) {
+        return Err("the engine has stopped".to_owned());
+    }
+    let cached = cached
+        .await
+        .map_err(|_| "the engine has stopped".to_owned())?;
+    disagg::receive(
+        state.client.clone(),
+        Arc::clone(&state.handoffs),
+        source,
+        state.disagg.transfer,
+        expected,
+        expected.saturating_sub(cached),
+    )
+    .await
+}
+
+/// The host a decode worker reaches this one at: the address HTTP listens on, or, when that
+/// is every interface, the host the request was sent to.
+fn advertised_host(state: &AppState, headers: &HeaderMap) -> String {
+    let ip = state.http.ip();
+    if !ip.is_unspecified() {
+        return ip.to_string();
+    }
+    headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.parse::<axum::http::uri::Authority>().ok())
+        .map_or_else(|| "127.0.0.1".to_owned(), |a| a.host().to_owned())
 }
 
 /// Aborts its request in the engine when dropped: a client that goes away (the handler's
@@ -377,10 +512,12 @@ fn finish_reason(finish: Option<Finish>) -> Option<&'static str> {
     }
 }
 
+/// The whole answer, with `transfer` as its `kv_transfer_params` when given.
 async fn whole_completion(
     meta: Meta,
     mut outputs: mpsc::UnboundedReceiver<RequestOutput>,
     guard: AbortOnDrop,
+    transfer: Option<Value>,
 ) -> Response {
     let id = guard.id;
     let mut ids = Vec::new();
@@ -402,7 +539,11 @@ async fn whole_completion(
     }
     let usage = Usage::new(meta.prompt_tokens, ids.len() as u32, cached);
     let text = meta.text_of(&ids);
-    Json(meta.whole(text, finish_reason(finish), usage)).into_response()
+    let mut answer = meta.whole(text, finish_reason(finish), usage);
+    if let (Some(transfer), Some(map)) = (transfer, answer.as_object_mut()) {
+        map.insert("kv_transfer_params".to_owned(), transfer);
+    }
+    Json(answer).into_response()
 }
 
 /// Where a streamed completion stands.
@@ -536,6 +677,8 @@ async fn reset_prefix_cache(State(state): State<AppState>) -> Response {
 }
 
 async fn restart_engine(State(state): State<AppState>) -> Response {
+    // A restarted process knows no hand-over: waiting pulls fail at once.
+    state.handoffs.fail_all("the engine restarted");
     let (reply, done) = oneshot::channel();
     if !state.driver.send(Command::Restart(reply)) {
         return unavailable();
@@ -610,6 +753,7 @@ async fn admin_stats(State(state): State<AppState>) -> Response {
     };
     let e = &stats.engine;
     Json(serde_json::json!({
+        "role": state.disagg.role.as_str(),
         "running": e.running,
         "waiting": e.waiting,
         "passes": e.passes,
@@ -624,6 +768,8 @@ async fn admin_stats(State(state): State<AppState>) -> Response {
             "idle": e.blocks.idle,
         },
         "admitted": stats.admitted,
+        "transferred": stats.transferred,
+        "transfers": state.handoffs.stats(),
         "aborted": stats.aborted,
         "finished": stats.finished,
         "prompt_tokens": stats.prompt_tokens,

@@ -1,22 +1,27 @@
 //! `kvroute worker`: the simulated engine behind vLLM's own interfaces, so that a router drives
 //! it exactly as it drives `vllm serve`: OpenAI HTTP, KV events on vLLM's ZeroMQ wire with its
 //! replay socket, Prometheus metrics under vLLM's names, and admin routes for faults; and,
-//! when asked, behind kvroute's own rkyv request wire (the transport's worker server).
+//! when asked, behind kvroute's own rkyv request wire (the transport's worker server). With
+//! prefill and decode split, it plays either role ([`Role`]) in vLLM's protocol and SGLang's.
 //!
 //! ```text
 //!  HTTP (axum) ──Command──▶ driver task: Engine passes in real time ──▶ outputs ──▶ HTTP / SSE
 //!  rkyv wire (WorkerServer) ─┘                 │                       └──────────▶ wire items
 //!                                              └──▶ event batches ──▶ Publisher: PUB + ROUTER
+//!  decode half ──POST /kv/pull──▶ prefill worker's HTTP or bootstrap server (its hand-overs)
 //! ```
 //!
 //! Module map:
 //!
 //! * `driver.rs`: the task that owns the engine and paces its passes.
 //! * `http.rs`: the routes (OpenAI, metrics, admin).
+//! * `disagg.rs`: the halves of a disaggregated request: [`Role`], the hand-overs a prefill
+//!   worker keeps, the pull a decode worker makes.
 //! * `publisher.rs`: [`Publisher`], vLLM's ZeroMQ event wire, with [`encode_batch`].
 //! * `metrics.rs`: the Prometheus registry.
 //! * `wire.rs`: the engine behind the transport's worker server.
 
+mod disagg;
 mod driver;
 mod http;
 mod metrics;
@@ -32,6 +37,7 @@ use tokio::task::JoinHandle;
 
 use kvroute_sim::{Engine, EngineConfig, SimError};
 
+pub use disagg::{DisaggOptions, Role};
 pub use driver::DriverStats;
 pub use publisher::{
     encode_batch, BindError, EventFault, Publisher, PublisherConfig, PublisherCounts,
@@ -60,6 +66,8 @@ pub struct WorkerOptions {
     pub wire: Option<SocketAddr>,
     /// The worker's id in the wire's handshake.
     pub worker_id: u64,
+    /// Its role when prefill and decode are split, its bootstrap server and transfer link.
+    pub disagg: DisaggOptions,
 }
 
 impl Default for WorkerOptions {
@@ -74,6 +82,7 @@ impl Default for WorkerOptions {
             tokenizer: None,
             wire: None,
             worker_id: 0,
+            disagg: DisaggOptions::default(),
         }
     }
 }
@@ -101,6 +110,9 @@ pub enum WorkerError {
     /// The metrics could not be registered.
     #[error("{0}")]
     Metrics(String),
+    /// The HTTP client that pulls KV from prefill workers could not be built.
+    #[error("the transfer client: {0}")]
+    Client(String),
     /// The request wire's server could not start.
     #[error("the request wire: {0}")]
     Wire(#[from] kvroute_transport::worker::WorkerServerError),
@@ -117,6 +129,8 @@ pub struct RunningWorker {
     pub replay: Option<String>,
     /// Where kvroute's request wire listens, if it does.
     pub wire: Option<SocketAddr>,
+    /// Where its bootstrap server (SGLang's protocol) listens, if it has one.
+    pub bootstrap: Option<SocketAddr>,
     shutdown: Arc<Notify>,
     server: JoinHandle<std::io::Result<()>>,
 }
@@ -149,6 +163,18 @@ impl RunningWorker {
                 addr: options.http,
                 source,
             })?;
+        let bootstrap = match options.disagg.bootstrap {
+            Some(addr) => {
+                let listener = TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| WorkerError::Listen { addr, source })?;
+                let local = listener
+                    .local_addr()
+                    .map_err(|source| WorkerError::Listen { addr, source })?;
+                Some((listener, local))
+            }
+            None => None,
+        };
         let metrics = metrics::Metrics::new(&options.model)
             .map_err(|e| WorkerError::Metrics(e.to_string()))?;
         let shutdown = Arc::new(Notify::new());
@@ -164,6 +190,12 @@ impl RunningWorker {
             None => None,
         };
         let wire = wire_server.as_ref().map(|w| w.local_addr());
+        let handoffs = Arc::new(disagg::Handoffs::new(options.disagg.timeout));
+        let client = reqwest::Client::builder()
+            .tcp_nodelay(true)
+            .no_proxy()
+            .build()
+            .map_err(|e| WorkerError::Client(e.to_string()))?;
         let state = http::AppState {
             driver,
             publisher,
@@ -172,9 +204,28 @@ impl RunningWorker {
             max_model_len: options.max_model_len,
             shutdown: Arc::clone(&shutdown),
             text,
+            http,
+            block_size: config.block_size,
+            disagg: Arc::new(options.disagg.clone()),
+            handoffs: Arc::clone(&handoffs),
+            engine_id: format!("kvroute-worker-{http}").into(),
+            client,
         };
         let app = http::router(state, options.max_body);
         let stop = Arc::clone(&shutdown);
+        let (stopping, stopped) = tokio::sync::watch::channel(false);
+        let bootstrap_addr = bootstrap.as_ref().map(|(_, addr)| *addr);
+        let bootstrap_server = bootstrap.map(|(listener, _)| {
+            let app = http::bootstrap_router(Arc::clone(&handoffs));
+            let mut stopped = stopped.clone();
+            tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    })
+                    .await
+            })
+        });
         let server = tokio::spawn(async move {
             // Small writes (SSE chunks, a response's head) go out at once: with Nagle's
             // algorithm a chunk waits for the peer's delayed ACK, some 40 ms.
@@ -182,8 +233,16 @@ impl RunningWorker {
                 let _ = tcp.set_nodelay(true);
             });
             let served = axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.notified().await })
+                .with_graceful_shutdown(async move {
+                    stop.notified().await;
+                    // Pulls waiting for a prompt are answered now, not at their timeout.
+                    handoffs.fail_all("the worker is stopping");
+                    let _ = stopping.send(true);
+                })
                 .await;
+            if let Some(b) = bootstrap_server {
+                let _ = b.await;
+            }
             if let Some(w) = wire_server {
                 // Live wire requests get the server's grace period; it blocks, so off the
                 // runtime's threads.
@@ -196,6 +255,7 @@ impl RunningWorker {
             events,
             replay,
             wire,
+            bootstrap: bootstrap_addr,
             shutdown,
             server,
         })

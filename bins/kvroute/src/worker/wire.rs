@@ -15,7 +15,7 @@ use kvroute_transport::worker::{
 use kvroute_transport::PROTOCOL_VERSION;
 use tokio::sync::{mpsc, oneshot};
 
-use super::driver::{Command, Driver};
+use super::driver::{Command, Driver, PromptKv};
 use kvroute_sim::{EngineConfig, Finish};
 
 /// Starts the wire's server on `addr` (its own runtime threads), answering routers' Hello as
@@ -76,6 +76,7 @@ impl WireEngine for WireServed {
                 prompt: request.tokens,
                 cache_salt: None,
                 max_output_tokens: request.sampling.max_tokens,
+                kv: PromptKv::Computed,
                 sink: outputs_tx,
                 reply,
             };

@@ -306,3 +306,87 @@ fn a_sweep_runs_each_fleet_size_with_arrivals_and_requests_scaled() {
     assert!(!status.success());
     std::fs::remove_file(&json).unwrap();
 }
+
+#[test]
+fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_gpus() {
+    let json = std::env::temp_dir().join(format!("kvroute-disagg-{}.json", std::process::id()));
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "demo",
+            "--disagg",
+            "--mix",
+            "long",
+            "--workers",
+            "4",
+            "--requests",
+            "60",
+            "--rate",
+            "2",
+            "--json",
+        ])
+        .arg(&json)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["workload"], "builtin-long");
+    assert_eq!(report["slo_ttft_ms"].as_f64(), Some(2_000.0));
+    assert_eq!(report["slo_itl_ms"].as_f64(), Some(25.0));
+    let modes = report["modes"].as_array().unwrap();
+    let names: Vec<&str> = modes.iter().map(|m| m["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "aggregated",
+            "disagg-1p3d",
+            "disagg-2p2d",
+            "conditional-1p3d",
+            "conditional-2p2d"
+        ]
+    );
+    for m in modes {
+        let (p, d) = (
+            m["prefill_workers"].as_u64().unwrap(),
+            m["decode_workers"].as_u64().unwrap(),
+        );
+        assert_eq!(p + d, 4, "the same GPUs: {m}");
+        assert_eq!(m["unfinished"], 0, "{m}");
+        for key in [
+            "ttft_mean_ms",
+            "ttft_p99_ms",
+            "itl_mean_ms",
+            "itl_p99_ms",
+            "goodput_rps",
+            "throughput_tok_s",
+            "hit_rate",
+        ] {
+            let v = m[key].as_f64().unwrap();
+            assert!(v.is_finite() && v >= 0.0, "{key}: {m}");
+        }
+        // At 2 requests a second nothing is saturated: every request meets both objectives,
+        // so goodput is the arrival rate, about.
+        assert!(m["goodput_rps"].as_f64().unwrap() > 1.0, "{m}");
+    }
+    // Split, the first token waits for the prefill and the KV's transfer.
+    assert!(modes[1]["ttft_mean_ms"].as_f64() > modes[0]["ttft_mean_ms"].as_f64());
+    // A split of every GPU to prefill is refused.
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "demo",
+            "--disagg",
+            "--workers",
+            "4",
+            "--splits",
+            "4",
+            "--requests",
+            "10",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success());
+}

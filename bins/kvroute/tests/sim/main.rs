@@ -6,7 +6,8 @@
 //! live worker through its HTTP and ZeroMQ interfaces (`worker.rs`), and `kvroute serve` end to end
 //! with workers as real processes (`serve.rs`); the chat template and tokenizer against
 //! transformers (`chat.rs`); replay's figures and a replay against a worker (`replay.rs`); SGLang's own KV-event
-//! publisher feeding serve (`sglang.rs`).
+//! publisher feeding serve (`sglang.rs`); prefill and decode workers behind serve in both
+//! protocols (`disagg.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -20,6 +21,7 @@
 mod cache;
 mod chat;
 mod demo;
+mod disagg;
 mod events_model;
 mod fleet;
 mod hooks;
