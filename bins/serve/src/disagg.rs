@@ -252,7 +252,7 @@ pub(crate) async fn forward(
     };
     match options.protocol {
         Protocol::Vllm => vllm(state, asked, request, body, pins, prefill_pool).await,
-        Protocol::Sglang => sglang(state, asked, request, pins, prefill_pool).await,
+        Protocol::Sglang => sglang(state, asked, request, body, pins, prefill_pool).await,
     }
 }
 
@@ -571,10 +571,13 @@ async fn vllm(
 }
 
 /// SGLang's protocol: both halves at once, meeting at the prefill worker's bootstrap server.
+/// A decode half that fails when its prefill half failed is the prefill's failure (a 502, or
+/// the request served whole with `prefill_error_fallback`).
 async fn sglang(
     state: &AppState,
     asked: Asked<'_>,
     mut request: serde_json::Map<String, Value>,
+    original: Bytes,
     pins: Pins,
     pool: Vec<WorkerId>,
 ) -> Response {
@@ -613,7 +616,7 @@ async fn sglang(
     let backend = Arc::clone(&prefill.backend);
     let guard = prefill.guard;
     let worker = prefill.decision.worker.worker;
-    let metrics = Arc::clone(&state.metrics);
+    let (outcome, prefilled) = tokio::sync::oneshot::channel::<Result<(), String>>();
     tokio::spawn(async move {
         let answered = tokio::time::timeout(timeout, async {
             let response = sent.send().await?;
@@ -622,26 +625,40 @@ async fn sglang(
             Ok::<_, reqwest::Error>(status)
         })
         .await;
-        match answered {
+        let result = match answered {
             Ok(Ok(status)) if !status.is_server_error() => {
                 backend.answered();
                 let _ = guard.prefill_done();
                 let _ = guard.finish();
+                Ok(())
+            }
+            Ok(Err(e)) if e.is_connect() => {
+                mark_unreachable(&router, worker.0);
+                Err(format!("worker {} refused the connection", worker.0))
             }
             failed => {
-                metrics.disagg.with_label_values(&["prefill_failed"]).inc();
-                tracing::debug!(worker = worker.0, ?failed, "SGLang prefill failed");
-                match failed {
-                    Ok(Err(e)) if e.is_connect() => mark_unreachable(&router, worker.0),
-                    _ => {
-                        backend.failed(&router, breaker);
-                    }
-                }
+                backend.failed(&router, breaker);
+                Err(match failed {
+                    Ok(Ok(status)) => format!("worker {} answered {status}", worker.0),
+                    Ok(Err(e)) => format!("worker {}: {e}", worker.0),
+                    Err(_) => format!("worker {} sent nothing in time", worker.0),
+                })
             }
+        };
+        if let Err(why) = &result {
+            tracing::debug!(worker = worker.0, error = %why, "SGLang prefill failed");
         }
+        let _ = outcome.send(result);
     });
+    let answer = decode(state, asked, Bytes::from(body), pins, &prefill.backend).await;
+    if answer.status().is_server_error() {
+        // The decode half waited for a cache that never came?
+        if let Ok(Ok(Err(why))) = tokio::time::timeout(timeout, prefilled).await {
+            return prefill_failed(state, asked, original, pins, why).await;
+        }
+    }
     count(state, "disaggregated");
-    decode(state, asked, Bytes::from(body), pins, &prefill.backend).await
+    answer
 }
 
 /// A random bootstrap room (SGLang's are 63-bit): the process's random hasher keys, new for

@@ -23,6 +23,9 @@ struct Plays {
     fail: bool,
     /// Waits this long before answering a completion.
     delay: Duration,
+    /// Answers a 503 to a decode half in SGLang's protocol (its transfer failed), and serves
+    /// whole requests.
+    fail_split: bool,
 }
 
 /// A stand-in engine: records each completion body; a request asking for a remote decode
@@ -44,6 +47,10 @@ impl Engine {
                 tokio::time::sleep(plays.delay).await;
                 if plays.fail {
                     return (StatusCode::INTERNAL_SERVER_ERROR, "engine failed").into_response();
+                }
+                if plays.fail_split && body.get("bootstrap_room").is_some() {
+                    return (StatusCode::SERVICE_UNAVAILABLE, "the KV transfer failed")
+                        .into_response();
                 }
                 if body["kv_transfer_params"]["do_remote_decode"] == true {
                     let params = json!({"remote_engine_id": name, "remote_block_ids": [1, 2]});
@@ -533,5 +540,50 @@ async fn the_decision_alone_names_both_workers() {
     let w = super::get_json(&client, &format!("{url}/v1/workers")).await;
     assert_eq!(w["workers"][0]["role"], "prefill");
     assert_eq!(w["workers"][1]["role"], "decode");
+    serve.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_decode_half_failing_for_its_failed_prefill_is_the_prefills_failure() {
+    let p = Engine::start(
+        "p1",
+        Plays {
+            fail: true,
+            ..Plays::default()
+        },
+    )
+    .await;
+    let d = Engine::start(
+        "d1",
+        Plays {
+            fail_split: true,
+            ..Plays::default()
+        },
+    )
+    .await;
+    let workers = [(1, &p, "prefill", json!({})), (2, &d, "decode", json!({}))];
+    let (serve, url, client) = fleet(options(Protocol::Sglang), &workers).await;
+    let (status, text, _) = complete(&client, &url, json!({"prompt": prompt(0)}), &[]).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{text}");
+    assert!(text.contains("prefill worker failed"), "{text}");
+    idle(&client, &url).await;
+    serve.stop();
+    let mut fallback = options(Protocol::Sglang);
+    fallback.disagg.prefill_error_fallback = true;
+    let (serve, url, client) = fleet(fallback, &workers).await;
+    let (status, text, worker) = complete(&client, &url, json!({"prompt": prompt(100)}), &[]).await;
+    assert_eq!(
+        (status, worker.as_deref()),
+        (StatusCode::OK, Some("2")),
+        "{text}"
+    );
+    let last = d.bodies().last().unwrap().clone();
+    assert!(last.get("bootstrap_room").is_none(), "served whole: {last}");
+    idle(&client, &url).await;
+    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
+    assert!(
+        metrics.contains("kvroute_disagg_requests_total{how=\"prefill_fallback\"} 1"),
+        "{metrics}"
+    );
     serve.stop();
 }
