@@ -1684,3 +1684,49 @@ fn an_embedder_adds_a_policy_through_the_public_selector_trait() {
     }
     assert_eq!(selector.asked.load(std::sync::atomic::Ordering::Relaxed), 4);
 }
+
+#[test]
+fn the_decode_phase_drops_the_requests_credit_but_keeps_its_temperature() {
+    let t = tokens(64);
+    let r = router(RouterConfig::default());
+    for id in [1, 2] {
+        r.join_worker(WorkerConfig {
+            role: WorkerRole::Decode,
+            ..WorkerConfig::simple(id, 1000, BS)
+        })
+        .unwrap();
+    }
+    // Worker 1 holds the prompt and runs a long request: worker 2 is the cheaper decode.
+    let locals = BlockHasher::new(BS as usize).local_hashes(&t);
+    store(&r, WorkerRank::new(1, 0), StorageTier::Device, &locals, 0);
+    let long = tokens(2_000);
+    let mut busy = req(100, &long);
+    busy.hints.pinned.backend_instance = Some(WorkerId(1));
+    busy.hints.phase = Phase::Decode;
+    r.route(&busy).unwrap();
+    let decode = |id: u64, overrides: Overrides| {
+        let mut q = req(id, &t);
+        q.hints.phase = Phase::Decode;
+        q.hints.mode = Mode::QueryOnly;
+        q.hints.overrides = overrides;
+        r.route(&q).unwrap()
+    };
+    // A client's overlap credit earns nothing in decode.
+    let credit = Overrides {
+        overlap_credit: Some(50.0),
+        ..Overrides::default()
+    };
+    let d = decode(1, credit);
+    assert_eq!((d.worker.worker, d.cost.credit_blocks), (WorkerId(2), 0.0));
+    // Its temperature is kept: the choice is sampled, and both workers come up.
+    let hot = Overrides {
+        temperature: Some(1e6),
+        ..Overrides::default()
+    };
+    let chosen: std::collections::HashSet<u64> = (0..64)
+        .map(|i| decode(10 + i, hot).worker.worker.0)
+        .collect();
+    assert_eq!(chosen.len(), 2, "sampled at the client's temperature");
+    // At the configured temperature (0), always the cheaper one.
+    assert!((0..16).all(|i| decode(200 + i, Overrides::default()).worker.worker == WorkerId(2)));
+}
