@@ -19,6 +19,7 @@
 //! | `prefill_load_scale` | 32.0 | weight of prefill blocks against decode blocks (reference: 1.0) |
 //! | `tier_weights` | 0.75 / 0.25 / 0.25 | credit of host-pinned / disk / external blocks |
 //! | `affinity` | from 0.7, boost 8 | a rank holding over `from_share` of the prompt's full blocks earns up to `1 + boost` times the credit per block (see [`Affinity`]) |
+//! | `hot_load` | share 1.4, weight 16 | a rank's context (every active request's prompt and output blocks) past `share` times the fleet's mean, plus the request's blocks, costs `weight` per block (see [`HotLoad`]) |
 //! | `temperature` | 0.0 | 0 = cheapest worker (random ties), > 0 = softmax sampling |
 //! | `busy` | off | fractions of capacity over which a rank leaves selection |
 //! | `request_expiry` | 600 s | bookings older than this are freed by [`crate::router::Router::expire`] |
@@ -83,6 +84,43 @@ impl Default for Affinity {
         Affinity {
             from_share: 0.7,
             boost: 8.0,
+        }
+    }
+}
+
+/// A rank running hot against the fleet pays for it: each block of its context (every active
+/// request's prompt and output blocks, a shared prefix counted once per request, as each decode
+/// reads its own) past `share` times the mean of the fleet's ranks of the request's role, plus
+/// the request's own blocks, adds `weight` to its cost.
+///
+/// The overlap credit and the affinity grow with the prompt held while the decode term is in
+/// blocks: on a large fleet, where one conversation's concurrent turns or one popular prefix
+/// is a large part of one rank's fair share, the holder keeps winning until it runs far above
+/// the others, and its decodes slow down. This follows the fleet's size and load on its own:
+/// cheap moves (a new conversation whose prefix other ranks hold too) leave a hot rank first,
+/// a long conversation's turn only once the excess outweighs its prefill elsewhere. `share` 0
+/// turns it off.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HotLoad {
+    /// Multiple of the fleet's mean context past which a rank's context costs (0: off).
+    pub share: f64,
+    /// Cost per block of context past that (in the cost's units: blocks of decode load).
+    pub weight: f64,
+}
+
+impl HotLoad {
+    /// No cost for running hot.
+    pub const OFF: HotLoad = HotLoad {
+        share: 0.0,
+        weight: 16.0,
+    };
+}
+
+impl Default for HotLoad {
+    fn default() -> Self {
+        HotLoad {
+            share: 1.4,
+            weight: 16.0,
         }
     }
 }
@@ -302,6 +340,8 @@ pub struct RouterConfig {
     pub tier_weights: TierWeights,
     /// Growth of the credit of a rank holding most of the prompt.
     pub affinity: Affinity,
+    /// Cost of a rank's context far above the fleet's mean.
+    pub hot_load: HotLoad,
     /// Softmax temperature; 0 picks the cheapest.
     pub temperature: f64,
     /// Busy thresholds.
@@ -343,6 +383,7 @@ impl Default for RouterConfig {
             prefill_load_scale: 32.0,
             tier_weights: TierWeights::default(),
             affinity: Affinity::default(),
+            hot_load: HotLoad::default(),
             temperature: 0.0,
             busy: BusyThresholds::default(),
             request_expiry: Duration::from_secs(600),
@@ -400,6 +441,8 @@ impl RouterConfig {
         non_negative("temperature", self.temperature)?;
         non_negative("pool_credit", self.pool_credit)?;
         non_negative("affinity.boost", self.affinity.boost)?;
+        non_negative("hot_load.share", self.hot_load.share)?;
+        non_negative("hot_load.weight", self.hot_load.weight)?;
         if !(0.0..1.0).contains(&self.affinity.from_share) {
             return Err(ConfigError::Invalid {
                 field: "affinity.from_share",

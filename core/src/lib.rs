@@ -93,7 +93,7 @@ mod sync;
 pub use approx::ApproxCounts;
 pub use clock::{Clock, ManualClock};
 pub use config::{
-    Affinity, Approximate, BusyThresholds, ConfigError, Disaggregation, Metrics, Policy,
+    Affinity, Approximate, BusyThresholds, ConfigError, Disaggregation, HotLoad, Metrics, Policy,
     PromptDecay, QueueOrder, Queueing, RouterConfig, Speculative, TierWeights, Timing, WarmUp,
 };
 pub use event::{

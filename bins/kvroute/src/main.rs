@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand};
 use kvroute::demo::{self, DemoConfig, DemoPolicy};
 use kvroute::replay::{self, ReplayOptions};
 use kvroute::worker::{DisaggOptions, PublisherConfig, Role, RunningWorker, WorkerOptions};
-use kvroute_core::{Affinity, RouterConfig};
+use kvroute_core::{Affinity, HotLoad, RouterConfig};
 use kvroute_serve::{RunningServe, ServeConfig, ServeOptions};
 use kvroute_sim::workload::{read_trace, ChatConfig, Workload};
 use kvroute_sim::{EngineConfig, KvTransfer, TimingModel};
@@ -251,6 +251,13 @@ struct DemoArgs {
     /// router's, 0.7).
     #[arg(long, value_name = "SHARE")]
     affinity_from: Option<f64>,
+    /// A worker whose context runs past this many times the fleet's mean pays for each block
+    /// beyond (kv-aware and kv-aware-temp; default: the router's, 1.4; 0 turns it off).
+    #[arg(long, value_name = "SHARE")]
+    hot_load_share: Option<f64>,
+    /// What each block of context past that costs (default: the router's, 16).
+    #[arg(long, value_name = "X")]
+    hot_load_weight: Option<f64>,
     /// Policies to compare, comma-separated (default: all). Known: kv-aware, kv-aware-temp,
     /// dynamo-default, sglang-cache-aware, cache-threshold, prefix-hash, least-loaded,
     /// power-of-two, round-robin, random.
@@ -283,8 +290,9 @@ struct DemoArgs {
     oracle: bool,
     /// Fleet sizes to run one after the other (e.g. 8,32,64,128), arrivals scaled with the
     /// size: the built-in workload's rate, or a trace's speed-up, times size ÷ --workers, and
-    /// its requests too (the built-in workload's default or --requests; a trace's --requests
-    /// when given). A table per size; with --json, every size's report.
+    /// its requests and open conversations too (the built-in workload's default or
+    /// --requests; a trace's --requests when given). A table per size; with --json, every
+    /// size's report.
     #[arg(
         long,
         value_delimiter = ',',
@@ -770,8 +778,22 @@ fn run_sweep(args: &DemoArgs, config: DemoConfig) -> anyhow::Result<()> {
             ),
             Some(_) => (args.requests.map(scaled), args.rate, args.speedup * scale),
         };
-        let workload = workload(args.trace.as_deref(), requests, 4_000, args.seed, rate)?
-            .with_speedup(speedup);
+        let workload = match &args.trace {
+            Some(_) => workload(args.trace.as_deref(), requests, 4_000, args.seed, rate)?,
+            // More users on a bigger fleet: the open conversations scale with it too, so that
+            // each conversation's turns come as often at every size.
+            None => {
+                let base = mix(&args.mix)?;
+                Workload::chat(ChatConfig {
+                    requests: requests.unwrap_or(4_000),
+                    seed: args.seed,
+                    rate,
+                    open_conversations: scaled(base.open_conversations),
+                    ..base
+                })
+            }
+        }
+        .with_speedup(speedup);
         let sized = DemoConfig {
             workers: size,
             ..config.clone()
@@ -809,6 +831,15 @@ fn run_sweep(args: &DemoArgs, config: DemoConfig) -> anyhow::Result<()> {
         eprintln!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// The built-in workload's mix by name.
+fn mix(name: &str) -> anyhow::Result<ChatConfig> {
+    Ok(match name {
+        "chat" => ChatConfig::default(),
+        "long" => ChatConfig::long_mix(),
+        other => anyhow::bail!("--mix {other:?}: chat or long"),
+    })
 }
 
 /// `demo --disagg`: aggregated against disaggregated serving on the same GPUs.
@@ -857,11 +888,7 @@ fn run_disagg_demo(args: &DemoArgs, workload: &Workload, config: DemoConfig) -> 
 }
 
 fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
-    let base = match args.mix.as_str() {
-        "chat" => ChatConfig::default(),
-        "long" => ChatConfig::long_mix(),
-        other => anyhow::bail!("--mix {other:?}: chat or long"),
-    };
+    let base = mix(&args.mix)?;
     let workload = match &args.trace {
         Some(_) => workload(
             args.trace.as_deref(),
@@ -901,6 +928,14 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
             boost: args
                 .affinity_boost
                 .unwrap_or(defaults.router.affinity.boost),
+        },
+        hot_load: HotLoad {
+            share: args
+                .hot_load_share
+                .unwrap_or(defaults.router.hot_load.share),
+            weight: args
+                .hot_load_weight
+                .unwrap_or(defaults.router.hot_load.weight),
         },
         ..defaults.router.clone()
     };

@@ -85,6 +85,15 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_AFFINITY_FROM_SHARE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_from_share: Option<f64>,
+    /// A worker whose context (its requests' prompt and output blocks) runs past this many
+    /// times the fleet's mean pays for each block beyond (0: off).
+    #[arg(long, env = "KVROUTE_HOT_LOAD_SHARE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hot_load_share: Option<f64>,
+    /// What each block of context past that costs, in blocks of decode load.
+    #[arg(long, env = "KVROUTE_HOT_LOAD_WEIGHT")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hot_load_weight: Option<f64>,
     /// Softmax temperature of the KV-aware choice (0: the cheapest).
     #[arg(long, env = "KVROUTE_TEMPERATURE")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -320,6 +329,8 @@ impl ServeConfig {
         set(&mut o.router.prefill_load_scale, self.prefill_load_scale);
         set(&mut o.router.affinity.boost, self.affinity_boost);
         set(&mut o.router.affinity.from_share, self.affinity_from_share);
+        set(&mut o.router.hot_load.share, self.hot_load_share);
+        set(&mut o.router.hot_load.weight, self.hot_load_weight);
         set(&mut o.router.temperature, self.temperature);
         let seconds = [
             (
@@ -467,6 +478,8 @@ impl ServeConfig {
             prefill_load_scale: Some(r.prefill_load_scale),
             affinity_boost: Some(r.affinity.boost),
             affinity_from_share: Some(r.affinity.from_share),
+            hot_load_share: Some(r.hot_load.share),
+            hot_load_weight: Some(r.hot_load.weight),
             temperature: Some(r.temperature),
             replay_timeout_s: s(options.replay_timeout),
             drain_timeout_s: s(options.drain_timeout),

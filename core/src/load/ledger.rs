@@ -28,6 +28,8 @@ struct Booking {
     /// The request's prompt in its rank's [`PrefixRefs`](super::PrefixRefs).
     slot: u32,
     tail_blocks: u64,
+    /// The prompt's blocks, shared or not ([`LoadView::context_blocks`](super::LoadView)).
+    context_blocks: u64,
     output_blocks: u64,
     /// Output tokens generated: counted by [`Ledger::tokens_generated`], or at least the
     /// token that opened the latest output block.
@@ -149,6 +151,9 @@ impl Ledger {
             l.prefill_tokens
                 .fetch_add(prefill_tokens, Ordering::Relaxed);
             l.requests.fetch_add(1, Ordering::Relaxed);
+            let context_blocks = block_hashes.len() as u64 + tail_blocks;
+            l.context_blocks
+                .fetch_add(context_blocks, Ordering::Relaxed);
             shard.insert(
                 request,
                 Booking {
@@ -156,6 +161,7 @@ impl Ledger {
                     prefill_tokens,
                     slot,
                     tail_blocks,
+                    context_blocks,
                     output_blocks: 0,
                     generated: 0,
                     output_decay: 0,
@@ -215,6 +221,8 @@ impl Ledger {
             self.decaying.fetch_sub(1, Ordering::Relaxed);
         }
         l.requests.fetch_sub(1, Ordering::Relaxed);
+        l.context_blocks
+            .fetch_sub(b.context_blocks, Ordering::Relaxed);
         Freed {
             rank: b.state.rank,
             prefill_tokens: b.prefill_tokens,

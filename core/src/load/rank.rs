@@ -23,6 +23,7 @@ pub(crate) struct RankLoad {
     pub(super) output_decay: AtomicU64,
     pub(super) prompt_decay: AtomicU64,
     pub(super) requests: AtomicU64,
+    pub(super) context_blocks: AtomicU64,
     /// The rank's key in the prefix index ([`crate::index::PrefixIndex::rank_key`]) as
     /// `epoch << 32 | id`; `u64::MAX` until it is registered.
     index_key: AtomicU64,
@@ -49,6 +50,9 @@ pub struct LoadView {
     pub prompt_decay: u64,
     /// Active requests.
     pub requests: u64,
+    /// Prompt blocks of every active request, each counted in full (shared prefixes once per
+    /// request, as each decode attends to its own context), tails included.
+    pub context_blocks: u64,
 }
 
 impl LoadView {
@@ -56,6 +60,12 @@ impl LoadView {
     /// the cache).
     pub fn decode_blocks(&self) -> u64 {
         self.prompt_blocks + self.output_blocks
+    }
+
+    /// The context the rank's decodes read, in blocks: every active request's prompt and
+    /// output blocks (shared prefixes counted per request).
+    pub fn context_load(&self) -> u64 {
+        self.context_blocks + self.output_blocks
     }
 
     /// Output blocks as decode load: each request's output blocks weighted by what is left of
@@ -123,6 +133,7 @@ impl RankState {
                 output_decay: AtomicU64::new(0),
                 prompt_decay: AtomicU64::new(0),
                 requests: AtomicU64::new(0),
+                context_blocks: AtomicU64::new(0),
                 index_key: AtomicU64::new(u64::MAX),
                 retired: AtomicBool::new(false),
             }),
@@ -150,6 +161,7 @@ impl RankState {
             output_decay: l.output_decay.load(Ordering::Relaxed),
             prompt_decay: l.prompt_decay.load(Ordering::Relaxed),
             requests: l.requests.load(Ordering::Relaxed),
+            context_blocks: l.context_blocks.load(Ordering::Relaxed),
         }
     }
 

@@ -18,7 +18,9 @@ use crate::select::{
 };
 use crate::session::SessionRouting;
 
-/// What selection chose, or that the request must wait.
+/// What selection chose, or that the request must wait. Returned once per route, on the
+/// stack: the size is no cost worth a box.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Selected {
     Chosen(Choice),
     Wait { new_prefill_tokens: u64 },

@@ -383,6 +383,7 @@ impl Router {
                 output_decay: a.output_decay + l.output_decay,
                 prompt_decay: a.prompt_decay + l.prompt_decay,
                 requests: a.requests + l.requests,
+                context_blocks: a.context_blocks + l.context_blocks,
             }
         })
     }

@@ -107,7 +107,7 @@ impl Router {
         let t1 = timing.then(Instant::now);
 
         let fleet = self.registry.load();
-        let (weights, temperature) = self.weigh(hints, shape.full_blocks);
+        let (mut weights, temperature) = self.weigh(hints, shape.full_blocks);
         let required = self.constraints(req, &fleet, shape.full_blocks, &mut s.constraints)?;
         let mut rng = self.rng.fork();
         let (pin, session) = self.pin_or_session(req, &fleet, required);
@@ -116,6 +116,10 @@ impl Router {
             None => None,
         };
         let (role, role_fallback) = self.selection_role(&fleet, hints.phase);
+        if self.config.hot_load.share > 0.0 {
+            let mean = mean_context(&fleet, role);
+            weights = weights.with_fleet_load(&self.config.hot_load, mean, &shape);
+        }
         let probe = self.selector.kind() == PolicyKind::KvAware;
         let plan = Plan {
             request: req.id,
@@ -518,5 +522,24 @@ impl Router {
     pub(super) fn prefix_key(&self, keys: &[u64]) -> Option<u64> {
         let n = self.prefix_key_blocks().min(keys.len());
         n.checked_sub(1).map(|i| keys[i])
+    }
+}
+
+/// The mean context ([`LoadView::context_load`](crate::LoadView::context_load)) of the fleet's
+/// live ranks of `role` (∞ without one).
+fn mean_context(fleet: &Fleet, role: WorkerRole) -> f64 {
+    let (mut sum, mut n) = (0u64, 0u64);
+    for r in fleet
+        .ranks
+        .iter()
+        .filter(|r| r.role == role && !r.state.is_retired())
+    {
+        sum += r.state.load().context_load();
+        n += 1;
+    }
+    if n == 0 {
+        f64::INFINITY
+    } else {
+        sum as f64 / n as f64
     }
 }

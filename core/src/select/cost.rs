@@ -2,7 +2,7 @@
 //! ([`Weights`], [`RequestShape`]), and the floors that bound it before a rank's load is read
 //! ([`FloorTerms`]).
 
-use crate::config::{Affinity, RouterConfig};
+use crate::config::{Affinity, HotLoad, RouterConfig};
 use crate::event::StorageTier;
 use crate::load::LoadView;
 /// The per-request numbers the cost needs.
@@ -19,6 +19,11 @@ pub struct Weights {
     pub affinity_from: f64,
     /// Growth of the credit multiplier per block held past `affinity_from`.
     pub affinity_slope: f64,
+    /// Context blocks past which a rank's context costs `hot_weight` a block (∞: never;
+    /// [`Weights::with_fleet_load`]).
+    pub hot_from: f64,
+    /// Cost per context block past `hot_from` ([`HotLoad::weight`]).
+    pub hot_weight: f64,
 }
 
 impl Weights {
@@ -39,7 +44,27 @@ impl Weights {
             block_size: config.block_size,
             affinity_from: f64::INFINITY,
             affinity_slope: 0.0,
+            hot_from: f64::INFINITY,
+            hot_weight: config.hot_load.weight,
         }
+    }
+
+    /// These weights for `shape` on a fleet whose ranks hold `mean_context` context blocks on
+    /// average ([`LoadView::context_load`]): a rank's context past `hot.share` times that,
+    /// plus the request's blocks, costs ([`CostTerms::hot_cost`]). Off with `hot.share` or
+    /// `hot.weight` 0, or without a mean.
+    pub fn with_fleet_load(
+        mut self,
+        hot: &HotLoad,
+        mean_context: f64,
+        shape: &RequestShape,
+    ) -> Self {
+        self.hot_from = if hot.share > 0.0 && self.hot_weight > 0.0 && mean_context.is_finite() {
+            hot.share * mean_context + count_f64(shape.blocks)
+        } else {
+            f64::INFINITY
+        };
+        self
     }
 
     /// These weights with `affinity` applied to a prompt of `full_blocks` cacheable blocks.
@@ -158,6 +183,9 @@ pub struct CostTerms {
     pub shared_blocks: u32,
     /// Active prompt blocks, weighted output blocks and the request's blocks less the shared.
     pub decode_cost: f64,
+    /// hot_weight · max(0, the rank's context blocks − `hot_from`): a rank far above the
+    /// fleet's mean pays for it.
+    pub hot_cost: f64,
     /// Blocks beyond the rank's own overlap found in the shared KV pool (credited at the pool
     /// multiplier, included in `credit_blocks`).
     pub pool_blocks: u32,
@@ -183,15 +211,17 @@ impl CostTerms {
         let credit_blocks = Self::credit_blocks(w, per_tier);
         let prefill_cost = Self::prefill_cost(w, prefill_blocks, credit_blocks);
         let decode_cost = Self::decode_cost(shape, load, shared_blocks);
+        let hot_cost = Self::hot_cost(w, load);
         CostTerms {
             prefill_blocks,
             credit_blocks,
             prefill_cost,
             shared_blocks,
             decode_cost,
+            hot_cost,
             pool_blocks: 0,
             preference: 0.0,
-            total: prefill_cost + decode_cost,
+            total: prefill_cost + decode_cost + hot_cost,
         }
     }
 
@@ -203,7 +233,7 @@ impl CostTerms {
         self.credit_blocks += extra_credit;
         self.prefill_cost = Self::prefill_cost(w, self.prefill_blocks, self.credit_blocks);
         self.pool_blocks = pool_blocks;
-        self.total = self.prefill_cost + self.decode_cost;
+        self.total = self.prefill_cost + self.decode_cost + self.hot_cost;
         self
     }
 
@@ -229,6 +259,18 @@ impl CostTerms {
         let prefill_blocks = Self::prefill_blocks(w, shape, load);
         Self::prefill_cost(w, prefill_blocks, credit_blocks)
             + Self::decode_cost(shape, load, shared_blocks)
+            + Self::hot_cost(w, load)
+    }
+
+    /// The rank's context ([`LoadView::context_load`]) past `hot_from`, at `hot_weight` a
+    /// block: 0 on a rank not far above the fleet's mean. Never negative and independent of
+    /// the request's shared blocks, so the floors and a probe's bound stay below the cost.
+    #[inline(always)]
+    pub fn hot_cost(w: &Weights, load: &LoadView) -> f64 {
+        if w.hot_from == f64::INFINITY {
+            return 0.0;
+        }
+        w.hot_weight * positive_part(count_f64(load.context_load()) - w.hot_from)
     }
 
     /// A floor under the probe bound of a rank (`ProbeTargets::offer`: its cost less the

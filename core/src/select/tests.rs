@@ -115,6 +115,7 @@ fn scored_total_equals_the_full_cost_terms() {
                 },
                 prompt_decay: 0,
                 requests: rng.below(40),
+                context_blocks: rng.below(6_000),
             };
             let per_tier = std::array::from_fn(|_| rng.below(400) as u32);
             let shared = rng.below(u64::from(s.full_blocks) + 1) as u32;
@@ -604,6 +605,7 @@ fn the_bound_floor_never_exceeds_the_bound() {
             output_decay: big(&mut rng) * 64,
             prompt_decay: big(&mut rng) * 64,
             requests: 1,
+            context_blocks: big(&mut rng),
         };
         let cost = CostTerms::total_of(&w, &s, &load, credit, 0);
         let room = load.prompt_blocks.min(u64::from(s.full_blocks));
@@ -736,4 +738,40 @@ fn the_affinity_multiplier_and_its_inverse() {
         );
         assert!(f64::from(lo) <= inverse + 1.0, "{lo} ≫ {inverse}");
     }
+}
+
+#[test]
+fn a_rank_hot_against_the_fleet_pays_past_its_share_of_the_mean() {
+    let config = RouterConfig::default();
+    let s = shape(1_600);
+    let w =
+        Weights::new(&config, &Overrides::default()).with_fleet_load(&config.hot_load, 1_000.0, &s);
+    // 1.4 × the mean plus the request's 100 blocks.
+    assert_eq!(w.hot_from, 1_500.0);
+    let load = |context_blocks| LoadView {
+        context_blocks,
+        output_blocks: 100,
+        ..LoadView::default()
+    };
+    assert_eq!(CostTerms::hot_cost(&w, &load(1_400)), 0.0);
+    assert_eq!(
+        CostTerms::hot_cost(&w, &load(1_500)),
+        config.hot_load.weight * 100.0
+    );
+    // The full terms and selection's total agree to the bit, and stay above the floor.
+    let per_tier = [50, 0, 0, 0];
+    let hot = load(3_000);
+    let full = CostTerms::new(&w, &s, &hot, &per_tier, 0);
+    let credit = CostTerms::credit_of(&w, &per_tier);
+    let total = CostTerms::total_of(&w, &s, &hot, credit, 0);
+    assert_eq!(full.total.to_bits(), total.to_bits());
+    assert_eq!(full.hot_cost, config.hot_load.weight * 1_600.0);
+    assert!(CostTerms::bound_floor(&w, &s, credit, false, 0) <= total);
+    // Off: no cost, however hot.
+    let off = Weights::new(&config, &Overrides::default()).with_fleet_load(
+        &crate::config::HotLoad::OFF,
+        1_000.0,
+        &s,
+    );
+    assert_eq!(CostTerms::hot_cost(&off, &hot), 0.0);
 }

@@ -122,6 +122,7 @@ fn expected(model: &HashMap<u64, Active>, rank: WorkerRank) -> LoadView {
             prefixes.insert(&a.tokens[..(j + 1) * BS]);
         }
         v.prompt_blocks += u64::from(a.tokens.len() % BS != 0);
+        v.context_blocks += a.tokens.len().div_ceil(BS) as u64;
         v.prefill_tokens += a.prefill;
         v.output_blocks += a.output;
         v.output_decay += a.output_decay;
