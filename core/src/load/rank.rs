@@ -165,6 +165,14 @@ impl RankState {
         }
     }
 
+    /// The context its decodes read, in blocks ([`LoadView::context_load`]): two relaxed
+    /// loads, for a scan of the fleet on every route.
+    #[inline]
+    pub fn context_load(&self) -> u64 {
+        let l = &*self.load;
+        l.context_blocks.load(Ordering::Relaxed) + l.output_blocks.load(Ordering::Relaxed)
+    }
+
     /// Prefill tokens booked on the rank (a `SeqCst` read, for the ledger's refresh of its
     /// booked-prefill floor).
     #[inline]

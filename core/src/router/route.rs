@@ -534,7 +534,7 @@ fn mean_context(fleet: &Fleet, role: WorkerRole) -> f64 {
         .iter()
         .filter(|r| r.role == role && !r.state.is_retired())
     {
-        sum += r.state.load().context_load();
+        sum += r.state.context_load();
         n += 1;
     }
     if n == 0 {
