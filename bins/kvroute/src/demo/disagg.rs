@@ -14,12 +14,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvroute_core::{RequestId, RouterConfig};
+use kvroute_core::RouterConfig;
 use serde::Serialize;
 
 use super::DemoError;
 use kvroute_sim::workload::Workload;
-use kvroute_sim::{Arrival, EngineConfig, Fleet, FleetConfig, FleetError, KvTransfer, Split};
+use kvroute_sim::{EngineConfig, Fleet, FleetConfig, FleetError, KvTransfer, Split};
 
 /// How the comparison runs.
 #[derive(Clone, Debug)]
@@ -262,16 +262,7 @@ fn run_mode(
         router: config.router.clone(),
         split,
     })?;
-    for (i, request) in workload.requests().enumerate() {
-        fleet.run_to(request.at)?;
-        fleet.submit(Arrival {
-            at: request.at.max(fleet.now()),
-            id: RequestId(i as u64),
-            prompt: request.prompt,
-            max_output_tokens: request.output_tokens,
-        })?;
-    }
-    fleet.run_until_idle()?;
+    super::run::play(&mut fleet, workload)?;
     let report = fleet.report();
     let records = fleet.records();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;

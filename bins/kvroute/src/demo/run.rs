@@ -61,6 +61,20 @@ pub struct PolicyReport {
     pub load: LoadSeries,
 }
 
+/// Submits `workload`'s requests as the fleet's time reaches each, then runs it until idle.
+pub(super) fn play(fleet: &mut Fleet, workload: &Workload) -> Result<(), FleetError> {
+    for (i, request) in workload.requests().enumerate() {
+        fleet.run_to(request.at)?;
+        fleet.submit(Arrival {
+            at: request.at.max(fleet.now()),
+            id: RequestId(i as u64),
+            prompt: request.prompt,
+            max_output_tokens: request.output_tokens,
+        })?;
+    }
+    fleet.run_until_idle()
+}
+
 /// Runs `workload` under `policy` on a fresh fleet.
 pub(super) fn run_policy(
     workload: &Workload,
@@ -92,16 +106,7 @@ pub(super) fn run_policy(
         )));
     }
     fleet.sample_load_every(config.load_sample_every);
-    for (i, request) in workload.requests().enumerate() {
-        fleet.run_to(request.at)?;
-        fleet.submit(Arrival {
-            at: request.at.max(fleet.now()),
-            id: RequestId(i as u64),
-            prompt: request.prompt,
-            max_output_tokens: request.output_tokens,
-        })?;
-    }
-    fleet.run_until_idle()?;
+    play(&mut fleet, workload)?;
     let report = fleet.report();
     let mut route_ns = fleet.route_times_ns().to_vec();
     route_ns.sort_unstable();

@@ -15,7 +15,7 @@ use kvroute_core::{
     Mode, Phase, Pinned, RequestGuard, RequestId, RouteHints, RouteRequest, WorkerId,
 };
 
-use super::{Arrival, Fleet, FleetError, RequestRecord, Split};
+use super::{Arrival, Fleet, FleetError, Split};
 use crate::request::{EngineRequest, RequestOutput};
 
 /// A split request between its two engines: what its decode half needs.
@@ -81,21 +81,7 @@ impl Fleet {
             },
             false,
         )?;
-        self.record_of.insert(arrival.id, self.records.len());
-        self.records.push(RequestRecord {
-            id: arrival.id,
-            worker: decision.worker,
-            arrival: at,
-            first_token: None,
-            finished: None,
-            prompt_tokens: arrival.prompt.len() as u32,
-            output_tokens: 0,
-            predicted_cached: decision.predicted_cached_tokens,
-            cached: 0,
-            prefill_worker: Some(decision.worker),
-            oracle_cached,
-        });
-        self.active_tokens[worker] += arrival.prompt.len() as u64;
+        self.record(&arrival, &decision, oracle_cached, Some(decision.worker));
         self.guards.insert(arrival.id, guard);
         self.prefilling.insert(
             arrival.id,

@@ -573,44 +573,55 @@ impl Fleet {
         let mut guard = RequestGuard::new(Arc::clone(&self.router), decision.request);
         guard.mark_dispatched()?;
         let worker = decision.worker.worker.0 as usize;
-        let engine = self.engines.get_mut(worker).ok_or(FleetError::Config {
-            reason: "the router chose a worker the fleet does not have",
-        })?;
-        if !self.in_pass[worker] {
-            // Idle: its clock stands at its last pass's end; it starts now.
-            engine.advance_to(at);
-        }
-        engine.admit(EngineRequest {
-            id: arrival.id,
-            prompt: arrival.prompt.clone(),
-            max_output_tokens: arrival.max_output_tokens,
-            arrival: at,
-            cache_salt: None,
-        })?;
+        self.admit_on(
+            worker,
+            EngineRequest {
+                id: arrival.id,
+                prompt: arrival.prompt.clone(),
+                max_output_tokens: arrival.max_output_tokens,
+                arrival: at,
+                cache_salt: None,
+            },
+            false,
+        )?;
+        self.record(&arrival, &decision, oracle_cached, None);
+        self.guards.insert(arrival.id, guard);
+        Ok(())
+    }
+}
+
+impl Fleet {
+    /// Records an arrival routed by `decision` (split: `prefill_worker` is the prefill engine)
+    /// and counts its prompt active on the chosen engine.
+    fn record(
+        &mut self,
+        arrival: &Arrival,
+        decision: &kvroute_core::Decision,
+        oracle_cached: u32,
+        prefill_worker: Option<WorkerRank>,
+    ) {
         self.record_of.insert(arrival.id, self.records.len());
         self.records.push(RequestRecord {
             id: arrival.id,
             worker: decision.worker,
-            arrival: at,
+            arrival: self.now,
             first_token: None,
             finished: None,
             prompt_tokens: arrival.prompt.len() as u32,
             output_tokens: 0,
             predicted_cached: decision.predicted_cached_tokens,
             cached: 0,
-            prefill_worker: None,
+            prefill_worker,
             oracle_cached,
         });
-        self.active_tokens[worker] += arrival.prompt.len() as u64;
-        self.guards.insert(arrival.id, guard);
-        if !self.in_pass[worker] {
-            self.start_pass(worker);
+        if let Some(active) = self
+            .active_tokens
+            .get_mut(decision.worker.worker.0 as usize)
+        {
+            *active += arrival.prompt.len() as u64;
         }
-        Ok(())
     }
-}
 
-impl Fleet {
     /// The most prompt tokens of `prompt` any engine holds now, leaving the last token to
     /// compute as admission does.
     fn oracle_cached(&self, prompt: &[u32]) -> u32 {
