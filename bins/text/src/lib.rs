@@ -22,6 +22,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod bpe;
 mod format;
 mod messages;
 mod pieces;

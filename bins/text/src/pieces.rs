@@ -25,6 +25,8 @@ use std::sync::{Arc, Mutex};
 use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::{PostProcessor, Tokenizer};
 
+use crate::bpe::FastBpe;
+
 /// A tokenizer with a cache of its pieces' ids.
 pub struct PieceTokenizer {
     tokenizer: Tokenizer,
@@ -37,6 +39,8 @@ pub struct PieceTokenizer {
     /// The tokenizer adds no special tokens of its own (no BOS), so a text's ids with them
     /// asked for are its ids without.
     adds_nothing: bool,
+    /// The exact fast path, for byte-level BPE tokenizers.
+    fast: Option<FastBpe>,
     cache: Mutex<PieceCache>,
 }
 
@@ -214,6 +218,8 @@ impl PieceTokenizer {
             Some(built.map_err(|e| TokenizeError(format!("the added tokens' matcher: {e}")))?)
         };
         let chunked = chunkable(&tokenizer);
+        let split_texts: Vec<String> = splits.iter().map(|(text, _)| text.clone()).collect();
+        let fast = FastBpe::of(&tokenizer, &split_texts);
         let adds_nothing = tokenizer
             .get_post_processor()
             .is_none_or(|p| p.added_tokens(false) == 0);
@@ -223,8 +229,15 @@ impl PieceTokenizer {
             split_ids: splits.into_iter().map(|(_, id)| id).collect(),
             chunked,
             adds_nothing,
+            fast,
             cache: Mutex::new(PieceCache::default()),
         })
+    }
+
+    /// True when pieces are tokenized by the exact fast path for byte-level BPE rather than
+    /// by the tokenizer's own pipeline (the ids are the same).
+    pub fn fast(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// True when long pieces are cut into chunks at line breaks (see the module comment).
@@ -376,6 +389,37 @@ impl PieceTokenizer {
             .map_err(|e| TokenizeError(e.to_string()))
     }
 
+    /// `text`'s ids as [`PieceTokenizer::encode`] makes them, piece by piece, without the
+    /// cache: what a text costs when none of it was seen before.
+    pub fn encode_uncached(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut at = 0;
+        for (start, len, id) in self.splits_in(text) {
+            self.piece(&text[at..start], &mut ids)?;
+            ids.push(id);
+            at = start + len;
+        }
+        self.piece(&text[at..], &mut ids)?;
+        Ok(ids)
+    }
+
+    /// The fast path's pre-tokens of `text` as byte spans (`None` without a fast path), for
+    /// the tests that compare them with the tokenizer's pre-tokenizer.
+    #[doc(hidden)]
+    pub fn fast_pre_tokens(&self, text: &str) -> Option<Vec<(usize, usize)>> {
+        Some(self.fast.as_ref()?.pre_tokens(text))
+    }
+
+    /// Appends the ids of a piece (text with no split token): by the fast path when the
+    /// tokenizer has one and the piece is its, else by the tokenizer.
+    fn piece(&self, piece: &str, out: &mut Vec<u32>) -> Result<(), TokenizeError> {
+        if piece.is_empty() || self.fast.as_ref().is_some_and(|f| f.encode(piece, out)) {
+            return Ok(());
+        }
+        out.extend(self.encode_fresh(piece)?);
+        Ok(())
+    }
+
     /// Text of `ids` (special tokens kept).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
         self.tokenizer
@@ -407,7 +451,9 @@ impl PieceTokenizer {
                 return Ok(());
             }
         }
-        let ids: Arc<[u32]> = self.encode_fresh(piece)?.into();
+        let mut fresh = Vec::new();
+        self.piece(piece, &mut fresh)?;
+        let ids: Arc<[u32]> = fresh.into();
         out.extend_from_slice(&ids);
         if let Ok(mut cache) = self.cache.lock() {
             cache.misses += 1;

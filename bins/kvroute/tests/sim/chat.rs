@@ -15,7 +15,7 @@ fn fixtures_of(family: &str) -> PathBuf {
 }
 
 /// A family's files, or `None` (the test says it is skipped) when the fixtures are absent.
-fn model_of(family: &str) -> Option<ModelText> {
+pub(crate) fn model_of(family: &str) -> Option<ModelText> {
     let dir = fixtures_of(family);
     if !dir.join("tokenizer.json").exists() {
         crate::skip_without_fixtures(&format!(

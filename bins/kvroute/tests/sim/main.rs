@@ -23,6 +23,7 @@ mod chat;
 mod demo;
 mod disagg;
 mod events_model;
+mod fast_bpe;
 mod fleet;
 mod hooks;
 mod lifecycle;
