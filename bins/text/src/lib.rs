@@ -22,7 +22,9 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod added;
 mod bpe;
+mod chunks;
 mod format;
 mod messages;
 mod pieces;

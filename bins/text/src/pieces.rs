@@ -4,56 +4,33 @@
 //! turn to turn (every earlier message is a piece already seen), so a cache of piece → ids
 //! makes a follow-up turn tokenize only its new messages.
 //!
-//! Only added tokens the tokenizer matches on the raw text and strips nothing around
-//! (`normalized`, `lstrip`, `rstrip` and `single_word` all false) split pieces here: exactly
-//! where the tokenizer itself splits. Tests check the ids against a fresh tokenization.
-//!
-//! A long piece (a text prompt is one) is cut further into *chunks*, where the tokenizer's
-//! pre-tokenizer is known to cut too, so that a prompt that grows from request to request (a
-//! conversation sent as text) tokenizes only its new end. That holds for the byte-level BPE
-//! tokenizers whose pre-tokenizer splits by one of the regular expressions in
-//! [`CHUNKED_PATTERNS`] (Qwen2 and 3, Llama 3, GPT-2): no alternative of theirs matches a line
-//! break followed by a character other than whitespace, so a pre-token always starts after
-//! such a break; BPE works within pre-tokens, and NFC, the one normalizer allowed, never
-//! composes across a line break. A chunk ends at the first such break at least
-//! [`CHUNK_BYTES`] into it, so chunks are cut from the left the same way in a text and in any
-//! text that extends it. Other tokenizers keep whole pieces.
+//! Only added tokens found exactly where the tokenizer finds them split pieces here
+//! (`added.rs`). A long piece (a text prompt is one) is cut further into chunks where the
+//! pre-tokenizer cuts too (`chunks.rs`). Tests check the ids against a fresh tokenization.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use aho_corasick::{AhoCorasick, MatchKind};
-use tokenizers::{PostProcessor, Tokenizer};
+use tokenizers::Tokenizer;
 
+use crate::added::{AddedTokens, Around};
 use crate::bpe::FastBpe;
+use crate::chunks::{chunk_ends, chunkable, Cuts};
 
 /// A tokenizer with a cache of its pieces' ids.
 pub struct PieceTokenizer {
     tokenizer: Tokenizer,
-    /// The split tokens, matched leftmost-longest in one pass (`None`: the tokenizer has
-    /// none), and the id of each by pattern.
-    splits: Option<AhoCorasick>,
-    split_ids: Vec<u32>,
-    /// Pieces are cut into chunks at line breaks (see the module comment).
-    chunked: bool,
-    /// The tokenizer adds no special tokens of its own (no BOS), so a text's ids with them
-    /// asked for are its ids without.
-    adds_nothing: bool,
+    /// The added tokens texts are split at.
+    added: AddedTokens,
+    /// Where pieces are cut into chunks.
+    cuts: Cuts,
+    /// What the tokenizer puts around a text when asked for its special tokens (`None`: not
+    /// the same tokens around every text, so such texts are tokenized whole by it).
+    around: Option<Around>,
     /// The exact fast path, for byte-level BPE tokenizers.
     fast: Option<FastBpe>,
     cache: Mutex<PieceCache>,
 }
-
-/// The pre-tokenizer patterns after which pieces are cut at line breaks: Qwen2's and Qwen3's,
-/// Llama 3's, and GPT-2's byte-level default.
-pub(crate) const CHUNKED_PATTERNS: [&str; 3] = [
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-];
-
-/// The fewest bytes of a chunk before a line break may end it.
-pub(crate) const CHUNK_BYTES: usize = 128;
 
 /// Within a piece, [`PieceTokenizer::encode_while`] asks whether to go on once this many bytes
 /// have been tokenized since it last asked (and at every split token): each question hashes
@@ -61,71 +38,12 @@ pub(crate) const CHUNK_BYTES: usize = 128;
 /// prefix many times over.
 pub(crate) const ASK_BYTES: usize = 512;
 
-/// True when `tokenizer` pre-tokenizes as the module comment requires for chunks: byte-level
-/// BPE split by one of [`CHUNKED_PATTERNS`] (or byte-level's own, which is GPT-2's), no prefix
-/// space, no normalizer but NFC, and no normalized added token holding a line break.
-fn chunkable(tokenizer: &Tokenizer) -> bool {
-    let json = |v: Option<serde_json::Value>| v.unwrap_or(serde_json::Value::Null);
-    let pre = json(
-        tokenizer
-            .get_pre_tokenizer()
-            .and_then(|p| serde_json::to_value(p).ok()),
-    );
-    let normalizer = json(
-        tokenizer
-            .get_normalizer()
-            .and_then(|n| serde_json::to_value(n).ok()),
-    );
-    let byte_level = |v: &serde_json::Value, regex: bool| {
-        v["type"] == "ByteLevel" && v["add_prefix_space"] == false && v["use_regex"] == regex
-    };
-    let pre_ok = if byte_level(&pre, true) {
-        true
-    } else if pre["type"] == "Sequence" {
-        match pre["pretokenizers"].as_array().map(Vec::as_slice) {
-            Some([split, bytes]) => {
-                split["type"] == "Split"
-                    && split["behavior"] == "Isolated"
-                    && split["invert"] == false
-                    && split["pattern"]["Regex"]
-                        .as_str()
-                        .is_some_and(|r| CHUNKED_PATTERNS.contains(&r))
-                    && byte_level(bytes, false)
-            }
-            _ => false,
-        }
-    } else {
-        false
-    };
-    let normalizer_ok = normalizer.is_null() || normalizer["type"] == "NFC";
-    let added_ok = tokenizer
-        .get_added_tokens_decoder()
-        .values()
-        .all(|t| !t.normalized || !t.content.contains(['\n', '\r']));
-    pre_ok && normalizer_ok && added_ok
-}
-
-/// Where `piece` is cut into chunks: byte offsets just after a line break and before a
-/// character that cannot be whitespace, each at least [`CHUNK_BYTES`] after the last.
-fn chunk_ends(piece: &str) -> impl Iterator<Item = usize> + '_ {
-    let bytes = piece.as_bytes();
-    let mut last = 0;
-    (1..bytes.len()).filter(move |&i| {
-        let cut = i - last >= CHUNK_BYTES
-            && matches!(bytes[i - 1], b'\n' | b'\r')
-            && (bytes[i].is_ascii_graphic()
-                || piece[i..].chars().next().is_some_and(char::is_alphanumeric));
-        if cut {
-            last = i;
-        }
-        cut
-    })
-}
-
 impl std::fmt::Debug for PieceTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PieceTokenizer")
-            .field("splits", &self.split_ids.len())
+            .field("splits", &self.added.len())
+            .field("cuts", &self.cuts)
+            .field("fast", &self.fast.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -197,38 +115,23 @@ pub struct TokenizeError(pub String);
 const CACHE_TOKENS: usize = 4 << 20;
 
 impl PieceTokenizer {
-    /// Wraps `tokenizer`, splitting at its added tokens that match raw text and strip nothing.
+    /// Wraps `tokenizer`, splitting at its added tokens where it splits (`added.rs`).
     pub fn new(tokenizer: Tokenizer) -> Result<Self, TokenizeError> {
-        let mut splits: Vec<(String, u32)> = tokenizer
-            .get_added_tokens_decoder()
-            .iter()
-            .filter(|(_, t)| !t.normalized && !t.lstrip && !t.rstrip && !t.single_word)
-            .filter(|(_, t)| !t.content.is_empty())
-            .map(|(&id, t)| (t.content.clone(), id))
-            .collect();
-        // One id per text: the lowest.
-        splits.sort();
-        splits.dedup_by(|b, a| a.0 == b.0);
-        let matcher = if splits.is_empty() {
-            None
+        let added = AddedTokens::new(&tokenizer)?;
+        let fast = FastBpe::of(&tokenizer, &added.texts());
+        let cuts = if fast.is_some() {
+            Cuts::WordEnds
+        } else if chunkable(&tokenizer) {
+            Cuts::LineEnds
         } else {
-            let built = AhoCorasick::builder()
-                .match_kind(MatchKind::LeftmostLongest)
-                .build(splits.iter().map(|(text, _)| text));
-            Some(built.map_err(|e| TokenizeError(format!("the added tokens' matcher: {e}")))?)
+            Cuts::Whole
         };
-        let chunked = chunkable(&tokenizer);
-        let split_texts: Vec<String> = splits.iter().map(|(text, _)| text.clone()).collect();
-        let fast = FastBpe::of(&tokenizer, &split_texts);
-        let adds_nothing = tokenizer
-            .get_post_processor()
-            .is_none_or(|p| p.added_tokens(false) == 0);
+        let around = Around::of(&tokenizer);
         Ok(PieceTokenizer {
             tokenizer,
-            splits: matcher,
-            split_ids: splits.into_iter().map(|(_, id)| id).collect(),
-            chunked,
-            adds_nothing,
+            added,
+            cuts,
+            around,
             fast,
             cache: Mutex::new(PieceCache::default()),
         })
@@ -240,26 +143,33 @@ impl PieceTokenizer {
         self.fast.is_some()
     }
 
-    /// True when long pieces are cut into chunks at line breaks (see the module comment).
+    /// True when long pieces are cut into chunks (`chunks.rs`).
     pub fn chunked(&self) -> bool {
-        self.chunked
+        self.cuts != Cuts::Whole
     }
 
     /// `text`'s ids as the tokenizer gives them with its special tokens added (as vLLM
-    /// tokenizes a completion's text): through the cache when the tokenizer adds none.
+    /// tokenizes a completion's text): through the cache, with what the tokenizer adds around
+    /// a text (a BOS) put around.
     pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         Ok(self.encode_with_special_while(text, |_| true)?.ids)
     }
 
-    /// [`PieceTokenizer::encode_with_special`], as far as `more` wants when the tokenizer adds
-    /// no special token ([`PieceTokenizer::encode_while`]); whole when it adds some.
+    /// [`PieceTokenizer::encode_with_special`], as far as `more` wants
+    /// ([`PieceTokenizer::encode_while`], with `more` seeing the added tokens before the text);
+    /// whole, by the tokenizer, when it adds something else than the same tokens around
+    /// every text.
     pub fn encode_with_special_while(
         &self,
         text: &str,
         more: impl FnMut(&[u32]) -> bool,
     ) -> Result<Partial, TokenizeError> {
-        if self.adds_nothing {
-            return self.encode_while(text, more);
+        if let Some(around) = &self.around {
+            let mut part = self.encode_after(&around.before, text, more)?;
+            if part.complete() {
+                part.ids.extend_from_slice(&around.after);
+            }
+            return Ok(part);
         }
         let ids = self
             .tokenizer
@@ -288,9 +198,20 @@ impl PieceTokenizer {
     pub fn encode_while(
         &self,
         text: &str,
+        more: impl FnMut(&[u32]) -> bool,
+    ) -> Result<Partial, TokenizeError> {
+        self.encode_after(&[], text, more)
+    }
+
+    /// [`PieceTokenizer::encode_while`] with the ids starting with `before`.
+    fn encode_after(
+        &self,
+        before: &[u32],
+        text: &str,
         mut more: impl FnMut(&[u32]) -> bool,
     ) -> Result<Partial, TokenizeError> {
-        let mut ids = Vec::with_capacity(text.len() / 3);
+        let mut ids = Vec::with_capacity(before.len() + text.len() / 3);
+        ids.extend_from_slice(before);
         // The start of the piece at hand, and the end of what is tokenized.
         let (mut at, mut done) = (0, 0);
         // Where `more` was last asked.
@@ -360,24 +281,15 @@ impl PieceTokenizer {
 
     /// Where one piece (text with no split token) is cut into chunks, as offsets of the ends
     /// of its chunks (the piece's own end last; none for an empty piece).
-    fn chunk_ends_of<'p>(&self, piece: &'p str) -> impl Iterator<Item = usize> + 'p {
-        let cut = self.chunked && piece.len() >= 2 * CHUNK_BYTES;
-        cut.then(|| chunk_ends(piece))
-            .into_iter()
-            .flatten()
-            .chain((!piece.is_empty()).then_some(piece.len()))
+    fn chunk_ends_of<'p>(&'p self, piece: &'p str) -> impl Iterator<Item = usize> + 'p {
+        let letter = |c| self.fast.as_ref().is_some_and(|f| f.is_letter(c));
+        chunk_ends(piece, self.cuts, letter).chain((!piece.is_empty()).then_some(piece.len()))
     }
 
     /// Where the split tokens occur in `text`, leftmost first, the longest where several
     /// start at one place, none overlapping: (byte offset, length, id). One pass.
     fn splits_in(&self, text: &str) -> Vec<(usize, usize, u32)> {
-        let Some(matcher) = &self.splits else {
-            return Vec::new();
-        };
-        matcher
-            .find_iter(text)
-            .map(|m| (m.start(), m.len(), self.split_ids[m.pattern().as_usize()]))
-            .collect()
+        self.added.find(text)
     }
 
     /// `text`'s ids from the tokenizer alone (no cache): what [`PieceTokenizer::encode`] must

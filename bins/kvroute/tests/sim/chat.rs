@@ -210,7 +210,7 @@ fn a_follow_up_turn_reuses_the_earlier_messages_pieces() {
 /// Text of `n` fragments drawn from ones that test the pre-tokenizer's edges: words, spaces
 /// and tabs before and after line breaks, `\r\n`, punctuation ending a line, digits, accents
 /// written with combining marks, CJK, emoji, and apostrophes.
-fn fragments(rng: &mut kvroute_core::Rng, n: usize) -> String {
+pub(crate) fn fragments(rng: &mut kvroute_core::Rng, n: usize) -> String {
     const PARTS: [&str; 24] = [
         "the", " routing", " cache", "\n", "\n\n", "\r\n", " \n", "\n ", "\t", ".\n", ":\n\n",
         "  ", "12345", " 7", "e\u{301}", "\u{301}", "路由", "🚀", "'s", "'LL", "x", "}\n", "\n\t",

@@ -7,7 +7,7 @@ use kvroute_core::Rng;
 use kvroute_text::ModelText;
 use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
 
-use crate::chat::model_of;
+use crate::chat::{fragments, model_of};
 
 /// Texts that reach every alternative of the split patterns.
 const CORPUS: &[&str] = &[
@@ -125,4 +125,132 @@ fn a_tokenizer_that_is_not_byte_level_bpe_keeps_its_own_pipeline() {
         model.tokenizer.encode_uncached(CORPUS[0]).unwrap(),
         model.tokenizer.encode_fresh(CORPUS[0]).unwrap()
     );
+}
+
+/// A text of `n` fragments on one line (no line break), words and punctuation among them.
+fn one_line(rng: &mut Rng, n: usize) -> String {
+    fragments(rng, n).replace(['\n', '\r'], " ")
+}
+
+/// The ids the tokenizer gives `text` with its special tokens (a BOS, for Llama 3.1).
+fn with_special(model: &ModelText, text: &str) -> Vec<u32> {
+    let encoding = model.tokenizer.tokenizer().encode(text, true).unwrap();
+    encoding.get_ids().to_vec()
+}
+
+/// One-line texts are cut into chunks at word ends (the first time a long one is tokenized,
+/// more than one chunk is new), and the ids are the tokenizer's, from the cache as fresh,
+/// with the special tokens the tokenizer adds as without.
+fn one_line_text_is_cut_at_word_ends(family: &str) {
+    let Some(model) = model_of(family) else {
+        return;
+    };
+    assert!(model.tokenizer.chunked());
+    let mut rng = Rng::new(17);
+    for round in 0..40 {
+        let text = one_line(&mut rng, 100 + 30 * round);
+        let before = model.tokenizer.stats();
+        for _ in 0..2 {
+            assert_eq!(
+                model.tokenizer.encode(&text).unwrap(),
+                model.tokenizer.encode_fresh(&text).unwrap(),
+                "{family}: {text:?}"
+            );
+        }
+        assert_eq!(model.text_ids(&text).unwrap(), with_special(&model, &text));
+        let after = model.tokenizer.stats();
+        if text.len() > 1_000 {
+            assert!(
+                after.misses - before.misses > 2,
+                "{family}: {before:?} -> {after:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn qwen3_one_line_text_is_cut_at_word_ends() {
+    one_line_text_is_cut_at_word_ends("qwen3");
+}
+
+#[test]
+fn llama3_1_one_line_text_is_cut_at_word_ends() {
+    one_line_text_is_cut_at_word_ends("llama3_1");
+}
+
+#[test]
+fn deepseek_v3_one_line_text_is_cut_at_word_ends() {
+    one_line_text_is_cut_at_word_ends("deepseek_v3");
+}
+
+/// A one-line prompt that grows from request to request tokenizes only its new end, also
+/// under a tokenizer that adds a BOS (Llama 3.1); the ids are the tokenizer's.
+#[test]
+fn a_growing_one_line_prompt_tokenizes_only_its_new_end() {
+    for family in ["qwen3", "llama3_1", "deepseek_v3"] {
+        let Some(model) = model_of(family) else {
+            return;
+        };
+        let mut rng = Rng::new(23);
+        let mut text = String::new();
+        let mut before = model.tokenizer.stats();
+        for turn in 0..6 {
+            let added = one_line(&mut rng, 1_500);
+            text.push_str(&added);
+            assert_eq!(model.text_ids(&text).unwrap(), with_special(&model, &text));
+            let after = model.tokenizer.stats();
+            if turn > 0 {
+                let new_chunks = 2 + added.len() / 128;
+                assert!(
+                    after.misses - before.misses <= new_chunks as u64,
+                    "{family}: {before:?} -> {after:?}"
+                );
+                assert!(
+                    after.hits - before.hits >= 4 * turn as u64,
+                    "{family}: {before:?} -> {after:?}"
+                );
+            }
+            before = after;
+        }
+    }
+}
+
+/// Under a tokenizer that adds a BOS, a text tokenized as far as asked gives the first ids of
+/// the whole text's, BOS first, stopped after any chunk; asked with the BOS in the ids.
+#[test]
+fn a_text_under_a_bos_adding_tokenizer_is_tokenized_in_part() {
+    let Some(model) = model_of("llama3_1") else {
+        return;
+    };
+    let bos = with_special(&model, "x")[0];
+    let mut rng = Rng::new(29);
+    for round in 0..30 {
+        let text = if round % 2 == 0 {
+            one_line(&mut rng, 300 + 60 * round)
+        } else {
+            fragments(&mut rng, 300 + 60 * round)
+        };
+        let whole = with_special(&model, &text);
+        let stop_after = rng.below(6) as usize;
+        let mut asked = 0;
+        let part = model
+            .text_ids_while(&text, |ids| {
+                assert_eq!(ids[0], bos);
+                asked += 1;
+                asked <= stop_after
+            })
+            .unwrap();
+        assert!(whole.starts_with(&part.ids), "{text:?}");
+        assert_eq!(part.ids[0], bos);
+        assert_eq!(part.complete(), part.ids == whole);
+        if !part.complete() {
+            assert_eq!(
+                part.ids[1..],
+                model
+                    .tokenizer
+                    .encode_fresh(&text[..part.done_bytes])
+                    .unwrap()
+            );
+        }
+    }
 }

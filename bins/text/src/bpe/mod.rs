@@ -171,6 +171,11 @@ impl FastBpe {
 }
 
 impl FastBpe {
+    /// True when `c` is a letter (`\p{L}`).
+    pub(crate) fn is_letter(&self, c: char) -> bool {
+        self.splitter.is_letter(c)
+    }
+
     /// The pre-tokens of `text` (taken as normalized), as byte spans.
     pub(crate) fn pre_tokens(&self, text: &str) -> Vec<(usize, usize)> {
         let mut spans = Vec::new();

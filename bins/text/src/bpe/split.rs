@@ -139,6 +139,11 @@ impl Splitter {
         }
     }
 
+    /// True when `c` is a letter (`\p{L}`).
+    pub(crate) fn is_letter(&self, c: char) -> bool {
+        self.is(c, LETTER)
+    }
+
     fn is(&self, c: char, flags: u8) -> bool {
         self.classes.of(c) & flags != 0
     }
