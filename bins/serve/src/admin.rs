@@ -270,7 +270,9 @@ pub(crate) async fn remove_worker(State(state): State<AppState>, Path(id): Path<
 pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
-        state.metrics.render(&state.router, &state.backends),
+        state
+            .metrics
+            .render(&state.router, &state.backends, state.text.as_deref()),
     )
         .into_response()
 }

@@ -193,6 +193,8 @@ pub(crate) struct AppState {
     draining: Arc<RwLock<HashSet<WorkerId>>>,
     /// Whether disaggregated serving is active now.
     pub disagg: Arc<disagg::Activation>,
+    /// Rests of prompts tokenized in part, being tokenized off the request path.
+    pub rests: Arc<proxy::Rests>,
 }
 
 impl AppState {
@@ -319,6 +321,7 @@ impl RunningServe {
             text,
             draining: Arc::default(),
             disagg: Arc::default(),
+            rests: Arc::new(proxy::Rests::new()),
         };
         let app = axum::Router::new()
             .route("/v1/completions", post(proxy::completions))

@@ -7,6 +7,7 @@ use prometheus::{
 };
 
 use kvroute_core::{Router, WorkerRank};
+use kvroute_text::ModelText;
 use kvroute_transport::RankState;
 
 use super::backends::Backends;
@@ -19,6 +20,8 @@ pub(crate) struct Metrics {
     pub decision_seconds: Histogram,
     pub prompt_read_seconds: Histogram,
     pub prompt_tokens: IntCounterVec,
+    /// Rests of prompts tokenized in part, by what became of them.
+    pub prompt_rests: IntCounterVec,
     pub predicted_cached_tokens: Histogram,
     pub retries: IntCounterVec,
     /// Requests in a fleet with prefill and decode workers, by the way they were served.
@@ -29,6 +32,7 @@ pub(crate) struct Metrics {
     pub expired: prometheus::IntCounter,
     pub refused_connections: prometheus::IntCounter,
     queue_depth: prometheus::IntGauge,
+    piece_cache: IntGaugeVec,
     load: IntGaugeVec,
     events: IntGaugeVec,
     event_state: IntGaugeVec,
@@ -62,6 +66,15 @@ impl Metrics {
                  no worker could hold more of the prompt, counted by an estimate from their bytes.",
             ),
             &["how"],
+        )?;
+        let prompt_rests = IntCounterVec::new(
+            Opts::new(
+                "kvroute_prompt_rests_total",
+                "Rests of text prompts and chats tokenized only in part for routing, tokenized \
+                 afterwards off the request path so that a follow-up finds them in the piece \
+                 cache: done, skipped (one for every two cores under way already), failed.",
+            ),
+            &["outcome"],
         )?;
         let predicted_cached_tokens = Histogram::with_opts(
             HistogramOpts::new(
@@ -121,6 +134,15 @@ impl Metrics {
             )
             .buckets(vec![1e-3, 1e-2, 0.1, 0.5, 1.0, 5.0, 30.0]),
         )?;
+        let piece_cache = IntGaugeVec::new(
+            Opts::new(
+                "kvroute_piece_cache",
+                "The tokenizer's cache of pieces and chunks: hits and misses since the start, \
+                 pieces held.",
+            ),
+            &["kind"],
+        )?;
+        registry.register(Box::new(piece_cache.clone()))?;
         let queue_depth = prometheus::IntGauge::new(
             "kvroute_queue_depth",
             "Requests waiting in the admission queue.",
@@ -139,7 +161,7 @@ impl Metrics {
         registry.register(Box::new(queue_wait_seconds.clone()))?;
         registry.register(Box::new(queue_depth.clone()))?;
         registry.register(Box::new(disagg_active.clone()))?;
-        for m in [&requests, &retries, &prompt_tokens, &disagg] {
+        for m in [&requests, &retries, &prompt_tokens, &prompt_rests, &disagg] {
             registry.register(Box::new(m.clone()))?;
         }
         registry.register(Box::new(decision_seconds.clone()))?;
@@ -154,6 +176,7 @@ impl Metrics {
             decision_seconds,
             prompt_read_seconds,
             prompt_tokens,
+            prompt_rests,
             predicted_cached_tokens,
             retries,
             disagg,
@@ -162,6 +185,7 @@ impl Metrics {
             expired,
             refused_connections,
             queue_depth,
+            piece_cache,
             load,
             events,
             event_state,
@@ -169,7 +193,24 @@ impl Metrics {
     }
 
     /// The text exposition, per-worker gauges refreshed first.
-    pub(crate) fn render(&self, router: &Router, backends: &Backends) -> String {
+    pub(crate) fn render(
+        &self,
+        router: &Router,
+        backends: &Backends,
+        text: Option<&ModelText>,
+    ) -> String {
+        if let Some(text) = text {
+            let stats = text.tokenizer.stats();
+            for (kind, value) in [
+                ("hits", stats.hits),
+                ("misses", stats.misses),
+                ("pieces", stats.pieces as u64),
+            ] {
+                self.piece_cache
+                    .with_label_values(&[kind])
+                    .set(gauge(value));
+            }
+        }
         self.load.reset();
         self.events.reset();
         self.event_state.reset();

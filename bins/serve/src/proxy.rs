@@ -12,7 +12,7 @@
 //!  closes, and the engine stops the request
 //! ```
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -277,7 +277,7 @@ impl Routed {
             checked = full;
             state.router.needs_more_tokens(ids, &hints)
         };
-        let part = tokenize(text, &mut more)
+        let mut part = tokenize(text, &mut more)
             .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))?;
         let mut prompt_len = part.estimated_tokens();
         if let Some(max) = limit {
@@ -289,11 +289,57 @@ impl Routed {
             }
             prompt_len = prompt_len.min(max);
         }
+        if let Some(whole) = part.unfinished.take() {
+            tokenize_rest_later(state, text, whole);
+        }
         let mut routed = self.with_ids(part.ids)?;
         routed.prompt_len = prompt_len.max(routed.prompt_len);
         routed.from_text = true;
         Ok(routed)
     }
+}
+
+/// The rests of prompts tokenized in part being tokenized now, and how many may be at once.
+#[derive(Debug)]
+pub(crate) struct Rests {
+    busy: AtomicUsize,
+    limit: usize,
+}
+
+impl Rests {
+    /// At most one rest for every two cores at once (at least one): the request path
+    /// keeps the rest of the machine.
+    pub(crate) fn new() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        Rests {
+            busy: AtomicUsize::new(0),
+            limit: cores.div_ceil(2),
+        }
+    }
+}
+
+/// Tokenizes the rest of a prompt tokenized only in part (`whole` is all of its text) off the
+/// request path, into the piece cache, so that the conversation's next turn, which the
+/// workers will hold this far, tokenizes only its new text; skipped while [`Rests`]' limit
+/// are under way (the request path comes first).
+fn tokenize_rest_later(state: &AppState, model: &Arc<ModelText>, whole: String) {
+    let rests = Arc::clone(&state.rests);
+    let outcome = &state.metrics.prompt_rests;
+    // Relaxed: a count, not a guard of other memory; a race only lets one more through.
+    if rests.busy.fetch_add(1, Ordering::Relaxed) >= rests.limit {
+        rests.busy.fetch_sub(1, Ordering::Relaxed);
+        outcome.with_label_values(&["skipped"]).inc();
+        return;
+    }
+    let model = Arc::clone(model);
+    let outcome = outcome.clone();
+    tokio::task::spawn_blocking(move || {
+        let done = model.tokenizer.warm(&whole).is_ok();
+        rests.busy.fetch_sub(1, Ordering::Relaxed);
+        outcome
+            .with_label_values(&[if done { "done" } else { "failed" }])
+            .inc();
+    });
 }
 
 /// The refusal of a prompt past the model's maximum length, in vLLM's words.

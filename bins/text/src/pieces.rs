@@ -78,6 +78,10 @@ pub struct Partial {
     pub done_bytes: usize,
     /// The bytes left untokenized (0: the ids are the whole text's).
     pub rest_bytes: usize,
+    /// The whole text, when the ids are not all of it: what [`PieceTokenizer::warm`] takes
+    /// to tokenize the rest into the piece cache later, off the request's path, so that a
+    /// follow-up turn finds it there.
+    pub unfinished: Option<String>,
 }
 
 impl Partial {
@@ -86,6 +90,7 @@ impl Partial {
             ids,
             done_bytes: done,
             rest_bytes: text.len() - done,
+            unfinished: (done < text.len()).then(|| text.to_owned()),
         }
     }
 
@@ -241,6 +246,12 @@ impl PieceTokenizer {
             }
         }
         Ok(Partial::of(ids, text, text.len()))
+    }
+
+    /// Tokenizes `text` into the piece cache: the rest of a text tokenized in part
+    /// ([`Partial::unfinished`]), whose first chunks are found there.
+    pub fn warm(&self, text: &str) -> Result<(), TokenizeError> {
+        self.encode(text).map(drop)
     }
 
     /// Whether `text` has more than `max` tokens, after tokenizing no more of it than takes

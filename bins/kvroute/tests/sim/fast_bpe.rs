@@ -254,3 +254,36 @@ fn a_text_under_a_bos_adding_tokenizer_is_tokenized_in_part() {
         }
     }
 }
+
+/// The rest of a text tokenized in part, tokenized later ([`Partial::unfinished`] into
+/// `warm`), leaves all of it in the cache: the next turn tokenizes only its new text.
+///
+/// [`Partial::unfinished`]: kvroute_text::Partial::unfinished
+#[test]
+fn a_rest_tokenized_later_leaves_the_next_turn_only_its_new_text() {
+    for family in ["qwen3", "llama3_1", "deepseek_v3"] {
+        let Some(model) = model_of(family) else {
+            return;
+        };
+        let mut rng = Rng::new(31);
+        let text = one_line(&mut rng, 3_000);
+        let part = model.text_ids_while(&text, |_| false).unwrap();
+        assert!(!part.complete());
+        let whole = part.unfinished.unwrap();
+        assert_eq!(whole, text);
+        model.tokenizer.warm(&whole).unwrap();
+        let added = one_line(&mut rng, 300);
+        let follow = format!("{text}{added}");
+        let before = model.tokenizer.stats();
+        assert_eq!(
+            model.text_ids(&follow).unwrap(),
+            with_special(&model, &follow)
+        );
+        let after = model.tokenizer.stats();
+        let new_chunks = 2 + added.len() / 128;
+        assert!(
+            after.misses - before.misses <= new_chunks as u64,
+            "{family}: {before:?} -> {after:?}"
+        );
+    }
+}

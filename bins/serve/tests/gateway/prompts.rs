@@ -108,3 +108,51 @@ async fn without_a_flag_the_tokenizer_configs_maximum_holds() {
         .contains("131072"));
     serve.stop();
 }
+
+/// The value of the metric line that starts with `name` (labels included), 0 when absent.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A text no worker holds is tokenized only in part for routing; its rest is tokenized
+/// afterwards off the request path, into the piece cache, so a follow-up finds it there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rest_of_a_prompt_tokenized_in_part_is_tokenized_later() {
+    let Some(dir) = qwen3() else { return };
+    let (serve, url) = gateway(ServeOptions {
+        tokenizer: Some(dir),
+        ..ServeOptions::default()
+    })
+    .await;
+    let client = reqwest::Client::new();
+    let added = client
+        .post(format!("{url}/v1/workers"))
+        .json(&json!({"id": 1, "url": "http://127.0.0.1:9", "kv_blocks": 1024}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), StatusCode::CREATED);
+    // One line of about 40 KB: cut into chunks at word ends.
+    let text: String = (0..4_000)
+        .map(|i| format!("step {i} of the plan, "))
+        .collect();
+    let (status, answer) = post(&client, &url, "/v1/route", json!({"prompt": text})).await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let start = Instant::now();
+    let scrape = loop {
+        let scrape = super::get_text(&client, &format!("{url}/metrics")).await;
+        if metric(&scrape, "kvroute_prompt_rests_total{outcome=\"done\"}") >= 1.0 {
+            break scrape;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{scrape}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // Routing stopped early: a few chunks tokenized; the rest, hundreds, came later.
+    let tokenized = metric(&scrape, "kvroute_prompt_tokens_total{how=\"tokenized\"}");
+    assert!(tokenized < 2_000.0, "{tokenized}");
+    let misses = metric(&scrape, "kvroute_piece_cache{kind=\"misses\"}");
+    assert!(misses as usize > text.len() / 256, "{misses}");
+    serve.stop();
+}
