@@ -7,14 +7,21 @@
 //! cargo run --release -p kvroute-benches --bin serve-overhead
 //! cargo run --release -p kvroute-benches --bin serve-overhead -- --text --sglang --seconds 5
 //! cargo run --release -p kvroute-benches --bin serve-overhead -- --pin --text --sglang
+//! cargo run --release -p kvroute-benches --bin serve-overhead -- --pin --text --sglang \
+//!     --tokenizer llama3_1 --one-line --chat --no-stream
 //! ```
 //!
 //! SGLang's router takes text prompts only, so `--sglang` needs `--text`: every path then
 //! sends text (one of 16 documents of about 1,000 tokens in 17 lines, then a line of the
 //! request's own), and kvroute serve tokenizes it with the model's tokenizer
-//! (`scripts/fixtures.sh` fetches Qwen3's) to route, the documents' lines from its cache of
-//! chunks after their first requests; SGLang's router matches characters and tokenizes
-//! nothing.
+//! (`scripts/fixtures.sh` fetches them; `--tokenizer` names the family, Qwen3's by default)
+//! to route, the documents' chunks from its cache after their first requests; SGLang's router
+//! matches characters and tokenizes nothing. `--one-line` puts each document on one line
+//! (the same text, line breaks turned to spaces); `--chat` sends chats instead
+//! (`/v1/chat/completions`: the document as the system message, the request's own line as
+//! the user's), which serve renders with the model's template before tokenizing.
+//! `--no-rests` turns off serve's tokenizing of a prompt's rest after routing
+//! (`tokenize_rests`); `--no-stream` leaves out the streaming cells.
 //!
 //! The fake engine (axum) answers `/v1/completions` with a fixed completion: one JSON body, or
 //! four SSE chunks and `[DONE]`. Prompts are 1,024 token ids (no tokenizing), one of 16 shared
@@ -76,6 +83,7 @@ async fn fake_completion(body: Bytes) -> axum::response::Response {
 async fn fake_engine() -> Result<SocketAddr> {
     let app = axum::Router::new()
         .route("/v1/completions", post(fake_completion))
+        .route("/v1/chat/completions", post(fake_completion))
         .route("/health", get(|| async { "ok" }))
         .route(
             "/v1/models",
@@ -109,14 +117,26 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 /// `concurrency` loops sending requests to `url` for `seconds` (after a short warm-up).
 /// `cell` names the run in text prompts' own lines, so that no cell sends a text an earlier
 /// one sent (serve's chunk cache would otherwise have its lines tokenized already).
+/// What the load sends.
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Text documents rather than token ids.
+    text: bool,
+    /// Each document on one line.
+    one_line: bool,
+    /// Chats rather than completions.
+    chat: bool,
+}
+
 async fn load(
     url: &str,
     concurrency: usize,
     stream: bool,
     seconds: f64,
-    text: bool,
+    shape: Shape,
     cell: usize,
 ) -> Result<Figures> {
+    let text = shape.text;
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(256)
         .tcp_nodelay(true)
@@ -127,10 +147,15 @@ async fn load(
         (0..16u32)
             .map(|p| {
                 if text {
-                    json!(format!(
+                    let doc = format!(
                         "Document {p}.\n{}",
                         format!("{}\n", "The router reads the prompt. ".repeat(10)).repeat(17)
-                    ))
+                    );
+                    json!(if shape.one_line {
+                        doc.replace('\n', " ")
+                    } else {
+                        doc
+                    })
                 } else {
                     json!((p * 100_000..p * 100_000 + 1_024).collect::<Vec<u32>>())
                 }
@@ -151,6 +176,12 @@ async fn load(
     );
     let body_of = move |prompts: &[Value], fixed: &[Bytes], phase: &str, i: usize| -> Bytes {
         match prompts[i % prompts.len()].as_str() {
+            Some(doc) if shape.chat => Bytes::from(
+                json!({"model": "fake", "max_tokens": 4, "stream": stream, "messages": [
+                    {"role": "system", "content": doc},
+                    {"role": "user", "content": format!("Request {cell}{phase}.{i}: what does the router read first?")}]})
+                .to_string(),
+            ),
             Some(doc) => Bytes::from(
                 json!({"model": "fake", "max_tokens": 4, "stream": stream,
                     "prompt": format!("{doc}Request {cell}{phase}.{i}: what does the router read first?")})
@@ -312,6 +343,11 @@ fn main() -> Result<()> {
     let mut sglang = false;
     let mut text = false;
     let mut pin = false;
+    let mut one_line = false;
+    let mut chat = false;
+    let mut rests = true;
+    let mut streams = vec![false, true];
+    let mut family = "qwen3".to_owned();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -319,9 +355,25 @@ fn main() -> Result<()> {
             "--sglang" => sglang = true,
             "--text" => text = true,
             "--pin" => pin = true,
-            other => bail!("unknown argument {other}; --seconds S, --sglang, --text, --pin"),
+            "--one-line" => one_line = true,
+            "--chat" => chat = true,
+            "--no-rests" => rests = false,
+            "--no-stream" => streams = vec![false],
+            "--tokenizer" => family = args.next().unwrap_or_default(),
+            other => bail!(
+                "unknown argument {other}; --seconds S, --sglang, --text, --pin, --one-line, \
+                 --chat, --no-rests, --no-stream, --tokenizer FAMILY"
+            ),
         }
     }
+    if (one_line || chat) && !text {
+        bail!("--one-line and --chat shape text prompts: add --text");
+    }
+    let shape = Shape {
+        text,
+        one_line,
+        chat,
+    };
     if pin && std::thread::available_parallelism().map_or(0, |n| n.get()) < 2 {
         bail!("--pin needs two CPUs");
     }
@@ -368,13 +420,21 @@ fn main() -> Result<()> {
             bootstrap_port: None,
         }],
         tokenizer: text.then(|| {
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/fixtures/qwen3")
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/fixtures")
+                .join(&family)
         }),
+        tokenize_rests: rests,
         ..ServeOptions::default()
     }))?;
+    let route = if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
     let mut paths = vec![
-        ("direct", format!("http://{engine}/v1/completions")),
-        ("kvroute", format!("http://{}/v1/completions", serve.listen)),
+        ("direct", format!("http://{engine}{route}")),
+        ("kvroute", format!("http://{}{route}", serve.listen)),
     ];
     let mut router_process = None;
     if sglang && !text {
@@ -386,17 +446,20 @@ fn main() -> Result<()> {
             .port();
         router_process = Some(sglang_router(engine, port, pin.then_some(1))?);
         load_rt.block_on(wait_healthy(&format!("http://127.0.0.1:{port}/health")))?;
-        paths.push((
-            "sglang-router",
-            format!("http://127.0.0.1:{port}/v1/completions"),
-        ));
+        paths.push(("sglang-router", format!("http://127.0.0.1:{port}{route}")));
     }
     println!(
         "serve-overhead: {seconds} s per cell, {} prompts, a fake engine that answers at once{}",
         if text {
-            "text (about 1,000 tokens; kvroute tokenizes them with Qwen3's tokenizer)"
+            format!(
+                "text ({}{}, about 1,000 tokens; kvroute tokenizes them with {family}'s \
+                 tokenizer{})",
+                if chat { "chats" } else { "completions" },
+                if one_line { ", one line" } else { ", 18 lines" },
+                if rests { "" } else { ", no rests" }
+            )
         } else {
-            "1,024-token-id"
+            "1,024-token-id".to_owned()
         },
         if pin {
             "; load and engine on CPU 0, the router on CPU 1"
@@ -410,11 +473,11 @@ fn main() -> Result<()> {
     );
     let mut cell = 0;
     for concurrency in [1usize, 64] {
-        for stream in [false, true] {
+        for &stream in &streams {
             let mut direct: Option<Figures> = None;
             for (name, url) in &paths {
                 cell += 1;
-                let f = load_rt.block_on(load(url, concurrency, stream, seconds, text, cell))?;
+                let f = load_rt.block_on(load(url, concurrency, stream, seconds, shape, cell))?;
                 let (a50, a99) = match &direct {
                     Some(d) => (f.p50_ms - d.p50_ms, f.p99_ms - d.p99_ms),
                     None => (0.0, 0.0),

@@ -176,6 +176,11 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_TOKENIZE_WHOLE", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenize_whole: Option<bool>,
+    /// Tokenize the rest of a prompt tokenized only in part afterwards, off the request's
+    /// path, so that a conversation's next turn tokenizes only its new text (default true).
+    #[arg(long, env = "KVROUTE_TOKENIZE_RESTS", num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new())]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenize_rests: Option<bool>,
     /// A worker is busy past this fraction of its KV blocks held by active requests.
     #[arg(long, value_name = "X", env = "KVROUTE_BUSY_DECODE_FRACTION")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -318,6 +323,7 @@ impl ServeConfig {
         set(&mut o.public_metrics, self.public_metrics);
         set(&mut o.retries, self.retries);
         set(&mut o.tokenize_whole, self.tokenize_whole);
+        set(&mut o.tokenize_rests, self.tokenize_rests);
         set(&mut o.router.block_size, self.block_size);
         if let Some(name) = self.policy {
             let kind: PolicyKind = name
@@ -497,6 +503,7 @@ impl ServeConfig {
             worker_networks: Some(options.worker_networks.clone()),
             tokenizer: options.tokenizer.clone(),
             tokenize_whole: Some(options.tokenize_whole),
+            tokenize_rests: Some(options.tokenize_rests),
             busy_decode_fraction: r.busy.decode_blocks_fraction,
             busy_prefill_fraction: r.busy.prefill_tokens_fraction,
             queue_max_tokens: match r.queue {

@@ -124,6 +124,10 @@ pub struct ServeOptions {
     /// with the same new text arriving while this one is in prefill sees only its tokenized
     /// part active.
     pub tokenize_whole: bool,
+    /// Tokenize the rest of a prompt tokenized only in part afterwards, off the request's
+    /// path, into the piece cache, so that the conversation's next turn tokenizes only its
+    /// new text (at most one at a time for every two cores; skipped when busier).
+    pub tokenize_rests: bool,
     /// How a fleet with prefill and decode workers serves requests (the protocol, fallbacks,
     /// conditional disaggregation; `router.disaggregation` says whether it is enforced).
     pub disagg: disagg::DisaggOptions,
@@ -172,6 +176,7 @@ impl Default for ServeOptions {
             worker_networks: Vec::new(),
             tokenizer: None,
             tokenize_whole: false,
+            tokenize_rests: true,
             disagg: disagg::DisaggOptions::default(),
             max_model_len: None,
         }

@@ -81,9 +81,99 @@ impl<'de: 'a, 'a> Visitor<'de> for PromptVisitor<'a> {
     }
 }
 
+/// [`CompletionFields`] with the prompt left as its JSON text, to be read by [`prompt_of`].
+#[derive(Deserialize)]
+struct RawFields<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a serde_json::value::RawValue>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
+}
+
 /// The body's routing fields, or `None` when the general reader must look at it.
 pub fn completion_fields(body: &[u8]) -> Option<CompletionFields<'_>> {
-    serde_json::from_slice(body).ok()
+    let raw: RawFields<'_> = serde_json::from_slice(body).ok()?;
+    let prompt = match raw.prompt {
+        None => None,
+        Some(p) => Some(prompt_of(p.get())?),
+    };
+    Some(CompletionFields {
+        model: raw.model,
+        prompt,
+        max_tokens: raw.max_tokens,
+        max_completion_tokens: raw.max_completion_tokens,
+        cache_salt: raw.cache_salt,
+    })
+}
+
+/// A prompt from its JSON text: a list of plain integers by a loop over its bytes (most of a
+/// token-id body, read several times faster than through serde's general path), anything
+/// else through [`Prompt`]'s deserializer.
+fn prompt_of(json: &str) -> Option<Prompt<'_>> {
+    if let Some(ids) = plain_ids(json.as_bytes()) {
+        return Some(Prompt::Ids(ids));
+    }
+    let mut de = serde_json::Deserializer::from_str(json);
+    let prompt = Prompt::deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    Some(prompt)
+}
+
+/// The ids of a JSON list of integers in `u32`'s range written plainly (digits, no sign,
+/// fraction, exponent or leading zero), or `None` for anything else.
+fn plain_ids(json: &[u8]) -> Option<Vec<u32>> {
+    let ws = |b: &u8| matches!(b, b' ' | b'\n' | b'\r' | b'\t');
+    let mut i = 0;
+    let skip = |i: &mut usize| {
+        while json.get(*i).is_some_and(ws) {
+            *i += 1;
+        }
+    };
+    skip(&mut i);
+    if json.get(i) != Some(&b'[') {
+        return None;
+    }
+    i += 1;
+    let mut ids = Vec::with_capacity(json.len() / 4);
+    skip(&mut i);
+    if json.get(i) == Some(&b']') {
+        i += 1;
+    } else {
+        loop {
+            skip(&mut i);
+            let start = i;
+            let mut value: u64 = 0;
+            while let Some(d) = json.get(i).filter(|d| d.is_ascii_digit()) {
+                value = value * 10 + u64::from(d - b'0');
+                if value > u64::from(u32::MAX) {
+                    return None;
+                }
+                i += 1;
+            }
+            let digits = i - start;
+            if digits == 0 || (digits > 1 && json[start] == b'0') {
+                return None;
+            }
+            ids.push(value as u32);
+            skip(&mut i);
+            match json.get(i) {
+                Some(b',') => i += 1,
+                Some(b']') => {
+                    i += 1;
+                    break;
+                }
+                _ => return None,
+            }
+        }
+    }
+    skip(&mut i);
+    (i == json.len()).then_some(ids)
 }
 
 /// A completion request as the replay client sends it (streamed, with its usage at the end).

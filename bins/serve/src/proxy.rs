@@ -289,7 +289,11 @@ impl Routed {
             }
             prompt_len = prompt_len.min(max);
         }
-        if let Some(whole) = part.unfinished.take() {
+        if let Some(whole) = part
+            .unfinished
+            .take()
+            .filter(|_| state.options.tokenize_rests)
+        {
             tokenize_rest_later(state, text, whole);
         }
         let mut routed = self.with_ids(part.ids)?;

@@ -60,3 +60,42 @@ fn other_shapes_are_left_to_the_general_reader() {
     let f = completion_fields(br#"{"model": null, "max_tokens": null}"#).unwrap();
     assert!(f.model.is_none() && f.max_tokens.is_none());
 }
+
+#[test]
+fn plain_id_lists_read_fast_equal_serdes_reading() {
+    for body in [
+        "[]",
+        "[ ]",
+        "[0]",
+        "[1,2,3]",
+        " [ 1 , 2 ,\n\t3 ] ",
+        "[4294967295, 0, 10]",
+        "[100000, 7]",
+    ] {
+        let fast = plain_ids(body.as_bytes()).unwrap();
+        let slow: Vec<u32> = serde_json::from_str(body).unwrap();
+        assert_eq!(fast, slow, "{body}");
+    }
+    // Not plain: left to serde (which reads some, refuses others) or refused.
+    for body in [
+        "[01]",
+        "[1,]",
+        "[,1]",
+        "[1 2]",
+        "[-1]",
+        "[1.0]",
+        "[1e2]",
+        "[4294967296]",
+        "[\"1\"]",
+        "[1]]",
+        "[[1]]",
+        "",
+        "[",
+    ] {
+        assert!(plain_ids(body.as_bytes()).is_none(), "{body}");
+    }
+    // Through the body: the same answers as before the fast path.
+    assert_eq!(ids(r#"{"prompt":[5,6]}"#), [5, 6]);
+    assert!(completion_fields(br#"{"prompt": [01]}"#).is_none());
+    assert!(completion_fields(br#"{"prompt": [1,]}"#).is_none());
+}
