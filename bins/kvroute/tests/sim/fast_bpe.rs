@@ -1,5 +1,6 @@
 //! The exact fast path for byte-level BPE tokenizers against the tokenizer's own pipeline, on
-//! real models' files (Qwen3's, Llama 3.1's, DeepSeek V3's; `scripts/fixtures.sh`): the same
+//! real models' files (Qwen3's, Llama 3.1's, DeepSeek V3's, GPT-OSS's; `scripts/fixtures.sh`):
+//! the same
 //! ids on prose in many scripts, code, runs of white space, numbers in many scripts, special
 //! tokens, text that is not NFC, and random text drawn from all of Unicode.
 
@@ -26,6 +27,7 @@ const CORPUS: &[&str] = &[
     "Emoji 🚀🔥 👩\u{200d}💻 flags 🇩🇪 zero\u{200b}width \u{feff}bom \u{e000}private \u{0}\u{7f}\u{1b}[0m",
     "..., !!! ??? ----- ===== ~~~ @user #tag $100 %50 ^_^ &amp; *bold* (x) [y] {z} <a> |b| \\c/ `d`",
     "Mixed:word.word,word;word'word\"word—word–word…word«word»word„word“word”",
+    "CamelCase HTTPServer iPhone McDonald's DON'T they'RE ǅemal ÀÉÎõü ΣΊΣΥΦΟΣ a/b\n/c .\n/d x'/y",
     "A\nB\n\nC\r\nD \nE\n F\t\nG  \n  H",
 ];
 
@@ -36,7 +38,7 @@ fn random_text(rng: &mut Rng, n: usize) -> String {
         ' ', '\t', '\n', '\r', '\u{a0}', '\u{3000}', '\u{85}', '\u{2028}', '\'', 's', 't', 'l',
         'L', 'D', 'r', 'e', 'v', 'm', '.', ',', '!', '-', '=', '(', '}', '"', '$', '€', '🚀',
         '\u{301}', '\u{308}', '\u{200b}', '\u{200d}', '\u{0}', '\u{1b}', '\u{e000}', '<', '|', '>',
-        'ſ',
+        'ſ', 'A', 'É', '\u{1c5}', '\u{2b0}', '/', 'Q',
     ];
     (0..n)
         .map(|_| {
@@ -116,6 +118,11 @@ fn deepseek_v3_fast_path_gives_the_tokenizers_ids() {
 }
 
 #[test]
+fn gptoss_fast_path_gives_the_tokenizers_ids() {
+    fast_path_equals_the_tokenizer("gptoss");
+}
+
+#[test]
 fn a_tokenizer_that_is_not_byte_level_bpe_keeps_its_own_pipeline() {
     let Some(model) = model_of("gemma3") else {
         return;
@@ -183,11 +190,16 @@ fn deepseek_v3_one_line_text_is_cut_at_word_ends() {
     one_line_text_is_cut_at_word_ends("deepseek_v3");
 }
 
+#[test]
+fn gptoss_one_line_text_is_cut_at_word_ends() {
+    one_line_text_is_cut_at_word_ends("gptoss");
+}
+
 /// A one-line prompt that grows from request to request tokenizes only its new end, also
 /// under a tokenizer that adds a BOS (Llama 3.1); the ids are the tokenizer's.
 #[test]
 fn a_growing_one_line_prompt_tokenizes_only_its_new_end() {
-    for family in ["qwen3", "llama3_1", "deepseek_v3"] {
+    for family in ["qwen3", "llama3_1", "deepseek_v3", "gptoss"] {
         let Some(model) = model_of(family) else {
             return;
         };
@@ -261,7 +273,7 @@ fn a_text_under_a_bos_adding_tokenizer_is_tokenized_in_part() {
 /// [`Partial::unfinished`]: kvroute_text::Partial::unfinished
 #[test]
 fn a_rest_tokenized_later_leaves_the_next_turn_only_its_new_text() {
-    for family in ["qwen3", "llama3_1", "deepseek_v3"] {
+    for family in ["qwen3", "llama3_1", "deepseek_v3", "gptoss"] {
         let Some(model) = model_of(family) else {
             return;
         };

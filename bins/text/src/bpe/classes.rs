@@ -1,5 +1,6 @@
-//! The Unicode classes the pre-tokenizers' patterns name (`\p{L}`, `\p{N}`, `\s`, and
-//! DeepSeek's `\p{M}`, `\p{P}`, `\p{S}`), one lookup a character: a flag byte per character, in
+//! The Unicode classes the pre-tokenizers' patterns name (`\p{L}`, `\p{N}`, `\s`,
+//! DeepSeek's `\p{M}`, `\p{P}`, `\p{S}`, and o200k's two unions of letter categories), one
+//! lookup a character: a flag byte per character, in
 //! a table of 256-character blocks where equal blocks are stored once (about 100 KB).
 //!
 //! The tables come from `regex-syntax`'s Unicode data, the same general categories and
@@ -22,6 +23,10 @@ pub(crate) const MARK: u8 = 8;
 pub(crate) const PUNCT: u8 = 16;
 /// `\p{S}`: a symbol.
 pub(crate) const SYMBOL: u8 = 32;
+/// `[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]`: o200k's letters that may start a word in capitals.
+pub(crate) const UPPERISH: u8 = 64;
+/// `[\p{Ll}\p{Lm}\p{Lo}\p{M}]`: o200k's letters that may end a word in small letters.
+pub(crate) const LOWERISH: u8 = 128;
 
 const BLOCK: usize = 256;
 const CHARS: usize = 0x11_0000;
@@ -48,6 +53,8 @@ impl Classes {
             (r"\p{M}", MARK),
             (r"\p{P}", PUNCT),
             (r"\p{S}", SYMBOL),
+            (r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", UPPERISH),
+            (r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]", LOWERISH),
         ] {
             let hir = regex_syntax::parse(pattern).ok()?;
             let HirKind::Class(Class::Unicode(class)) = hir.kind() else {

@@ -1,5 +1,6 @@
 //! An exact fast path for byte-level BPE tokenizers (Llama 3, Qwen 2 and 3, DeepSeek V3,
-//! GPT-2): the same ids as the tokenizer's own `encode`, without its general machinery.
+//! GPT-OSS and GPT-4o's o200k, GPT-2): the same ids as the tokenizer's own `encode`, without
+//! its general machinery.
 //!
 //! ```text
 //!  piece ──NFC, when the tokenizer normalizes so──▶ text

@@ -8,7 +8,7 @@
 //! them ("Isolated") as pre-tokens. The pattern strings are in [`Pattern::of`]; the tests
 //! compare every pre-token with the tokenizer's own on text of many scripts.
 
-use super::classes::{Classes, LETTER, MARK, NUMBER, PUNCT, SPACE, SYMBOL};
+use super::classes::{Classes, LETTER, LOWERISH, MARK, NUMBER, PUNCT, SPACE, SYMBOL, UPPERISH};
 
 /// A split pattern this module matches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +23,9 @@ pub(crate) enum Pattern {
     /// GPT-2's, byte-level's own: `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+|
     /// ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`.
     Gpt2,
+    /// o200k's (GPT-4o, GPT-OSS): words as capitals then small letters, each with an
+    /// optional contraction; see [`O200K`].
+    O200k,
     /// DeepSeek V3's three splits in turn: `\p{N}{1,3}`; `[一-龥぀-ゟ゠-ヿ]+`; and
     /// ``[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|
     /// ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+``.
@@ -35,6 +38,7 @@ pub(crate) const QWEN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\
 pub(crate) const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 pub(crate) const GPT2: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+pub(crate) const O200K: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 pub(crate) const DEEPSEEK: [&str; 3] = [
     r"\p{N}{1,3}",
     "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+",
@@ -48,6 +52,7 @@ impl Pattern {
             [r] if *r == QWEN => Some(Pattern::Words { digits: 1 }),
             [r] if *r == LLAMA3 => Some(Pattern::Words { digits: 3 }),
             [r] if *r == GPT2 => Some(Pattern::Gpt2),
+            [r] if *r == O200K => Some(Pattern::O200k),
             [a, b, c] if [*a, *b, *c] == DEEPSEEK => Some(Pattern::DeepSeek),
             _ => None,
         }
@@ -108,6 +113,7 @@ impl Splitter {
                 self.matches(text, &mut each, |s, i| self.words(s, i, digits))
             }
             Pattern::Gpt2 => self.matches(text, &mut each, |s, i| self.gpt2(s, i)),
+            Pattern::O200k => self.matches(text, &mut each, |s, i| self.o200k(s, i)),
             Pattern::DeepSeek => self.deepseek(text, &mut each),
         }
     }
@@ -215,6 +221,59 @@ impl Splitter {
         if at(s, j).is_some_and(|(d, _)| other(d)) {
             let e = self.run(s, j, other);
             return Some(self.run(s, e, |d| d == '\r' || d == '\n'));
+        }
+        Some(self.spaces(s, i, true))
+    }
+
+    /// [`Pattern::O200k`]'s match at `i`. Its two word alternatives are tried as a
+    /// backtracking engine tries them: with the optional leading character, then without; the
+    /// capitals' run at its longest, then shorter, until small letters can follow.
+    fn o200k(&self, s: &str, i: usize) -> Option<usize> {
+        let (c, n) = at(s, i)?;
+        let lead = !self.is(c, LETTER | NUMBER) && c != '\r' && c != '\n';
+        let starts: &[usize] = if lead { &[i + n, i] } else { &[i] };
+        let upper = |d| self.is(d, UPPERISH);
+        let lower = |d| self.is(d, LOWERISH);
+        let with_contraction = |e: usize| match at(s, e) {
+            Some(('\'', _)) => contraction(s, e, true).map_or(e, |len| e + len),
+            _ => e,
+        };
+        // `[U]*[W]+'?`: the capitals' run, then back off it until small letters follow.
+        for &start in starts {
+            let run = self.run(s, start, upper);
+            let mut ends: Vec<usize> = s[start..run]
+                .char_indices()
+                .map(|(k, _)| start + k)
+                .collect();
+            ends.push(run);
+            for &k in ends.iter().rev() {
+                if at(s, k).is_some_and(|(d, _)| lower(d)) {
+                    return Some(with_contraction(self.run(s, k, lower)));
+                }
+            }
+        }
+        // `[U]+[W]*'?`.
+        for &start in starts {
+            let run = self.run(s, start, upper);
+            if run > start {
+                return Some(with_contraction(self.run(s, run, lower)));
+            }
+        }
+        if self.is(c, NUMBER) {
+            let mut j = i;
+            for _ in 0..3 {
+                match at(s, j) {
+                    Some((d, m)) if self.is(d, NUMBER) => j += m,
+                    _ => break,
+                }
+            }
+            return Some(j);
+        }
+        let other = |d| !self.is(d, LETTER | NUMBER | SPACE);
+        let j = if c == ' ' { i + 1 } else { i };
+        if at(s, j).is_some_and(|(d, _)| other(d)) {
+            let e = self.run(s, j, other);
+            return Some(self.run(s, e, |d| matches!(d, '\r' | '\n' | '/')));
         }
         Some(self.spaces(s, i, true))
     }
