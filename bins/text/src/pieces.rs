@@ -32,10 +32,12 @@ pub struct PieceTokenizer {
     cache: Mutex<PieceCache>,
 }
 
-/// Within a piece, [`PieceTokenizer::encode_while`] asks whether to go on once this many bytes
-/// have been tokenized since it last asked (and at every split token): each question hashes
-/// and matches the ids so far, so asking after every short chunk would cost a long text's
-/// prefix many times over.
+/// [`PieceTokenizer::encode_while`] first asks whether to go on once this many bytes are
+/// tokenized, then each time the tokenized part has doubled (and grown by this much): each
+/// question hashes and matches the ids so far, so asking at a fixed spacing would cost a long
+/// text's prefix (a long conversation's every turn) many times over, while the doubling keeps
+/// all questions together within twice the cost of the last, at the price of tokenizing at
+/// most about as much again as some rank holds.
 pub(crate) const ASK_BYTES: usize = 512;
 
 impl std::fmt::Debug for PieceTokenizer {
@@ -196,10 +198,10 @@ impl PieceTokenizer {
     }
 
     /// [`PieceTokenizer::encode`], piece by piece and chunk by chunk, asking `more` with the
-    /// ids so far whether to go on: after each split token, and after a chunk once
-    /// [`ASK_BYTES`] have been tokenized since the last question. Where it says no, the ids so far (the first
-    /// ids of `encode`'s, those of a prefix of `text` cut where the tokenizer cuts) and the
-    /// bytes left untokenized.
+    /// ids so far whether to go on, after a chunk or split token: first past [`ASK_BYTES`],
+    /// then each time the bytes tokenized have doubled. Where it says no, the ids so far (the
+    /// first ids of `encode`'s, those of a prefix of `text` cut where the tokenizer cuts) and
+    /// the bytes left untokenized.
     pub fn encode_while(
         &self,
         text: &str,
@@ -219,8 +221,15 @@ impl PieceTokenizer {
         ids.extend_from_slice(before);
         // The start of the piece at hand, and the end of what is tokenized.
         let (mut at, mut done) = (0, 0);
-        // Where `more` was last asked.
-        let mut asked = 0;
+        // Where `more` is next asked: the first chunk or split token ending there or after.
+        let mut ask_at = ASK_BYTES;
+        let mut ask = |end: usize, ids: &[u32]| {
+            if end >= text.len() || end < ask_at {
+                return true;
+            }
+            ask_at = (2 * end).max(end + ASK_BYTES);
+            more(ids)
+        };
         let splits = self.splits_in(text);
         let ends = splits
             .iter()
@@ -230,17 +239,14 @@ impl PieceTokenizer {
             for end in self.chunk_ends_of(&text[at..start]).map(|end| at + end) {
                 self.chunk(&text[done..end], &mut ids)?;
                 done = end;
-                if end < text.len() && end - asked >= ASK_BYTES {
-                    asked = end;
-                    if !more(&ids) {
-                        return Ok(Partial::of(ids, text, end));
-                    }
+                if !ask(end, &ids) {
+                    return Ok(Partial::of(ids, text, end));
                 }
             }
             if let Some((end, id)) = split {
                 ids.push(id);
-                (at, done, asked) = (end, end, end);
-                if end < text.len() && !more(&ids) {
+                (at, done) = (end, end);
+                if !ask(end, &ids) {
                     return Ok(Partial::of(ids, text, end));
                 }
             }

@@ -278,11 +278,12 @@ fn a_growing_text_prompt_tokenizes_only_its_new_end() {
     }
 }
 
-/// A long text with no split token is asked about once per 512 bytes or so (serve's question
-/// hashes and matches the ids so far), not after every 128-byte chunk, and the ids so far
-/// cover at least 512 more bytes at each question.
+/// A long text is asked about first past 512 bytes, then each time the part tokenized has
+/// doubled (serve's question hashes and matches the ids so far, so the questions together cost
+/// at most about twice the last): a number of questions that grows with the logarithm of the
+/// length, each with at least twice the ids of the one before.
 #[test]
-fn a_long_text_is_asked_about_once_per_512_bytes() {
+fn a_long_text_is_asked_about_each_time_its_tokenized_part_doubles() {
     let Some(model) = model() else { return };
     let line = "The router reads the prompt. ".repeat(4);
     let text = format!("{line}\n").repeat(200);
@@ -294,13 +295,17 @@ fn a_long_text_is_asked_about_once_per_512_bytes() {
         })
         .unwrap();
     assert!(part.complete());
+    let doublings = (text.len() / 512).ilog2() as usize + 1;
     assert!(
-        lens.len() <= text.len() / 512 + 1,
-        "{} questions for {} bytes",
+        (doublings - 1..=doublings + 1).contains(&lens.len()),
+        "{} questions for {} bytes: {lens:?}",
         lens.len(),
         text.len()
     );
-    assert!(lens.len() >= text.len() / 1024, "{}", lens.len());
+    assert!(lens[0] >= 100, "{lens:?}");
+    for pair in lens.windows(2) {
+        assert!(pair[1] >= 2 * pair[0] - 8, "{lens:?}");
+    }
 }
 
 /// Tokenizing as far as asked gives the first ids of the whole text's, and exactly the ids of
