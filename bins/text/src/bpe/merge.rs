@@ -96,22 +96,36 @@ impl Merges {
         }
     }
 
-    /// Merges by finding the first-ranked pair anew after each merge.
+    /// Merges by scanning the pairs' ranks for the first-ranked after each merge; a merge
+    /// looks up only the two pairs it changes.
     fn merge_scan(&self, piece: &[u8], out: &mut Vec<u32>) {
+        const NO_MERGE: (u32, u32) = (u32::MAX, 0);
         let start = out.len();
         out.extend(piece.iter().map(|&b| self.bytes[usize::from(b)]));
+        let rank_of = |ids: &[u32], i: usize| self.rank(ids[i], ids[i + 1]).unwrap_or(NO_MERGE);
+        // The rank and merged token of each pair (symbol i and i + 1).
+        let mut pairs: Vec<(u32, u32)> = (0..piece.len().saturating_sub(1))
+            .map(|i| rank_of(&out[start..], i))
+            .collect();
         loop {
-            let mut best: Option<(u32, usize, u32)> = None;
-            for (i, pair) in out[start..].windows(2).enumerate() {
-                if let Some((rank, merged)) = self.rank(pair[0], pair[1]) {
-                    if best.is_none_or(|(r, _, _)| rank < r) {
-                        best = Some((rank, i, merged));
-                    }
+            let mut best: Option<(u32, usize)> = None;
+            for (i, &(rank, _)) in pairs.iter().enumerate() {
+                if rank != u32::MAX && best.is_none_or(|(r, _)| rank < r) {
+                    best = Some((rank, i));
                 }
             }
-            let Some((_, i, merged)) = best else { return };
-            out[start + i] = merged;
+            let Some((_, i)) = best else { return };
+            let symbols = &mut out[start..];
+            symbols[i] = pairs[i].1;
             out.remove(start + i + 1);
+            pairs.remove(i);
+            let symbols = &out[start..];
+            if i > 0 {
+                pairs[i - 1] = rank_of(symbols, i - 1);
+            }
+            if i < pairs.len() {
+                pairs[i] = rank_of(symbols, i);
+            }
         }
     }
 
