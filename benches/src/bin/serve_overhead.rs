@@ -21,7 +21,10 @@
 //! (`/v1/chat/completions`: the document as the system message, the request's own line as
 //! the user's), which serve renders with the model's template before tokenizing.
 //! `--no-rests` turns off serve's tokenizing of a prompt's rest after routing
-//! (`tokenize_rests`); `--no-stream` leaves out the streaming cells.
+//! (`tokenize_rests`); `--no-stream` leaves out the streaming cells. `--serve-threads N` gives
+//! serve's runtime N worker threads (1 pinned, 2 unpinned by default). `serve µs/req` is the
+//! CPU time of serve's threads (from /proc) per request over a kvroute cell's measured seconds:
+//! when it holds as threads are added, requests/s scale with the cores given to serve.
 //!
 //! The fake engine (axum) answers `/v1/completions` with a fixed completion: one JSON body, or
 //! four SSE chunks and `[DONE]`. Prompts are 1,024 token ids (no tokenizing), one of 16 shared
@@ -104,6 +107,40 @@ struct Figures {
     p50_ms: f64,
     p99_ms: f64,
     rps: f64,
+    /// CPU time of kvroute serve's threads per request over the measured seconds, in µs.
+    serve_cpu_us: f64,
+}
+
+/// CPU time so far of this process's threads named `serve` (kvroute serve's runtime), in
+/// clock ticks, from /proc (0 where there is none).
+fn serve_cpu_ticks() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+        .filter_map(|stat| {
+            let (head, rest) = stat.rsplit_once(')')?;
+            let name = head.split_once('(')?.1;
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            // utime and stime: fields 14 and 15 of stat, 12 and 13 after the name.
+            let ticks =
+                fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+            (name == "serve").then_some(ticks)
+        })
+        .sum()
+}
+
+/// Clock ticks per second.
+fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf reads a configuration value; no memory is passed.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if ticks > 0 {
+        ticks as f64
+    } else {
+        100.0
+    }
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -235,13 +272,16 @@ async fn load(
     };
     run(Duration::from_millis(300), "w").await?;
     let started = Instant::now();
+    let ticks = serve_cpu_ticks();
     let mut latencies = run(Duration::from_secs_f64(seconds), "m").await?;
+    let serve_s = (serve_cpu_ticks() - ticks) as f64 / ticks_per_second();
     let elapsed = started.elapsed().as_secs_f64();
     latencies.sort_by(f64::total_cmp);
     Ok(Figures {
         p50_ms: percentile(&latencies, 0.5),
         p99_ms: percentile(&latencies, 0.99),
         rps: latencies.len() as f64 / elapsed,
+        serve_cpu_us: serve_s * 1e6 / latencies.len().max(1) as f64,
     })
 }
 
@@ -348,6 +388,7 @@ fn main() -> Result<()> {
     let mut rests = true;
     let mut streams = vec![false, true];
     let mut family = "qwen3".to_owned();
+    let mut serve_threads = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -360,9 +401,10 @@ fn main() -> Result<()> {
             "--no-rests" => rests = false,
             "--no-stream" => streams = vec![false],
             "--tokenizer" => family = args.next().unwrap_or_default(),
+            "--serve-threads" => serve_threads = Some(args.next().unwrap_or_default().parse()?),
             other => bail!(
                 "unknown argument {other}; --seconds S, --sglang, --text, --pin, --one-line, \
-                 --chat, --no-rests, --no-stream, --tokenizer FAMILY"
+                 --chat, --no-rests, --no-stream, --tokenizer FAMILY, --serve-threads N"
             ),
         }
     }
@@ -394,7 +436,7 @@ fn main() -> Result<()> {
         .build()?;
     let serve_rt = tokio::runtime::Builder::new_multi_thread()
         .thread_name("serve")
-        .worker_threads(if pin { 1 } else { 2 })
+        .worker_threads(serve_threads.unwrap_or(if pin { 1 } else { 2 }))
         .on_thread_start(move || {
             if pin {
                 pin_to(1)
@@ -468,8 +510,16 @@ fn main() -> Result<()> {
         }
     );
     println!(
-        "{:<14} {:>3} {:>6} {:>9} {:>9} {:>10} {:>10} {:>9}",
-        "path", "in", "stream", "p50 ms", "p99 ms", "added p50", "added p99", "req/s"
+        "{:<14} {:>3} {:>6} {:>9} {:>9} {:>10} {:>10} {:>9} {:>12}",
+        "path",
+        "in",
+        "stream",
+        "p50 ms",
+        "p99 ms",
+        "added p50",
+        "added p99",
+        "req/s",
+        "serve µs/req"
     );
     let mut cell = 0;
     for concurrency in [1usize, 64] {
@@ -482,8 +532,13 @@ fn main() -> Result<()> {
                     Some(d) => (f.p50_ms - d.p50_ms, f.p99_ms - d.p99_ms),
                     None => (0.0, 0.0),
                 };
+                let cpu = if *name == "kvroute" {
+                    format!("{:.1}", f.serve_cpu_us)
+                } else {
+                    String::new()
+                };
                 println!(
-                    "{name:<14} {concurrency:>3} {:>6} {:>9.3} {:>9.3} {:>10.3} {:>10.3} {:>9.0}",
+                    "{name:<14} {concurrency:>3} {:>6} {:>9.3} {:>9.3} {:>10.3} {:>10.3} {:>9.0} {cpu:>12}",
                     if stream { "yes" } else { "no" },
                     f.p50_ms,
                     f.p99_ms,
