@@ -287,6 +287,13 @@ impl RunningServe {
                 if options.max_model_len.is_some() {
                     text.max_length = options.max_model_len;
                 }
+                tracing::info!(
+                    dir = %dir.display(),
+                    fast_path = text.tokenizer.fast(),
+                    chunked = text.tokenizer.chunked(),
+                    chat_template = text.template.is_some(),
+                    "tokenizer loaded"
+                );
                 Some(Arc::new(text))
             }
             None => None,
