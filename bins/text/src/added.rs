@@ -9,10 +9,8 @@
 //! white space around them or match single words only are left in the pieces, where the
 //! tokenizer itself handles them.
 
-use aho_corasick::{AhoCorasick, MatchKind};
+use aho_corasick::{AhoCorasick, BuildError, MatchKind};
 use tokenizers::{AddedToken, PostProcessor, Tokenizer};
-
-use crate::pieces::TokenizeError;
 
 /// One pass's tokens: a leftmost-longest matcher and each pattern's id.
 #[derive(Debug)]
@@ -27,7 +25,7 @@ impl Pass {
     fn of(
         tokenizer: &Tokenizer,
         keep: impl Fn(&AddedToken) -> bool,
-    ) -> Result<Option<Self>, TokenizeError> {
+    ) -> Result<Option<Self>, BuildError> {
         let mut tokens: Vec<(String, u32)> = tokenizer
             .get_added_tokens_decoder()
             .iter()
@@ -43,8 +41,7 @@ impl Pass {
         }
         let matcher = AhoCorasick::builder()
             .match_kind(MatchKind::LeftmostLongest)
-            .build(tokens.iter().map(|(text, _)| text))
-            .map_err(|e| TokenizeError(format!("the added tokens' matcher: {e}")))?;
+            .build(tokens.iter().map(|(text, _)| text))?;
         let (texts, ids) = tokens.into_iter().unzip();
         Ok(Some(Pass {
             matcher,
@@ -83,7 +80,7 @@ pub(crate) fn identity_normalizer(tokenizer: &Tokenizer) -> bool {
 
 impl AddedTokens {
     /// `tokenizer`'s added tokens that split texts exactly where it splits them.
-    pub(crate) fn new(tokenizer: &Tokenizer) -> Result<Self, TokenizeError> {
+    pub(crate) fn new(tokenizer: &Tokenizer) -> Result<Self, BuildError> {
         let normalized = if identity_normalizer(tokenizer) {
             Pass::of(tokenizer, |t| t.normalized)?
         } else {

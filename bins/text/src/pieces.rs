@@ -124,7 +124,8 @@ const CACHE_TOKENS: usize = 4 << 20;
 impl PieceTokenizer {
     /// Wraps `tokenizer`, splitting at its added tokens where it splits (`added.rs`).
     pub fn new(tokenizer: Tokenizer) -> Result<Self, TokenizeError> {
-        let added = AddedTokens::new(&tokenizer)?;
+        let added = AddedTokens::new(&tokenizer)
+            .map_err(|e| TokenizeError(format!("the added tokens' matcher: {e}")))?;
         let fast = FastBpe::of(&tokenizer, &added.texts());
         let cuts = if fast.is_some() {
             Cuts::WordEnds
