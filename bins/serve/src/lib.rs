@@ -9,8 +9,11 @@
 //!
 //! Module map:
 //!
-//! * `proxy.rs`: `/v1/completions` and `/v1/chat/completions`: the prompt's tokens (chat
-//!   rendered by the model's template), routing, forwarding, retries, the request lifecycle.
+//! * `handlers.rs`: `/v1/completions` and `/v1/chat/completions`: read, then served whole or
+//!   split.
+//! * `proxy.rs`: a request's way to an engine: the prompt's tokens (chat rendered by the
+//!   model's template), routing, forwarding, retries, the request lifecycle.
+//! * `disagg.rs`: disaggregated prefill and decode, in vLLM's and SGLang's protocols.
 //! * `admin.rs`: `/v1/route`, `/v1/workers`, `/v1/models`, `/metrics`, `/ready`.
 //! * `backends.rs`: [`BackendSpec`] and the registry of engines and their subscriptions.
 //! * `config.rs`: [`ServeConfig`], every key of the file, the environment and the flags.
@@ -26,6 +29,7 @@ mod auth;
 mod backends;
 mod config;
 pub mod disagg;
+mod handlers;
 pub mod headers;
 mod listener;
 mod metrics;
@@ -336,8 +340,8 @@ impl RunningServe {
             rests: Arc::new(proxy::Rests::new()),
         };
         let app = axum::Router::new()
-            .route("/v1/completions", post(proxy::completions))
-            .route("/v1/chat/completions", post(proxy::chat_completions))
+            .route("/v1/completions", post(handlers::completions))
+            .route("/v1/chat/completions", post(handlers::chat_completions))
             .route("/v1/models", get(admin::models))
             .route("/v1/route", post(admin::route))
             .route("/v1/route/{id}", delete(admin::free_route))

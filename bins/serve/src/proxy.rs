@@ -1,4 +1,4 @@
-//! The OpenAI routes: the request is read only for what routing needs (the prompt's tokens,
+//! An OpenAI request on its way to an engine: read only for what routing needs (the prompt's tokens,
 //! the expected output length), routed by the core, and sent to the chosen engine unchanged;
 //! the engine's answer (status, SSE chunks as they come, usage, errors) comes back unchanged.
 //!
@@ -17,8 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use kvroute_core::{
@@ -434,45 +433,6 @@ pub(crate) fn route_error(state: &AppState, route: &str, e: &RouteError) -> Resp
     }
 }
 
-pub(crate) async fn completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    const ROUTE: &str = "completions";
-    let started = Instant::now();
-    let routed = match read_completion_async(&state, &body).await {
-        Ok(routed) => routed,
-        Err(refusal) => return refusal.respond(&state, ROUTE),
-    };
-    let read_in = started.elapsed();
-    forward(
-        &state,
-        ROUTE,
-        Api::Completions,
-        &headers,
-        body,
-        &routed,
-        read_in,
-    )
-    .await
-}
-
-pub(crate) async fn chat_completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    const ROUTE: &str = "chat_completions";
-    let started = Instant::now();
-    let routed = match read_prompt_async(&state, &body, true).await {
-        Ok((_, routed)) => routed,
-        Err(refusal) => return refusal.respond(&state, ROUTE),
-    };
-    let read_in = started.elapsed();
-    forward(&state, ROUTE, Api::Chat, &headers, body, &routed, read_in).await
-}
-
 /// Which of an engine's OpenAI routes a request goes to.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Api {
@@ -531,29 +491,6 @@ impl Pool {
             Pool::Roles(roles) => roles.contains(&role),
         }
     }
-}
-
-/// Routes the client's request: whole, or in a fleet with prefill and decode workers, in the
-/// two halves of disaggregated serving.
-async fn forward(
-    state: &AppState,
-    route: &'static str,
-    api: Api,
-    headers: &HeaderMap,
-    body: Bytes,
-    routed: &Routed,
-    read_in: std::time::Duration,
-) -> Response {
-    let asked = Asked {
-        route,
-        api,
-        routed,
-        read_in,
-    };
-    if state.backends.any_split() {
-        return crate::disagg::forward(state, asked, headers, body).await;
-    }
-    dispatch(state, asked, Leg::whole(body)).await
 }
 
 /// Routes and sends a leg to the chosen engine's route, retrying on another worker when the
