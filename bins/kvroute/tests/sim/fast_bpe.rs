@@ -299,3 +299,21 @@ fn a_rest_tokenized_later_leaves_the_next_turn_only_its_new_text() {
         );
     }
 }
+
+/// A tokenizer off the fast path that adds a BOS (Gemma 3's) gives a text's ids with the BOS
+/// through the piece cache exactly as it gives them itself, whole or in part.
+#[test]
+fn a_bos_adding_tokenizer_off_the_fast_path_gives_its_own_ids_with_special_tokens() {
+    let Some(model) = model_of("gemma3") else {
+        return;
+    };
+    let mut rng = Rng::new(37);
+    let mut texts: Vec<String> = CORPUS.iter().map(|t| t.to_string()).collect();
+    texts.extend((0..20).map(|i| fragments(&mut rng, 50 + 40 * i)));
+    for text in &texts {
+        let whole = with_special(&model, text);
+        assert_eq!(model.text_ids(text).unwrap(), whole, "{text:?}");
+        let part = model.text_ids_while(text, |_| false).unwrap();
+        assert!(whole.starts_with(&part.ids), "{text:?}");
+    }
+}
