@@ -26,6 +26,17 @@ fn qwen3() -> Option<PathBuf> {
     None
 }
 
+/// Adds a worker that would take a request if one were let through (nothing listens there).
+async fn add_worker(client: &reqwest::Client, url: &str) {
+    let added = client
+        .post(format!("{url}/v1/workers"))
+        .json(&json!({"id": 1, "url": "http://127.0.0.1:9", "kv_blocks": 1024}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), StatusCode::CREATED);
+}
+
 async fn post(client: &reqwest::Client, url: &str, path: &str, body: Value) -> (StatusCode, Value) {
     super::post_json(client, &format!("{url}{path}"), &body).await
 }
@@ -41,13 +52,7 @@ async fn a_prompt_past_the_models_maximum_is_refused_early() {
     .await;
     let client = reqwest::Client::new();
     // A worker that would take the request if it were let through.
-    let added = client
-        .post(format!("{url}/v1/workers"))
-        .json(&json!({"id": 1, "url": "http://127.0.0.1:9", "kv_blocks": 1024}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(added.status(), StatusCode::CREATED);
+    add_worker(&client, &url).await;
 
     // Token ids: one past the limit is refused, the limit itself is routed.
     let ask = |n: u32| json!({"prompt": (0..n).collect::<Vec<u32>>(), "max_tokens": 1});
@@ -120,26 +125,43 @@ fn metric(text: &str, name: &str) -> f64 {
 /// afterwards off the request path, into the piece cache, so a follow-up finds it there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rest_of_a_prompt_tokenized_in_part_is_tokenized_later() {
+    rests_tokenized_later(true).await;
+}
+
+/// With `tokenize_rests` off, the rest is left untokenized.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_tokenize_rests_off_the_rest_is_left() {
+    rests_tokenized_later(false).await;
+}
+
+async fn rests_tokenized_later(on: bool) {
     let Some(dir) = qwen3() else { return };
     let (serve, url) = gateway(ServeOptions {
         tokenizer: Some(dir),
+        tokenize_rests: on,
         ..ServeOptions::default()
     })
     .await;
     let client = reqwest::Client::new();
-    let added = client
-        .post(format!("{url}/v1/workers"))
-        .json(&json!({"id": 1, "url": "http://127.0.0.1:9", "kv_blocks": 1024}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(added.status(), StatusCode::CREATED);
+    add_worker(&client, &url).await;
     // One line of about 40 KB: cut into chunks at word ends.
     let text: String = (0..4_000)
         .map(|i| format!("step {i} of the plan, "))
         .collect();
     let (status, answer) = post(&client, &url, "/v1/route", json!({"prompt": text})).await;
     assert_eq!(status, StatusCode::OK, "{answer}");
+    if !on {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let scrape = super::get_text(&client, &format!("{url}/metrics")).await;
+        assert_eq!(
+            metric(&scrape, "kvroute_prompt_rests_total{outcome=\"done\"}"),
+            0.0
+        );
+        let misses = metric(&scrape, "kvroute_piece_cache{kind=\"misses\"}");
+        assert!((misses as usize) < text.len() / 256, "{misses}");
+        serve.stop();
+        return;
+    }
     let start = Instant::now();
     let scrape = loop {
         let scrape = super::get_text(&client, &format!("{url}/metrics")).await;

@@ -103,11 +103,14 @@ impl Merges {
         let start = out.len();
         out.extend(piece.iter().map(|&b| self.bytes[usize::from(b)]));
         let rank_of = |ids: &[u32], i: usize| self.rank(ids[i], ids[i + 1]).unwrap_or(NO_MERGE);
-        // The rank and merged token of each pair (symbol i and i + 1).
-        let mut pairs: Vec<(u32, u32)> = (0..piece.len().saturating_sub(1))
-            .map(|i| rank_of(&out[start..], i))
-            .collect();
+        // The rank and merged token of each pair (symbol i and i + 1), on the stack.
+        let mut slots = [NO_MERGE; SCAN_BYTES];
+        let mut len = piece.len().saturating_sub(1);
+        for (i, slot) in slots.iter_mut().enumerate().take(len) {
+            *slot = rank_of(&out[start..], i);
+        }
         loop {
+            let pairs = &mut slots[..len];
             let mut best: Option<(u32, usize)> = None;
             for (i, &(rank, _)) in pairs.iter().enumerate() {
                 if rank != u32::MAX && best.is_none_or(|(r, _)| rank < r) {
@@ -115,16 +118,16 @@ impl Merges {
                 }
             }
             let Some((_, i)) = best else { return };
-            let symbols = &mut out[start..];
-            symbols[i] = pairs[i].1;
+            out[start + i] = pairs[i].1;
             out.remove(start + i + 1);
-            pairs.remove(i);
+            pairs.copy_within(i + 1.., i);
+            len -= 1;
             let symbols = &out[start..];
             if i > 0 {
-                pairs[i - 1] = rank_of(symbols, i - 1);
+                slots[i - 1] = rank_of(symbols, i - 1);
             }
-            if i < pairs.len() {
-                pairs[i] = rank_of(symbols, i);
+            if i < len {
+                slots[i] = rank_of(symbols, i);
             }
         }
     }

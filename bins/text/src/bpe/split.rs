@@ -241,12 +241,8 @@ impl Splitter {
         // `[U]*[W]+'?`: the capitals' run, then back off it until small letters follow.
         for &start in starts {
             let run = self.run(s, start, upper);
-            let mut ends: Vec<usize> = s[start..run]
-                .char_indices()
-                .map(|(k, _)| start + k)
-                .collect();
-            ends.push(run);
-            for &k in ends.iter().rev() {
+            let backed_off = s[start..run].char_indices().rev().map(|(k, _)| start + k);
+            for k in std::iter::once(run).chain(backed_off) {
                 if at(s, k).is_some_and(|(d, _)| lower(d)) {
                     return Some(with_contraction(self.run(s, k, lower)));
                 }
