@@ -12,10 +12,12 @@
 //! - [`peers`]: kvroute and the peer indexers behind one trait.
 //! - [`replay`]: one timed replay and its figures.
 //! - [`alloc`]: the counting global allocator the benchmark binary installs.
+//! - [`affinity`]: pinning a thread to a CPU.
 //!
 //! Figures are defined in `benches/README.md`.
 #![deny(unsafe_code)]
 
+pub mod affinity;
 pub mod alloc;
 pub mod peers;
 pub mod replay;

@@ -13,24 +13,14 @@ use std::net::{TcpListener, TcpStream};
 use std::time::Instant;
 
 use anyhow::Result;
-
-/// Keeps the calling thread on `cpu`.
-fn pin_to(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it (cpu < 1024), and
-    // sched_setaffinity reads it for the calling thread (pid 0).
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
-}
+use kvroute_benches::affinity::pin_to;
 
 /// p50 and p99 in µs of round trips from a thread on `client` to an echo thread on `server`.
 fn round_trips(client: usize, server: usize) -> Result<(f64, f64)> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let echo = std::thread::spawn(move || -> Result<()> {
-        pin_to(server);
+        pin_to(server)?;
         let (mut s, _) = listener.accept()?;
         s.set_nodelay(true)?;
         let mut buf = [0u8; 8];
@@ -39,7 +29,7 @@ fn round_trips(client: usize, server: usize) -> Result<(f64, f64)> {
         }
         Ok(())
     });
-    pin_to(client);
+    pin_to(client)?;
     let mut c = TcpStream::connect(addr)?;
     c.set_nodelay(true)?;
     let mut buf = [0u8; 8];

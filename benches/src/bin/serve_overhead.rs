@@ -285,23 +285,14 @@ async fn load(
     })
 }
 
-/// SGLang's router in a venv of its own, in front of `engine`.
-/// Keeps the calling thread on `cpu`.
+/// Keeps the calling thread on `cpu`, or says why not.
 fn pin_to(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes inside it (cpu < 1024), and
-    // sched_setaffinity reads it for the calling thread (pid 0).
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            eprintln!(
-                "serve-overhead: could not pin a thread to CPU {cpu}: {}",
-                std::io::Error::last_os_error()
-            );
-        }
+    if let Err(e) = kvroute_benches::affinity::pin_to(cpu) {
+        eprintln!("serve-overhead: could not pin a thread to CPU {cpu}: {e}");
     }
 }
 
+/// SGLang's router in a venv of its own, in front of `engine`.
 fn sglang_router(engine: SocketAddr, port: u16, cpu: Option<usize>) -> Result<Child> {
     let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-venv");
     let python = venv.join("bin/python");
