@@ -53,10 +53,54 @@ struct Booking {
 
 const SHARDS: usize = 16;
 
+/// A booking's key: a request of this router (origin [`Key::LOCAL`]), or of another router of
+/// the fleet (origin: that router's nonzero [`ReplicaId`](crate::ReplicaId)), so the two never
+/// collide whatever ids their callers choose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Key {
+    pub id: RequestId,
+    pub origin: u64,
+}
+
+impl Key {
+    pub(crate) const LOCAL: u64 = 0;
+
+    /// A booking of the router `origin`.
+    pub(crate) fn remote(origin: u64, id: RequestId) -> Self {
+        Key { id, origin }
+    }
+
+    fn is_local(&self) -> bool {
+        self.origin == Key::LOCAL
+    }
+
+    /// The key's 64 bits: the id itself for a local booking (as before origins), else mixed
+    /// with its origin.
+    #[inline]
+    fn bits(&self) -> u64 {
+        self.id.0 ^ mix64(self.origin).wrapping_mul(u64::from(!self.is_local()))
+    }
+}
+
+impl From<RequestId> for Key {
+    fn from(id: RequestId) -> Self {
+        Key {
+            id,
+            origin: Key::LOCAL,
+        }
+    }
+}
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        h.write_u64(self.bits());
+    }
+}
+
 /// The request table: which request holds what on which rank.
 #[derive(Debug)]
 pub(crate) struct Ledger {
-    shards: [CachePadded<Mutex<HashMap<RequestId, Booking, PassThrough>>>; SHARDS],
+    shards: [CachePadded<Mutex<HashMap<Key, Booking, PassThrough>>>; SHARDS],
     prompt_decay: PromptDecay,
     /// Bookings whose prompt load is decayed now, on any rank: while 0, no rank's
     /// [`LoadView::prompt_decay`](super::LoadView::prompt_decay) is either (selection bounds
@@ -71,6 +115,8 @@ pub(crate) struct Ledger {
     duplicate: AtomicU64,
     unknown: AtomicU64,
     retired_races: AtomicU64,
+    /// Bookings of other routers held now.
+    remote: AtomicU64,
 }
 
 impl Default for Ledger {
@@ -87,6 +133,7 @@ impl Default for Ledger {
             duplicate: AtomicU64::new(0),
             unknown: AtomicU64::new(0),
             retired_races: AtomicU64::new(0),
+            remote: AtomicU64::new(0),
         }
     }
 }
@@ -109,13 +156,18 @@ impl Ledger {
         }
     }
 
-    fn shard(&self, id: RequestId) -> &Mutex<HashMap<RequestId, Booking, PassThrough>> {
-        &self.shards[(mix64(id.0) >> 60) as usize % SHARDS]
+    fn shard(&self, key: Key) -> &Mutex<HashMap<Key, Booking, PassThrough>> {
+        &self.shards[(mix64(key.bits()) >> 60) as usize % SHARDS]
     }
 
     /// Books a request on its rank: the prefill tokens, the prompt blocks not already active on
     /// the rank, the tail, one request.
     pub(crate) fn book(&self, spec: BookingSpec<'_>) -> Result<(), LoadError> {
+        self.book_as(Key::LOCAL, spec)
+    }
+
+    /// [`Ledger::book`] for the router `origin` ([`Key::LOCAL`] for this one).
+    pub(crate) fn book_as(&self, origin: u64, spec: BookingSpec<'_>) -> Result<(), LoadError> {
         let BookingSpec {
             request,
             state,
@@ -130,8 +182,9 @@ impl Ledger {
             now,
         } = spec;
         {
-            let mut shard = lock(self.shard(request));
-            if shard.contains_key(&request) {
+            let key = Key::remote(origin, request);
+            let mut shard = lock(self.shard(key));
+            if shard.contains_key(&key) {
                 drop(shard);
                 bump(&self.duplicate);
                 return Err(LoadError::DuplicateRequest { request });
@@ -155,7 +208,7 @@ impl Ledger {
             l.context_blocks
                 .fetch_add(context_blocks, Ordering::Relaxed);
             shard.insert(
-                request,
+                key,
                 Booking {
                     state: Arc::clone(state),
                     prefill_tokens,
@@ -178,11 +231,15 @@ impl Ledger {
                 },
             );
         }
-        bump(&self.booked);
+        if origin == Key::LOCAL {
+            bump(&self.booked);
+        } else {
+            bump(&self.remote);
+        }
         if state.is_retired() {
             // The worker left while we booked; the purge may have missed us. Whoever removes
             // the booking undoes it, so this cannot double-free.
-            if let Some(b) = self.remove(request) {
+            if let Some(b) = self.remove(Key::remote(origin, request)) {
                 self.undo(b, now);
                 bump(&self.retired_races);
             }
@@ -194,8 +251,18 @@ impl Ledger {
         Ok(())
     }
 
-    fn remove(&self, request: RequestId) -> Option<Booking> {
-        lock(self.shard(request)).remove(&request)
+    fn remove(&self, key: Key) -> Option<Booking> {
+        let b = lock(self.shard(key)).remove(&key);
+        if b.is_some() {
+            self.note_removed(key);
+        }
+        b
+    }
+
+    fn note_removed(&self, key: Key) {
+        if !key.is_local() {
+            self.remote.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// Releases everything `b` booked; the request's age is counted up to `now`.
@@ -235,15 +302,20 @@ impl Ledger {
         }
     }
 
-    fn unknown(&self, request: RequestId) -> LoadError {
-        bump(&self.unknown);
-        LoadError::UnknownRequest { request }
+    /// A call for a booking that is not held; counted when it is this router's own.
+    fn unknown(&self, key: impl Into<Key>) -> LoadError {
+        let key = key.into();
+        if key.is_local() {
+            bump(&self.unknown);
+        }
+        LoadError::UnknownRequest { request: key.id }
     }
 
     /// The request reached its worker. Repeated calls are harmless.
     pub(crate) fn mark_dispatched(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
-        let mut shard = lock(self.shard(request));
-        let Some(b) = shard.get_mut(&request) else {
+        let key = Key::from(request);
+        let mut shard = lock(self.shard(key));
+        let Some(b) = shard.get_mut(&key) else {
             drop(shard);
             return Err(self.unknown(request));
         };
@@ -256,13 +328,14 @@ impl Ledger {
     /// and reports no elapsed time).
     pub(crate) fn prefill_done(
         &self,
-        request: RequestId,
+        request: impl Into<Key>,
         now: Option<Instant>,
     ) -> Result<Step, LoadError> {
-        let mut shard = lock(self.shard(request));
-        let Some(b) = shard.get_mut(&request) else {
+        let key = request.into();
+        let mut shard = lock(self.shard(key));
+        let Some(b) = shard.get_mut(&key) else {
             drop(shard);
-            return Err(self.unknown(request));
+            return Err(self.unknown(key));
         };
         let tokens = std::mem::take(&mut b.prefill_tokens);
         self.release_prefill(&b.state, tokens);
@@ -279,6 +352,7 @@ impl Ledger {
             dispatch: b.dispatch,
             elapsed,
             tokens: 0,
+            decayed_at: 0,
         })
     }
 
@@ -286,13 +360,14 @@ impl Ledger {
     /// expected output length, the request's output blocks decay (see the module comment).
     pub(crate) fn output_block(
         &self,
-        request: RequestId,
+        request: impl Into<Key>,
         now: Option<Instant>,
     ) -> Result<Step, LoadError> {
-        let mut shard = lock(self.shard(request));
-        let Some(b) = shard.get_mut(&request) else {
+        let key = request.into();
+        let mut shard = lock(self.shard(key));
+        let Some(b) = shard.get_mut(&key) else {
             drop(shard);
-            return Err(self.unknown(request));
+            return Err(self.unknown(key));
         };
         b.output_blocks += 1;
         let k = b.output_blocks;
@@ -314,7 +389,34 @@ impl Ledger {
             dispatch: b.dispatch,
             elapsed,
             tokens: g.saturating_sub(g_before),
+            decayed_at: g_k,
         })
+    }
+
+    /// Another router's request opened `blocks` output blocks, its decay taken at `generated`
+    /// output tokens (as its own router took it).
+    pub(crate) fn remote_output_blocks(
+        &self,
+        key: Key,
+        blocks: u64,
+        generated: u64,
+    ) -> Result<(), LoadError> {
+        let mut shard = lock(self.shard(key));
+        let Some(b) = shard.get_mut(&key) else {
+            drop(shard);
+            return Err(self.unknown(key));
+        };
+        if blocks == 0 {
+            return Ok(());
+        }
+        b.output_blocks += blocks;
+        b.state
+            .load
+            .output_blocks
+            .fetch_add(blocks, Ordering::Relaxed);
+        b.generated = b.generated.max(generated);
+        self.decay(b, generated);
+        Ok(())
     }
 
     /// `tokens` more output tokens arrived (at `now`, when the caller times it). Every output
@@ -326,14 +428,15 @@ impl Ledger {
     /// Mixes with [`Ledger::output_block`], which counts at least the token opening its block.
     pub(crate) fn tokens_generated(
         &self,
-        request: RequestId,
+        request: impl Into<Key>,
         tokens: u64,
         now: Option<Instant>,
     ) -> Result<Generated, LoadError> {
-        let mut shard = lock(self.shard(request));
-        let Some(b) = shard.get_mut(&request) else {
+        let key = request.into();
+        let mut shard = lock(self.shard(key));
+        let Some(b) = shard.get_mut(&key) else {
             drop(shard);
-            return Err(self.unknown(request));
+            return Err(self.unknown(key));
         };
         let mut out = Generated {
             rank: b.state.rank,
@@ -343,6 +446,7 @@ impl Ledger {
             itl: None,
             itl_tokens: 0,
             new_blocks: 0,
+            generated: b.generated,
         };
         if tokens == 0 {
             return Ok(out);
@@ -375,6 +479,7 @@ impl Ledger {
             let g = b.generated;
             self.decay(b, g);
         }
+        out.generated = b.generated;
         Ok(out)
     }
 
@@ -501,19 +606,26 @@ impl Ledger {
     }
 
     /// [`Ledger::free`] at `now`, which dates the request's [`Freed::age`].
-    pub(crate) fn free_at(&self, request: RequestId, now: Instant) -> Result<Freed, LoadError> {
-        match self.remove(request) {
+    pub(crate) fn free_at(
+        &self,
+        request: impl Into<Key>,
+        now: Instant,
+    ) -> Result<Freed, LoadError> {
+        let key = request.into();
+        match self.remove(key) {
             Some(b) => {
-                bump(&self.freed);
+                if key.is_local() {
+                    bump(&self.freed);
+                }
                 Ok(self.undo(b, now))
             }
-            None => Err(self.unknown(request)),
+            None => Err(self.unknown(key)),
         }
     }
 
     /// Frees every request booked at or before `now - max_age`; returns how many.
     pub(crate) fn expire(&self, now: Instant, max_age: Duration) -> usize {
-        let n = self.drain_where(now, |b| {
+        let n = self.drain_where(now, |_, b| {
             now.saturating_duration_since(b.booked_at) >= max_age
         });
         self.expired.fetch_add(n as u64, Ordering::Relaxed);
@@ -523,23 +635,36 @@ impl Ledger {
     /// Drops every booking on a rank of `worker` (whose ranks must already be retired);
     /// returns how many.
     pub(crate) fn purge_worker(&self, worker: WorkerId) -> usize {
-        let n = self.drain_where(Instant::now(), |b| b.state.rank.worker == worker);
+        let n = self.drain_where(Instant::now(), |_, b| b.state.rank.worker == worker);
         self.purged.fetch_add(n as u64, Ordering::Relaxed);
         n
     }
 
+    /// Drops every booking of the router `origin` (another router of the fleet that left or
+    /// resynchronises); returns how many.
+    pub(crate) fn drop_origin(&self, origin: u64) -> usize {
+        debug_assert_ne!(origin, Key::LOCAL);
+        self.drain_where(Instant::now(), |k, _| k.origin == origin)
+    }
+
     /// Removes every booking `drop` selects and undoes its load; returns how many.
-    fn drain_where(&self, now: Instant, mut drop: impl FnMut(&Booking) -> bool) -> usize {
+    fn drain_where(&self, now: Instant, mut drop: impl FnMut(&Key, &Booking) -> bool) -> usize {
         let mut n = 0;
         for shard in &self.shards {
             let gone: Vec<Booking> = {
                 let mut s = lock(shard);
-                let ids: Vec<RequestId> = s
+                let ids: Vec<Key> = s
                     .iter()
-                    .filter(|(_, b)| drop(b))
+                    .filter(|(k, b)| drop(k, b))
                     .map(|(id, _)| *id)
                     .collect();
-                ids.iter().filter_map(|id| s.remove(id)).collect()
+                ids.iter()
+                    .filter_map(|k| {
+                        let b = s.remove(k)?;
+                        self.note_removed(*k);
+                        Some(b)
+                    })
+                    .collect()
             };
             for b in gone {
                 self.undo(b, now);
@@ -551,14 +676,19 @@ impl Ledger {
 
     /// The rank a request is booked on.
     pub(crate) fn rank_of(&self, request: RequestId) -> Option<WorkerRank> {
-        lock(self.shard(request))
-            .get(&request)
-            .map(|b| b.state.rank)
+        let key = Key::from(request);
+        lock(self.shard(key)).get(&key).map(|b| b.state.rank)
     }
 
-    /// Requests currently booked.
+    /// This router's requests currently booked.
     pub(crate) fn active(&self) -> usize {
-        self.shards.iter().map(|s| lock(s).len()).sum()
+        let all: usize = self.shards.iter().map(|s| lock(s).len()).sum();
+        all.saturating_sub(self.active_remote())
+    }
+
+    /// Requests of the fleet's other routers currently booked.
+    pub(crate) fn active_remote(&self) -> usize {
+        self.remote.load(Ordering::Relaxed) as usize
     }
 
     /// Lifecycle counters.

@@ -70,7 +70,7 @@ mod records;
 pub(crate) use decay::DECAY_SCALE;
 pub use decay::{decayed, generated_at_block, output_decay, remaining_fraction};
 pub(crate) use keys::prefix_keys_into;
-pub(crate) use ledger::Ledger;
+pub(crate) use ledger::{Key, Ledger};
 pub use rank::{LoadView, RankState};
 pub(crate) use records::{BookingSpec, Generated, Step};
 pub use records::{DispatchState, Freed, LedgerCounts, LoadError, RequestId};

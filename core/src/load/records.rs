@@ -84,6 +84,8 @@ pub(crate) struct Step {
     pub elapsed: Option<Duration>,
     /// Tokens generated over `elapsed` (output blocks; 0 for the first token).
     pub tokens: u64,
+    /// The output tokens an output block's decay was taken at (0 for the first token).
+    pub decayed_at: u64,
 }
 
 /// What a [`Ledger::tokens_generated`] call observed, for request metrics.
@@ -103,6 +105,8 @@ pub(crate) struct Generated {
     pub itl_tokens: u64,
     /// Output blocks the tokens opened.
     pub new_blocks: u64,
+    /// Output tokens generated so far (what decay was taken at when a block opened).
+    pub generated: u64,
 }
 
 /// What a freed request had booked, as it was when freed.

@@ -4,7 +4,10 @@
 use std::time::Instant;
 
 use super::scratch::Prompt;
-use super::{bump, Bookkeeping, Decision, Fallback, Phase, RouteError, RouteRequest, Router};
+use super::{
+    bump, BookingDelta, Bookkeeping, Decision, Fallback, Phase, RemoteBooking, RouteError,
+    RouteRequest, Router,
+};
 use crate::approx::checkpoint_keys_extend;
 use crate::config::Speculative;
 use crate::event::WorkerRank;
@@ -50,6 +53,17 @@ impl Router {
                     now: stamp(),
                 })?;
                 bump(&self.counters.routed);
+                self.tell(|| {
+                    BookingDelta::Booked(RemoteBooking {
+                        request: req.id,
+                        rank: d.worker,
+                        prefill_tokens,
+                        block_hashes: &prompt.locals,
+                        prompt_tokens: tokens,
+                        cached_tokens: d.overlap.cached_tokens,
+                        expected_output_tokens: hints.expected_output_tokens,
+                    })
+                });
                 self.record_as_cache(entry, d.worker, prompt, &stamp);
                 if let Some(sid) = hints.session {
                     let close = hints.session_close;
@@ -73,6 +87,19 @@ impl Router {
         Ok(())
     }
 
+    /// How long a booked prompt stands as its rank's cache in the router's records: always
+    /// for a worker that publishes no KV events (approximate mode), and for the others while
+    /// speculation is on.
+    pub(super) fn record_ttl(&self, entry: &RankEntry) -> Option<std::time::Duration> {
+        match entry.state.kv_events() {
+            KvEvents::Absent => Some(self.config.approximate.ttl),
+            KvEvents::Published => match self.config.approximate.speculative {
+                Speculative::On { ttl } => Some(ttl),
+                Speculative::Off => None,
+            },
+        }
+    }
+
     /// Records a booked prompt as the chosen rank's cache for a TTL: always for a worker that
     /// publishes no KV events (approximate mode), and for the others while speculation is on.
     #[inline(always)]
@@ -83,14 +110,7 @@ impl Router {
         prompt: &mut Prompt,
         stamp: &impl Fn() -> Instant,
     ) {
-        let ttl = match entry.state.kv_events() {
-            KvEvents::Absent => Some(self.config.approximate.ttl),
-            KvEvents::Published => match self.config.approximate.speculative {
-                Speculative::On { ttl } => Some(ttl),
-                Speculative::Off => None,
-            },
-        };
-        if let (Some(ttl), Some(key)) = (ttl, entry.index_key) {
+        if let (Some(ttl), Some(key)) = (self.record_ttl(entry), entry.index_key) {
             checkpoint_keys_extend(&prompt.locals, &mut prompt.marks, usize::MAX);
             self.approx
                 .record(&prompt.marks, rank, key, stamp() + ttl, || {

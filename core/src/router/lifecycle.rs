@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use hdrhistogram::Histogram;
 
-use super::{bump, record, record_n, us_per, RequestMetrics, Router};
+use super::{bump, record, record_n, us_per, BookingDelta, RequestMetrics, Router};
 use crate::event::WorkerRank;
 use crate::load::DispatchState;
 use crate::load::{Freed, Generated, LoadError, RequestId, Step};
@@ -25,6 +25,7 @@ impl Router {
     /// The request's first token arrived.
     pub fn prefill_done(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
         let step = self.ledger.prefill_done(request, self.metrics_now())?;
+        self.tell(|| BookingDelta::PrefillDone(request));
         self.record_step(request, &step, |m| &mut m.ttft_us, 1);
         self.load_freed();
         Ok(step.rank)
@@ -33,6 +34,11 @@ impl Router {
     /// The request's generation crossed into a new block.
     pub fn output_block(&self, request: RequestId) -> Result<WorkerRank, LoadError> {
         let step = self.ledger.output_block(request, self.metrics_now())?;
+        self.tell(|| BookingDelta::OutputBlocks {
+            request,
+            blocks: 1,
+            generated: step.decayed_at,
+        });
         if step.tokens > 0 {
             self.record_step(request, &step, |m| &mut m.itl_us, step.tokens);
         }
@@ -53,6 +59,16 @@ impl Router {
         let g: Generated = self
             .ledger
             .tokens_generated(request, tokens, self.metrics_now())?;
+        if g.prefill_released {
+            self.tell(|| BookingDelta::PrefillDone(request));
+        }
+        if g.new_blocks > 0 {
+            self.tell(|| BookingDelta::OutputBlocks {
+                request,
+                blocks: g.new_blocks,
+                generated: g.generated,
+            });
+        }
         if let (Some(m), DispatchState::Reached) = (&self.metrics, g.dispatch) {
             let mut m = m.shard(request);
             if let Some(t) = g.ttft {
@@ -89,6 +105,7 @@ impl Router {
     pub fn free(&self, request: RequestId) -> Result<Freed, LoadError> {
         let now = self.clock.now();
         let freed = self.ledger.free_at(request, now)?;
+        self.tell(|| BookingDelta::Freed(request));
         if freed.dispatch == DispatchState::Reached {
             bump(&self.counters.completed);
             if let Some(m) = &self.metrics {

@@ -61,6 +61,7 @@
 //! | `admission.rs` | `submit`, the admission queue's lanes, release, tickets, cancels |
 //! | `lifecycle.rs` | a booked request's calls after its route, and expiry |
 //! | `guard.rs` | `RequestGuard`: frees exactly once |
+//! | `replicas.rs` | several routers, one fleet: own booking changes out, the others' in |
 //! | `events.rs` | KV events into the index, noted by the router |
 //! | `sessions.rs` | sticky sessions' end handler, expiry and closes |
 //! | `warm_up.rs` | warming workers' share of cache misses |
@@ -77,6 +78,7 @@ mod held;
 mod lifecycle;
 mod metrics;
 mod plan;
+mod replicas;
 mod request;
 mod route;
 mod scratch;
@@ -88,6 +90,7 @@ pub use self::decision::*;
 pub use self::events::*;
 pub use self::guard::*;
 pub use self::metrics::*;
+pub use self::replicas::*;
 pub use self::request::*;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -150,6 +153,8 @@ pub struct Router {
     warm_horizon_ns: AtomicU64,
     /// Told of every session that ends (expired or closed).
     on_session_end: std::sync::RwLock<Option<SessionCallback>>,
+    /// Told of every change to this router's own bookings ([`Router::on_booking`]).
+    booking_sink: std::sync::OnceLock<BookingSink>,
 }
 
 /// The embedder's handler of ended sessions ([`Router::on_session_end`]).
@@ -218,6 +223,7 @@ impl Router {
             clock,
             warm_horizon_ns: AtomicU64::new(0),
             on_session_end: std::sync::RwLock::new(None),
+            booking_sink: std::sync::OnceLock::new(),
             config,
         })
     }

@@ -117,6 +117,7 @@ fn itl_is_microseconds_per_token() {
         dispatch: DispatchState::Reached,
         elapsed: Some(std::time::Duration::from_micros(1_600)),
         tokens: 16,
+        decayed_at: 0,
     };
     r.record_step(RequestId(1), &step, |m| &mut m.itl_us, step.tokens);
     let not_dispatched = Step {

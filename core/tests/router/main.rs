@@ -17,6 +17,7 @@ mod health;
 mod lifecycle;
 mod pool;
 mod queue;
+mod replicas;
 mod route;
 mod sessions;
 mod warm_up;
