@@ -17,6 +17,8 @@
 //! * [`client`]: the sending side of ingest.
 //! * [`engine`]: KV events from vLLM's and SGLang's own ZeroMQ publishers (msgpack), decoded
 //!   into the core's events, with per-publisher sequence tracking; no I/O.
+//! * [`replicas`]: the booking sync between the routers of one fleet (messages, outbox, inbox;
+//!   the embedder carries them).
 //! * [`subscriber`]: the ZeroMQ sockets that follow an engine's publisher (SUB, and DEALER for
 //!   replays) and feed [`engine`]'s decoder into a router.
 //! * [`worker`]: the worker side of request dispatch: routers' requests to an [`Engine`],
@@ -35,6 +37,7 @@ pub mod engine;
 pub mod frame;
 pub mod ingest;
 mod net;
+pub mod replicas;
 pub mod subscriber;
 // Every item written in `wire` is documented; rkyv 0.8's `Archive` derive leaves the fields of
 // a resolver's struct-like variants without docs (`WireEventDataResolver`, `RecoveryFromResolver`).

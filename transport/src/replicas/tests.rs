@@ -1,0 +1,251 @@
+//! The booking sync end to end without I/O: one router's outbox into another's inbox, with
+//! messages lost, repeated, split, and forged.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvroute_core::{
+    IndexConfig, LoadView, OwnedDelta, PrefixIndex, ReplicaId, RequestId, RouteHints, RouteRequest,
+    Router, RouterConfig, WorkerConfig, WorkerRank,
+};
+
+use super::*;
+
+const BS: u32 = 16;
+const WORKERS: u64 = 3;
+
+fn router() -> Router {
+    let r = Router::new(
+        RouterConfig::default(),
+        PrefixIndex::new(IndexConfig::default()),
+    )
+    .unwrap();
+    for w in 0..WORKERS {
+        r.join_worker(WorkerConfig::simple(w, 1_000_000, BS))
+            .unwrap();
+    }
+    r
+}
+
+/// A router telling its deltas to a queue, with its outbox.
+struct Sender {
+    router: Router,
+    queue: Arc<Mutex<Vec<OwnedDelta>>>,
+    outbox: Outbox,
+}
+
+impl Sender {
+    fn new(id: u64) -> Self {
+        let router = router();
+        let queue = Arc::new(Mutex::new(Vec::new()));
+        let q = Arc::clone(&queue);
+        router.on_booking(move |d| q.lock().unwrap().push(OwnedDelta::from(d)));
+        Sender {
+            router,
+            queue,
+            outbox: Outbox::new(ReplicaId(id), BS),
+        }
+    }
+
+    fn route(&self, id: u64, len: usize) -> WorkerRank {
+        let tokens: Vec<u32> = (0..len as u32).map(|i| i + 7 * id as u32).collect();
+        self.router
+            .route(&RouteRequest {
+                id: RequestId(id),
+                tokens: &tokens,
+                hints: RouteHints::default(),
+            })
+            .unwrap()
+            .worker
+    }
+
+    /// The messages for what happened since the last call.
+    fn flush(&mut self) -> Vec<Vec<u8>> {
+        for d in self.queue.lock().unwrap().drain(..) {
+            self.outbox.push(&d.as_delta());
+        }
+        self.outbox.flush(1)
+    }
+}
+
+fn loads(r: &Router) -> Vec<LoadView> {
+    (0..WORKERS)
+        .map(|w| r.load(WorkerRank::new(w, 0)).unwrap())
+        .collect()
+}
+
+fn deliver_at(inbox: &mut Inbox, to: &Router, msgs: &[Vec<u8>], at: Instant) -> Vec<Received> {
+    msgs.iter()
+        .map(|m| inbox.receive(to, m, at, 2).unwrap())
+        .collect()
+}
+
+fn deliver(inbox: &mut Inbox, to: &Router, msgs: &[Vec<u8>]) -> Vec<Received> {
+    deliver_at(inbox, to, msgs, Instant::now())
+}
+
+#[test]
+fn a_peer_follows_the_sender_through_a_lost_message_and_a_snapshot() {
+    let mut a = Sender::new(1);
+    let b = router();
+    let mut inbox = Inbox::new(ReplicaId(2), BS);
+
+    // A new peer's first deltas are not taken: its snapshot is asked for.
+    a.route(1, 100);
+    let r = deliver(&mut inbox, &b, &a.flush());
+    assert_eq!(r[0].ask_resync, Some(ReplicaId(1)));
+    assert_eq!(b.remote_requests(), 0);
+    deliver(&mut inbox, &b, &a.outbox.snapshot(1));
+    assert_eq!(loads(&a.router), loads(&b));
+
+    for id in 2..10 {
+        a.route(id, 50 + 10 * id as usize);
+    }
+    a.router.prefill_done(RequestId(3)).unwrap();
+    a.router.tokens_generated(RequestId(4), 40).unwrap();
+    a.router.free(RequestId(1)).unwrap();
+    let msgs = a.flush();
+    deliver(&mut inbox, &b, &msgs);
+    assert_eq!(loads(&a.router), loads(&b));
+    assert_eq!(b.remote_requests(), 8);
+    // A repeat changes nothing.
+    let r = deliver(&mut inbox, &b, &msgs);
+    assert_eq!(r[0].applied, 0);
+    assert_eq!(loads(&a.router), loads(&b));
+
+    // A message lost: the next one shows the gap; A's bookings go until its snapshot.
+    let later = Instant::now() + RESYNC_EVERY;
+    a.router.free(RequestId(2)).unwrap();
+    let lost = a.flush();
+    assert_eq!(lost.len(), 1);
+    a.router.free(RequestId(5)).unwrap();
+    let r = deliver_at(&mut inbox, &b, &a.flush(), later);
+    assert_eq!(r[0].ask_resync, Some(ReplicaId(1)));
+    assert_eq!(r[0].dropped, 8);
+    assert_eq!(b.remote_requests(), 0);
+    assert_eq!(inbox.counts().gaps, 1);
+    let r = deliver_at(&mut inbox, &b, &a.outbox.snapshot(1), later);
+    assert_eq!(r[0].applied, 6);
+    assert_eq!(loads(&a.router), loads(&b));
+
+    // A lost last message shows at the next heartbeat.
+    a.router.free(RequestId(6)).unwrap();
+    let _lost = a.flush();
+    let r = deliver_at(&mut inbox, &b, &[a.outbox.heartbeat(1)], later);
+    assert_eq!(r[0].ask_resync, None, "asked less than a second ago");
+    assert_eq!(b.remote_requests(), 0);
+    assert_eq!(inbox.synced_peers(), 0);
+
+    // Goodbye.
+    deliver(&mut inbox, &b, &a.outbox.snapshot(1));
+    assert_eq!(b.remote_requests(), 5);
+    let r = deliver(&mut inbox, &b, &[a.outbox.bye(1)]);
+    assert_eq!(r[0].dropped, 5);
+    assert_eq!((inbox.peers(), b.remote_requests()), (0, 0));
+    assert_eq!(loads(&b), vec![LoadView::default(); WORKERS as usize]);
+}
+
+#[test]
+fn a_large_book_travels_in_parts_that_fit_a_message() {
+    let mut a = Sender::new(1);
+    let b = router();
+    let mut inbox = Inbox::new(ReplicaId(2), BS);
+    for id in 1..=300 {
+        a.route(id, 16 * 600);
+    }
+    let msgs = a.flush();
+    assert!(msgs.len() > 1, "{} messages", msgs.len());
+    assert!(msgs
+        .iter()
+        .all(|m| m.len() <= wire::MAX_MESSAGE_BYTES + 4096));
+    let parts = a.outbox.snapshot(1);
+    assert!(parts.len() > 1);
+    assert!(parts
+        .iter()
+        .all(|m| m.len() <= wire::MAX_MESSAGE_BYTES + 4096));
+    deliver(&mut inbox, &b, &parts);
+    assert_eq!(b.remote_requests(), 300);
+    assert_eq!(loads(&a.router), loads(&b));
+    // Parts out of order are a gap.
+    let mut again = a.outbox.snapshot(1);
+    again.swap(1, 2);
+    let r = deliver(&mut inbox, &b, &again);
+    assert!(r.iter().any(|r| r.ask_resync.is_some() || r.dropped > 0));
+}
+
+#[test]
+fn quiet_peers_are_dropped_and_own_messages_ignored() {
+    let mut a = Sender::new(1);
+    let b = router();
+    let mut inbox = Inbox::new(ReplicaId(2), BS);
+    a.route(1, 64);
+    a.flush();
+    deliver(&mut inbox, &b, &a.outbox.snapshot(1));
+    assert_eq!(b.remote_requests(), 1);
+    let t = Instant::now();
+    assert!(inbox.sweep(&b, t, Duration::from_secs(60)).is_empty());
+    let gone = inbox.sweep(&b, t + Duration::from_secs(61), Duration::from_secs(60));
+    assert_eq!(gone, vec![(ReplicaId(1), 1)]);
+    assert_eq!(b.remote_requests(), 0);
+
+    let mut own = Inbox::new(ReplicaId(1), BS);
+    let r = deliver(&mut own, &b, &a.outbox.snapshot(1));
+    assert_eq!(r[0], Received::default());
+    assert_eq!(b.remote_requests(), 0);
+}
+
+#[test]
+fn forged_and_foreign_messages_are_refused_and_counted() {
+    let b = router();
+    let mut inbox = Inbox::new(ReplicaId(2), BS);
+    let now = Instant::now();
+    for junk in [&b""[..], b"\x00\x01\x02", &[0xff; 64][..]] {
+        assert!(inbox.receive(&b, junk, now, 0).is_err());
+    }
+    let mut other_bs = Outbox::new(ReplicaId(3), 32);
+    assert!(inbox.receive(&b, &other_bs.snapshot(0)[0], now, 0).is_err());
+    let mut env = decode(&Outbox::new(ReplicaId(3), BS).heartbeat(0)).unwrap();
+    env.version = 99;
+    assert_eq!(
+        inbox.receive(&b, &encode(&env), now, 0),
+        Err(WireError::Version(99))
+    );
+    // A booking on a rank the router does not know, or that contradicts itself.
+    let bad = |worker: u64, prompt: u64| Envelope {
+        version: wire::SYNC_VERSION,
+        block_size: BS,
+        replica: 3,
+        seq: 1,
+        sent_unix_ns: 0,
+        body: Body::Snapshot {
+            first: true,
+            last: true,
+            bookings: vec![WireBooking {
+                request: 1,
+                worker,
+                dp_rank: 0,
+                prefill_tokens: 10,
+                prompt_tokens: prompt,
+                cached_tokens: 0,
+                expected_output_tokens: None,
+                hashes: vec![1, 2, 3],
+                prefill_done: true,
+                output_blocks: u64::MAX,
+                generated: 0,
+            }],
+        },
+    };
+    let r = inbox.receive(&b, &encode(&bad(99, 48)), now, 0).unwrap();
+    assert_eq!((r.applied, r.refused), (0, 1));
+    let r = inbox.receive(&b, &encode(&bad(0, 20)), now, 0).unwrap();
+    assert_eq!((r.applied, r.refused), (0, 1));
+    let c = inbox.counts();
+    assert_eq!((c.malformed, c.foreign, c.refused), (3, 2, 2));
+    assert_eq!(loads(&b), vec![LoadView::default(); WORKERS as usize]);
+    // Output blocks past the limit are refused, the booking itself kept.
+    let r = inbox.receive(&b, &encode(&bad(0, 48)), now, 0).unwrap();
+    assert_eq!(r.applied, 1);
+    assert_eq!(b.load(WorkerRank::new(0, 0)).unwrap().output_blocks, 0);
+}
