@@ -12,10 +12,22 @@
 #    modules it imports; pyzmq, msgspec and pydantic in the venv.
 #  - vllm/: vLLM 0.33.0's own KV-event publisher (vllm/distributed/kv_events.py), taken
 #    unchanged from its PyPI wheel, with stand-ins for the four vllm modules it imports.
+#  - nats-server: the NATS server the replica tests run (Debian's package `nats-server`),
+#    installed with apt-get when it is missing (as root, or through sudo).
 # The tests skip, saying so, when these are absent. Needs npm and python3 (with venv). A re-run
 # downloads nothing already there and recomputes the expected ids only when their inputs changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The NATS server, from the system's packages.
+if ! command -v nats-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo="sudo"; else sudo="none"; fi
+  if [ "$sudo" != none ] && command -v apt-get >/dev/null 2>&1; then
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq nats-server >/dev/null
+  else
+    echo "fixtures: no nats-server and no way to install it (apt-get as root): the replica tests will skip" >&2
+  fi
+fi
 out=target/fixtures
 families="qwen3 llama3_1 gemma3 deepseek_v3"
 # Tokenizers only the fast-path tests use (no chat parity): GPT-OSS's (o200k).

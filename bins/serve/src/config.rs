@@ -227,6 +227,16 @@ pub struct ServeConfig {
     #[arg(long, value_delimiter = ',', env = "KVROUTE_KV_TRANSFER_LABELS")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_transfer_labels: Option<Vec<String>>,
+    /// The NATS server (`nats://host:4222`) through which this replica shares its bookings
+    /// with the fleet's other replicas (default: none, a router alone).
+    #[arg(long, value_name = "URL", env = "KVROUTE_NATS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats: Option<String>,
+    /// The fleet's name: replicas on one NATS server with the same name share their bookings
+    /// (default `default`; letters, digits, `-` and `_`).
+    #[arg(long, value_name = "NAME", env = "KVROUTE_FLEET")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<String>,
     /// The engines, as `[[workers]]` tables in the file.
     #[arg(skip)]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -454,6 +464,29 @@ impl ServeConfig {
             }
             o.disagg.transfer_labels = labels;
         }
+        match (self.nats, self.fleet) {
+            (Some(nats), fleet) => {
+                let fleet = fleet
+                    .or(o.replicas.take().map(|r| r.fleet))
+                    .unwrap_or_else(|| "default".to_owned());
+                if !crate::replicas::valid_fleet(&fleet) {
+                    return Err(ConfigError::Invalid(format!(
+                        "fleet {fleet:?}: use letters, digits, '-' and '_' only"
+                    )));
+                }
+                o.replicas = Some(crate::ReplicaOptions { nats, fleet });
+            }
+            (None, Some(fleet)) => match o.replicas.as_mut() {
+                Some(r) => r.fleet = fleet,
+                None => {
+                    return Err(ConfigError::Invalid(
+                        "fleet names the replicas sharing bookings over NATS: set nats too"
+                            .to_owned(),
+                    ))
+                }
+            },
+            (None, None) => {}
+        }
         o.workers.extend(self.workers);
         for flag in &self.worker_flags {
             let spec = parse_worker_flag(flag, o.workers.len() as u64)?;
@@ -528,6 +561,8 @@ impl ServeConfig {
             conditional_max_new_tokens: options.disagg.conditional.map(|c| c.max_new_tokens),
             conditional_max_new_share: options.disagg.conditional.map(|c| c.max_new_share),
             kv_transfer_labels: Some(options.disagg.transfer_labels.clone()),
+            nats: options.replicas.as_ref().map(|r| r.nats.clone()),
+            fleet: options.replicas.as_ref().map(|r| r.fleet.clone()),
             workers: options
                 .workers
                 .iter()

@@ -20,6 +20,7 @@
 //! * `metrics.rs`: the Prometheus registry.
 //! * `headers.rs`: the header names the gateway reads and sets.
 //! * `openai.rs`: OpenAI's request and response shapes (also the worker's and replay's).
+//! * `replicas.rs`: several replicas, one fleet: bookings shared over NATS.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -36,6 +37,7 @@ mod metrics;
 mod networks;
 pub mod openai;
 mod proxy;
+mod replicas;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -56,6 +58,7 @@ use tokio::task::JoinHandle;
 pub use backends::{BackendError, BackendSpec, Role, MAX_DP_SIZE};
 pub use config::{parse_worker_flag, ConfigError, ServeConfig};
 pub use networks::{BadNetwork, Network};
+pub use replicas::{ReplicaError, ReplicaOptions};
 
 /// How the service is set up.
 #[derive(Clone, Debug)]
@@ -139,6 +142,8 @@ pub struct ServeOptions {
     /// one is refused with a 400 after at most about this many tokens of work. None: the
     /// tokenizer config's `model_max_length`, when it has a real one.
     pub max_model_len: Option<u64>,
+    /// Share bookings with the fleet's other replicas over NATS (none: this replica alone).
+    pub replicas: Option<ReplicaOptions>,
 }
 
 impl ServeOptions {
@@ -183,6 +188,7 @@ impl Default for ServeOptions {
             tokenize_rests: true,
             disagg: disagg::DisaggOptions::default(),
             max_model_len: None,
+            replicas: None,
         }
     }
 }
@@ -263,6 +269,9 @@ pub enum ServeError {
     /// The HTTP client or the metrics could not be built.
     #[error("{0}")]
     Setup(String),
+    /// The booking sync could not start.
+    #[error(transparent)]
+    Replicas(#[from] ReplicaError),
 }
 
 /// A service that is serving.
@@ -275,14 +284,24 @@ pub struct RunningServe {
     server: JoinHandle<std::io::Result<()>>,
     prober: JoinHandle<()>,
     expirer: JoinHandle<()>,
+    sync: Option<replicas::ReplicaSync>,
 }
 
 impl RunningServe {
     /// Builds the router, joins the configured workers, and serves on the current runtime.
     pub async fn start(options: ServeOptions) -> Result<Self, ServeError> {
         check_keys(&options)?;
+        let replica = options
+            .replicas
+            .as_ref()
+            .map(|_| replicas::new_replica_id());
+        let mut config = options.router.clone();
+        if let Some(id) = replica {
+            // Replicas break near-ties each its own way, so they do not herd.
+            config.seed ^= id.0;
+        }
         let router = Arc::new(Router::new(
-            options.router.clone(),
+            config,
             PrefixIndex::new(IndexConfig::default()),
         )?);
         let text = match &options.tokenizer {
@@ -327,6 +346,12 @@ impl RunningServe {
         })?;
         let state_metrics =
             Arc::new(metrics::Metrics::new().map_err(|e| ServeError::Setup(e.to_string()))?);
+        let sync = match (&options.replicas, replica) {
+            (Some(r), Some(id)) => Some(
+                replicas::ReplicaSync::start(&router, r, id, state_metrics.replica.clone()).await?,
+            ),
+            _ => None,
+        };
         let state = AppState {
             router: Arc::clone(&router),
             backends: Arc::clone(&backends),
@@ -389,6 +414,7 @@ impl RunningServe {
             server,
             prober,
             expirer,
+            sync,
         })
     }
 
@@ -410,6 +436,9 @@ impl RunningServe {
         };
         self.prober.abort();
         self.expirer.abort();
+        if let Some(sync) = self.sync.take() {
+            sync.leave().await;
+        }
         result
     }
 }

@@ -36,6 +36,8 @@ pub(crate) struct Metrics {
     load: IntGaugeVec,
     events: IntGaugeVec,
     event_state: IntGaugeVec,
+    /// The booking sync with the fleet's other replicas.
+    pub replica: super::replicas::SyncMetrics,
 }
 
 impl Metrics {
@@ -170,6 +172,7 @@ impl Metrics {
         registry.register(Box::new(load.clone()))?;
         registry.register(Box::new(events.clone()))?;
         registry.register(Box::new(event_state.clone()))?;
+        let replica = super::replicas::SyncMetrics::new(&registry)?;
         Ok(Metrics {
             registry,
             requests,
@@ -189,6 +192,7 @@ impl Metrics {
             load,
             events,
             event_state,
+            replica,
         })
     }
 
@@ -215,6 +219,7 @@ impl Metrics {
         self.events.reset();
         self.event_state.reset();
         self.queue_depth.set(gauge(router.queue_depth() as u64));
+        self.replica.scrape(router);
         let fleet = router.fleet();
         for entry in &fleet.ranks {
             let WorkerRank { worker, dp_rank } = entry.rank;

@@ -37,6 +37,16 @@ impl Outbox {
         }
     }
 
+    /// The router it speaks for.
+    pub fn replica(&self) -> ReplicaId {
+        self.replica
+    }
+
+    /// Its block size.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
     /// Bookings active now.
     pub fn active(&self) -> usize {
         self.book.len()

@@ -7,7 +7,8 @@
 //! with workers as real processes (`serve.rs`); the chat template and tokenizer against
 //! transformers (`chat.rs`); replay's figures and a replay against a worker (`replay.rs`); SGLang's own KV-event
 //! publisher feeding serve (`sglang.rs`); prefill and decode workers behind serve in both
-//! protocols (`disagg.rs`).
+//! protocols (`disagg.rs`); several serve replicas sharing bookings over a real NATS server
+//! (`serve_replicas.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -31,6 +32,7 @@ mod publishers;
 mod replay;
 mod scheduling;
 mod serve;
+mod serve_replicas;
 mod sglang;
 mod vllm;
 mod worker;

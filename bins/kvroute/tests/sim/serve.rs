@@ -23,11 +23,11 @@ pub(super) fn kvroute(args: &[String]) -> Process {
 }
 
 /// One engine: its process, its HTTP URL and its event endpoints.
-struct Engine {
-    process: Process,
-    url: String,
-    events: String,
-    replay: String,
+pub(super) struct Engine {
+    pub(super) process: Process,
+    pub(super) url: String,
+    pub(super) events: String,
+    pub(super) replay: String,
 }
 
 fn engine(extra: &[String]) -> Engine {
@@ -42,9 +42,11 @@ fn engine(extra: &[String]) -> Engine {
         format!("tcp://127.0.0.1:{replay}"),
         "--kv-blocks".into(),
         "4096".into(),
-        "--speedup".into(),
-        "20".into(),
     ];
+    // Twenty times real time, unless the caller says otherwise.
+    if !extra.iter().any(|a| a == "--speedup") {
+        args.extend(["--speedup".into(), "20".into()]);
+    }
     args.extend_from_slice(extra);
     let process = kvroute(&args);
     Engine {
@@ -57,7 +59,7 @@ fn engine(extra: &[String]) -> Engine {
 
 /// Waits until `url` answers; false when `process` exits first (its port was taken between
 /// [`free_port`] and its bind, say: the caller starts it again on other ports).
-async fn answers(client: &reqwest::Client, url: &str, process: &mut Process) -> bool {
+pub(super) async fn answers(client: &reqwest::Client, url: &str, process: &mut Process) -> bool {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let Ok(r) = client.get(url).send().await {
@@ -75,7 +77,11 @@ async fn answers(client: &reqwest::Client, url: &str, process: &mut Process) -> 
 
 /// `n` engines given `extra` flags, each answering; one that could not start is started again
 /// on other ports.
-async fn ready_engines(client: &reqwest::Client, n: usize, extra: &[String]) -> Vec<Engine> {
+pub(super) async fn ready_engines(
+    client: &reqwest::Client,
+    n: usize,
+    extra: &[String],
+) -> Vec<Engine> {
     let mut engines: Vec<Engine> = (0..n).map(|_| engine(extra)).collect();
     for e in &mut engines {
         let mut tries = 1;
@@ -90,7 +96,7 @@ async fn ready_engines(client: &reqwest::Client, n: usize, extra: &[String]) -> 
 
 /// `kvroute serve` with `args` after `--listen`, answering on the URL returned; started again
 /// on another port if it could not start.
-async fn ready_serve(client: &reqwest::Client, args: &[String]) -> (Process, String) {
+pub(super) async fn ready_serve(client: &reqwest::Client, args: &[String]) -> (Process, String) {
     for _ in 0..3 {
         let port = free_port();
         let mut all: Vec<String> = vec![
@@ -713,7 +719,7 @@ async fn exit_status(process: &mut Process) -> std::process::ExitStatus {
 }
 
 /// Sends `signal` (a name `kill` knows) to a process.
-fn signal(process: &Process, signal: &str) {
+pub(super) fn signal(process: &Process, signal: &str) {
     let status = Command::new("kill")
         .arg(format!("-{signal}"))
         .arg(process.0.id().to_string())

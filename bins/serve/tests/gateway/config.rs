@@ -25,6 +25,10 @@ fn every_key_has_one_name_in_the_file_the_environment_and_the_flags() {
         max_model_len: Some(8),
         model: Some("m".into()),
         tokenizer: Some("t".into()),
+        replicas: Some(kvroute_serve::ReplicaOptions {
+            nats: "nats://127.0.0.1:4222".into(),
+            fleet: "f".into(),
+        }),
         disagg: kvroute_serve::disagg::DisaggOptions {
             conditional: Some(kvroute_serve::disagg::Conditional {
                 max_new_tokens: 64,
@@ -161,4 +165,26 @@ fn bad_values_are_refused_with_their_key() {
     }
     assert!(kvroute_serve::parse_worker_flag("url=http://h:1,dp_size=5000000000", 0).is_err());
     assert!(kvroute_serve::parse_worker_flag("url=http://h:1,colour=blue", 0).is_err());
+}
+
+#[test]
+fn a_fleet_needs_nats_and_a_name_fit_for_a_nats_subject() {
+    let alone = ServeConfig {
+        fleet: Some("f".into()),
+        ..ServeConfig::default()
+    };
+    assert!(alone.apply(ServeOptions::default()).is_err());
+    let nats = ServeConfig {
+        nats: Some("nats://127.0.0.1:4222".into()),
+        ..ServeConfig::default()
+    };
+    let options = nats.clone().apply(ServeOptions::default()).unwrap();
+    assert_eq!(options.replicas.unwrap().fleet, "default");
+    for bad in ["", "a.b", "a b", "a*", "x>"] {
+        let c = ServeConfig {
+            fleet: Some(bad.into()),
+            ..nats.clone()
+        };
+        assert!(c.apply(ServeOptions::default()).is_err(), "{bad:?}");
+    }
 }

@@ -1,0 +1,296 @@
+//! Several `kvroute serve` replicas, one fleet, every part a real process on loopback: a real
+//! `nats-server`, `kvroute worker` engines, and replicas sharing their bookings over NATS.
+//! A replica sees the others' requests in flight, drops a killed one's within seconds, routes
+//! on its own bookings while NATS is down and takes the others' back when it returns, and a
+//! replica started late catches up.
+
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+use super::serve::{ready_engines, ready_serve, signal, Engine};
+use super::{free_port, skip_without_fixtures, Process};
+
+/// A `nats-server` on `port` (the system's package), or none when it is not installed.
+fn nats_server(port: u16) -> Option<Process> {
+    let child = Command::new("nats-server")
+        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    match child {
+        Ok(c) => {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while TcpStream::connect(("127.0.0.1", port)).is_err() {
+                assert!(Instant::now() < deadline, "nats-server never listened");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Some(Process(c))
+        }
+        Err(_) => {
+            skip_without_fixtures("no nats-server on PATH: run scripts/fixtures.sh");
+            None
+        }
+    }
+}
+
+/// A replica of the fleet `fleet` in front of `engines`, sharing bookings through the NATS
+/// server on `nats`.
+async fn replica(
+    client: &reqwest::Client,
+    engines: &[Engine],
+    nats: u16,
+    fleet: &str,
+) -> (Process, String) {
+    let mut args: Vec<String> = vec![
+        "--model".into(),
+        "kvroute-sim".into(),
+        "--nats".into(),
+        format!("nats://127.0.0.1:{nats}"),
+        "--fleet".into(),
+        fleet.into(),
+    ];
+    for e in engines {
+        args.push("--worker".into());
+        args.push(format!(
+            "url={},events={},replay={},kv_blocks=4096",
+            e.url, e.events, e.replay
+        ));
+    }
+    ready_serve(client, &args).await
+}
+
+/// Requests a replica counts on each worker (its own and the others').
+async fn requests(client: &reqwest::Client, url: &str) -> Vec<u64> {
+    let w: Value = client
+        .get(format!("{url}/v1/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    w["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| {
+            w["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["load"]["requests"].as_u64().unwrap_or(0))
+                .sum()
+        })
+        .collect()
+}
+
+/// A gauge or counter of a replica's `/metrics` (0 when absent).
+async fn metric(client: &reqwest::Client, url: &str, name: &str) -> f64 {
+    let text = client
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Waits up to `within` for `check` to hold of what `probe` reads; panics with the last
+/// reading otherwise.
+async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(
+    within: Duration,
+    what: &str,
+    mut probe: impl FnMut() -> F,
+    check: impl Fn(&T) -> bool,
+) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        let v = probe().await;
+        if check(&v) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what}: still {v:?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// A long streamed completion through `url`, held open once its first token arrived.
+async fn hold(
+    client: &reqwest::Client,
+    url: &str,
+    family: u32,
+) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> {
+    let prompt: Vec<u32> = (family * 10_000..family * 10_000 + 300).collect();
+    let body =
+        json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 3000, "stream": true});
+    let response = client
+        .post(format!("{url}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut stream = response.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    stream
+}
+
+/// Engines at real time, so that a long answer stays in flight while the test looks.
+async fn slow_engines(client: &reqwest::Client, n: usize) -> Vec<Engine> {
+    ready_engines(client, n, &["--speedup".into(), "1".into()]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_see_each_others_requests_and_drop_a_killed_ones() {
+    let nats_port = free_port();
+    let Some(_nats) = nats_server(nats_port) else {
+        return;
+    };
+    let client = reqwest::Client::new();
+    let engines = slow_engines(&client, 3).await;
+    let fleet = format!("t{nats_port}");
+    let (mut a, url_a) = replica(&client, &engines, nats_port, &fleet).await;
+    let (_b, url_b) = replica(&client, &engines, nats_port, &fleet).await;
+    let (_c, url_c) = replica(&client, &engines, nats_port, &fleet).await;
+    for url in [&url_a, &url_b, &url_c] {
+        eventually(
+            Duration::from_secs(10),
+            "replica peers",
+            || metric(&client, url, "kvroute_replica_peers"),
+            |p| *p == 2.0,
+        )
+        .await;
+    }
+
+    // Three unrelated long requests, one through each replica: each replica sees the others'
+    // and sends its own to a worker left idle.
+    let mut held = Vec::new();
+    for (i, url) in [&url_a, &url_b, &url_c].into_iter().enumerate() {
+        held.push(hold(&client, url, 1 + i as u32).await);
+        eventually(
+            Duration::from_secs(2),
+            "every replica sees the requests so far",
+            || async {
+                let mut all = Vec::new();
+                for u in [&url_a, &url_b, &url_c] {
+                    all.push(requests(&client, u).await.iter().sum::<u64>());
+                }
+                all
+            },
+            |all| all.iter().all(|n| *n == i as u64 + 1),
+        )
+        .await;
+    }
+    for url in [&url_a, &url_b, &url_c] {
+        assert_eq!(requests(&client, url).await, vec![1, 1, 1], "{url}");
+        assert_eq!(metric(&client, url, "kvroute_remote_requests").await, 2.0);
+        assert_eq!(metric(&client, url, "kvroute_replica_sync_up").await, 1.0);
+    }
+
+    // A killed replica says no goodbye: the others drop its booking once it is quiet.
+    signal(&a, "KILL");
+    a.0.wait().unwrap();
+    let gone = Instant::now();
+    for url in [&url_b, &url_c] {
+        eventually(
+            Duration::from_secs(5),
+            "the killed replica's booking leaves",
+            || metric(&client, url, "kvroute_remote_requests"),
+            |n| *n == 1.0,
+        )
+        .await;
+    }
+    assert!(gone.elapsed() < Duration::from_secs(5));
+
+    // The others end their requests: nothing is left anywhere.
+    drop(held);
+    for url in [&url_b, &url_c] {
+        eventually(
+            Duration::from_secs(5),
+            "load back to zero",
+            || requests(&client, url),
+            |r| r.iter().all(|n| *n == 0),
+        )
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_nats_a_replica_routes_alone_and_takes_the_others_back_when_it_returns() {
+    let nats_port = free_port();
+    let Some(nats) = nats_server(nats_port) else {
+        return;
+    };
+    let client = reqwest::Client::new();
+    let engines = slow_engines(&client, 2).await;
+    let fleet = format!("t{nats_port}");
+    let (_a, url_a) = replica(&client, &engines, nats_port, &fleet).await;
+    let (_b, url_b) = replica(&client, &engines, nats_port, &fleet).await;
+    let _held_a = hold(&client, &url_a, 1).await;
+    eventually(
+        Duration::from_secs(5),
+        "B sees A's request",
+        || metric(&client, &url_b, "kvroute_remote_requests"),
+        |n| *n == 1.0,
+    )
+    .await;
+
+    // NATS dies: B's view is its own, and it still routes.
+    drop(nats);
+    eventually(
+        Duration::from_secs(5),
+        "B's view is local",
+        || async {
+            (
+                metric(&client, &url_b, "kvroute_replica_sync_up").await,
+                metric(&client, &url_b, "kvroute_remote_requests").await,
+            )
+        },
+        |v| *v == (0.0, 0.0),
+    )
+    .await;
+    let body =
+        json!({"model": "kvroute-sim", "prompt": (0..64).collect::<Vec<u32>>(), "max_tokens": 2});
+    let r = client
+        .post(format!("{url_b}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    // NATS is back on the same port: both reconnect, and B takes A's request back.
+    let Some(_nats) = nats_server(nats_port) else {
+        return;
+    };
+    eventually(
+        Duration::from_secs(10),
+        "B takes A's booking back",
+        || async {
+            (
+                metric(&client, &url_b, "kvroute_replica_sync_up").await,
+                metric(&client, &url_b, "kvroute_remote_requests").await,
+            )
+        },
+        |v| *v == (1.0, 1.0),
+    )
+    .await;
+
+    // A replica started now catches up with what is in flight.
+    let (_c, url_c) = replica(&client, &engines, nats_port, &fleet).await;
+    eventually(
+        Duration::from_secs(5),
+        "the late replica sees A's request",
+        || metric(&client, &url_c, "kvroute_remote_requests"),
+        |n| *n == 1.0,
+    )
+    .await;
+}
