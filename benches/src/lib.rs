@@ -13,12 +13,14 @@
 //! - [`replay`]: one timed replay and its figures.
 //! - [`alloc`]: the counting global allocator the benchmark binary installs.
 //! - [`affinity`]: pinning a thread to a CPU.
+//! - [`fake_engine`]: an engine that answers at once, for the gateway benchmarks.
 //!
 //! Figures are defined in `benches/README.md`.
 #![deny(unsafe_code)]
 
 pub mod affinity;
 pub mod alloc;
+pub mod fake_engine;
 pub mod peers;
 pub mod replay;
 pub mod trace;

@@ -2,8 +2,8 @@
 //! over NATS core, on one subject per fleet (`kvroute.<fleet>.bookings`).
 //!
 //! ```text
-//!  Router::on_booking ──try_send──▶ queue ──▶ publisher task: Outbox ──publish──▶ NATS subject
-//!                                              heartbeat every 500 ms, snapshot when asked
+//!  Router::on_booking ──▶ DeltaLog ──collector thread, every 200 µs──▶ publisher task: Outbox
+//!  publisher task ──publish──▶ NATS subject   (heartbeat every 500 ms, snapshot when asked)
 //!  NATS subject ──▶ subscriber task: Inbox::receive ──▶ Router::apply_remote
 //!                    quiet peers dropped after 2 s; NATS lost ──▶ every peer dropped (local view)
 //! ```
@@ -14,13 +14,12 @@
 //! line); when NATS is back it asks every replica for its book. A replica that dies leaves
 //! nothing behind: the others drop its bookings once it has been quiet for 2 s.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
-use kvroute_core::{OwnedDelta, ReplicaId, Router};
-use kvroute_transport::replicas::{resync, Inbox, InboxCounts, Outbox};
+use kvroute_core::{ReplicaId, Router};
+use kvroute_transport::replicas::{replay, resync, DeltaLog, Inbox, InboxCounts, Outbox, Taken};
 use prometheus::{Histogram, HistogramOpts, IntGauge, IntGaugeVec, Opts, Registry};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -29,9 +28,10 @@ use tokio::task::JoinHandle;
 pub(crate) const HEARTBEAT: Duration = Duration::from_millis(500);
 /// A replica not heard for this long is dropped with its bookings.
 pub(crate) const SILENT_AFTER: Duration = Duration::from_secs(2);
-/// Own deltas queued for the publisher at most; past it they are dropped and the book is
-/// sent whole instead.
-const QUEUE: usize = 1 << 16;
+/// How often the collector takes the routing threads' changes while they come.
+const COLLECT_EVERY: Duration = Duration::from_micros(200);
+/// Polls that find nothing before the collector parks until the next change.
+const IDLE_POLLS: u32 = 50;
 
 /// Where the replicas meet.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,11 +95,13 @@ impl SyncMetrics {
         let delay = Histogram::with_opts(
             HistogramOpts::new(
                 "kvroute_replica_delay_seconds",
-                "From another replica's clock at sending to this one's at receiving (meaningful \
-                 on one host, or with synchronised clocks).",
+                "From the booking change another replica made (the oldest of its message) to \
+                 this replica receiving it, by the two wall clocks (meaningful on one host, or \
+                 with synchronised clocks).",
             )
             .buckets(vec![
-                1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0,
+                5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 0.1,
+                1.0,
             ]),
         )?;
         registry.register(Box::new(up.clone()))?;
@@ -245,14 +247,18 @@ impl ReplicaSync {
                     url: options.nats.clone(),
                     reason: e.to_string(),
                 })?;
-        let (deltas, queue) = mpsc::channel::<OwnedDelta>(QUEUE);
-        let lost = Arc::new(AtomicBool::new(false));
-        let lost_in_sink = Arc::clone(&lost);
-        router.on_booking(move |d| {
-            if deltas.try_send(OwnedDelta::from(d)).is_err() {
-                lost_in_sink.store(true, Ordering::Relaxed);
-            }
-        });
+        let log = Arc::new(DeltaLog::new());
+        let sink = Arc::clone(&log);
+        router.on_booking(move |d| sink.append(d));
+        let (batches, queue) = mpsc::channel::<Taken>(64);
+        let (spares, spare) = std::sync::mpsc::channel::<Vec<u64>>();
+        std::thread::Builder::new()
+            .name("kvroute-sync".into())
+            .spawn(move || collect(&log, &batches, &spare))
+            .map_err(|e| ReplicaError::Nats {
+                url: options.nats.clone(),
+                reason: format!("cannot start the collector thread: {e}"),
+            })?;
         let block_size = router.config().block_size;
         let (snapshots, wanted) = mpsc::unbounded_channel::<()>();
         let publisher = Publisher {
@@ -275,7 +281,7 @@ impl ReplicaSync {
             snapshots,
         };
         let tasks = vec![
-            tokio::spawn(publisher.run(queue, lost, pub_links, wanted)),
+            tokio::spawn(publisher.run(queue, spares, pub_links, wanted)),
             tokio::spawn(listener.run(subscriber, sub_links)),
         ];
         tracing::info!(
@@ -307,6 +313,40 @@ impl ReplicaSync {
     }
 }
 
+/// The collector thread: takes the log every [`COLLECT_EVERY`] while changes come, parks
+/// when none came for [`IDLE_POLLS`] polls, and hands each batch to the publisher (waiting
+/// while the publisher is behind). Ends when the publisher has.
+fn collect(
+    log: &DeltaLog,
+    batches: &mpsc::Sender<Taken>,
+    spare: &std::sync::mpsc::Receiver<Vec<u64>>,
+) {
+    let (mut idle, mut unused) = (0, Vec::new());
+    loop {
+        let taken = log.take(
+            spare
+                .try_recv()
+                .unwrap_or_else(|_| std::mem::take(&mut unused)),
+        );
+        if taken.words.is_empty() && !taken.lost {
+            unused = taken.words;
+            idle += 1;
+            if idle >= IDLE_POLLS {
+                log.wait();
+                idle = 0;
+            } else {
+                std::thread::sleep(COLLECT_EVERY);
+            }
+            continue;
+        }
+        idle = 0;
+        if batches.blocking_send(taken).is_err() {
+            return;
+        }
+        std::thread::sleep(COLLECT_EVERY);
+    }
+}
+
 /// The publishing task's state.
 struct Publisher {
     client: async_nats::Client,
@@ -321,30 +361,27 @@ struct Publisher {
 impl Publisher {
     async fn run(
         mut self,
-        mut queue: mpsc::Receiver<OwnedDelta>,
-        lost: Arc<AtomicBool>,
+        mut queue: mpsc::Receiver<Taken>,
+        spares: std::sync::mpsc::Sender<Vec<u64>>,
         mut links: mpsc::UnboundedReceiver<Link>,
         mut wanted: mpsc::UnboundedReceiver<()>,
     ) {
         let mut beat = tokio::time::interval(HEARTBEAT);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut batch = Vec::with_capacity(1024);
         loop {
             tokio::select! {
-                n = queue.recv_many(&mut batch, 1024) => {
-                    if n == 0 {
-                        return;
-                    }
-                    for d in batch.drain(..) {
-                        self.outbox.push(&d.as_delta());
-                    }
-                    if lost.swap(false, Ordering::Relaxed) {
-                        // Some deltas never arrived: the book cannot be trusted; start over.
+                taken = queue.recv() => {
+                    let Some(taken) = taken else { return };
+                    if taken.lost {
+                        // Some changes never reached the log: the book cannot be trusted;
+                        // start over from the changes that follow.
                         self.lost_deltas += 1;
                         self.outbox.reset();
-                        tracing::warn!("booking sync: own deltas dropped (queue full); book resent");
+                        tracing::warn!("booking sync: own changes dropped (log full); book resent");
                     }
-                    let msgs = self.outbox.flush(unix_ns());
+                    replay(&taken.words, &mut self.outbox);
+                    let _ = spares.send(taken.words);
+                    let msgs = self.outbox.flush(taken.oldest_ns);
                     self.publish(msgs).await;
                 }
                 _ = beat.tick() => {

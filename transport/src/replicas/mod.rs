@@ -2,9 +2,10 @@
 //! carries the messages (serve: over NATS core, one subject per fleet).
 //!
 //! ```text
-//!  Router::on_booking ──deltas──▶ Outbox ──flush: Deltas (seq n, n+1, …)──▶ every other router
-//!                                  │     ──heartbeat (last seq)───────────▶
-//!                                  └─────snapshot (its whole book) on a Resync, or after loss
+//!  Router::on_booking ──▶ DeltaLog (words) ──taken every 200 µs by a collector──▶ Outbox
+//!  Outbox ──flush: Deltas (seq n, n+1, …)──────────────────────▶ every other router
+//!         ──heartbeat (last seq)───────────────────────────────▶
+//!         ──snapshot (its whole book) on a Resync, or after loss─▶
 //!  every other router ──▶ Inbox::receive ──▶ Router::apply_remote (in sequence)
 //!                              │ a gap, or a new peer: drop its bookings, ask it to Resync
 //!                              └ a peer quiet too long, or saying Bye: drop its bookings
@@ -15,10 +16,12 @@
 //! that loses the sync routes on its own bookings until it is back.
 //!
 //! * [`wire`]: the messages (rkyv archives).
+//! * [`log`]: the routing threads' changes, appended as words, taken by one collector.
 //! * [`outbox`]: this router's book and the messages that tell it.
 //! * [`inbox`]: the other routers' messages applied to this one.
 
 pub mod inbox;
+pub mod log;
 pub mod outbox;
 // Every item written in `wire` is documented; rkyv 0.8's `Archive` derive leaves the fields of
 // the resolvers of struct-like variants (`BodyResolver`, `WireDeltaResolver`) without docs.
@@ -26,6 +29,7 @@ pub mod outbox;
 pub mod wire;
 
 pub use inbox::{Inbox, InboxCounts, Received, RESYNC_EVERY};
+pub use log::{replay, DeltaLog, Taken, MAX_LOG_WORDS};
 pub use outbox::{resync, Outbox};
 pub use wire::{decode, encode, Body, Envelope, WireBooking, WireDelta, WireError};
 

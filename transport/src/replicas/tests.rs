@@ -249,3 +249,60 @@ fn forged_and_foreign_messages_are_refused_and_counted() {
     assert_eq!(r.applied, 1);
     assert_eq!(b.load(WorkerRank::new(0, 0)).unwrap().output_blocks, 0);
 }
+
+#[test]
+fn the_log_carries_every_change_and_wakes_its_collector() {
+    let log = Arc::new(DeltaLog::new());
+    let r = router();
+    let sink = Arc::clone(&log);
+    r.on_booking(move |d| sink.append(d));
+    let a = Sender {
+        router: r,
+        queue: Arc::new(Mutex::new(Vec::new())),
+        outbox: Outbox::new(ReplicaId(1), BS),
+    };
+    for id in 1..=5 {
+        a.route(id, 40 * id as usize);
+    }
+    a.router.prefill_done(RequestId(2)).unwrap();
+    a.router.tokens_generated(RequestId(3), 50).unwrap();
+    a.router.free(RequestId(4)).unwrap();
+    let taken = log.take(Vec::new());
+    assert!(!taken.lost && taken.oldest_ns > 0);
+    let mut via_log = Outbox::new(ReplicaId(1), BS);
+    assert_eq!(replay(&taken.words, &mut via_log), 9);
+    assert_eq!(via_log.active(), 4);
+    // What the log carried rebuilds A's load on another router.
+    let b = router();
+    let mut inbox = Inbox::new(ReplicaId(2), BS);
+    deliver(&mut inbox, &b, &via_log.snapshot(1));
+    assert_eq!(loads(&a.router), loads(&b));
+    // Truncated words end the batch, never panic.
+    for cut in 0..taken.words.len() {
+        let mut o = Outbox::new(ReplicaId(1), BS);
+        assert!(replay(&taken.words[..cut], &mut o) <= 9);
+    }
+    assert!(replay(&[99, 1, 2], &mut Outbox::new(ReplicaId(1), BS)) == 0);
+    // An empty log hands the spare back; a parked collector wakes on the next change.
+    let spare = Vec::with_capacity(64);
+    let again = log.take(spare);
+    assert!(again.words.is_empty() && again.words.capacity() >= 64);
+    let waiter = {
+        let log = Arc::clone(&log);
+        std::thread::spawn(move || {
+            log.wait();
+            log.take(Vec::new()).words.len()
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    a.router.free(RequestId(5)).unwrap();
+    let start = Instant::now();
+    while !waiter.is_finished() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the collector never woke"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(waiter.join().unwrap(), 2);
+}
