@@ -11,6 +11,7 @@
 //!    free, without a booking sink and with serve's (each change appended to a `DeltaLog`
 //!    that another thread takes every 200 µs into an `Outbox` and encodes, as serve's
 //!    collector and publisher do). Rounds alternate; the medians and their ratio are printed.
+//!    The routing thread runs on CPU 0 and the collector on CPU 1.
 //! 2. **Delivery.** `nats-server` (the system's package; `scripts/fixtures.sh` installs it),
 //!    a fake engine that answers at once, and two replicas A and B (`RunningServe` with
 //!    `--nats`) in this process. Token-id completions go to A at 1 and 64 in flight for
@@ -25,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use kvroute_benches::affinity::pin_to;
 use kvroute_benches::fake_engine::fake_engine;
 use kvroute_benches::median;
 use kvroute_core::{
@@ -37,6 +39,9 @@ use serde_json::json;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// How often the collector takes the log, in µs (serve's `COLLECT_EVERY`).
+const COLLECT_US: u64 = 200;
 
 fn router() -> Result<Router> {
     let r = Router::new(
@@ -90,6 +95,9 @@ fn route_cost(rounds: usize) -> Result<()> {
     let drain = {
         let (sent, lost, done) = (Arc::clone(&bytes), Arc::clone(&lost), Arc::clone(&done));
         std::thread::spawn(move || {
+            if let Err(e) = pin_to(1) {
+                eprintln!("collector not pinned: {e}");
+            }
             let mut outbox = Outbox::new(ReplicaId(1), 16);
             let mut spare = Vec::new();
             while !done.load(Ordering::Relaxed) {
@@ -102,10 +110,12 @@ fn route_cost(rounds: usize) -> Result<()> {
                     sent.fetch_add(m.len() as u64, Ordering::Relaxed);
                 }
                 spare = taken.words;
-                std::thread::sleep(Duration::from_micros(200));
+                std::thread::sleep(Duration::from_micros(COLLECT_US));
             }
         })
     };
+    // The routing thread on CPU 0, the collector on CPU 1, as a frontend's cores would be.
+    pin_to(0).context("pinning the routing thread to CPU 0")?;
     let n = 50_000;
     let (mut a, mut b) = (Vec::new(), Vec::new());
     // Warm both (the index learns every prefix), then alternate.

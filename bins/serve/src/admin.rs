@@ -209,7 +209,13 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
             })
         })
         .collect();
-    Json(json!({ "workers": workers }))
+    // Whether workers added or removed here reach the fleet's other replicas.
+    let registry = match &state.registry {
+        None => "none",
+        Some(r) if r.store().is_some() => "shared",
+        Some(_) => "unreachable",
+    };
+    Json(json!({ "workers": workers, "registry": registry }))
 }
 
 /// `POST /v1/workers`: adds a worker (a [`BackendSpec`] in JSON).
@@ -225,12 +231,28 @@ pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Re
             )
         }
     };
+    let json_spec = serde_json::to_vec(&spec).unwrap_or_default();
     match state
         .backends
         .add(&state.router, &state.client, spec, &state.options.limits())
         .await
     {
-        Ok(b) => (StatusCode::CREATED, Json(json!({"id": b.spec.id}))).into_response(),
+        Ok(b) => {
+            // Then the fleet's other replicas, through the shared registry.
+            let shared = match state.registry.as_ref().and_then(|r| r.store()) {
+                Some(store) => store
+                    .put(crate::registry::key(b.spec.id), json_spec.into())
+                    .await
+                    .map_err(|e| tracing::warn!(error = %e, "worker registry: not shared"))
+                    .is_ok(),
+                None => false,
+            };
+            (
+                StatusCode::CREATED,
+                Json(json!({"id": b.spec.id, "shared": shared})),
+            )
+                .into_response()
+        }
         Err(e) => error(&state, "workers", StatusCode::BAD_REQUEST, e.to_string()),
     }
 }
@@ -246,6 +268,32 @@ pub(crate) async fn remove_worker(State(state): State<AppState>, Path(id): Path<
             format!("worker {id} does not exist"),
         );
     };
+    // Marked draining first, so that this replica's own registry watch leaves it to us.
+    state.set_draining(WorkerId(id), true);
+    // The fleet's other replicas drain it too, through the shared registry.
+    let shared = match state.registry.as_ref().and_then(|r| r.store()) {
+        Some(store) => store
+            .delete(crate::registry::key(id))
+            .await
+            .map_err(|e| tracing::warn!(error = %e, "worker registry: removal not shared"))
+            .is_ok(),
+        None => false,
+    };
+    match drain_and_remove(&state, &backend).await {
+        Ok(blocks) => {
+            Json(json!({"id": id, "blocks_removed": blocks, "shared": shared})).into_response()
+        }
+        Err(e) => error(&state, "workers", StatusCode::NOT_FOUND, e.to_string()),
+    }
+}
+
+/// No new request goes to `backend`; once its requests here have ended (or the drain timeout
+/// passed) it leaves, and its blocks leave the index. Returns the blocks removed.
+pub(crate) async fn drain_and_remove(
+    state: &AppState,
+    backend: &crate::backends::Backend,
+) -> Result<usize, crate::backends::BackendError> {
+    let id = backend.spec.id;
     state.set_draining(WorkerId(id), true);
     let deadline = tokio::time::Instant::now() + state.options.drain_timeout;
     loop {
@@ -260,10 +308,7 @@ pub(crate) async fn remove_worker(State(state): State<AppState>, Path(id): Path<
     }
     let result = state.backends.remove(&state.router, id);
     state.set_draining(WorkerId(id), false);
-    match result {
-        Ok(blocks) => Json(json!({"id": id, "blocks_removed": blocks})).into_response(),
-        Err(e) => error(&state, "workers", StatusCode::NOT_FOUND, e.to_string()),
-    }
+    result
 }
 
 /// `GET /metrics`.

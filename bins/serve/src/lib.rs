@@ -21,6 +21,7 @@
 //! * `headers.rs`: the header names the gateway reads and sets.
 //! * `openai.rs`: OpenAI's request and response shapes (also the worker's and replay's).
 //! * `replicas.rs`: several replicas, one fleet: bookings shared over NATS.
+//! * `registry.rs`: the fleet's workers, shared by its replicas in NATS JetStream's KV store.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
@@ -37,6 +38,7 @@ mod metrics;
 mod networks;
 pub mod openai;
 mod proxy;
+mod registry;
 mod replicas;
 
 use std::collections::HashSet;
@@ -210,6 +212,8 @@ pub(crate) struct AppState {
     pub disagg: Arc<disagg::Activation>,
     /// Rests of prompts tokenized in part, being tokenized off the request path.
     pub rests: Arc<proxy::Rests>,
+    /// The worker registry shared with the fleet's other replicas (none: no NATS).
+    pub registry: Option<Arc<registry::SharedRegistry>>,
 }
 
 impl AppState {
@@ -285,6 +289,7 @@ pub struct RunningServe {
     prober: JoinHandle<()>,
     expirer: JoinHandle<()>,
     sync: Option<replicas::ReplicaSync>,
+    registry: Option<JoinHandle<()>>,
 }
 
 impl RunningServe {
@@ -363,6 +368,16 @@ impl RunningServe {
             draining: Arc::default(),
             disagg: Arc::default(),
             rests: Arc::new(proxy::Rests::new()),
+            registry: sync.as_ref().map(|_| Arc::default()),
+        };
+        let registry = match (&sync, &state.registry, &options.replicas) {
+            (Some(sync), Some(shared), Some(r)) => Some(registry::start(
+                state.clone(),
+                sync.client(),
+                &r.fleet,
+                Arc::clone(shared),
+            )),
+            _ => None,
         };
         let app = axum::Router::new()
             .route("/v1/completions", post(handlers::completions))
@@ -415,6 +430,7 @@ impl RunningServe {
             prober,
             expirer,
             sync,
+            registry,
         })
     }
 
@@ -436,6 +452,9 @@ impl RunningServe {
         };
         self.prober.abort();
         self.expirer.abort();
+        if let Some(registry) = self.registry.take() {
+            registry.abort();
+        }
         if let Some(sync) = self.sync.take() {
             sync.leave().await;
         }

@@ -299,6 +299,11 @@ impl ReplicaSync {
         })
     }
 
+    /// The NATS client (the worker registry shares it).
+    pub(crate) fn client(&self) -> async_nats::Client {
+        self.client.clone()
+    }
+
     /// Says goodbye, so that the others drop this replica's bookings at once, and stops.
     pub(crate) async fn leave(self) {
         for t in &self.tasks {

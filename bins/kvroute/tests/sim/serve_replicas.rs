@@ -2,7 +2,8 @@
 //! `nats-server`, `kvroute worker` engines, and replicas sharing their bookings over NATS.
 //! A replica sees the others' requests in flight, drops a killed one's within seconds, routes
 //! on its own bookings while NATS is down and takes the others' back when it returns, and a
-//! replica started late catches up.
+//! replica started late catches up. Workers added or removed through one replica's API reach
+//! every replica through the registry in NATS JetStream's key-value store.
 
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
@@ -14,10 +15,13 @@ use serde_json::{json, Value};
 use super::serve::{ready_engines, ready_serve, signal, Engine};
 use super::{free_port, skip_without_fixtures, Process};
 
-/// A `nats-server` on `port` (the system's package), or none when it is not installed.
+/// A `nats-server` on `port` (the system's package) with JetStream, storing in a directory of
+/// its own, or none when it is not installed.
 fn nats_server(port: u16) -> Option<Process> {
+    let store = std::env::temp_dir().join(format!("kvroute-nats-{port}"));
     let child = Command::new("nats-server")
-        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(&store)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn();
@@ -37,11 +41,61 @@ fn nats_server(port: u16) -> Option<Process> {
     }
 }
 
+/// The workers a replica lists, by id, with whether each is ready.
+async fn workers(client: &reqwest::Client, url: &str) -> Vec<(u64, bool)> {
+    let w: Value = client
+        .get(format!("{url}/v1/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut out: Vec<(u64, bool)> = w["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["id"].as_u64().unwrap(), w["ready"] == true))
+        .collect();
+    out.sort();
+    out
+}
+
+/// What a replica's `/v1/workers` says of the registry.
+async fn registry(client: &reqwest::Client, url: &str) -> String {
+    let w: Value = client
+        .get(format!("{url}/v1/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    w["registry"].as_str().unwrap_or_default().to_owned()
+}
+
+/// A worker's spec as `/v1/workers` takes it.
+fn spec(id: u64, e: &Engine) -> Value {
+    json!({"id": id, "url": e.url, "kv_events": e.events, "kv_replay": e.replay, "kv_blocks": 4096})
+}
+
 /// A replica of the fleet `fleet` in front of `engines`, sharing bookings through the NATS
 /// server on `nats`.
 async fn replica(
     client: &reqwest::Client,
     engines: &[Engine],
+    nats: u16,
+    fleet: &str,
+) -> (Process, String) {
+    let ids: Vec<u64> = (0..engines.len() as u64).collect();
+    replica_with(client, engines, &ids, nats, fleet).await
+}
+
+/// [`replica`], with the engines' worker ids.
+async fn replica_with(
+    client: &reqwest::Client,
+    engines: &[Engine],
+    ids: &[u64],
     nats: u16,
     fleet: &str,
 ) -> (Process, String) {
@@ -53,10 +107,10 @@ async fn replica(
         "--fleet".into(),
         fleet.into(),
     ];
-    for e in engines {
+    for (e, id) in engines.iter().zip(ids) {
         args.push("--worker".into());
         args.push(format!(
-            "url={},events={},replay={},kv_blocks=4096",
+            "id={id},url={},events={},replay={},kv_blocks=4096",
             e.url, e.events, e.replay
         ));
     }
@@ -293,4 +347,91 @@ async fn without_nats_a_replica_routes_alone_and_takes_the_others_back_when_it_r
         |n| *n == 1.0,
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_added_or_removed_through_one_replica_reaches_every_replica() {
+    let nats_port = free_port();
+    let Some(_nats) = nats_server(nats_port) else {
+        return;
+    };
+    let client = reqwest::Client::new();
+    let engines = ready_engines(&client, 2, &[]).await;
+    let fleet = format!("t{nats_port}");
+    // Both replicas start with the first engine only.
+    let (_a, url_a) = replica(&client, &engines[..1], nats_port, &fleet).await;
+    let (mut b, url_b) = replica(&client, &engines[..1], nats_port, &fleet).await;
+    for url in [&url_a, &url_b] {
+        eventually(
+            Duration::from_secs(5),
+            "the registry is shared",
+            || registry(&client, url),
+            |r| r == "shared",
+        )
+        .await;
+    }
+
+    // Added through A: B has it, ready, within a second.
+    let added: Value = client
+        .post(format!("{url_a}/v1/workers"))
+        .json(&spec(7, &engines[1]))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(added, json!({"id": 7, "shared": true}));
+    let t = Instant::now();
+    eventually(
+        Duration::from_secs(1),
+        "B has the worker A added",
+        || workers(&client, &url_b),
+        |w| *w == vec![(0, true), (7, true)],
+    )
+    .await;
+    eprintln!("worker added through A ready on B after {:?}", t.elapsed());
+
+    // B restarts with its old configuration: the registry gives it the worker back.
+    signal(&b, "KILL");
+    b.0.wait().unwrap();
+    let (mut b, url_b) = replica(&client, &engines[..1], nats_port, &fleet).await;
+    eventually(
+        Duration::from_secs(5),
+        "a restarted replica takes the fleet's workers",
+        || workers(&client, &url_b),
+        |w| w.iter().map(|x| x.0).collect::<Vec<_>>() == vec![0, 7],
+    )
+    .await;
+
+    // Removed through B: A drops it within a second.
+    let removed: Value = client
+        .delete(format!("{url_b}/v1/workers/7"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(removed["shared"], true, "{removed}");
+    eventually(
+        Duration::from_secs(1),
+        "A drops the worker B removed",
+        || workers(&client, &url_a),
+        |w| *w == vec![(0, true)],
+    )
+    .await;
+
+    // A replica configured with the removed worker does not bring it back.
+    signal(&b, "KILL");
+    b.0.wait().unwrap();
+    let (_b, url_b) = replica_with(&client, &engines, &[0, 7], nats_port, &fleet).await;
+    eventually(
+        Duration::from_secs(5),
+        "the removed worker stays removed",
+        || workers(&client, &url_b),
+        |w| w.iter().map(|x| x.0).collect::<Vec<_>>() == vec![0],
+    )
+    .await;
+    assert_eq!(workers(&client, &url_a).await, vec![(0, true)]);
 }

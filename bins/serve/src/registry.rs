@@ -1,0 +1,220 @@
+//! One worker registry for every replica of a fleet, in NATS JetStream's key-value store: the
+//! bucket `kvroute-<fleet>-workers`, one key per worker (`w<id>`) holding its spec as JSON.
+//!
+//! ```text
+//!  POST /v1/workers on any replica ──local add──▶ put w<id> ──watch──▶ every replica adds it
+//!  DELETE /v1/workers/{id} ──delete w<id> ──watch──▶ every replica drains it and removes it
+//!  start: each configured worker ──▶ created in the bucket unless it is there, or was removed
+//! ```
+//!
+//! The engines stay the source of truth for caches; the bucket holds only who the workers are.
+//! A replica whose registry is not reachable (NATS down, or a server without JetStream) keeps
+//! its workers and changes them through its own API alone, and says so (`"shared": false` in
+//! the answer, a log line); it follows the bucket once it can. Workers' `api_key`s are in the
+//! bucket: NATS access to it must be guarded as the configuration file is.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_nats::jetstream::kv::{Entry, Operation, Store};
+use futures_util::StreamExt;
+use tokio::task::JoinHandle;
+
+use super::backends::BackendSpec;
+use super::AppState;
+
+/// The store, once reached.
+#[derive(Debug, Default)]
+pub(crate) struct SharedRegistry {
+    store: OnceLock<Store>,
+}
+
+impl SharedRegistry {
+    /// The bucket, when it has been reached.
+    pub(crate) fn store(&self) -> Option<&Store> {
+        self.store.get()
+    }
+}
+
+/// The bucket of fleet `fleet`.
+pub(crate) fn bucket(fleet: &str) -> String {
+    format!("kvroute-{fleet}-workers")
+}
+
+/// Worker `id`'s key.
+pub(crate) fn key(id: u64) -> String {
+    format!("w{id}")
+}
+
+fn id_of(key: &str) -> Option<u64> {
+    key.strip_prefix('w')?.parse().ok()
+}
+
+/// Reaches the bucket (retrying while it cannot), registers the configured workers, then
+/// applies every change to the fleet's workers.
+pub(crate) fn start(
+    state: AppState,
+    client: async_nats::Client,
+    fleet: &str,
+    shared: Arc<SharedRegistry>,
+) -> JoinHandle<()> {
+    let name = bucket(fleet);
+    tokio::spawn(async move {
+        let js = async_nats::jetstream::new(client);
+        let mut warned = false;
+        let store = loop {
+            let found = match js.get_key_value(name.as_str()).await {
+                Ok(s) => Ok(s),
+                Err(_) => create_bucket(&js, &name).await,
+            };
+            match found {
+                Ok(s) => break s,
+                Err(e) => {
+                    if !warned {
+                        tracing::warn!(
+                            bucket = %name,
+                            error = %e,
+                            "worker registry unreachable (NATS down, or no JetStream): workers \
+                             change through this replica's own API alone until it is"
+                        );
+                        warned = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+            }
+        };
+        let _ = shared.store.set(store.clone());
+        tracing::info!(bucket = %name, "worker registry shared");
+        register_configured(&state, &store).await;
+        loop {
+            match store.watch_with_history(">").await {
+                Ok(mut watch) => {
+                    while let Some(entry) = watch.next().await {
+                        match entry {
+                            Ok(entry) => apply(&state, entry).await,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "worker registry: watch failed");
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "worker registry: cannot watch"),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+}
+
+/// Creates the bucket: the stream JetStream's key-value layout defines (`KV_<bucket>` on
+/// `$KV.<bucket>.>`, the latest value per key, deletes as markers), made directly rather than
+/// through the client's `create_key_value`, which first reads account fields that servers
+/// before 2.10 do not send (Debian 12 ships 2.9).
+async fn create_bucket(
+    js: &async_nats::jetstream::Context,
+    name: &str,
+) -> Result<Store, async_nats::Error> {
+    js.get_or_create_stream(async_nats::jetstream::stream::Config {
+        name: format!("KV_{name}"),
+        subjects: vec![format!("$KV.{name}.>")],
+        max_messages_per_subject: 1,
+        discard: async_nats::jetstream::stream::DiscardPolicy::New,
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await?;
+    Ok(js.get_key_value(name).await?)
+}
+
+/// Each of this replica's workers is created in the bucket unless it is there; one the bucket
+/// says was removed leaves this replica too.
+async fn register_configured(state: &AppState, store: &Store) {
+    for b in state.backends.all() {
+        let id = b.spec.id;
+        match store.entry(key(id)).await {
+            Ok(Some(e)) if e.operation != Operation::Put => {
+                tracing::info!(
+                    worker = id,
+                    "worker removed from the fleet's registry: leaving"
+                );
+                spawn_removal(state, id);
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                let spec = serde_json::to_vec(&b.spec).unwrap_or_default();
+                if let Err(e) = store.create(key(id), spec.into()).await {
+                    tracing::debug!(worker = id, error = %e, "worker registry: not created");
+                }
+            }
+            Err(e) => tracing::warn!(worker = id, error = %e, "worker registry: cannot read"),
+        }
+    }
+}
+
+/// Applies one change of the bucket to this replica's workers.
+async fn apply(state: &AppState, entry: Entry) {
+    let Some(id) = id_of(&entry.key) else {
+        return;
+    };
+    match entry.operation {
+        Operation::Put => {
+            let spec: BackendSpec = match serde_json::from_slice(&entry.value) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(worker = id, error = %e, "worker registry: not a worker spec");
+                    return;
+                }
+            };
+            if spec.id != id {
+                tracing::warn!(key = %entry.key, id = spec.id, "worker registry: key and id differ");
+                return;
+            }
+            if let Some(b) = state.backends.get(id) {
+                if b.spec == spec {
+                    return;
+                }
+                tracing::info!(
+                    worker = id,
+                    "worker changed in the fleet's registry: rejoining"
+                );
+                let _ = state.backends.remove(&state.router, id);
+            }
+            match state
+                .backends
+                .add(&state.router, &state.client, spec, &state.options.limits())
+                .await
+            {
+                Ok(_) => tracing::info!(worker = id, "worker joined from the fleet's registry"),
+                Err(e) => tracing::warn!(
+                    worker = id,
+                    error = %e,
+                    "worker from the fleet's registry refused"
+                ),
+            }
+        }
+        Operation::Delete | Operation::Purge => spawn_removal(state, id),
+    }
+}
+
+/// Drains worker `id` and removes it, unless it is gone or being drained already.
+fn spawn_removal(state: &AppState, id: u64) {
+    if state.draining().contains(&kvroute_core::WorkerId(id)) {
+        return;
+    }
+    let Some(backend) = state.backends.get(id) else {
+        return;
+    };
+    let state = state.clone();
+    tokio::spawn(async move {
+        match super::admin::drain_and_remove(&state, &backend).await {
+            Ok(blocks) => tracing::info!(
+                worker = id,
+                blocks,
+                "worker left, removed from the fleet's registry"
+            ),
+            Err(e) => tracing::debug!(worker = id, error = %e, "worker registry: removal"),
+        }
+    });
+}
