@@ -1,11 +1,43 @@
-//! The binary's `demo --sweep-workers` and `demo --disagg`, and the built-in workload's mixes
-//! by name: a module of `main.rs` (the command line), not of the library.
+//! The binary's `demo --sweep-workers`, `demo --disagg` and `demo --replicas`, and the
+//! built-in workload's mixes by name: a module of `main.rs` (the command line), not of the
+//! library.
+
+use std::path::Path;
 
 use anyhow::Context;
-use kvroute::demo::{self, DemoConfig};
+use clap::Args;
+use kvroute::demo::{self, DemoConfig, DemoPolicy};
 use kvroute_sim::workload::{ChatConfig, Workload};
+use kvroute_sim::BookingSync;
 
 use super::{workload, DemoArgs};
+
+/// `demo --replicas`: several routers sharing one fleet.
+#[derive(Debug, Args)]
+pub(super) struct ReplicaArgs {
+    /// Compare one router with N routers sharing the fleet (`kvroute serve` replicas behind a
+    /// load balancer, which hands them arrivals in turn), each seeing every engine's KV events
+    /// and learning of the others' bookings after each --replica-delay-ms. Runs the policy
+    /// --policies names (one of the router's own; default kv-aware).
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_name = "N",
+        conflicts_with_all = ["live", "sweep_workers", "disagg"]
+    )]
+    pub(super) replicas: usize,
+    /// With --replicas: how late each router learns of the others' bookings, in ms of the
+    /// fleet's virtual time, one run each (0: at once; `off`: never, each router counts only
+    /// its own).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "LIST",
+        default_value = "off,0,2",
+        value_parser = demo::parse_booking_sync
+    )]
+    pub(super) replica_delay_ms: Vec<BookingSync>,
+}
 
 /// One demo per fleet size of `--sweep-workers`, arrivals and requests scaled with the size.
 pub(super) fn run_sweep(args: &DemoArgs, config: DemoConfig) -> anyhow::Result<()> {
@@ -71,12 +103,27 @@ pub(super) fn run_sweep(args: &DemoArgs, config: DemoConfig) -> anyhow::Result<(
             "report": report,
         }));
     }
-    if let Some(path) = &args.json {
-        let json = serde_json::to_string_pretty(&serde_json::json!({ "sweep": sizes }))?;
+    write_json(args.json.as_deref(), &serde_json::json!({ "sweep": sizes }))
+}
+
+/// Writes `report` as pretty JSON to `path`, when given.
+fn write_json(path: Option<&Path>, report: &impl serde::Serialize) -> anyhow::Result<()> {
+    if let Some(path) = path {
+        let json = serde_json::to_string_pretty(report)?;
         std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// The one policy of the router's own that `--policies` names for `mode` (none named: none),
+/// or why not: `mode` runs one, and `what` it does with it.
+fn own_policy(args: &DemoArgs, mode: &str, what: &str) -> anyhow::Result<Option<DemoPolicy>> {
+    match args.policies.as_slice() {
+        [] => Ok(None),
+        [one] if one.router_policy().is_some() => Ok(Some(*one)),
+        _ => anyhow::bail!("{mode} takes one of the router's own policies in --policies ({what})"),
+    }
 }
 
 /// The built-in workload's mix by name.
@@ -95,13 +142,9 @@ pub(super) fn run_disagg_demo(
     config: DemoConfig,
 ) -> anyhow::Result<()> {
     // The policy that picks prefill workers: the one --policies names, else kv-aware.
-    let router = match args.policies.as_slice() {
-        [] => config.router.clone(),
-        [one] if one.router_policy().is_some() => one.router_config(&config.router),
-        _ => anyhow::bail!(
-            "--disagg takes one of the router's own policies in --policies (it picks the \
-             prefill worker)"
-        ),
+    let router = match own_policy(args, "--disagg", "it picks the prefill worker")? {
+        None => config.router.clone(),
+        Some(one) => one.router_config(&config.router),
     };
     let disagg = demo::DisaggConfig {
         workers: config.workers,
@@ -129,10 +172,40 @@ pub(super) fn run_disagg_demo(
     })?;
     println!();
     print!("{}", report.table());
-    if let Some(path) = &args.json {
-        let json = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
-    Ok(())
+    write_json(args.json.as_deref(), &report)
+}
+
+/// `demo --replicas N`: one router against N sharing the fleet, at each booking sync.
+pub(super) fn run_replica_demo(
+    args: &DemoArgs,
+    workload: &Workload,
+    config: DemoConfig,
+) -> anyhow::Result<()> {
+    let policy = own_policy(
+        args,
+        "--replicas",
+        "the peers' pickers route for one router",
+    )?
+    .unwrap_or(DemoPolicy::KvAware);
+    let replicas = demo::ReplicaConfig {
+        demo: config,
+        policy,
+        replicas: args.replica.replicas,
+        syncs: args.replica.replica_delay_ms.clone(),
+    };
+    eprintln!(
+        "replicas: 1 router, then {} at {} booking syncs, {policy}",
+        replicas.replicas,
+        replicas.syncs.len()
+    );
+    let report = demo::run_replicas(workload, &replicas, &|m| {
+        let f = &m.figures;
+        eprintln!(
+            "  {:<24} done in {:>5.1} s: hit rate {:.3}, TTFT mean {:.0} ms, imbalance {:.2}",
+            m.mode, f.wall_seconds, f.hit_rate, f.ttft_mean_ms, f.imbalance
+        );
+    })?;
+    println!();
+    print!("{}", report.table());
+    write_json(args.json.as_deref(), &report)
 }

@@ -19,7 +19,7 @@ use kvroute_sim::{EngineConfig, KvTransfer, TimingModel};
 use mimalloc::MiMalloc;
 
 mod demo_cli;
-use demo_cli::{mix, run_disagg_demo, run_sweep};
+use demo_cli::{mix, run_disagg_demo, run_replica_demo, run_sweep, ReplicaArgs};
 
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;
@@ -330,6 +330,8 @@ struct DemoArgs {
     /// second (the default: a 400 Gb/s RDMA NIC).
     #[arg(long = "kv-link-gbps", default_value_t = 400.0, value_name = "GBIT/S")]
     disagg_link_gbps: f64,
+    #[command(flatten)]
+    replica: ReplicaArgs,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -844,6 +846,9 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     }
     if args.disagg {
         return run_disagg_demo(&args, &workload, config);
+    }
+    if args.replica.replicas != 1 {
+        return run_replica_demo(&args, &workload, config);
     }
     if args.live {
         eprintln!("(the in-process run below is the first policy's only)");

@@ -23,8 +23,10 @@
 //! * `events.rs`: [`EngineEvent`] and its conversion to the router's [`kvroute_core::KvEvent`].
 //! * `timing.rs`: pass duration models ([`TimingModel`]) and their sources.
 //! * `config.rs`: [`EngineConfig`]; `error.rs`: [`SimError`].
-//! * `fleet.rs`: [`Fleet`], engines and the core's router on one virtual clock (the demo's
-//!   discrete-event loop), with its per-request records and [`FleetReport`].
+//! * `fleet/`: [`Fleet`], engines and the core's router on one virtual clock (the demo's
+//!   discrete-event loop), with its per-request records and [`FleetReport`]; split into
+//!   prefill and decode engines (`disagg.rs`), or routed by several routers ([`Replicas`],
+//!   `replicas.rs`).
 //! * `tests.rs`: unit tests of the pool and the timing models; behaviour tests are in
 //!   `bins/kvroute/tests/sim/`.
 //! * `workload/`: the workloads the demo and replay send: the built-in chat workload and
@@ -54,7 +56,8 @@ pub use engine::{ClearMode, Engine, EngineStats, Occupancy, Pass};
 pub use error::SimError;
 pub use events::{EngineBlockHash, EngineEvent, EventBatch, Medium};
 pub use fleet::{
-    Arrival, Fleet, FleetConfig, FleetError, FleetReport, LoadSeries, Picker, RequestRecord, Split,
+    Arrival, BookingSync, Fleet, FleetConfig, FleetError, FleetReport, LoadSeries, Picker,
+    Replicas, RequestRecord, Split,
 };
 pub use kvroute_core::RequestId;
 pub use request::{EngineRequest, Finish, RequestOutput};

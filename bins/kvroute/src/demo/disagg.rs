@@ -10,8 +10,6 @@
 //! Every mode routes with the same router configuration (its policy picks the prefill engine;
 //! decode is chosen by load) and hands the KV over the same link.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvroute_core::RouterConfig;
@@ -194,27 +192,13 @@ pub fn run_disagg(
             });
         }
     }
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<ModeReport, FleetError>>>> =
-        Mutex::new(modes.iter().map(|_| None).collect());
-    std::thread::scope(|scope| {
-        for _ in 0..config.threads.clamp(1, modes.len()) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&mode) = modes.get(i) else {
-                    break;
-                };
-                let result = run_mode(workload, config, mode);
-                if let Ok(report) = &result {
-                    done(report);
-                }
-                if let Ok(mut slots) = results.lock() {
-                    slots[i] = Some(result);
-                }
-            });
-        }
-    });
-    let slots = results.into_inner().unwrap_or_else(|e| e.into_inner());
+    let (slots, ()) = super::parallel::run_each(
+        &modes,
+        config.threads,
+        &|&mode| run_mode(workload, config, mode),
+        done,
+        || (),
+    );
     let mut reports = Vec::with_capacity(slots.len());
     for (slot, mode) in slots.into_iter().zip(&modes) {
         match slot {

@@ -21,20 +21,23 @@
 //! * `run.rs`: one policy's run and its [`PolicyReport`].
 //! * `live.rs`: [`run_live`], the same through real processes (`demo --live`).
 //! * `disagg.rs`: [`run_disagg`], aggregated against disaggregated serving (`demo --disagg`).
+//! * `replicas.rs`: [`run_replicas`], one router against several sharing the fleet, their
+//!   bookings synced late or never (`demo --replicas`).
+//! * `parallel.rs`: runs side by side on a few threads.
 //! * `table.rs`: the report as the terminal shows it.
 //! * `plot.rs`: the report as an SVG picture.
 
 mod disagg;
 mod dynamo;
 mod live;
+mod parallel;
 mod plot;
 mod policy;
+mod replicas;
 mod run;
 mod sglang;
 mod table;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -50,6 +53,9 @@ pub use dynamo::DynamoPicker;
 pub use live::{run_live, CacheCheck, LiveOptions, LiveReport};
 pub use plot::write_svg;
 pub use policy::{DemoPolicy, UnknownPolicy};
+pub use replicas::{
+    parse_booking_sync, run_replicas, ReplicaConfig, ReplicaMode, ReplicaReport, UnknownSync,
+};
 pub use run::PolicyReport;
 pub use sglang::SglangPicker;
 
@@ -157,32 +163,18 @@ pub fn run(
         return Err(DemoError::Empty("the workload has no request"));
     }
     let started = Instant::now();
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<Result<PolicyReport, DemoError>>>> =
-        Mutex::new(config.policies.iter().map(|_| None).collect());
-    let ceiling = std::thread::scope(|scope| {
-        for _ in 0..config.threads.clamp(1, config.policies.len()) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&policy) = config.policies.get(i) else {
-                    break;
-                };
-                let result =
-                    run::run_policy(workload, config, policy).map_err(|source| DemoError::Fleet {
-                        policy: policy.name(),
-                        source,
-                    });
-                if let Ok(report) = &result {
-                    done(report);
-                }
-                if let Ok(mut slots) = results.lock() {
-                    slots[i] = Some(result);
-                }
-            });
-        }
-        workload.ceiling(config.engine.block_size)
-    });
-    let slots = results.into_inner().unwrap_or_else(|e| e.into_inner());
+    let (slots, ceiling) = parallel::run_each(
+        &config.policies,
+        config.threads,
+        &|&policy| {
+            run::run_policy(workload, config, policy).map_err(|source| DemoError::Fleet {
+                policy: policy.name(),
+                source,
+            })
+        },
+        done,
+        || workload.ceiling(config.engine.block_size),
+    );
     let mut policies = Vec::with_capacity(slots.len());
     for slot in slots {
         match slot {

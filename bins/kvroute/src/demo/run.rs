@@ -1,4 +1,5 @@
-//! One policy's run: the workload through a simulated fleet, and its figures.
+//! One policy's run: the workload through a simulated fleet (routed by one router, or by
+//! several replicas), and its figures.
 
 use std::time::{Duration, Instant};
 
@@ -10,7 +11,7 @@ use super::policy::DemoPolicy;
 use super::sglang::SglangPicker;
 use super::DemoConfig;
 use kvroute_sim::workload::Workload;
-use kvroute_sim::{Arrival, Fleet, FleetConfig, FleetError, LoadSeries};
+use kvroute_sim::{Arrival, Fleet, FleetConfig, FleetError, LoadSeries, Replicas};
 
 /// One policy's figures (the JSON report's `policies` entries).
 #[derive(Clone, Debug, Serialize)]
@@ -81,14 +82,33 @@ pub(super) fn run_policy(
     config: &DemoConfig,
     policy: DemoPolicy,
 ) -> Result<PolicyReport, FleetError> {
+    run_replicated(workload, config, policy, Replicas::ONE).map(|(report, _)| report)
+}
+
+/// Runs `workload` under `policy` on a fresh fleet routed by `replicas`; returns its figures
+/// and the booking changes its routers refused. The peers' policies route for one router.
+pub(super) fn run_replicated(
+    workload: &Workload,
+    config: &DemoConfig,
+    policy: DemoPolicy,
+    replicas: Replicas,
+) -> Result<(PolicyReport, u64), FleetError> {
     let started = Instant::now();
     let engine = config.engine;
-    let mut fleet = Fleet::new(FleetConfig {
-        workers: config.workers,
-        engine,
-        router: policy.router_config(&config.router),
-        split: None,
-    })?;
+    if replicas.count > 1 && policy.router_policy().is_none() {
+        return Err(FleetError::Config {
+            reason: "a peer's policy routes for one router: several run the router's own",
+        });
+    }
+    let mut fleet = Fleet::with_replicas(
+        FleetConfig {
+            workers: config.workers,
+            engine,
+            router: policy.router_config(&config.router),
+            split: None,
+        },
+        replicas,
+    )?;
     if policy == DemoPolicy::DynamoDefault {
         fleet.set_picker(Box::new(DynamoPicker::new(
             config.workers,
@@ -122,7 +142,7 @@ pub(super) fn run_policy(
         .collect();
     let first = records.iter().map(|r| r.arrival).min().unwrap_or_default();
     let last = records.iter().filter_map(|r| r.finished).max();
-    Ok(PolicyReport {
+    let figures = PolicyReport {
         name: policy.name().to_owned(),
         hit_rate: report.hit_rate,
         oracle_hit_rate: report.oracle_hit_rate,
@@ -144,7 +164,8 @@ pub(super) fn run_policy(
         wall_seconds: started.elapsed().as_secs_f64(),
         ttft_sorted_ms: ttft,
         load: fleet.load_series().clone(),
-    })
+    };
+    Ok((figures, fleet.refused_bookings()))
 }
 
 fn ms(d: Duration) -> f64 {

@@ -1,4 +1,5 @@
-//! The demo's report as the terminal shows it: one row per policy, then the ceilings.
+//! The demo's report as the terminal shows it: one row per policy, then the ceilings; and
+//! the aligned columns the other demo tables are drawn in too.
 
 use std::fmt::Write;
 
@@ -34,12 +35,6 @@ pub(super) fn render(report: &DemoReport) -> String {
             format!("{:.1} µs", p.route_p99_us),
         ]);
     }
-    let mut widths = [0usize; 10];
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -52,22 +47,7 @@ pub(super) fn render(report: &DemoReport) -> String {
         report.block_size,
         report.speedup
     );
-    for (r, row) in rows.iter().enumerate() {
-        let mut line = String::new();
-        for (c, (cell, w)) in row.iter().zip(widths).enumerate() {
-            let pad = w - cell.chars().count();
-            if c == 0 {
-                let _ = write!(line, "{cell}{}", " ".repeat(pad));
-            } else {
-                let _ = write!(line, "  {}{cell}", " ".repeat(pad));
-            }
-        }
-        let _ = writeln!(out, "{}", line.trim_end());
-        if r == 0 {
-            let total = widths.iter().sum::<usize>() + 2 * (widths.len() - 1);
-            let _ = writeln!(out, "{}", "-".repeat(total));
-        }
-    }
+    out.push_str(&aligned(&rows));
     let _ = writeln!(
         out,
         "ceiling (one infinite cache shared by all workers): hit rate {:.3}",
@@ -87,7 +67,37 @@ pub(super) fn render(report: &DemoReport) -> String {
     out
 }
 
-fn ratio(a: f64, b: f64) -> f64 {
+/// `rows` as aligned text: the first (the header) underlined, the first column to the left,
+/// the others to the right.
+pub(super) fn aligned<const N: usize>(rows: &[[String; N]]) -> String {
+    let mut widths = [0usize; N];
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for (r, row) in rows.iter().enumerate() {
+        let mut line = String::new();
+        for (c, (cell, w)) in row.iter().zip(widths).enumerate() {
+            let pad = w - cell.chars().count();
+            if c == 0 {
+                let _ = write!(line, "{cell}{}", " ".repeat(pad));
+            } else {
+                let _ = write!(line, "  {}{cell}", " ".repeat(pad));
+            }
+        }
+        let _ = writeln!(out, "{}", line.trim_end());
+        if r == 0 {
+            let total = widths.iter().sum::<usize>() + 2 * (N - 1);
+            let _ = writeln!(out, "{}", "-".repeat(total));
+        }
+    }
+    out
+}
+
+/// `a ÷ b`, 0 when `b` is 0.
+pub(super) fn ratio(a: f64, b: f64) -> f64 {
     if b > 0.0 {
         a / b
     } else {

@@ -13,7 +13,7 @@ use kvroute_sim::EngineConfig;
 /// beside it slows its processes enough to move its figures.
 static TWO_CORES: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn two_cores() -> std::sync::MutexGuard<'static, ()> {
+pub(crate) fn two_cores() -> std::sync::MutexGuard<'static, ()> {
     TWO_CORES
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -8,7 +8,8 @@
 //! transformers (`chat.rs`); replay's figures and a replay against a worker (`replay.rs`); SGLang's own KV-event
 //! publisher feeding serve (`sglang.rs`); prefill and decode workers behind serve in both
 //! protocols (`disagg.rs`); several serve replicas sharing bookings over a real NATS server
-//! (`serve_replicas.rs`).
+//! (`serve_replicas.rs`); several routers over the simulated fleet, their bookings synced at
+//! once, late or never, and `demo --replicas` (`replicas.rs`).
 
 // A test: it may unwrap, panic and print (the library code may not).
 #![allow(
@@ -30,6 +31,7 @@ mod hooks;
 mod lifecycle;
 mod publishers;
 mod replay;
+mod replicas;
 mod scheduling;
 mod serve;
 mod serve_replicas;

@@ -11,9 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::{
-    Mode, Phase, Pinned, RequestGuard, RequestId, RouteHints, RouteRequest, WorkerId,
-};
+use kvroute_core::{Mode, Phase, Pinned, RequestId, RouteHints, RouteRequest, Router, WorkerId};
 
 use super::{Arrival, Fleet, FleetError, Split};
 use crate::request::{EngineRequest, RequestOutput};
@@ -25,13 +23,20 @@ pub(super) struct Handoff {
     prompt: Vec<u32>,
     max_output_tokens: u32,
     arrival: Duration,
+    /// The router that routed its prefill, which routes its decode too.
+    replica: usize,
 }
 
 impl Fleet {
     /// The decode engine that serves `arrival` whole under conditional disaggregation: the
-    /// one the router would choose for its decode, when the index says its cache leaves at
+    /// one `router` would choose for its decode, when the index says its cache leaves at
     /// most `split.local_max_new_tokens` of the prompt to compute.
-    pub(super) fn local_decode(&self, arrival: &Arrival, split: Split) -> Option<WorkerId> {
+    pub(super) fn local_decode(
+        &self,
+        router: &Router,
+        arrival: &Arrival,
+        split: Split,
+    ) -> Option<WorkerId> {
         let cap = split.local_max_new_tokens?;
         let request = RouteRequest {
             id: arrival.id,
@@ -42,14 +47,16 @@ impl Fleet {
                 ..RouteHints::default()
             },
         };
-        let d = self.router.route(&request).ok()?;
+        let d = router.route(&request).ok()?;
         let new = (arrival.prompt.len() as u64).saturating_sub(d.overlap.cached_tokens);
         (new <= cap).then_some(d.worker.worker)
     }
 
-    /// A split arrival: routed to a prefill engine and admitted there for one token.
+    /// A split arrival: routed by router `replica` to a prefill engine and admitted there for
+    /// one token.
     pub(super) fn arrive_split(
         &mut self,
+        replica: usize,
         arrival: Arrival,
         oracle_cached: u32,
         started: Instant,
@@ -64,23 +71,9 @@ impl Fleet {
                 ..RouteHints::default()
             },
         };
-        let decision = self.router.route(&request)?;
-        self.route_ns
-            .push(started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
-        let mut guard = RequestGuard::new(Arc::clone(&self.router), decision.request);
-        guard.mark_dispatched()?;
-        let worker = decision.worker.worker.0 as usize;
-        self.admit_on(
-            worker,
-            EngineRequest {
-                id: arrival.id,
-                prompt: arrival.prompt.clone(),
-                max_output_tokens: 1,
-                arrival: at,
-                cache_salt: None,
-            },
-            false,
-        )?;
+        let router = Arc::clone(&self.routers[replica]);
+        let (decision, guard) = self.route_dispatched(router, &request, Some(started))?;
+        self.admit_arrival(decision.worker, &arrival, 1)?;
         self.record(&arrival, &decision, oracle_cached, Some(decision.worker));
         self.guards.insert(arrival.id, guard);
         self.prefilling.insert(
@@ -90,6 +83,7 @@ impl Fleet {
                 prompt: arrival.prompt,
                 max_output_tokens: arrival.max_output_tokens,
                 arrival: at,
+                replica,
             },
         );
         Ok(())
@@ -145,9 +139,8 @@ impl Fleet {
                 ..RouteHints::default()
             },
         };
-        let decision = self.router.route(&request)?;
-        let mut guard = RequestGuard::new(Arc::clone(&self.router), decision.request);
-        guard.mark_dispatched()?;
+        let router = Arc::clone(&self.routers[handoff.replica]);
+        let (decision, guard) = self.route_dispatched(router, &request, None)?;
         let worker = decision.worker.worker.0 as usize;
         self.admit_on(
             worker,

@@ -22,6 +22,11 @@
 //! third kind of event, and the request is routed to a decode engine (no credit for cached
 //! blocks, no prefill booked), admitted with its KV handed over, and answers from there.
 //!
+//! **Several routers** ([`Fleet::with_replicas`], `replicas.rs`): arrivals are routed by each
+//! router in turn, every engine's KV events reach all of them, and each one's booking changes
+//! reach the others after a delay (a fourth kind of event), or never. A request's lifecycle
+//! goes to the router that routed it.
+//!
 //! The router's prediction can miss the engine's truth. A request routed while an earlier one
 //! with the same prefix is still in its prefill on that worker is predicted to find those
 //! blocks (the router knows the rank's active prompts), though they are not published yet;
@@ -34,9 +39,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::{
-    seq_hashes, BlockHasher, Clock, EventId, IndexConfig, IndexError, LoadError, ManualClock,
-    Pinned, PrefixIndex, RequestGuard, RequestId, RouteError, RouteHints, RouteRequest, Router,
-    RouterConfig, RouterError, WorkerConfig, WorkerRank, WorkerRole,
+    seq_hashes, BlockHasher, Clock, Decision, EventId, IndexConfig, IndexError, LoadError,
+    ManualClock, Pinned, PrefixIndex, RemoteError, RequestGuard, RequestId, RouteError, RouteHints,
+    RouteRequest, Router, RouterConfig, RouterError, WorkerConfig, WorkerRank, WorkerRole,
 };
 
 use super::config::EngineConfig;
@@ -46,6 +51,9 @@ use super::request::{EngineRequest, RequestOutput};
 use super::transfer::KvTransfer;
 
 mod disagg;
+mod replicas;
+
+pub use replicas::{BookingSync, Replicas};
 
 /// How a fleet is built.
 #[derive(Clone, Debug)]
@@ -54,7 +62,8 @@ pub struct FleetConfig {
     pub workers: usize,
     /// Every engine's configuration.
     pub engine: EngineConfig,
-    /// The router's configuration; its block size must be the engines'.
+    /// The router's configuration; its block size must be the engines'. Several routers
+    /// ([`Fleet::with_replicas`]) each take it with their own seed: this one plus their index.
     pub router: RouterConfig,
     /// Disaggregated serving (none: every engine serves whole requests).
     pub split: Option<Split>,
@@ -76,6 +85,7 @@ pub struct Split {
 /// Chooses the rank for each request in place of the router's policy: a peer's selection
 /// logic run on the same fleet. The router then books the request on that rank (a pin), so its
 /// load, lifecycle and predicted overlap are kept exactly as for the router's own choices.
+/// With several routers, one picker reads the router that routes each arrival.
 pub trait Picker: Send + fmt::Debug {
     /// The rank that serves request `id` with these prompt tokens, from the router's index
     /// and loads as they stand.
@@ -124,6 +134,9 @@ pub enum FleetError {
     /// The router rejected a lifecycle call.
     #[error(transparent)]
     Load(#[from] LoadError),
+    /// A router refused another's booking change (other than one about a booking gone).
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
     /// A request id was submitted twice.
     #[error("request {id:?} was already submitted")]
     Duplicate {
@@ -206,14 +219,20 @@ pub struct FleetReport {
     /// Prompt tokens routed to each worker over the run, by worker id (cache hits not
     /// subtracted: the load the router handed out).
     pub prompt_tokens_per_worker: Vec<u64>,
-    /// Requests the router still counts as active.
+    /// Requests the router still counts as active (several routers: summed over them, each
+    /// counting its own and the others' it holds).
     pub active_requests: usize,
 }
 
-/// The engines, the router and the clock they share.
+/// The engines, the router (or routers) and the clock they share.
 #[derive(Debug)]
 pub struct Fleet {
-    router: Arc<Router>,
+    /// The routers, by replica index: one, unless built [`Fleet::with_replicas`].
+    routers: Vec<Arc<Router>>,
+    /// The replica that routes the next arrival.
+    turn: usize,
+    /// The routers' booking changes on their way to each other, when they sync.
+    mail: Option<replicas::Mailbox>,
     clock: ManualClock,
     /// The clock's reading at virtual time zero.
     origin: Instant,
@@ -265,6 +284,18 @@ impl Fleet {
     /// A fleet of `config.workers` idle engines with empty caches, each joined to a router
     /// on a manual clock at virtual time zero.
     pub fn new(config: FleetConfig) -> Result<Self, FleetError> {
+        Fleet::with_replicas(config, Replicas::ONE)
+    }
+
+    /// The same with `replicas.count` routers, each with every engine joined, its own index
+    /// and its own seed (`config.router.seed` plus its index), syncing their bookings as
+    /// `replicas.sync` says.
+    pub fn with_replicas(config: FleetConfig, replicas: Replicas) -> Result<Self, FleetError> {
+        if replicas.count == 0 {
+            return Err(FleetError::Config {
+                reason: "a fleet needs a router",
+            });
+        }
         if config.workers == 0 {
             return Err(FleetError::Config {
                 reason: "a fleet needs a worker",
@@ -284,27 +315,18 @@ impl Fleet {
         }
         let clock = ManualClock::new();
         let origin = clock.now();
-        let index = PrefixIndex::new(IndexConfig::default());
-        let router = Router::with_clock(config.router, index, Clock::Manual(clock.clone()))?;
         let mut engines = Vec::with_capacity(config.workers);
-        for id in 0..config.workers {
+        for _ in 0..config.workers {
             engines.push(Engine::new(config.engine)?);
-            let role = match config.split {
-                Some(s) if id < s.prefill_workers => WorkerRole::Prefill,
-                Some(_) => WorkerRole::Decode,
-                None => WorkerRole::Aggregated,
-            };
-            router.join_worker(WorkerConfig {
-                role,
-                ..WorkerConfig::simple(
-                    id as u64,
-                    u64::from(config.engine.kv_blocks),
-                    config.engine.block_size,
-                )
-            })?;
+        }
+        let mut routers = Vec::with_capacity(replicas.count);
+        for replica in 0..replicas.count {
+            routers.push(Arc::new(joined_router(&config, replica, &clock)?));
         }
         Ok(Fleet {
-            router: Arc::new(router),
+            mail: replicas::Mailbox::connect(&routers, replicas.sync)?,
+            routers,
+            turn: 0,
             clock,
             origin,
             in_pass: vec![false; config.workers],
@@ -376,22 +398,14 @@ impl Fleet {
 
     /// Runs every arrival and pass end at or before `until`, in time order.
     pub fn run_to(&mut self, until: Duration) -> Result<(), FleetError> {
-        loop {
-            // At equal times: a pass's end, then a transfer's, then an arrival.
-            let arrival = self.pending.keys().next().map(|&(at, _)| at);
-            let transfer = self.transfers.keys().next().map(|&(at, _)| at);
-            let pass_end = self.next_pass_end();
-            let before = |t: Duration, other: Option<Duration>| other.is_none_or(|o| t <= o);
-            match (arrival, transfer, pass_end) {
-                (_, _, Some((worker, end)))
-                    if end <= until && before(end, arrival) && before(end, transfer) =>
-                {
-                    self.end_pass(worker, end)?;
-                }
-                (_, Some(at), _) if at <= until && before(at, arrival) => self.hand_over(at)?,
-                (Some(at), _, _) if at <= until => self.arrive(at)?,
-                _ => break,
+        while let Some(next) = self.next_event().filter(|n| n.at() <= until) {
+            match next {
+                Next::Delivery(at) => self.deliver_booking(at)?,
+                Next::PassEnd(worker, end) => self.end_pass(worker, end)?,
+                Next::Transfer(at) => self.hand_over(at)?,
+                Next::Arrival(at) => self.arrive(at)?,
             }
+            self.post_bookings()?;
         }
         if until != Duration::MAX && until > self.now {
             self.set_time(until);
@@ -399,9 +413,9 @@ impl Fleet {
         Ok(())
     }
 
-    /// The router (for its load, counters and index).
+    /// The router (for its load, counters and index); with several, the first.
     pub fn router(&self) -> &Router {
-        &self.router
+        &self.routers[0]
     }
 
     /// The engines, by worker id.
@@ -427,11 +441,32 @@ impl Fleet {
             .iter()
             .map(|&ts| ratio(ts, seconds))
             .collect();
-        report(
-            &self.records,
-            mean_active_tokens,
-            self.router.active_requests(),
-        )
+        let active = self
+            .routers
+            .iter()
+            .map(|r| r.active_requests() + r.remote_requests())
+            .sum();
+        report(&self.records, mean_active_tokens, active)
+    }
+
+    /// The next event, earliest first; at equal times a booking change's delivery, then a
+    /// pass's end (the lowest worker id first), then a transfer's, then an arrival.
+    fn next_event(&self) -> Option<Next> {
+        [
+            self.mail
+                .as_ref()
+                .and_then(replicas::Mailbox::next_due)
+                .map(Next::Delivery),
+            self.next_pass_end().map(|(w, end)| Next::PassEnd(w, end)),
+            self.transfers
+                .keys()
+                .next()
+                .map(|&(at, _)| Next::Transfer(at)),
+            self.pending.keys().next().map(|&(at, _)| Next::Arrival(at)),
+        ]
+        .into_iter()
+        .flatten()
+        .min_by_key(Next::at)
     }
 
     /// The engine whose pass under way ends first, and when (lowest worker id on ties).
@@ -485,14 +520,17 @@ impl Fleet {
         self.in_pass[worker] = self.engines[worker].step().is_some();
     }
 
-    /// Applies the engine's event batches to the router's index, numbered per worker.
+    /// Applies the engine's event batches to every router's index, numbered per worker.
     fn publish_events(&mut self, worker: usize) -> Result<(), FleetError> {
         let source = WorkerRank::new(worker as u64, 0);
         for batch in self.engines[worker].take_events() {
             for event in &batch.events {
                 let id = EventId(self.next_event[worker]);
                 self.next_event[worker] += 1;
-                self.router.apply_event(&event.to_kv_event(source, id))?;
+                let event = event.to_kv_event(source, id);
+                for router in &self.routers {
+                    router.apply_event(&event)?;
+                }
             }
         }
         Ok(())
@@ -545,6 +583,8 @@ impl Fleet {
             return Ok(());
         };
         self.set_time(at);
+        let replica = self.take_turn();
+        let router = Arc::clone(&self.routers[replica]);
         let oracle_cached = self.oracle_cached(&arrival.prompt);
         let started = Instant::now();
         let mut request = RouteRequest {
@@ -553,37 +593,22 @@ impl Fleet {
             hints: RouteHints::default(),
         };
         if let Some(split) = self.split {
-            match self.local_decode(&arrival, split) {
+            match self.local_decode(&router, &arrival, split) {
                 // Served whole where its decode would go: pinned there.
                 Some(worker) => request.hints.pinned.backend_instance = Some(worker),
-                None => return self.arrive_split(arrival, oracle_cached, started),
+                None => return self.arrive_split(replica, arrival, oracle_cached, started),
             }
         }
         if let Some(picker) = self.picker.as_mut() {
-            let rank = picker.pick(&self.router, arrival.id, &arrival.prompt)?;
+            let rank = picker.pick(&router, arrival.id, &arrival.prompt)?;
             request.hints.pinned = Pinned {
                 backend_instance: Some(rank.worker),
                 dp_rank: Some(rank.dp_rank),
                 ..Pinned::default()
             };
         }
-        let decision = self.router.route(&request)?;
-        self.route_ns
-            .push(started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
-        let mut guard = RequestGuard::new(Arc::clone(&self.router), decision.request);
-        guard.mark_dispatched()?;
-        let worker = decision.worker.worker.0 as usize;
-        self.admit_on(
-            worker,
-            EngineRequest {
-                id: arrival.id,
-                prompt: arrival.prompt.clone(),
-                max_output_tokens: arrival.max_output_tokens,
-                arrival: at,
-                cache_salt: None,
-            },
-            false,
-        )?;
+        let (decision, guard) = self.route_dispatched(router, &request, Some(started))?;
+        self.admit_arrival(decision.worker, &arrival, arrival.max_output_tokens)?;
         self.record(&arrival, &decision, oracle_cached, None);
         self.guards.insert(arrival.id, guard);
         Ok(())
@@ -591,12 +616,47 @@ impl Fleet {
 }
 
 impl Fleet {
+    /// Routes `request` through `router` (which books it) and marks it dispatched, timing
+    /// the decision from `started` when given: the decision and the request's guard.
+    fn route_dispatched(
+        &mut self,
+        router: Arc<Router>,
+        request: &RouteRequest<'_>,
+        started: Option<Instant>,
+    ) -> Result<(Decision, RequestGuard<Arc<Router>>), FleetError> {
+        let decision = router.route(request)?;
+        if let Some(started) = started {
+            self.route_ns
+                .push(started.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64);
+        }
+        let mut guard = RequestGuard::new(router, decision.request);
+        guard.mark_dispatched()?;
+        Ok((decision, guard))
+    }
+
+    /// Admits `arrival`, arrived now, to the engine of `rank` for `max_output_tokens`.
+    fn admit_arrival(
+        &mut self,
+        rank: WorkerRank,
+        arrival: &Arrival,
+        max_output_tokens: u32,
+    ) -> Result<(), FleetError> {
+        let request = EngineRequest {
+            id: arrival.id,
+            prompt: arrival.prompt.clone(),
+            max_output_tokens,
+            arrival: self.now,
+            cache_salt: None,
+        };
+        self.admit_on(rank.worker.0 as usize, request, false)
+    }
+
     /// Records an arrival routed by `decision` (split: `prefill_worker` is the prefill engine)
     /// and counts its prompt active on the chosen engine.
     fn record(
         &mut self,
         arrival: &Arrival,
-        decision: &kvroute_core::Decision,
+        decision: &Decision,
         oracle_cached: u32,
         prefill_worker: Option<WorkerRank>,
     ) {
@@ -636,6 +696,58 @@ impl Fleet {
             .unwrap_or(0);
         (best * block_size) as u32
     }
+}
+
+/// The next event of the loop, and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Next {
+    /// A router's booking change reaches the others.
+    Delivery(Duration),
+    /// A worker's pass ends.
+    PassEnd(usize, Duration),
+    /// A KV transfer ends.
+    Transfer(Duration),
+    /// A request arrives.
+    Arrival(Duration),
+}
+
+impl Next {
+    fn at(&self) -> Duration {
+        match *self {
+            Next::Delivery(t) | Next::PassEnd(_, t) | Next::Transfer(t) | Next::Arrival(t) => t,
+        }
+    }
+}
+
+/// Router `replica` of the fleet `config` builds (its own index, its seed moved on by its
+/// index), on `clock`, with every engine joined.
+fn joined_router(
+    config: &FleetConfig,
+    replica: usize,
+    clock: &ManualClock,
+) -> Result<Router, FleetError> {
+    let router_config = RouterConfig {
+        seed: config.router.seed.wrapping_add(replica as u64),
+        ..config.router.clone()
+    };
+    let index = PrefixIndex::new(IndexConfig::default());
+    let router = Router::with_clock(router_config, index, Clock::Manual(clock.clone()))?;
+    for id in 0..config.workers {
+        let role = match config.split {
+            Some(s) if id < s.prefill_workers => WorkerRole::Prefill,
+            Some(_) => WorkerRole::Decode,
+            None => WorkerRole::Aggregated,
+        };
+        router.join_worker(WorkerConfig {
+            role,
+            ..WorkerConfig::simple(
+                id as u64,
+                u64::from(config.engine.kv_blocks),
+                config.engine.block_size,
+            )
+        })?;
+    }
+    Ok(router)
 }
 
 /// The figures of `records`, with each worker's time-averaged active tokens.
