@@ -52,6 +52,9 @@ pub enum ConfigError {
     },
 }
 
+/// The near-tie share ([`RouterConfig::near_tie`]) replicas of one fleet default to.
+pub const REPLICA_NEAR_TIE: f64 = 0.05;
+
 /// The credit of a rank that holds most of a prompt grows with the share it holds: each cached
 /// block's credit is multiplied by `1 + boost · max(0, share − from_share) / (1 − from_share)`,
 /// where `share` is the rank's leading blocks held (any tier) over the prompt's full blocks.
@@ -344,6 +347,12 @@ pub struct RouterConfig {
     pub hot_load: HotLoad,
     /// Softmax temperature; 0 picks the cheapest.
     pub temperature: f64,
+    /// Near-ties (with temperature 0): the choice is drawn at random among the candidates
+    /// whose cost is within this share of the cheapest's (0: the cheapest, exact ties at
+    /// random). Replicas of one fleet, which route at the same moment without each other's
+    /// newest bookings, set it so that they spread their choices instead of herding. Every
+    /// rank is then scored (no pruning).
+    pub near_tie: f64,
     /// Busy thresholds.
     pub busy: BusyThresholds,
     /// Age after which a request that never ended is freed by `expire`.
@@ -385,6 +394,7 @@ impl Default for RouterConfig {
             affinity: Affinity::default(),
             hot_load: HotLoad::default(),
             temperature: 0.0,
+            near_tie: 0.0,
             busy: BusyThresholds::default(),
             request_expiry: Duration::from_secs(600),
             min_workers: 0,
@@ -439,6 +449,13 @@ impl RouterConfig {
         non_negative("tier_weights.disk", self.tier_weights.disk)?;
         non_negative("tier_weights.external", self.tier_weights.external)?;
         non_negative("temperature", self.temperature)?;
+        non_negative("near_tie", self.near_tie)?;
+        if self.near_tie > 1.0 {
+            return Err(ConfigError::Invalid {
+                field: "near_tie",
+                reason: "must be at most 1 (a share of the cheapest cost)",
+            });
+        }
         non_negative("pool_credit", self.pool_credit)?;
         non_negative("affinity.boost", self.affinity.boost)?;
         non_negative("hot_load.share", self.hot_load.share)?;

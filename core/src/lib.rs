@@ -95,6 +95,7 @@ pub use clock::{Clock, ManualClock};
 pub use config::{
     Affinity, Approximate, BusyThresholds, ConfigError, Disaggregation, HotLoad, Metrics, Policy,
     PromptDecay, QueueOrder, Queueing, RouterConfig, Speculative, TierWeights, Timing, WarmUp,
+    REPLICA_NEAR_TIE,
 };
 pub use event::{
     BlockHash, DpRank, EventHeader, EventId, EventSeen, KvEvent, KvEventData, StorageTier,

@@ -192,6 +192,8 @@ pub(super) fn run_replica_demo(
         policy,
         replicas: args.replica.replicas,
         syncs: args.replica.replica_delay_ms.clone(),
+        // As `kvroute serve` does: replicas break near-ties at random, one router does not.
+        near_tie: args.near_tie.unwrap_or(kvroute_core::REPLICA_NEAR_TIE),
     };
     eprintln!(
         "replicas: 1 router, then {} at {} booking syncs, {policy}",

@@ -261,6 +261,10 @@ struct DemoArgs {
     /// What each block of context past that costs (default: the router's, 16).
     #[arg(long, value_name = "X")]
     hot_load_weight: Option<f64>,
+    /// kv-aware draws its choice among the workers whose cost is within this share of the
+    /// cheapest's (default: 0 for one router; with --replicas, the replicas' default).
+    #[arg(long, value_name = "SHARE")]
+    near_tie: Option<f64>,
     /// Policies to compare, comma-separated (default: all). Known: kv-aware, kv-aware-temp,
     /// dynamo-default, sglang-cache-aware, cache-threshold, prefix-hash, least-loaded,
     /// power-of-two, round-robin, random.
@@ -816,6 +820,7 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
                 .hot_load_weight
                 .unwrap_or(defaults.router.hot_load.weight),
         },
+        near_tie: args.near_tie.unwrap_or(defaults.router.near_tie),
         ..defaults.router.clone()
     };
     router.validate()?;

@@ -98,6 +98,12 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_TEMPERATURE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,
+    /// The KV-aware choice is drawn among the workers whose cost is within this share of the
+    /// cheapest's, so that replicas routing at once spread their choices (default: 0 alone,
+    /// 0.05 with `nats`).
+    #[arg(long, value_name = "SHARE", env = "KVROUTE_NEAR_TIE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub near_tie: Option<f64>,
     /// Seconds a KV-event replay may take before its gap counts as lost.
     #[arg(long, env = "KVROUTE_REPLAY_TIMEOUT_S")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -348,6 +354,7 @@ impl ServeConfig {
         set(&mut o.router.hot_load.share, self.hot_load_share);
         set(&mut o.router.hot_load.weight, self.hot_load_weight);
         set(&mut o.router.temperature, self.temperature);
+        set(&mut o.router.near_tie, self.near_tie);
         let seconds = [
             (
                 &mut o.replay_timeout,
@@ -487,6 +494,9 @@ impl ServeConfig {
             },
             (None, None) => {}
         }
+        if o.replicas.is_some() && self.near_tie.is_none() && o.router.near_tie == 0.0 {
+            o.router.near_tie = kvroute_core::REPLICA_NEAR_TIE;
+        }
         o.workers.extend(self.workers);
         for flag in &self.worker_flags {
             let spec = parse_worker_flag(flag, o.workers.len() as u64)?;
@@ -520,6 +530,7 @@ impl ServeConfig {
             hot_load_share: Some(r.hot_load.share),
             hot_load_weight: Some(r.hot_load.weight),
             temperature: Some(r.temperature),
+            near_tie: Some(r.near_tie),
             replay_timeout_s: s(options.replay_timeout),
             drain_timeout_s: s(options.drain_timeout),
             grace_s: s(options.grace),

@@ -68,6 +68,15 @@ fn each_bad_field_is_named() {
         }),
         "temperature"
     );
+    for bad in [-0.01, 1.5, f64::NAN] {
+        assert_eq!(
+            field_of(RouterConfig {
+                near_tie: bad,
+                ..d()
+            }),
+            "near_tie"
+        );
+    }
     assert_eq!(
         field_of(RouterConfig {
             busy: BusyThresholds {

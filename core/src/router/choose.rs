@@ -235,6 +235,7 @@ impl Router {
             shape: scorer.shape,
             block_size: self.config.block_size,
             temperature: plan.temperature,
+            near_tie: self.config.near_tie,
         };
         match outcome {
             None => (

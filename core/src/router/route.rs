@@ -131,6 +131,7 @@ impl Router {
             pinned,
             prune: probe
                 && temperature == 0.0
+                && self.config.near_tie == 0.0
                 && hints.evidence != EvidenceLevel::Full
                 && gate != Gate::Behind,
             probe,

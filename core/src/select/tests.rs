@@ -211,6 +211,7 @@ fn kv_aware_picks_the_cheapest_and_breaks_ties_at_random() {
         shape: &s,
         block_size: 16,
         temperature: 0.0,
+        near_tie: 0.0,
     };
     let mut rng = Rng::new(1);
     for _ in 0..20 {
@@ -236,6 +237,43 @@ fn kv_aware_picks_the_cheapest_and_breaks_ties_at_random() {
 }
 
 #[test]
+fn near_ties_are_drawn_evenly_and_nothing_past_the_share_is() {
+    let s = shape(160);
+    let load = |blocks: u64| LoadView {
+        prompt_blocks: blocks,
+        ..LoadView::default()
+    };
+    // Costs c, c + 1 block, and far above: with a share covering one block, the first two
+    // are drawn about evenly and the third never; with no share, only the cheapest.
+    let cands = [
+        cand(0, load(40), [0; 4], &s),
+        cand(1, load(41), [0; 4], &s),
+        cand(2, load(400), [0; 4], &s),
+    ];
+    let (c0, c1) = (cands[0].cost, cands[1].cost);
+    assert!(c1 > c0);
+    let mut input = SelectInput {
+        candidates: &cands,
+        ranks: ranks(),
+        shape: &s,
+        block_size: 16,
+        temperature: 0.0,
+        near_tie: 0.0,
+    };
+    let mut rng = Rng::new(5);
+    for _ in 0..50 {
+        assert_eq!(KvAware.select(&input, &mut rng), 0);
+    }
+    input.near_tie = 1.5 * (c1 - c0) / c0;
+    let mut seen = [0; 3];
+    for _ in 0..4000 {
+        seen[KvAware.select(&input, &mut rng)] += 1;
+    }
+    assert_eq!(seen[2], 0, "{seen:?}");
+    assert!((1700..2300).contains(&seen[0]), "{seen:?}");
+}
+
+#[test]
 fn softmax_prefers_cheap_and_still_explores() {
     let s = shape(160);
     let busy = LoadView {
@@ -252,6 +290,7 @@ fn softmax_prefers_cheap_and_still_explores() {
         shape: &s,
         block_size: 16,
         temperature: 0.5,
+        near_tie: 0.0,
     };
     let mut rng = Rng::new(3);
     let mut seen = [0u32; 2];
@@ -355,6 +394,7 @@ fn input<'a>(c: &'a [Scored], s: &'a RequestShape) -> SelectInput<'a> {
         shape: s,
         block_size: 16,
         temperature: 0.0,
+        near_tie: 0.0,
     }
 }
 

@@ -331,3 +331,63 @@ fn bad_deltas_are_refused_and_change_nothing() {
     let l = loads(&b);
     assert_eq!(l.iter().map(|l| l.requests).sum::<u64>(), 3);
 }
+
+#[test]
+fn near_ties_spread_the_choices_of_routers_blind_to_each_other() {
+    // Two routers, their loads in step but slightly uneven over 8 workers; both route a new
+    // prompt at once, before either hears of the other's. How often do they pick the same?
+    let same_choices = |near_tie: f64| {
+        let mut same = 0;
+        for seed in 0..40u64 {
+            let config = |s: u64| RouterConfig {
+                near_tie,
+                seed: s,
+                ..RouterConfig::default()
+            };
+            let make = |s: u64| {
+                let r = Router::new(config(s), PrefixIndex::new(IndexConfig::default())).unwrap();
+                for w in 0..8 {
+                    r.join_worker(WorkerConfig::simple(w, 100_000, BS)).unwrap();
+                }
+                r
+            };
+            let (a, b) = (make(2 * seed), make(2 * seed + 1));
+            // Uneven load: worker w holds a request of 400 + 8w tokens, on both routers.
+            for w in 0..8u64 {
+                let tokens: Vec<u32> = (0..400 + 8 * w as u32)
+                    .map(|t| t + 50_000 * w as u32)
+                    .collect();
+                for r in [&a, &b] {
+                    let hints = RouteHints {
+                        pinned: Pinned {
+                            backend_instance: Some(WorkerId(w)),
+                            ..Pinned::default()
+                        },
+                        ..RouteHints::default()
+                    };
+                    r.route(&RouteRequest {
+                        id: RequestId(100 + w),
+                        tokens: &tokens,
+                        hints,
+                    })
+                    .unwrap();
+                }
+            }
+            let p = prompt(77, 0, 400, seed);
+            if route(&a, 1, &p, None) == route(&b, 1, &p, None) {
+                same += 1;
+            }
+        }
+        same
+    };
+    assert_eq!(
+        same_choices(0.0),
+        40,
+        "without near ties both take the least loaded"
+    );
+    let spread = same_choices(0.05);
+    assert!(
+        spread < 20,
+        "with near ties they spread: {spread} of 40 alike"
+    );
+}

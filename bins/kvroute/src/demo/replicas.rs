@@ -33,6 +33,9 @@ pub struct ReplicaConfig {
     pub replicas: usize,
     /// One replicated mode per entry: how the routers' bookings reach each other.
     pub syncs: Vec<BookingSync>,
+    /// The replicas' near-tie share (`RouterConfig::near_tie`); one router keeps the
+    /// configured one.
+    pub near_tie: f64,
 }
 
 /// One mode's figures (the JSON report's `modes` entries): the policy's figures, flattened,
@@ -185,14 +188,23 @@ pub fn run_replicas(
         sync,
     }));
     let policy = config.policy;
+    let mut replicated = config.demo.clone();
+    replicated.router.near_tie = config.near_tie;
     let (slots, ()) = super::parallel::run_each(
         &modes,
         config.demo.threads,
         &|&replicas| {
-            let (figures, refused) = run_replicated(workload, &config.demo, policy, replicas)
-                .map_err(|source| DemoError::Fleet {
-                    policy: policy.name(),
-                    source,
+            let demo = if replicas.count > 1 {
+                &replicated
+            } else {
+                &config.demo
+            };
+            let (figures, refused) =
+                run_replicated(workload, demo, policy, replicas).map_err(|source| {
+                    DemoError::Fleet {
+                        policy: policy.name(),
+                        source,
+                    }
                 })?;
             Ok(ReplicaMode {
                 mode: mode_name(replicas),

@@ -332,6 +332,7 @@ fn the_replica_demo_starts_from_the_plain_demos_figures_and_compares_each_sync()
             policy: DemoPolicy::KvAware,
             replicas: 3,
             syncs: vec![BookingSync::Off, AT_ONCE],
+            near_tie: 0.0,
         },
         &|_| {},
     )
@@ -375,6 +376,7 @@ fn the_replica_demo_starts_from_the_plain_demos_figures_and_compares_each_sync()
             policy: DemoPolicy::DynamoDefault,
             replicas: 3,
             syncs: vec![AT_ONCE],
+            near_tie: 0.0,
         },
         &|_| {},
     );

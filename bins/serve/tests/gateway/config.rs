@@ -180,6 +180,24 @@ fn a_fleet_needs_nats_and_a_name_fit_for_a_nats_subject() {
     };
     let options = nats.clone().apply(ServeOptions::default()).unwrap();
     assert_eq!(options.replicas.unwrap().fleet, "default");
+    // Replicas break near-ties at random unless told otherwise; a router alone does not.
+    assert_eq!(options.router.near_tie, kvroute_core::REPLICA_NEAR_TIE);
+    let exact = ServeConfig {
+        near_tie: Some(0.0),
+        ..nats.clone()
+    };
+    assert_eq!(
+        exact
+            .apply(ServeOptions::default())
+            .unwrap()
+            .router
+            .near_tie,
+        0.0
+    );
+    let alone = ServeConfig::default()
+        .apply(ServeOptions::default())
+        .unwrap();
+    assert_eq!(alone.router.near_tie, 0.0);
     for bad in ["", "a.b", "a b", "a*", "x>"] {
         let c = ServeConfig {
             fleet: Some(bad.into()),

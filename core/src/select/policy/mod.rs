@@ -167,6 +167,9 @@ pub struct SelectInput<'a> {
     pub block_size: u32,
     /// The configured softmax temperature (0: none), for selectors that sample.
     pub temperature: f64,
+    /// The configured near-tie share (0: none): a cheapest-cost selector draws among the
+    /// candidates within it of the cheapest ([`crate::RouterConfig::near_tie`]).
+    pub near_tie: f64,
 }
 
 /// A selection policy: given the candidates, which one serves the request. The built-in
@@ -230,6 +233,28 @@ pub(crate) fn argmin_random_ties<T>(items: &[T], rng: &mut Rng, key: impl Fn(&T)
         }
     }
     best
+}
+
+/// The index of a random item among those whose key is within `share` of the least key
+/// (`share · max(|least|, 1)` above it), each equally likely. Two passes, no allocation.
+pub(crate) fn near_min_random<T>(
+    items: &[T],
+    share: f64,
+    rng: &mut Rng,
+    key: impl Fn(&T) -> f64,
+) -> usize {
+    let least = items.iter().map(&key).fold(f64::INFINITY, f64::min);
+    let bar = least + share * least.abs().max(1.0);
+    let (mut chosen, mut seen) = (0, 0u64);
+    for (i, item) in items.iter().enumerate() {
+        if key(item) <= bar {
+            seen += 1;
+            if rng.below(seen) == 0 {
+                chosen = i;
+            }
+        }
+    }
+    chosen
 }
 
 /// Samples an index with probability ∝ exp(−normalised cost / temperature), costs normalised
