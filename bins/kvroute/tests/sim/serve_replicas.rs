@@ -106,6 +106,10 @@ async fn replica_with(
         format!("nats://127.0.0.1:{nats}"),
         "--fleet".into(),
         fleet.into(),
+        // The cheapest worker exactly (replicas default to near-ties drawn at random), so that
+        // the tests can tell where each request goes.
+        "--near-tie".into(),
+        "0".into(),
     ];
     for (e, id) in engines.iter().zip(ids) {
         args.push("--worker".into());
@@ -181,7 +185,7 @@ async fn hold(
     client: &reqwest::Client,
     url: &str,
     family: u32,
-) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> {
+) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin {
     let prompt: Vec<u32> = (family * 10_000..family * 10_000 + 300).collect();
     let body =
         json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 3000, "stream": true});
@@ -263,6 +267,13 @@ async fn replicas_see_each_others_requests_and_drop_a_killed_ones() {
         .await;
     }
     assert!(gone.elapsed() < Duration::from_secs(5));
+    // Only the killed replica's request failed: the others' still stream.
+    for stream in &mut held[1..] {
+        let chunk = tokio::time::timeout(Duration::from_secs(5), stream.next())
+            .await
+            .expect("a surviving replica's stream stalled");
+        assert!(matches!(chunk, Some(Ok(_))), "{chunk:?}");
+    }
 
     // The others end their requests: nothing is left anywhere.
     drop(held);
