@@ -129,41 +129,30 @@ impl Outbox {
             self.pending.clear();
             return self.snapshot(now_unix_ns);
         }
-        let mut out = Vec::new();
-        let mut batch = Vec::new();
+        let mut batches: Vec<Vec<WireDelta>> = Vec::new();
         let mut bytes = 0;
-        for d in self.pending.drain(..) {
+        for d in std::mem::take(&mut self.pending) {
             let size = match &d {
                 WireDelta::Booked(b) => b.size_hint(),
                 _ => 32,
             };
-            if !batch.is_empty() && bytes + size > MAX_MESSAGE_BYTES {
-                self.seq += 1;
-                let body = Body::Deltas(std::mem::take(&mut batch));
-                out.push(envelope(
-                    self.replica,
-                    self.block_size,
-                    self.seq,
-                    now_unix_ns,
-                    body,
-                ));
-                bytes = 0;
+            match batches.last_mut() {
+                Some(batch) if bytes + size <= MAX_MESSAGE_BYTES => batch.push(d),
+                _ => {
+                    batches.push(vec![d]);
+                    bytes = 0;
+                }
             }
             bytes += size;
-            batch.push(d);
         }
-        if !batch.is_empty() {
-            self.seq += 1;
-            let body = Body::Deltas(batch);
-            out.push(envelope(
-                self.replica,
-                self.block_size,
-                self.seq,
-                now_unix_ns,
-                body,
-            ));
-        }
-        out
+        batches
+            .into_iter()
+            .map(|batch| {
+                self.seq += 1;
+                let body = Body::Deltas(batch);
+                envelope(self.replica, self.block_size, self.seq, now_unix_ns, body)
+            })
+            .collect()
     }
 
     /// The whole book, in parts that fit a message (one empty part when the book is).

@@ -43,14 +43,7 @@ fn nats_server(port: u16) -> Option<Process> {
 
 /// The workers a replica lists, by id, with whether each is ready.
 async fn workers(client: &reqwest::Client, url: &str) -> Vec<(u64, bool)> {
-    let w: Value = client
-        .get(format!("{url}/v1/workers"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let w = workers_json(client, url).await;
     let mut out: Vec<(u64, bool)> = w["workers"]
         .as_array()
         .unwrap()
@@ -63,14 +56,7 @@ async fn workers(client: &reqwest::Client, url: &str) -> Vec<(u64, bool)> {
 
 /// What a replica's `/v1/workers` says of the registry.
 async fn registry(client: &reqwest::Client, url: &str) -> String {
-    let w: Value = client
-        .get(format!("{url}/v1/workers"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let w = workers_json(client, url).await;
     w["registry"].as_str().unwrap_or_default().to_owned()
 }
 
@@ -121,16 +107,31 @@ async fn replica_with(
     ready_serve(client, &args).await
 }
 
-/// Requests a replica counts on each worker (its own and the others').
-async fn requests(client: &reqwest::Client, url: &str) -> Vec<u64> {
-    let w: Value = client
-        .get(format!("{url}/v1/workers"))
-        .send()
+/// A GET answered.
+async fn get(client: &reqwest::Client, url: &str) -> reqwest::Response {
+    client.get(url).send().await.unwrap()
+}
+
+/// A replica's `/v1/workers`.
+async fn workers_json(client: &reqwest::Client, url: &str) -> Value {
+    get(client, &format!("{url}/v1/workers"))
         .await
-        .unwrap()
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Whether a replica's view is shared, and the others' requests it counts.
+async fn view(client: &reqwest::Client, url: &str) -> (f64, f64) {
+    (
+        metric(client, url, "kvroute_replica_sync_up").await,
+        metric(client, url, "kvroute_remote_requests").await,
+    )
+}
+
+/// Requests a replica counts on each worker (its own and the others').
+async fn requests(client: &reqwest::Client, url: &str) -> Vec<u64> {
+    let w = workers_json(client, url).await;
     w["workers"]
         .as_array()
         .unwrap()
@@ -148,11 +149,8 @@ async fn requests(client: &reqwest::Client, url: &str) -> Vec<u64> {
 
 /// A gauge or counter of a replica's `/metrics` (0 when absent).
 async fn metric(client: &reqwest::Client, url: &str, name: &str) -> f64 {
-    let text = client
-        .get(format!("{url}/metrics"))
-        .send()
+    let text = get(client, &format!("{url}/metrics"))
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -313,12 +311,7 @@ async fn without_nats_a_replica_routes_alone_and_takes_the_others_back_when_it_r
     eventually(
         Duration::from_secs(5),
         "B's view is local",
-        || async {
-            (
-                metric(&client, &url_b, "kvroute_replica_sync_up").await,
-                metric(&client, &url_b, "kvroute_remote_requests").await,
-            )
-        },
+        || view(&client, &url_b),
         |v| *v == (0.0, 0.0),
     )
     .await;
@@ -339,12 +332,7 @@ async fn without_nats_a_replica_routes_alone_and_takes_the_others_back_when_it_r
     eventually(
         Duration::from_secs(10),
         "B takes A's booking back",
-        || async {
-            (
-                metric(&client, &url_b, "kvroute_replica_sync_up").await,
-                metric(&client, &url_b, "kvroute_remote_requests").await,
-            )
-        },
+        || view(&client, &url_b),
         |v| *v == (1.0, 1.0),
     )
     .await;
