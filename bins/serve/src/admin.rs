@@ -2,7 +2,6 @@
 //! metrics, liveness and readiness.
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -279,36 +278,12 @@ pub(crate) async fn remove_worker(State(state): State<AppState>, Path(id): Path<
             .is_ok(),
         None => false,
     };
-    match drain_and_remove(&state, &backend).await {
+    match crate::registry::drain_and_remove(&state, &backend).await {
         Ok(blocks) => {
             Json(json!({"id": id, "blocks_removed": blocks, "shared": shared})).into_response()
         }
         Err(e) => error(&state, "workers", StatusCode::NOT_FOUND, e.to_string()),
     }
-}
-
-/// No new request goes to `backend`; once its requests here have ended (or the drain timeout
-/// passed) it leaves, and its blocks leave the index. Returns the blocks removed.
-pub(crate) async fn drain_and_remove(
-    state: &AppState,
-    backend: &crate::backends::Backend,
-) -> Result<usize, crate::backends::BackendError> {
-    let id = backend.spec.id;
-    state.set_draining(WorkerId(id), true);
-    let deadline = tokio::time::Instant::now() + state.options.drain_timeout;
-    loop {
-        let active: u64 = (0..backend.spec.dp_size)
-            .filter_map(|r| state.router.load(WorkerRank::new(id, r)))
-            .map(|l| l.requests)
-            .sum();
-        if active == 0 || tokio::time::Instant::now() >= deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let result = state.backends.remove(&state.router, id);
-    state.set_draining(WorkerId(id), false);
-    result
 }
 
 /// `GET /metrics`.

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv::{Entry, Operation, Store};
 use futures_util::StreamExt;
+use kvroute_core::{WorkerId, WorkerRank};
 use tokio::task::JoinHandle;
 
 use super::backends::BackendSpec;
@@ -200,7 +201,7 @@ async fn apply(state: &AppState, entry: Entry) {
 
 /// Drains worker `id` and removes it, unless it is gone or being drained already.
 fn spawn_removal(state: &AppState, id: u64) {
-    if state.draining().contains(&kvroute_core::WorkerId(id)) {
+    if state.draining().contains(&WorkerId(id)) {
         return;
     }
     let Some(backend) = state.backends.get(id) else {
@@ -208,7 +209,7 @@ fn spawn_removal(state: &AppState, id: u64) {
     };
     let state = state.clone();
     tokio::spawn(async move {
-        match super::admin::drain_and_remove(&state, &backend).await {
+        match drain_and_remove(&state, &backend).await {
             Ok(blocks) => tracing::info!(
                 worker = id,
                 blocks,
@@ -217,4 +218,28 @@ fn spawn_removal(state: &AppState, id: u64) {
             Err(e) => tracing::debug!(worker = id, error = %e, "worker registry: removal"),
         }
     });
+}
+
+/// No new request goes to `backend`; once its requests here have ended (or the drain timeout
+/// passed) it leaves, and its blocks leave the index. Returns the blocks removed.
+pub(crate) async fn drain_and_remove(
+    state: &AppState,
+    backend: &super::backends::Backend,
+) -> Result<usize, super::backends::BackendError> {
+    let id = backend.spec.id;
+    state.set_draining(WorkerId(id), true);
+    let deadline = tokio::time::Instant::now() + state.options.drain_timeout;
+    loop {
+        let active: u64 = (0..backend.spec.dp_size)
+            .filter_map(|r| state.router.load(WorkerRank::new(id, r)))
+            .map(|l| l.requests)
+            .sum();
+        if active == 0 || tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let result = state.backends.remove(&state.router, id);
+    state.set_draining(WorkerId(id), false);
+    result
 }
