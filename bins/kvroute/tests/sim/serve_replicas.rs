@@ -215,7 +215,7 @@ async fn replicas_see_each_others_requests_and_drop_a_killed_ones() {
     let fleet = format!("t{nats_port}");
     let (mut a, url_a) = replica(&client, &engines, nats_port, &fleet).await;
     let (_b, url_b) = replica(&client, &engines, nats_port, &fleet).await;
-    let (_c, url_c) = replica(&client, &engines, nats_port, &fleet).await;
+    let (mut c, url_c) = replica(&client, &engines, nats_port, &fleet).await;
     for url in [&url_a, &url_b, &url_c] {
         eventually(
             Duration::from_secs(10),
@@ -284,6 +284,23 @@ async fn replicas_see_each_others_requests_and_drop_a_killed_ones() {
         )
         .await;
     }
+
+    // A replica told to stop says goodbye: B forgets it at once, not after 2 s of silence.
+    signal(&c, "TERM");
+    let asked = Instant::now();
+    eventually(
+        Duration::from_secs(5),
+        "B forgets the replica that stopped",
+        || metric(&client, &url_b, "kvroute_replica_peers"),
+        |p| *p == 0.0,
+    )
+    .await;
+    assert!(
+        asked.elapsed() < Duration::from_millis(1_500),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(c.0.wait().unwrap().success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
