@@ -1,12 +1,13 @@
-//! The binary's `demo --sweep-workers`, `demo --disagg` and `demo --replicas`, and the
-//! built-in workload's mixes by name: a module of `main.rs` (the command line), not of the
-//! library.
+//! The binary's `demo --sweep-workers`, `demo --disagg`, `demo --replicas` and
+//! `demo --live --replicas`, the live demo's table rows, and the built-in workload's mixes by
+//! name: a module of `main.rs` (the command line), not of the library.
 
 use std::path::Path;
 
 use anyhow::Context;
 use clap::Args;
-use kvroute::demo::{self, DemoConfig, DemoPolicy};
+use kvroute::demo::{self, DemoConfig, DemoPolicy, LiveReport};
+use kvroute::replay::ReplayReport;
 use kvroute_sim::workload::{ChatConfig, Workload};
 use kvroute_sim::BookingSync;
 
@@ -18,12 +19,14 @@ pub(super) struct ReplicaArgs {
     /// Compare one router with N routers sharing the fleet (`kvroute serve` replicas behind a
     /// load balancer, which hands them arrivals in turn), each seeing every engine's KV events
     /// and learning of the others' bookings after each --replica-delay-ms. Runs the policy
-    /// --policies names (one of the router's own; default kv-aware).
+    /// --policies names (one of the router's own; default kv-aware). With --live: one real
+    /// `kvroute serve`, then N real replicas sharing their bookings through a `nats-server`
+    /// the demo starts, the client handing them requests in turn.
     #[arg(
         long,
         default_value_t = 1,
         value_name = "N",
-        conflicts_with_all = ["live", "sweep_workers", "disagg"]
+        conflicts_with_all = ["sweep_workers", "disagg"]
     )]
     pub(super) replicas: usize,
     /// With --replicas: how late each router learns of the others' bookings, in ms of the
@@ -210,4 +213,176 @@ pub(super) fn run_replica_demo(
     println!();
     print!("{}", report.table());
     write_json(args.json.as_deref(), &report)
+}
+
+/// The live demo's table header.
+pub(super) const LIVE_HEADER: &str =
+    "                 hit rate  of oracle  TTFT mean  TTFT p99  ITL mean  imbalance  predicted";
+
+/// The policy `--live` serves with: the first --policies names (default kv-aware), one of
+/// kvroute's own.
+pub(super) fn live_policy(config: &DemoConfig) -> anyhow::Result<DemoPolicy> {
+    let policy = config
+        .policies
+        .first()
+        .copied()
+        .unwrap_or(DemoPolicy::KvAware);
+    if matches!(
+        policy,
+        DemoPolicy::DynamoDefault | DemoPolicy::SglangCacheAware
+    ) {
+        anyhow::bail!(
+            "--live serves with kvroute's own policies; {policy} runs in process only \
+             (scripts/live_vs_sglang.sh runs SGLang's router itself)"
+        );
+    }
+    Ok(policy)
+}
+
+/// A live run's row of the table under [`LIVE_HEADER`], labelled `label`.
+pub(super) fn live_row(label: &str, r: &ReplayReport, oracle: bool, time_scale: f64) -> String {
+    // Live times are wall times at the time scale: brought back to the model's.
+    format!(
+        "{label:<17}{:>8.3}  {:>9}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
+        r.hit_rate,
+        if oracle {
+            format!("{:.3}", r.hit_over_oracle)
+        } else {
+            "-".to_owned()
+        },
+        r.ttft_mean_ms * time_scale,
+        r.ttft_p99_ms * time_scale,
+        r.itl_mean_ms * time_scale,
+        r.imbalance,
+        r.prediction_accuracy * 100.0
+    )
+}
+
+/// A live run's faults, failures and caches against the router's index.
+pub(super) fn print_live_notes(live: &LiveReport) {
+    for f in &live.faults {
+        println!("fault at {f}");
+    }
+    for (worker, n) in &live.failed_by_worker {
+        match worker {
+            Some(w) => println!("{n} requests failed on worker {w}"),
+            None => println!("{n} requests failed before being routed"),
+        }
+    }
+    for (worker, sent_ms, status, error) in &live.first_failures {
+        let on = worker.map_or("before routing".to_owned(), |w| format!("on worker {w}"));
+        let at = sent_ms / 1e3;
+        println!(
+            "first failure {on}: sent at {at:.2} s, status {status}, {}",
+            error.trim()
+        );
+    }
+    for c in &live.caches {
+        println!(
+            "worker {}: engine caches {} blocks, the router's index holds {}",
+            c.worker,
+            c.engine_blocks
+                .map_or("(gone)".to_owned(), |b| b.to_string()),
+            c.index_blocks
+        );
+    }
+}
+
+/// `demo --live --replicas N`: the workload through one real `kvroute serve`, then through N
+/// real replicas sharing a real `nats-server`, each on fresh engines.
+pub(super) fn run_live_replica_demo(
+    args: &DemoArgs,
+    workload: &Workload,
+    config: DemoConfig,
+) -> anyhow::Result<()> {
+    let replicas = args.replica.replicas;
+    if replicas < 2 {
+        anyhow::bail!("--live --replicas takes at least 2 replicas");
+    }
+    let policy = live_policy(&config)?;
+    // Before the first fleet's run, not after it.
+    if std::process::Command::new("nats-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        anyhow::bail!(
+            "--live --replicas needs nats-server on PATH (scripts/fixtures.sh installs it)"
+        );
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut runs = Vec::new();
+    for (label, routers) in [
+        ("1 router".to_owned(), 1),
+        (format!("{replicas} replicas"), replicas),
+    ] {
+        let options = demo::LiveOptions {
+            exe: std::env::current_exe()?,
+            workers: config.workers,
+            engine: config.engine,
+            timing: args.timing.clone(),
+            time_scale: args.time_scale,
+            policy: policy.name().to_owned(),
+            faults: args.faults,
+            oracle: args.oracle,
+            replicas: routers,
+        };
+        eprintln!(
+            "live, {label}: {} kvroute worker processes, replay at ×{}{}",
+            config.workers,
+            args.time_scale,
+            if args.faults { ", faults injected" } else { "" }
+        );
+        let bar = indicatif::ProgressBar::new(workload.len() as u64);
+        let live = runtime.block_on(demo::run_live(workload, &options, &|done, _| {
+            bar.set_position(done as u64);
+        }))?;
+        bar.finish_and_clear();
+        runs.push((label, live));
+    }
+    println!(
+        "{}: {} requests, {policy}, live at ×{}",
+        workload.name(),
+        workload.len(),
+        args.time_scale
+    );
+    println!("{LIVE_HEADER}");
+    for (label, live) in &runs {
+        println!(
+            "{}",
+            live_row(label, &live.replay, args.oracle, args.time_scale)
+        );
+    }
+    for (label, live) in &runs {
+        let r = &live.replay;
+        println!();
+        println!(
+            "{label}: requests {} ok, {} failed; load at the end: {} requests",
+            r.ok, r.failed, live.active_at_end
+        );
+        for (i, c) in live.replicas.iter().enumerate() {
+            let show = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.0}"));
+            println!(
+                "replica {i}: sent {}, served {:.0}; sync up {}, peers {}, the others' booking changes applied {}",
+                c.sent,
+                c.served,
+                show(c.sync_up),
+                show(c.peers),
+                show(c.applied)
+            );
+        }
+        print_live_notes(live);
+    }
+    let [(_, one), (_, many)] = runs.as_slice() else {
+        anyhow::bail!("the live replica demo ran {} fleets, not 2", runs.len());
+    };
+    let out = serde_json::json!({
+        "one_router": one,
+        "replicas": many,
+        "replica_count": replicas,
+        "time_scale": args.time_scale,
+    });
+    write_json(args.json.as_deref(), &out)
 }

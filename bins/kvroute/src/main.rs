@@ -19,7 +19,10 @@ use kvroute_sim::{EngineConfig, KvTransfer, TimingModel};
 use mimalloc::MiMalloc;
 
 mod demo_cli;
-use demo_cli::{mix, run_disagg_demo, run_replica_demo, run_sweep, ReplicaArgs};
+use demo_cli::{
+    live_policy, live_row, mix, print_live_notes, run_disagg_demo, run_live_replica_demo,
+    run_replica_demo, run_sweep, ReplicaArgs, LIVE_HEADER,
+};
 
 #[global_allocator]
 static GLOBAL: MiMalloc = MiMalloc;
@@ -540,20 +543,7 @@ fn run_live_demo(
     oracle: bool,
     json: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
-    let policy = config
-        .policies
-        .first()
-        .copied()
-        .unwrap_or(DemoPolicy::KvAware);
-    if matches!(
-        policy,
-        DemoPolicy::DynamoDefault | DemoPolicy::SglangCacheAware
-    ) {
-        anyhow::bail!(
-            "--live serves with kvroute's own policies; {policy} runs in process only \
-             (scripts/live_vs_sglang.sh runs SGLang's router itself)"
-        );
-    }
+    let policy = live_policy(&config)?;
     let in_process = DemoConfig {
         policies: vec![policy],
         ..config.clone()
@@ -572,6 +562,7 @@ fn run_live_demo(
         policy: policy.name().to_owned(),
         faults,
         oracle,
+        replicas: 1,
     };
     eprintln!(
         "live: {} kvroute worker processes, kvroute serve, replay at ×{time_scale}{}",
@@ -589,9 +580,7 @@ fn run_live_demo(
     let l = &local.policies[0];
     let r = &live.replay;
     println!("{}: {} requests, {policy}", workload.name(), workload.len());
-    println!(
-        "                 hit rate  of oracle  TTFT mean  TTFT p99  ITL mean  imbalance  predicted"
-    );
+    println!("{LIVE_HEADER}");
     let of = |hit: f64, oracle: f64| if oracle > 0.0 { hit / oracle } else { 0.0 };
     println!(
         "in process       {:>8.3}  {:>9.3}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
@@ -603,21 +592,7 @@ fn run_live_demo(
         l.imbalance,
         l.prediction_accuracy * 100.0
     );
-    // Live times are wall times at the time scale: brought back to the model's.
-    println!(
-        "live             {:>8.3}  {:>9}  {:>6.0} ms  {:>5.0} ms  {:>5.1} ms  {:>9.2}  {:>8.1}%",
-        r.hit_rate,
-        if oracle {
-            format!("{:.3}", r.hit_over_oracle)
-        } else {
-            "-".to_owned()
-        },
-        r.ttft_mean_ms * time_scale,
-        r.ttft_p99_ms * time_scale,
-        r.itl_mean_ms * time_scale,
-        r.imbalance,
-        r.prediction_accuracy * 100.0
-    );
+    println!("{}", live_row("live", r, oracle, time_scale));
     println!(
         "live ÷ in process hit rate: {:.3}; requests {} ok, {} failed; load at the end: {} requests",
         if l.hit_rate > 0.0 { r.hit_rate / l.hit_rate } else { 0.0 },
@@ -625,32 +600,7 @@ fn run_live_demo(
         r.failed,
         live.active_at_end
     );
-    for f in &live.faults {
-        println!("fault at {f}");
-    }
-    for (worker, n) in &live.failed_by_worker {
-        match worker {
-            Some(w) => println!("{n} requests failed on worker {w}"),
-            None => println!("{n} requests failed before being routed"),
-        }
-    }
-    for (worker, sent_ms, status, error) in &live.first_failures {
-        let on = worker.map_or("before routing".to_owned(), |w| format!("on worker {w}"));
-        let at = sent_ms / 1e3;
-        println!(
-            "first failure {on}: sent at {at:.2} s, status {status}, {}",
-            error.trim()
-        );
-    }
-    for c in &live.caches {
-        println!(
-            "worker {}: engine caches {} blocks, the router's index holds {}",
-            c.worker,
-            c.engine_blocks
-                .map_or("(gone)".to_owned(), |b| b.to_string()),
-            c.index_blocks
-        );
-    }
+    print_live_notes(&live);
     if let Some(path) = json {
         let out = serde_json::json!({"in_process": local, "live": live, "time_scale": time_scale});
         std::fs::write(path, serde_json::to_string_pretty(&out)? + "\n")
@@ -851,6 +801,9 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     }
     if args.disagg {
         return run_disagg_demo(&args, &workload, config);
+    }
+    if args.live && args.replica.replicas != 1 {
+        return run_live_replica_demo(&args, &workload, config);
     }
     if args.replica.replicas != 1 {
         return run_replica_demo(&args, &workload, config);

@@ -50,7 +50,7 @@ use kvroute_sim::{EngineConfig, FleetError};
 pub use crate::plot::PlotError;
 pub use disagg::{run_disagg, DisaggConfig, DisaggReport, ModeReport};
 pub use dynamo::DynamoPicker;
-pub use live::{run_live, CacheCheck, LiveOptions, LiveReport};
+pub use live::{run_live, CacheCheck, LiveOptions, LiveReport, ReplicaCheck};
 pub use plot::write_svg;
 pub use policy::{DemoPolicy, UnknownPolicy};
 pub use replicas::{

@@ -154,6 +154,24 @@ pub async fn run(
     options: &ReplayOptions,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> anyhow::Result<(Vec<ReplayRecord>, ReplayReport)> {
+    run_spread(
+        workload,
+        options,
+        std::slice::from_ref(&options.url),
+        progress,
+    )
+    .await
+}
+
+/// [`run`], the requests handed to `urls` in turn (round robin, as a load balancer in front
+/// of several routers would): request `i` goes to `urls[i % urls.len()]`, and to
+/// `options.url` when `urls` is empty.
+pub async fn run_spread(
+    workload: &Workload,
+    options: &ReplayOptions,
+    urls: &[String],
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> anyhow::Result<(Vec<ReplayRecord>, ReplayReport)> {
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(1024)
         .tcp_nodelay(true)
@@ -176,7 +194,10 @@ pub async fn run(
             }
         };
         let client = client.clone();
-        let options = options.clone();
+        let mut options = options.clone();
+        if let Some(url) = urls.get(index % urls.len().max(1)) {
+            options.url.clone_from(url);
+        }
         let answered = Arc::clone(&done);
         tasks.push(tokio::spawn(async move {
             let record = send(&client, &options, index, request, started).await;

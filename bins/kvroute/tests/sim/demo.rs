@@ -390,3 +390,63 @@ fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_g
         .unwrap();
     assert!(!status.success());
 }
+
+#[test]
+fn the_live_demo_spreads_requests_over_replicas_that_see_each_others_bookings() {
+    if std::process::Command::new("nats-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        super::skip_without_fixtures("no nats-server on PATH: run scripts/fixtures.sh");
+        return;
+    }
+    let _cores = two_cores();
+    let json =
+        std::env::temp_dir().join(format!("kvroute-live-replicas-{}.json", std::process::id()));
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "demo",
+            "--live",
+            "--replicas",
+            "2",
+            "--requests",
+            "60",
+            "--rate",
+            "20",
+            "--workers",
+            "2",
+            "--kv-blocks",
+            "4096",
+            "--time-scale",
+            "5",
+            "--json",
+        ])
+        .arg(&json)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    // One router, then two replicas: every request answered by each fleet.
+    for fleet in ["one_router", "replicas"] {
+        let replay = &report[fleet]["replay"];
+        assert_eq!(replay["ok"], 60, "{fleet}: {}", report[fleet]);
+        assert_eq!(replay["failed"], 0, "{fleet}: {}", report[fleet]);
+        assert_eq!(report[fleet]["active_at_end"], 0, "{fleet}");
+    }
+    assert_eq!(report["one_router"]["replicas"], serde_json::json!([]));
+    // Both replicas served half the requests, and each held the other's bookings.
+    let replicas = report["replicas"]["replicas"].as_array().unwrap();
+    assert_eq!(replicas.len(), 2);
+    for r in replicas {
+        assert_eq!(r["sent"], 30, "{r}");
+        assert_eq!(r["served"], 30.0, "{r}");
+        assert_eq!(r["sync_up"], 1.0, "{r}");
+        assert_eq!(r["peers"], 1.0, "{r}");
+        assert!(r["applied"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
