@@ -189,6 +189,8 @@ enum Link {
 #[derive(Debug)]
 pub(crate) struct ReplicaSync {
     pub id: ReplicaId,
+    /// The routing threads' changes; closed when the replica leaves.
+    log: Arc<DeltaLog>,
     client: async_nats::Client,
     subject: String,
     block_size: u32,
@@ -248,13 +250,13 @@ impl ReplicaSync {
                     reason: e.to_string(),
                 })?;
         let log = Arc::new(DeltaLog::new());
-        let sink = Arc::clone(&log);
+        let (sink, collected) = (Arc::clone(&log), Arc::clone(&log));
         router.on_booking(move |d| sink.append(d));
         let (batches, queue) = mpsc::channel::<Taken>(64);
         let (spares, spare) = std::sync::mpsc::channel::<Vec<u64>>();
         std::thread::Builder::new()
             .name("kvroute-sync".into())
-            .spawn(move || collect(&log, &batches, &spare))
+            .spawn(move || collect(&collected, &batches, &spare))
             .map_err(|e| ReplicaError::Nats {
                 url: options.nats.clone(),
                 reason: format!("cannot start the collector thread: {e}"),
@@ -292,6 +294,7 @@ impl ReplicaSync {
         );
         Ok(ReplicaSync {
             id,
+            log,
             client,
             subject,
             block_size,
@@ -306,6 +309,7 @@ impl ReplicaSync {
 
     /// Says goodbye, so that the others drop this replica's bookings at once, and stops.
     pub(crate) async fn leave(self) {
+        self.log.close();
         for t in &self.tasks {
             t.abort();
         }
@@ -320,14 +324,14 @@ impl ReplicaSync {
 
 /// The collector thread: takes the log every [`COLLECT_EVERY`] while changes come, parks
 /// when none came for [`IDLE_POLLS`] polls, and hands each batch to the publisher (waiting
-/// while the publisher is behind). Ends when the publisher has.
+/// while the publisher is behind). Ends when the publisher has, or the log is closed.
 fn collect(
     log: &DeltaLog,
     batches: &mpsc::Sender<Taken>,
     spare: &std::sync::mpsc::Receiver<Vec<u64>>,
 ) {
     let (mut idle, mut unused) = (0, Vec::new());
-    loop {
+    while !log.is_closed() {
         let taken = log.take(
             spare
                 .try_recv()

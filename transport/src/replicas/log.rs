@@ -4,7 +4,7 @@
 //! system call while the collector is polling; it wakes a collector that went idle.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvroute_core::{BookingDelta, LocalHash, RemoteBooking, RequestId, WorkerRank};
@@ -45,7 +45,10 @@ pub struct DeltaLog {
     inner: Mutex<Words>,
     /// The collector is parked, waiting for a change.
     idle: AtomicBool,
-    collector: OnceLock<std::thread::Thread>,
+    /// The log is closed: the collector stops.
+    closed: AtomicBool,
+    /// The thread that last waited: the one to wake.
+    collector: Mutex<Option<std::thread::Thread>>,
 }
 
 fn unix_ns() -> u64 {
@@ -98,9 +101,7 @@ impl DeltaLog {
             }
         }
         if self.idle.load(Ordering::SeqCst) && self.idle.swap(false, Ordering::SeqCst) {
-            if let Some(t) = self.collector.get() {
-                t.unpark();
-            }
+            self.wake();
         }
     }
 
@@ -123,20 +124,40 @@ impl DeltaLog {
         }
     }
 
-    /// Parks the calling thread (the collector) until a change is appended, unless one is
-    /// there already. Spurious returns are possible: the caller takes and loops.
+    /// Parks the calling thread (the collector) until a change is appended or the log is
+    /// closed, unless one is there already. Spurious returns are possible: the caller takes
+    /// and loops.
     pub fn wait(&self) {
-        let _ = self.collector.set(std::thread::current());
+        if let Ok(mut c) = self.collector.lock() {
+            *c = Some(std::thread::current());
+        }
         self.idle.store(true, Ordering::SeqCst);
         let empty = self
             .inner
             .lock()
             .map(|w| w.words.is_empty() && !w.lost)
             .unwrap_or(false);
-        if empty {
+        if empty && !self.is_closed() {
             std::thread::park();
         }
         self.idle.store(false, Ordering::SeqCst);
+    }
+
+    /// Closes the log: a parked collector wakes, and [`DeltaLog::is_closed`] tells it to stop.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    fn wake(&self) {
+        if let Some(t) = self.collector.lock().ok().and_then(|c| c.clone()) {
+            t.unpark();
+        }
+    }
+
+    /// Whether the log was closed.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
     }
 }
 

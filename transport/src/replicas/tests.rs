@@ -305,4 +305,24 @@ fn the_log_carries_every_change_and_wakes_its_collector() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(waiter.join().unwrap(), 2);
+    // Closing the log wakes a parked collector for good.
+    let waiter = {
+        let log = Arc::clone(&log);
+        std::thread::spawn(move || {
+            while !log.is_closed() {
+                log.wait();
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    log.close();
+    let start = Instant::now();
+    while !waiter.is_finished() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the collector never stopped"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    log.wait();
 }
