@@ -4,14 +4,16 @@
 //! ```text
 //! cargo run --release -p kvroute-benches --bin replica-sync
 //! cargo run --release -p kvroute-benches --bin replica-sync -- --seconds 5 --rounds 7
+//! cargo run --release -p kvroute-benches --bin replica-sync -- --cost-only
 //! ```
 //!
 //! 1. **Route cost.** One core `Router` (8 workers), prompts of 1,024 tokens (16 shared
 //!    prefixes of 960 tokens, then 64 of their own), each routed then freed: ns per route and
 //!    free, without a booking sink and with serve's (each change appended to a `DeltaLog`
 //!    that another thread takes every 200 µs into an `Outbox` and encodes, as serve's
-//!    collector and publisher do). Rounds alternate; the medians and their ratio are printed.
-//!    The routing thread runs on CPU 0 and the collector on CPU 1.
+//!    collector and publisher do), and with the log taken but never read (the appends
+//!    alone). Rounds alternate; the medians and their ratios are printed. The routing thread
+//!    runs on CPU 0 and the collectors on CPU 1. `--cost-only` stops here.
 //! 2. **Delivery.** `nats-server` (the system's package; `scripts/fixtures.sh` installs it),
 //!    a fake engine that answers at once, and two replicas A and B (`RunningServe` with
 //!    `--nats`) in this process. Token-id completions go to A at 1 and 64 in flight for
@@ -34,7 +36,7 @@ use kvroute_core::{
     WorkerConfig,
 };
 use kvroute_serve::{parse_worker_flag, ReplicaOptions, RunningServe, ServeOptions};
-use kvroute_transport::replicas::{replay, DeltaLog, Outbox};
+use kvroute_transport::replicas::{DeltaLog, Outbox, Replayer};
 use serde_json::json;
 
 #[global_allocator]
@@ -82,60 +84,105 @@ fn route_round(r: &Router, prompts: &[Vec<u32>], n: usize, first_id: u64) -> f64
     start.elapsed().as_nanos() as f64 / n as f64
 }
 
-/// Route cost without and with the booking sink; prints the medians.
-fn route_cost(rounds: usize) -> Result<()> {
-    let prompts = prompts();
-    let plain = router()?;
-    let synced = router()?;
-    let log = Arc::new(DeltaLog::new());
-    let sink = Arc::clone(&log);
-    synced.on_booking(move |d| sink.append(d));
-    let (bytes, lost) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let done = Arc::new(AtomicBool::new(false));
-    let drain = {
-        let (sent, lost, done) = (Arc::clone(&bytes), Arc::clone(&lost), Arc::clone(&done));
-        std::thread::spawn(move || {
+/// A router with serve's booking sink, and its collector on CPU 1: every 200 µs it takes the
+/// log and, when `read`, replays it into an [`Outbox`] and encodes it, as serve's collector
+/// and publisher do. Without `read` the batch is handed back unread: what remains is the
+/// routing thread's own appending, without another core reading what it wrote.
+struct Synced {
+    router: Router,
+    done: Arc<AtomicBool>,
+    encoded: Arc<AtomicU64>,
+    lost: Arc<AtomicU64>,
+    collector: std::thread::JoinHandle<()>,
+}
+
+impl Synced {
+    fn new(read: bool) -> Result<Self> {
+        let router = router()?;
+        let log = Arc::new(DeltaLog::new());
+        let sink = Arc::clone(&log);
+        router.on_booking(move |d| sink.append(d));
+        let (encoded, lost) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let done = Arc::new(AtomicBool::new(false));
+        let (sent, lost2, done2) = (Arc::clone(&encoded), Arc::clone(&lost), Arc::clone(&done));
+        let collector = std::thread::spawn(move || {
             if let Err(e) = pin_to(1) {
                 eprintln!("collector not pinned: {e}");
             }
-            let mut outbox = Outbox::new(ReplicaId(1), 16);
-            let mut spare = Vec::new();
-            while !done.load(Ordering::Relaxed) {
-                let taken = log.take(spare);
+            let (mut outbox, mut replayer) = (Outbox::new(ReplicaId(1), 16), Replayer::new());
+            while !done2.load(Ordering::Relaxed) {
+                let taken = log.take();
                 if taken.lost {
-                    lost.fetch_add(1, Ordering::Relaxed);
+                    lost2.fetch_add(1, Ordering::Relaxed);
                 }
-                replay(&taken.words, &mut outbox);
-                for m in outbox.flush(taken.oldest_ns) {
-                    sent.fetch_add(m.len() as u64, Ordering::Relaxed);
+                if read {
+                    replayer.replay(&taken, &mut outbox);
+                    for m in outbox.flush(taken.oldest_ns) {
+                        sent.fetch_add(m.len() as u64, Ordering::Relaxed);
+                    }
                 }
-                spare = taken.words;
+                log.recycle(taken.words);
                 std::thread::sleep(Duration::from_micros(COLLECT_US));
             }
+        });
+        Ok(Synced {
+            router,
+            done,
+            encoded,
+            lost,
+            collector,
         })
-    };
-    // The routing thread on CPU 0, the collector on CPU 1, as a frontend's cores would be.
+    }
+
+    fn stop(self) -> Result<(u64, u64)> {
+        self.done.store(true, Ordering::Relaxed);
+        self.collector
+            .join()
+            .map_err(|_| anyhow::anyhow!("collector thread"))?;
+        Ok((
+            self.lost.load(Ordering::Relaxed),
+            self.encoded.load(Ordering::Relaxed),
+        ))
+    }
+}
+
+/// Route cost without the booking sink, with serve's, and with the sink's log taken unread;
+/// prints the medians.
+fn route_cost(rounds: usize) -> Result<()> {
+    let prompts = prompts();
+    let plain = router()?;
+    let (synced, unread) = (Synced::new(true)?, Synced::new(false)?);
+    // The routing thread on CPU 0, the collectors on CPU 1, as a frontend's cores would be.
     pin_to(0).context("pinning the routing thread to CPU 0")?;
     let n = 50_000;
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    // Warm both (the index learns every prefix), then alternate.
-    route_round(&plain, &prompts, n, 0);
-    route_round(&synced, &prompts, n, 0);
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    // Warm all three (the index learns every prefix), then alternate.
+    for r in [&plain, &synced.router, &unread.router] {
+        route_round(r, &prompts, n, 0);
+    }
     for round in 0..rounds {
         let id = (round as u64 + 1) * 1_000_000;
         a.push(route_round(&plain, &prompts, n, id));
-        b.push(route_round(&synced, &prompts, n, id));
+        b.push(route_round(&synced.router, &prompts, n, id));
+        c.push(route_round(&unread.router, &prompts, n, id));
     }
-    done.store(true, Ordering::Relaxed);
-    drain.join().map_err(|_| anyhow::anyhow!("drain thread"))?;
-    let (a, b) = (median(a).unwrap_or(0.0), median(b).unwrap_or(0.0));
+    let (lost, encoded) = synced.stop()?;
+    unread.stop()?;
+    let (a, b, c) = (
+        median(a).unwrap_or(0.0),
+        median(b).unwrap_or(0.0),
+        median(c).unwrap_or(0.0),
+    );
     println!("route + free, {n} requests × {rounds} rounds (medians):");
-    println!("  without sync: {a:>8.0} ns");
+    println!("  without sync:          {a:>8.0} ns");
     println!(
-        "  with sync:    {b:>8.0} ns   ({:.3}×; {} losses, {:.1} MB encoded)",
+        "  with sync:             {b:>8.0} ns   ({:.3}×; {lost} losses, {:.1} MB encoded)",
         b / a,
-        lost.load(Ordering::Relaxed),
-        bytes.load(Ordering::Relaxed) as f64 / 1e6
+        encoded as f64 / 1e6
+    );
+    println!(
+        "  with the log unread:   {c:>8.0} ns   ({:.3}×: the appends alone, no other core reading them)",
+        c / a
     );
     Ok(())
 }
@@ -344,5 +391,8 @@ fn main() -> Result<()> {
     let seconds = value("--seconds", 3.0);
     let rounds = value("--rounds", 5.0) as usize;
     route_cost(rounds)?;
+    if args.iter().any(|a| a == "--cost-only") {
+        return Ok(());
+    }
     delivery(seconds)
 }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
 use kvroute_core::{ReplicaId, Router};
-use kvroute_transport::replicas::{replay, resync, DeltaLog, Inbox, InboxCounts, Outbox, Taken};
+use kvroute_transport::replicas::{resync, DeltaLog, Inbox, InboxCounts, Outbox, Replayer, Taken};
 use prometheus::{Histogram, HistogramOpts, IntGauge, IntGaugeVec, Opts, Registry};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -253,10 +253,9 @@ impl ReplicaSync {
         let (sink, collected) = (Arc::clone(&log), Arc::clone(&log));
         router.on_booking(move |d| sink.append(d));
         let (batches, queue) = mpsc::channel::<Taken>(64);
-        let (spares, spare) = std::sync::mpsc::channel::<Vec<u64>>();
         std::thread::Builder::new()
             .name("kvroute-sync".into())
-            .spawn(move || collect(&collected, &batches, &spare))
+            .spawn(move || collect(&collected, &batches))
             .map_err(|e| ReplicaError::Nats {
                 url: options.nats.clone(),
                 reason: format!("cannot start the collector thread: {e}"),
@@ -267,6 +266,7 @@ impl ReplicaSync {
             client: client.clone(),
             subject: subject.clone(),
             outbox: Outbox::new(id, block_size),
+            replayer: Replayer::new(),
             metrics: metrics.clone(),
             sent: 0,
             lost_deltas: 0,
@@ -283,7 +283,7 @@ impl ReplicaSync {
             snapshots,
         };
         let tasks = vec![
-            tokio::spawn(publisher.run(queue, spares, pub_links, wanted)),
+            tokio::spawn(publisher.run(queue, Arc::clone(&log), pub_links, wanted)),
             tokio::spawn(listener.run(subscriber, sub_links)),
         ];
         tracing::info!(
@@ -325,20 +325,11 @@ impl ReplicaSync {
 /// The collector thread: takes the log every [`COLLECT_EVERY`] while changes come, parks
 /// when none came for [`IDLE_POLLS`] polls, and hands each batch to the publisher (waiting
 /// while the publisher is behind). Ends when the publisher has, or the log is closed.
-fn collect(
-    log: &DeltaLog,
-    batches: &mpsc::Sender<Taken>,
-    spare: &std::sync::mpsc::Receiver<Vec<u64>>,
-) {
-    let (mut idle, mut unused) = (0, Vec::new());
+fn collect(log: &DeltaLog, batches: &mpsc::Sender<Taken>) {
+    let mut idle = 0;
     while !log.is_closed() {
-        let taken = log.take(
-            spare
-                .try_recv()
-                .unwrap_or_else(|_| std::mem::take(&mut unused)),
-        );
+        let taken = log.take();
         if taken.words.is_empty() && !taken.lost {
-            unused = taken.words;
             idle += 1;
             if idle >= IDLE_POLLS {
                 log.wait();
@@ -361,6 +352,7 @@ struct Publisher {
     client: async_nats::Client,
     subject: String,
     outbox: Outbox,
+    replayer: Replayer,
     metrics: SyncMetrics,
     sent: u64,
     lost_deltas: u64,
@@ -371,7 +363,7 @@ impl Publisher {
     async fn run(
         mut self,
         mut queue: mpsc::Receiver<Taken>,
-        spares: std::sync::mpsc::Sender<Vec<u64>>,
+        log: Arc<DeltaLog>,
         mut links: mpsc::UnboundedReceiver<Link>,
         mut wanted: mpsc::UnboundedReceiver<()>,
     ) {
@@ -388,8 +380,8 @@ impl Publisher {
                         self.outbox.reset();
                         tracing::warn!("booking sync: own changes dropped (log full); book resent");
                     }
-                    replay(&taken.words, &mut self.outbox);
-                    let _ = spares.send(taken.words);
+                    self.replayer.replay(&taken, &mut self.outbox);
+                    log.recycle(taken.words);
                     let msgs = self.outbox.flush(taken.oldest_ns);
                     self.publish(msgs).await;
                 }

@@ -29,7 +29,7 @@ pub mod outbox;
 pub mod wire;
 
 pub use inbox::{Inbox, InboxCounts, Received, RESYNC_EVERY};
-pub use log::{replay, DeltaLog, Taken, MAX_LOG_WORDS};
+pub use log::{DeltaLog, Replayer, Taken, LOG_ROOM, MAX_LOG_WORDS, RECYCLE_AFTER};
 pub use outbox::{resync, Outbox};
 pub use wire::{decode, encode, Body, Envelope, WireBooking, WireDelta, WireError};
 

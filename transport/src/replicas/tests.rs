@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvroute_core::{
-    IndexConfig, LoadView, OwnedDelta, PrefixIndex, ReplicaId, RequestId, RouteHints, RouteRequest,
-    Router, RouterConfig, WorkerConfig, WorkerRank,
+    BookingDelta, IndexConfig, LoadView, LocalHash, OwnedDelta, PrefixIndex, RemoteBooking,
+    ReplicaId, RequestId, RouteHints, RouteRequest, Router, RouterConfig, WorkerConfig, WorkerRank,
 };
 
 use super::*;
@@ -267,10 +267,10 @@ fn the_log_carries_every_change_and_wakes_its_collector() {
     a.router.prefill_done(RequestId(2)).unwrap();
     a.router.tokens_generated(RequestId(3), 50).unwrap();
     a.router.free(RequestId(4)).unwrap();
-    let taken = log.take(Vec::new());
+    let taken = log.take();
     assert!(!taken.lost && taken.oldest_ns > 0);
     let mut via_log = Outbox::new(ReplicaId(1), BS);
-    assert_eq!(replay(&taken.words, &mut via_log), 9);
+    assert_eq!(Replayer::new().replay(&taken, &mut via_log), 9);
     assert_eq!(via_log.active(), 4);
     // What the log carried rebuilds A's load on another router.
     let b = router();
@@ -280,18 +280,19 @@ fn the_log_carries_every_change_and_wakes_its_collector() {
     // Truncated words end the batch, never panic.
     for cut in 0..taken.words.len() {
         let mut o = Outbox::new(ReplicaId(1), BS);
-        assert!(replay(&taken.words[..cut], &mut o) <= 9);
+        assert!(Replayer::new().replay_words(&taken.words[..cut], &mut o) <= 9);
     }
-    assert!(replay(&[99, 1, 2], &mut Outbox::new(ReplicaId(1), BS)) == 0);
-    // An empty log hands the spare back; a parked collector wakes on the next change.
-    let spare = Vec::with_capacity(64);
-    let again = log.take(spare);
-    assert!(again.words.is_empty() && again.words.capacity() >= 64);
+    let mut o = Outbox::new(ReplicaId(1), BS);
+    assert!(Replayer::new().replay_words(&[99, 1, 2], &mut o) == 0);
+    // An empty log gives nothing; a parked collector wakes on the next change.
+    log.recycle(taken.words);
+    let again = log.take();
+    assert!(again.words.is_empty() && !again.lost);
     let waiter = {
         let log = Arc::clone(&log);
         std::thread::spawn(move || {
             log.wait();
-            log.take(Vec::new()).words.len()
+            log.take().words.len()
         })
     };
     std::thread::sleep(Duration::from_millis(50));
@@ -325,4 +326,115 @@ fn the_log_carries_every_change_and_wakes_its_collector() {
         std::thread::sleep(Duration::from_millis(1));
     }
     log.wait();
+}
+
+/// A booking's change for the log tests: `hashes` on worker 0.
+fn booked(request: u64, hashes: &[LocalHash]) -> BookingDelta<'_> {
+    BookingDelta::Booked(RemoteBooking {
+        request: RequestId(request),
+        rank: WorkerRank::new(0, 0),
+        prefill_tokens: 16 * hashes.len() as u64,
+        block_hashes: hashes,
+        prompt_tokens: 16 * hashes.len() as u64 + 3,
+        cached_tokens: 0,
+        expected_output_tokens: None,
+    })
+}
+
+proptest::proptest! {
+    /// Bookings sharing prefixes in every way (a new chain under a root shared with others,
+    /// an earlier booking's chain cut, extended or repeated as a conversation's turns are,
+    /// chains with no block, chains past what a slot keeps) reach the outbox through the log
+    /// exactly as pushed directly, batch after batch.
+    #[test]
+    fn the_log_rebuilds_every_booking_from_the_hashes_it_did_not_repeat(
+        batches in proptest::collection::vec(
+            proptest::collection::vec(
+                (0u64..4, 0usize..6, 0usize..40, 0usize..64, proptest::bool::ANY, proptest::bool::ANY),
+                1..30,
+            ),
+            1..6,
+        ),
+    ) {
+        let log = DeltaLog::new();
+        let mut replayer = Replayer::new();
+        let (mut direct, mut via) = (Outbox::new(ReplicaId(1), BS), Outbox::new(ReplicaId(1), BS));
+        let mut sent: Vec<Vec<LocalHash>> = Vec::new();
+        for bookings in batches {
+            for (root, branch, len, earlier, follow, long) in bookings {
+                let request = sent.len() as u64 + 1;
+                let fresh = |i: usize| LocalHash(request * 1_000_000 + i as u64);
+                let len = if long { 4090 + len } else { len };
+                let hashes: Vec<LocalHash> = match sent.get(earlier % sent.len().max(1)) {
+                    // An earlier chain, its first `len` blocks, then `branch` of its own.
+                    Some(prior) if follow => prior
+                        .iter()
+                        .copied()
+                        .take(len)
+                        .chain((0..branch).map(|i| fresh(len + i)))
+                        .collect(),
+                    // A chain under `root`, sharing its first `branch` blocks with the root's.
+                    _ => (0..len)
+                        .map(|i| if i < branch.max(1) { LocalHash(root * 1_000_000 + i as u64) } else { fresh(i) })
+                        .collect(),
+                };
+                let d = booked(request, &hashes);
+                direct.push(&d);
+                log.append(&d);
+                if request.is_multiple_of(3) {
+                    let f = BookingDelta::Freed(RequestId(request - 1));
+                    direct.push(&f);
+                    log.append(&f);
+                }
+                sent.push(hashes);
+            }
+            let taken = log.take();
+            replayer.replay(&taken, &mut via);
+            proptest::prop_assert_eq!(direct.flush(1), via.flush(1));
+        }
+    }
+}
+
+#[test]
+fn a_booking_repeating_a_recent_prompt_writes_none_of_its_hashes_again() {
+    let log = DeltaLog::new();
+    let hashes: Vec<LocalHash> = (0..61).map(LocalHash).collect();
+    log.append(&booked(1, &hashes));
+    log.append(&booked(2, &hashes));
+    log.append(&booked(3, &hashes[..40]));
+    let taken = log.take();
+    assert_eq!(taken.words.len(), (10 + 61) + 10 + 10);
+    let (mut direct, mut via) = (Outbox::new(ReplicaId(1), BS), Outbox::new(ReplicaId(1), BS));
+    for (id, h) in [(1, &hashes[..]), (2, &hashes[..]), (3, &hashes[..40])] {
+        direct.push(&booked(id, h));
+    }
+    assert_eq!(Replayer::new().replay(&taken, &mut via), 3);
+    assert_eq!(direct.flush(1), via.flush(1));
+}
+
+#[test]
+fn a_buffer_handed_back_is_written_again_only_after_as_many_others() {
+    let log = DeltaLog::new();
+    let mut buffers = Vec::new();
+    for i in 0..4 * RECYCLE_AFTER as u64 {
+        log.append(&BookingDelta::Freed(RequestId(i)));
+        let taken = log.take();
+        assert_eq!(taken.words.len(), 2);
+        buffers.push(taken.words.as_ptr());
+        log.recycle(taken.words);
+    }
+    for (i, p) in buffers.iter().enumerate() {
+        if let Some(j) = buffers[i + 1..].iter().position(|q| q == p) {
+            assert!(j >= RECYCLE_AFTER, "reused after {j} takes");
+        }
+    }
+    // They do come back: the log keeps a bounded set.
+    let mut distinct = buffers.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert!(
+        distinct.len() <= RECYCLE_AFTER + 3,
+        "{} buffers",
+        distinct.len()
+    );
 }
