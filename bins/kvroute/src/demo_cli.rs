@@ -60,7 +60,14 @@ pub(super) fn run_sweep(args: &DemoArgs, config: DemoConfig) -> anyhow::Result<(
             Some(_) => (args.requests.map(scaled), args.rate, args.speedup * scale),
         };
         let workload = match &args.trace {
-            Some(_) => workload(args.trace.as_deref(), requests, 4_000, args.seed, rate)?,
+            Some(_) => workload(
+                args.trace.as_deref(),
+                requests,
+                4_000,
+                args.seed,
+                rate,
+                args.spread_ties,
+            )?,
             // More users on a bigger fleet: the open conversations scale with it too, so that
             // each conversation's turns come as often at every size.
             None => {

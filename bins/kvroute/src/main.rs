@@ -14,7 +14,7 @@ use kvroute::replay::{self, ReplayOptions};
 use kvroute::worker::{DisaggOptions, PublisherConfig, Role, RunningWorker, WorkerOptions};
 use kvroute_core::{Affinity, HotLoad, RouterConfig};
 use kvroute_serve::{RunningServe, ServeConfig, ServeOptions};
-use kvroute_sim::workload::{read_trace, ChatConfig, Workload};
+use kvroute_sim::workload::{read_trace, ChatConfig, Ties, Workload};
 use kvroute_sim::{EngineConfig, KvTransfer, TimingModel};
 use mimalloc::MiMalloc;
 
@@ -66,6 +66,11 @@ struct ReplayArgs {
     /// Arrivals come this many times sooner than the workload's own times (open loop).
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
+    /// A trace's arrivals that share a timestamp come evenly over the gap to its next
+    /// timestamp, instead of all at once (the Mooncake release stamps arrivals on a 3 s grid,
+    /// about ten a stamp).
+    #[arg(long)]
+    spread_ties: bool,
     /// The built-in workload's mean arrivals per second (before the speed-up).
     #[arg(long, default_value_t = 5.0)]
     rate: f64,
@@ -218,6 +223,11 @@ struct DemoArgs {
     /// Arrivals come this many times sooner than the workload's own times.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
+    /// A trace's arrivals that share a timestamp come evenly over the gap to its next
+    /// timestamp, instead of all at once (the Mooncake release stamps arrivals on a 3 s grid,
+    /// about ten a stamp).
+    #[arg(long)]
+    spread_ties: bool,
     /// The built-in workload's mean arrivals per second (before the speed-up). At the default,
     /// round-robin's p99 time to first token is over 2 s on the default fleet.
     #[arg(long, default_value_t = 35.0)]
@@ -358,6 +368,7 @@ fn workload(
     default_requests: usize,
     seed: u64,
     rate: f64,
+    spread_ties: bool,
 ) -> anyhow::Result<Workload> {
     Ok(match trace {
         Some(path) => {
@@ -365,7 +376,12 @@ fn workload(
             let name = path
                 .file_stem()
                 .map_or_else(|| "trace".to_owned(), |s| s.to_string_lossy().into_owned());
-            Workload::trace(name, rows)
+            let ties = if spread_ties {
+                Ties::Spread
+            } else {
+                Ties::Stamped
+            };
+            Workload::trace(name, rows).with_ties(ties)
         }
         None => Workload::chat(ChatConfig {
             requests: requests.unwrap_or(default_requests),
@@ -383,6 +399,7 @@ fn run_replay(args: ReplayArgs) -> anyhow::Result<()> {
         500,
         args.seed,
         args.rate,
+        args.spread_ties,
     )?
     .with_speedup(args.speedup);
     let options = ReplayOptions {
@@ -729,6 +746,7 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
             4_000,
             args.seed,
             args.rate,
+            args.spread_ties,
         )?,
         None => Workload::chat(ChatConfig {
             requests: args.requests.unwrap_or(4_000),

@@ -4,7 +4,9 @@
 use std::io::Write;
 use std::time::Duration;
 
-use kvroute_sim::workload::{read_trace, ChatConfig, ChatWorkload, TraceError, TraceRow, Workload};
+use kvroute_sim::workload::{
+    read_trace, ChatConfig, ChatWorkload, Ties, TraceError, TraceRow, Workload,
+};
 
 fn small_chat(seed: u64, rate: f64) -> ChatConfig {
     ChatConfig {
@@ -106,6 +108,61 @@ fn a_trace_is_read_expanded_and_ordered_by_arrival() {
     assert_eq!(requests[0].prompt[..512], requests[1].prompt[..512]);
     assert_ne!(requests[0].prompt[512..], requests[1].prompt[512..]);
     assert_eq!(requests[2].prompt[..1024], requests[0].prompt[..]);
+}
+
+#[test]
+fn spread_ties_come_evenly_over_the_gap_to_the_next_stamp_in_file_order() {
+    let lines = [
+        r#"{"timestamp": 3000, "input_length": 600, "output_length": 1, "hash_ids": [0, 1]}"#,
+        r#"{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [0, 2]}"#,
+        r#"{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 3]}"#,
+        r#"{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [0, 4]}"#,
+        r#"{"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [0, 5]}"#,
+        r#"{"timestamp": 5000, "input_length": 600, "output_length": 6, "hash_ids": [0, 6]}"#,
+        r#"{"timestamp": 9000, "input_length": 600, "output_length": 7, "hash_ids": [0, 7]}"#,
+        r#"{"timestamp": 9000, "input_length": 600, "output_length": 8, "hash_ids": [0, 8]}"#,
+    ];
+    let rows = read_trace(&trace_file("ties.jsonl", &lines), None).unwrap();
+    let arrivals = |w: &Workload| -> Vec<(u128, u32)> {
+        w.requests()
+            .map(|r| (r.at.as_millis(), r.output_tokens))
+            .collect()
+    };
+    let stamped = Workload::trace("ties", rows.clone());
+    assert_eq!(stamped.name(), "ties");
+    assert_eq!(
+        arrivals(&stamped),
+        [
+            (0, 2),
+            (0, 3),
+            (0, 4),
+            (3000, 1),
+            (3000, 5),
+            (5000, 6),
+            (9000, 7),
+            (9000, 8)
+        ]
+    );
+    // Three at 0 over the 3 s to the next stamp, two at 3000 over 2 s, one at 5000, and the
+    // last stamp's two over the median gap (3 s of 3, 2 and 4 s).
+    let spread = Workload::trace("ties", rows).with_ties(Ties::Spread);
+    assert_eq!(spread.name(), "ties+spread");
+    assert_eq!(
+        arrivals(&spread),
+        [
+            (0, 2),
+            (1000, 3),
+            (2000, 4),
+            (3000, 1),
+            (4000, 5),
+            (5000, 6),
+            (9000, 7),
+            (10500, 8)
+        ]
+    );
+    let halved = spread.clone().with_speedup(2.0);
+    assert_eq!(arrivals(&halved)[2], (1000, 4));
+    assert_eq!(spread.with_ties(Ties::Stamped).name(), "ties");
 }
 
 #[test]

@@ -50,7 +50,24 @@ pub struct Workload {
 #[derive(Clone, Debug)]
 enum Source {
     Chat(ChatConfig),
-    Trace { name: String, rows: Arc<[TraceRow]> },
+    Trace {
+        name: String,
+        rows: Arc<[TraceRow]>,
+        ties: Ties,
+    },
+}
+
+/// When a trace's arrivals that share a timestamp come.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ties {
+    /// All at that instant (the trace as written).
+    #[default]
+    Stamped,
+    /// Evenly over the gap to the trace's next timestamp, in the file's order (the last
+    /// timestamp's over the median gap). Traces stamped on a coarse grid (the Mooncake release
+    /// stamps on a 3 s grid, about ten arrivals a stamp) otherwise arrive in bursts that
+    /// their service never saw.
+    Spread,
 }
 
 impl Workload {
@@ -68,6 +85,7 @@ impl Workload {
             source: Source::Trace {
                 name: name.into(),
                 rows: rows.into(),
+                ties: Ties::Stamped,
             },
             speedup: 1.0,
         }
@@ -80,6 +98,22 @@ impl Workload {
         } else {
             1.0
         };
+        self
+    }
+
+    /// A trace's arrivals that share a timestamp come as `ties` says (the built-in workload's
+    /// arrivals never share one, and are left as they are). A spread trace is named with
+    /// `+spread`.
+    pub fn with_ties(mut self, ties: Ties) -> Self {
+        if let Source::Trace { name, ties: t, .. } = &mut self.source {
+            if *t != ties {
+                *name = match ties {
+                    Ties::Spread => format!("{name}+spread"),
+                    Ties::Stamped => name.trim_end_matches("+spread").to_owned(),
+                };
+                *t = ties;
+            }
+        }
         self
     }
 
@@ -129,13 +163,14 @@ impl Workload {
                     })
                 }))
             }
-            Source::Trace { rows, .. } => {
+            Source::Trace { rows, ties, .. } => {
                 let mut order: Vec<usize> = (0..rows.len()).collect();
                 order.sort_by_key(|&i| rows[i].timestamp);
-                Box::new(order.into_iter().map(move |i| {
+                let arrivals = arrivals(rows, &order, *ties);
+                Box::new(order.into_iter().zip(arrivals).map(move |(i, at)| {
                     let row = &rows[i];
                     WorkloadRequest {
-                        at: Duration::from_millis(row.timestamp).div_f64(speedup),
+                        at: at.div_f64(speedup),
                         prompt: row.tokens(),
                         output_tokens: row.output_length.clamp(1, u32::MAX as usize) as u32,
                     }
@@ -165,6 +200,29 @@ impl Workload {
         }
         ceiling
     }
+}
+
+/// The arrival of each row of `order` (rows sorted by timestamp).
+fn arrivals(rows: &[TraceRow], order: &[usize], ties: Ties) -> Vec<Duration> {
+    let stamps: Vec<u64> = order.iter().map(|&i| rows[i].timestamp).collect();
+    if ties == Ties::Stamped {
+        return stamps.iter().map(|&t| Duration::from_millis(t)).collect();
+    }
+    let mut distinct = stamps.clone();
+    distinct.dedup();
+    let mut gaps: Vec<u64> = distinct.windows(2).map(|w| w[1] - w[0]).collect();
+    gaps.sort_unstable();
+    let median_gap = gaps.get(gaps.len() / 2).copied().unwrap_or(0);
+    let mut out = Vec::with_capacity(stamps.len());
+    let mut start = 0;
+    for (k, &t) in distinct.iter().enumerate() {
+        let n = stamps[start..].iter().take_while(|&&s| s == t).count();
+        let gap = distinct.get(k + 1).map_or(median_gap, |next| next - t);
+        let step = Duration::from_millis(gap).div_f64(n as f64);
+        out.extend((0..n).map(|j| Duration::from_millis(t) + step * j as u32));
+        start += n;
+    }
+    out
 }
 
 /// A workload's totals and its infinite-cache ceiling ([`Workload::ceiling`]).
