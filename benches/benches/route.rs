@@ -15,6 +15,7 @@
 //! | `hash_and_match_scores` | hashing, then the match as a list of scores (`find_matches_into`) |
 //! | `route_query_only` | `route()` deciding without booking |
 //! | `route_book_and_free` | `route()` booking, then `free` |
+//! | `route_book_and_free_hot_load_off` | the same without the hot-load term (`HotLoad::OFF`), which reads every rank's context for the fleet's mean |
 //!
 //! The `vs_dynamo` group puts the selection step next to Dynamo's own: dynamo-kv-router
 //! 1.6.1's `DefaultWorkerSelector::select_worker` (its reference cost function) over the same
@@ -69,7 +70,8 @@ use kvroute_core::SessionId;
 use kvroute_core::WorkerConfig;
 use kvroute_core::{Admission, Label, PoolHits, PreferredLabel};
 use kvroute_core::{
-    Approximate, BusyThresholds, QueueOrder, Queueing, RouterConfig, Speculative, Timing, WarmUp,
+    Approximate, BusyThresholds, HotLoad, QueueOrder, Queueing, RouterConfig, Speculative, Timing,
+    WarmUp,
 };
 use kvroute_core::{
     BlockHash, EventHeader, EventId, IndexConfig, LocalHash, MatchOptions, OverlapScores,
@@ -239,18 +241,27 @@ fn bench_route(c: &mut Criterion) {
         q.hints.mode = Mode::QueryOnly;
         b.iter(|| black_box(router.route(black_box(&q)).unwrap().worker))
     });
-    g.bench_function("route_book_and_free", |b| {
-        let q = RouteRequest {
-            id: RequestId(2),
-            tokens: &query,
-            hints: RouteHints::default(),
-        };
-        b.iter(|| {
-            let d = router.route(black_box(&q)).unwrap();
-            router.free(RequestId(2)).unwrap();
-            black_box(d.worker)
-        })
+    let cold = fleet(RouterConfig {
+        hot_load: HotLoad::OFF,
+        ..RouterConfig::default()
     });
+    for (name, router) in [
+        ("route_book_and_free", &router),
+        ("route_book_and_free_hot_load_off", &cold),
+    ] {
+        g.bench_function(name, |b| {
+            let q = RouteRequest {
+                id: RequestId(2),
+                tokens: &query,
+                hints: RouteHints::default(),
+            };
+            b.iter(|| {
+                let d = router.route(black_box(&q)).unwrap();
+                router.free(RequestId(2)).unwrap();
+                black_box(d.worker)
+            })
+        });
+    }
     g.finish();
 }
 

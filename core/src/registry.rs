@@ -25,7 +25,7 @@ use arc_swap::ArcSwap;
 
 use crate::event::{DpRank, WorkerId, WorkerRank};
 use crate::index::RankKey;
-use crate::load::RankState;
+use crate::load::{context_total, ContextTotal, RankState};
 use crate::rng::mix64;
 
 /// What a worker does in (possibly disaggregated) serving.
@@ -227,9 +227,26 @@ pub struct Fleet {
     pub labels: Vec<(String, String)>,
     /// Bumped by every join and leave.
     pub generation: u64,
+    /// Ranks of each role ([`role_slot`]).
+    role_ranks: [u32; 3],
+}
+
+/// A role's place in per-role arrays.
+pub(crate) fn role_slot(role: WorkerRole) -> usize {
+    match role {
+        WorkerRole::Prefill => 0,
+        WorkerRole::Decode => 1,
+        WorkerRole::Aggregated => 2,
+    }
 }
 
 impl Fleet {
+    /// How many of its ranks have `role`.
+    #[inline]
+    pub fn ranks_of(&self, role: WorkerRole) -> usize {
+        self.role_ranks[role_slot(role)] as usize
+    }
+
     /// A worker by id.
     pub fn worker(&self, id: WorkerId) -> Option<&WorkerEntry> {
         self.workers
@@ -282,6 +299,8 @@ pub enum Readiness {
 #[derive(Debug)]
 pub(crate) struct Registry {
     current: ArcSwap<Fleet>,
+    /// The summed context of each role's ranks ([`role_slot`]), which their states move.
+    role_context: [ContextTotal; 3],
     /// Serialises writers (reads never take it).
     writer: Mutex<()>,
     block_size: u32,
@@ -293,6 +312,7 @@ impl Registry {
     pub(crate) fn new(block_size: u32, min_workers: usize) -> Self {
         Registry {
             current: ArcSwap::from_pointee(Fleet::default()),
+            role_context: [context_total(), context_total(), context_total()],
             writer: Mutex::new(()),
             block_size,
             min_workers,
@@ -349,6 +369,13 @@ impl Registry {
         Ok(())
     }
 
+    /// The summed context ([`crate::LoadView::context_load`]) of every rank of `role` that is
+    /// or was in the fleet: a leaving rank's bookings are purged, taking its context out.
+    #[inline]
+    pub(crate) fn role_context(&self, role: WorkerRole) -> u64 {
+        self.role_context[role_slot(role)].load(crate::sync::Ordering::Relaxed)
+    }
+
     /// Adds a worker with fresh, idle ranks; returns the new snapshot.
     pub(crate) fn join(&self, config: WorkerConfig) -> Result<Arc<Fleet>, RegistryError> {
         self.check(&config)?;
@@ -360,10 +387,12 @@ impl Registry {
         let mut configs = configs_of(&old, None);
         let states = (config.dp_start..config.dp_start + config.dp_size)
             .map(|dp| {
-                Arc::new(RankState::new(WorkerRank {
+                let rank = WorkerRank {
                     worker: config.id,
                     dp_rank: DpRank(dp),
-                }))
+                };
+                let total = Arc::clone(&self.role_context[role_slot(config.role)]);
+                Arc::new(RankState::counted_in(rank, total))
             })
             .collect();
         let id = config.id;
@@ -475,6 +504,10 @@ fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> 
             label_bits,
         });
     }
+    let mut role_ranks = [0u32; 3];
+    for r in &ranks {
+        role_ranks[role_slot(r.role)] += 1;
+    }
     let mut by_index_id = Vec::new();
     for (i, r) in ranks.iter().enumerate() {
         if let Some(key) = r.index_key {
@@ -492,6 +525,7 @@ fn build(configs: Vec<(WorkerConfig, Vec<Arc<RankState>>)>, generation: u64) -> 
         ranks,
         labels,
         generation,
+        role_ranks,
     }
 }
 

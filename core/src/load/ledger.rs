@@ -207,6 +207,9 @@ impl Ledger {
             let context_blocks = block_hashes.len() as u64 + tail_blocks;
             l.context_blocks
                 .fetch_add(context_blocks, Ordering::Relaxed);
+            state
+                .role_context
+                .fetch_add(context_blocks, Ordering::Relaxed);
             shard.insert(
                 key,
                 Booking {
@@ -290,6 +293,9 @@ impl Ledger {
         l.requests.fetch_sub(1, Ordering::Relaxed);
         l.context_blocks
             .fetch_sub(b.context_blocks, Ordering::Relaxed);
+        b.state
+            .role_context
+            .fetch_sub(b.context_blocks + b.output_blocks, Ordering::Relaxed);
         Freed {
             rank: b.state.rank,
             prefill_tokens: b.prefill_tokens,
@@ -372,6 +378,7 @@ impl Ledger {
         b.output_blocks += 1;
         let k = b.output_blocks;
         b.state.load.output_blocks.fetch_add(1, Ordering::Relaxed);
+        b.state.role_context.fetch_add(1, Ordering::Relaxed);
         let g_k = generated_at_block(b.prompt_tokens, b.block_size, k);
         b.generated = b.generated.max(g_k);
         self.decay(b, g_k);
@@ -414,6 +421,7 @@ impl Ledger {
             .load
             .output_blocks
             .fetch_add(blocks, Ordering::Relaxed);
+        b.state.role_context.fetch_add(blocks, Ordering::Relaxed);
         b.generated = b.generated.max(generated);
         self.decay(b, generated);
         Ok(())
@@ -475,6 +483,9 @@ impl Ledger {
             b.state
                 .load
                 .output_blocks
+                .fetch_add(out.new_blocks, Ordering::Relaxed);
+            b.state
+                .role_context
                 .fetch_add(out.new_blocks, Ordering::Relaxed);
             let g = b.generated;
             self.decay(b, g);

@@ -71,6 +71,7 @@ pub(crate) use decay::DECAY_SCALE;
 pub use decay::{decayed, generated_at_block, output_decay, remaining_fraction};
 pub(crate) use keys::prefix_keys_into;
 pub(crate) use ledger::{Key, Ledger};
+pub(crate) use rank::{context_total, ContextTotal};
 pub use rank::{LoadView, RankState};
 pub(crate) use records::{BookingSpec, Generated, Step};
 pub use records::{DispatchState, Freed, LedgerCounts, LoadError, RequestId};

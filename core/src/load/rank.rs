@@ -104,12 +104,24 @@ impl LoadView {
     }
 }
 
+/// The summed context ([`LoadView::context_load`]) of every rank of one role, moved by the
+/// ledger beside each rank's own counters: the hot-load term's fleet mean without a scan of
+/// every rank per route.
+pub(crate) type ContextTotal = std::sync::Arc<CachePadded<AtomicU64>>;
+
+/// A total of no rank yet.
+pub(crate) fn context_total() -> ContextTotal {
+    std::sync::Arc::new(CachePadded::new(AtomicU64::new(0)))
+}
+
 /// Everything the router knows about one rank's load. Lives in the registry snapshot (one
 /// `Arc` per rank), so selection reaches it without a lookup.
 #[derive(Debug)]
 pub struct RankState {
     pub(super) rank: WorkerRank,
     pub(super) load: CachePadded<RankLoad>,
+    /// Its role's [`ContextTotal`] (a total of its own when made alone).
+    pub(super) role_context: ContextTotal,
     pub(super) refs: Mutex<PrefixRefs>,
     /// [`Health`] as a byte, set by the embedder.
     health: AtomicU8,
@@ -122,10 +134,17 @@ pub struct RankState {
 }
 
 impl RankState {
-    /// A fresh, idle rank.
+    /// A fresh, idle rank, its context counted in a total of its own.
+    #[cfg(test)]
     pub(crate) fn new(rank: WorkerRank) -> Self {
+        Self::counted_in(rank, context_total())
+    }
+
+    /// A fresh, idle rank whose context is counted in `role_context` too.
+    pub(crate) fn counted_in(rank: WorkerRank, role_context: ContextTotal) -> Self {
         RankState {
             rank,
+            role_context,
             load: CachePadded::new(RankLoad {
                 prefill_tokens: AtomicU64::new(0),
                 prompt_blocks: AtomicU64::new(0),

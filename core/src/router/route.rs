@@ -117,7 +117,7 @@ impl Router {
         };
         let (role, role_fallback) = self.selection_role(&fleet, hints.phase);
         if self.config.hot_load.share > 0.0 {
-            let mean = mean_context(&fleet, role);
+            let mean = mean_context(&self.registry, &fleet, role);
             weights = weights.with_fleet_load(&self.config.hot_load, mean, &shape);
         }
         let probe = self.selector.kind() == PolicyKind::KvAware;
@@ -527,20 +527,10 @@ impl Router {
 }
 
 /// The mean context ([`LoadView::context_load`](crate::LoadView::context_load)) of the fleet's
-/// live ranks of `role` (∞ without one).
-fn mean_context(fleet: &Fleet, role: WorkerRole) -> f64 {
-    let (mut sum, mut n) = (0u64, 0u64);
-    for r in fleet
-        .ranks
-        .iter()
-        .filter(|r| r.role == role && !r.state.is_retired())
-    {
-        sum += r.state.context_load();
-        n += 1;
-    }
-    if n == 0 {
-        f64::INFINITY
-    } else {
-        sum as f64 / n as f64
+/// ranks of `role` (∞ without one), from the role's running total: no scan of the ranks.
+fn mean_context(registry: &crate::registry::Registry, fleet: &Fleet, role: WorkerRole) -> f64 {
+    match fleet.ranks_of(role) {
+        0 => f64::INFINITY,
+        n => registry.role_context(role) as f64 / n as f64,
     }
 }

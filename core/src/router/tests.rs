@@ -165,3 +165,100 @@ fn marked_rank_count_follows_marks_and_leaves() {
     r.set_health(WorkerId(1), Health::Healthy).unwrap();
     assert_eq!(r.marked_ranks.load(Ordering::Relaxed), 0);
 }
+
+/// Each role's running context total equals the sum of its ranks' contexts after every
+/// booking, generated token, free and leave, so the hot-load term's mean needs no scan.
+mod role_context {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::registry::WorkerRole;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Join(u8),
+        Route(u8, usize),
+        Tokens(usize, u64),
+        Free(usize),
+        Leave(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..3).prop_map(Op::Join),
+            (0u8..3, 1usize..300).prop_map(|(p, n)| Op::Route(p, n)),
+            (0usize..64, 1u64..80).prop_map(|(i, t)| Op::Tokens(i, t)),
+            (0usize..64).prop_map(Op::Free),
+            (0usize..8).prop_map(Op::Leave),
+        ]
+    }
+
+    const ROLES: [WorkerRole; 3] = [
+        WorkerRole::Prefill,
+        WorkerRole::Decode,
+        WorkerRole::Aggregated,
+    ];
+    const PHASES: [Phase; 3] = [Phase::Prefill, Phase::Decode, Phase::Aggregated];
+
+    proptest! {
+        #[test]
+        fn each_roles_total_is_the_sum_of_its_ranks_contexts(ops in prop::collection::vec(op(), 1..80)) {
+            let r = router(RouterConfig::default());
+            let (mut next_worker, mut next_request) = (1u64, 1u64);
+            let mut booked: Vec<RequestId> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Join(role) => {
+                        let mut c = WorkerConfig::simple(next_worker, 100_000, BS);
+                        c.role = ROLES[role as usize];
+                        c.dp_size = 1 + (next_worker % 2) as u32;
+                        r.join_worker(c).unwrap();
+                        next_worker += 1;
+                    }
+                    Op::Route(phase, n) => {
+                        let id = RequestId(next_request);
+                        next_request += 1;
+                        let t = tokens(n);
+                        let mut req = RouteRequest {
+                            id,
+                            tokens: &t,
+                            hints: RouteHints::default(),
+                        };
+                        req.hints.phase = PHASES[phase as usize];
+                        if r.route(&req).is_ok() {
+                            booked.push(id);
+                        }
+                    }
+                    Op::Tokens(i, t) => {
+                        if let Some(&id) = booked.get(i) {
+                            let _ = r.tokens_generated(id, t);
+                        }
+                    }
+                    Op::Free(i) => {
+                        if i < booked.len() {
+                            let _ = r.free(booked.swap_remove(i));
+                        }
+                    }
+                    Op::Leave(i) => {
+                        let fleet = r.fleet();
+                        if let Some(w) = fleet.workers.get(i) {
+                            r.leave_worker(w.config.id).unwrap();
+                        }
+                    }
+                }
+                let fleet = r.fleet();
+                for role in ROLES {
+                    let sum: u64 = fleet
+                        .ranks
+                        .iter()
+                        .filter(|e| e.role == role)
+                        .map(|e| e.state.context_load())
+                        .sum();
+                    prop_assert_eq!(r.registry.role_context(role), sum, "{:?}", role);
+                    let n = fleet.ranks.iter().filter(|e| e.role == role).count();
+                    prop_assert_eq!(fleet.ranks_of(role), n);
+                }
+            }
+        }
+    }
+}
