@@ -116,11 +116,11 @@ pub use registry::{
 };
 pub use rng::{mix64, Rng};
 pub use router::{
-    Admission, BookingDelta, BookingSink, Bookkeeping, Cancelled, DecidedBy, Decision, EventWriter,
-    EvidenceLevel, Fallback, Label, Mode, OwnedDelta, Phase, Pinned, PoolHits, PreferredLabel,
-    Quantiles, QueueStats, Released, RemoteBooking, RemoteError, ReplicaId, RequestGuard,
-    RequestMetrics, RouteError, RouteHints, RouteRequest, Router, RouterCounts, RouterError,
-    SessionCallback, Ticket, TicketState, Timings, MAX_DELTA_OUTPUT_BLOCKS,
+    Admission, BookingDelta, BookingSink, Bookkeeping, Cancelled, Conditional, DecidedBy, Decision,
+    EventWriter, EvidenceLevel, Fallback, Label, Mode, OwnedDelta, Phase, Pinned, PoolHits,
+    PreferredLabel, Quantiles, QueueStats, Released, RemoteBooking, RemoteError, ReplicaId,
+    RequestGuard, RequestMetrics, RouteError, RouteHints, RouteRequest, Router, RouterCounts,
+    RouterError, SessionCallback, Ticket, TicketState, Timings, Whole, MAX_DELTA_OUTPUT_BLOCKS,
 };
 pub use select::{
     Busy, Candidate, CostTerms, Overlap, Overrides, PolicyKind, RequestShape, Scored, SelectInput,

@@ -171,7 +171,10 @@ pub(super) fn run_disagg_demo(
         },
         slo_ttft_ms: args.slo_ttft_ms,
         slo_itl_ms: args.slo_itl_ms,
-        conditional_max_new_tokens: args.conditional_max_new_tokens,
+        conditional: kvroute_core::Conditional {
+            prefill_busy_tokens: args.conditional_prefill_busy_tokens,
+            ..kvroute_core::Conditional::new_tokens_at_most(args.conditional_max_new_tokens)
+        },
         threads: config.threads,
     };
     let report = demo::run_disagg(workload, &disagg, &|m| {

@@ -343,6 +343,11 @@ struct DemoArgs {
     /// when that worker's cache leaves at most this many prompt tokens to compute.
     #[arg(long, default_value_t = 512, value_name = "TOKENS")]
     conditional_max_new_tokens: u64,
+    /// With --disagg: conditional disaggregation also serves a request whole on its decode
+    /// worker once every prefill worker has at least this many prompt tokens booked for
+    /// prefill (default: never).
+    #[arg(long, value_name = "TOKENS")]
+    conditional_prefill_busy_tokens: Option<u64>,
     /// With --disagg: the link the KV crosses from prefill to decode, in gigabits per
     /// second (the default: a 400 Gb/s RDMA NIC).
     #[arg(long = "kv-link-gbps", default_value_t = 400.0, value_name = "GBIT/S")]

@@ -228,6 +228,16 @@ pub struct ServeConfig {
     #[arg(long, env = "KVROUTE_CONDITIONAL_MAX_NEW_SHARE")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conditional_max_new_share: Option<f64>,
+    /// With conditional disaggregation: once every prefill worker has at least this many
+    /// prompt tokens booked for prefill, decode workers serve requests whole (absent: never).
+    #[arg(long, env = "KVROUTE_CONDITIONAL_PREFILL_BUSY_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conditional_prefill_busy_tokens: Option<u64>,
+    /// With conditional disaggregation: a decode worker with more than this many prompt tokens
+    /// booked for prefill serves nothing whole (absent: no limit).
+    #[arg(long, env = "KVROUTE_CONDITIONAL_DECODE_BUSY_TOKENS")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conditional_decode_busy_tokens: Option<u64>,
     /// Label keys a decode worker must share with its request's prefill worker (the KV
     /// transfer's topology), comma-separated.
     #[arg(long, value_delimiter = ',', env = "KVROUTE_KV_TRANSFER_LABELS")]
@@ -459,9 +469,24 @@ impl ServeConfig {
         let tokens = self
             .conditional_max_new_tokens
             .or(o.disagg.conditional.map(|c| c.max_new_tokens));
+        let prefill_busy = self
+            .conditional_prefill_busy_tokens
+            .or(o.disagg.conditional.and_then(|c| c.prefill_busy_tokens));
+        let decode_busy = self
+            .conditional_decode_busy_tokens
+            .or(o.disagg.conditional.and_then(|c| c.decode_busy_tokens));
+        if tokens.is_none() && (prefill_busy.is_some() || decode_busy.is_some()) {
+            return Err(ConfigError::Invalid(
+                "conditional_prefill_busy_tokens and conditional_decode_busy_tokens need \
+                 conditional_max_new_tokens"
+                    .to_owned(),
+            ));
+        }
         o.disagg.conditional = tokens.map(|max_new_tokens| Conditional {
             max_new_tokens,
             max_new_share: share,
+            prefill_busy_tokens: prefill_busy,
+            decode_busy_tokens: decode_busy,
         });
         if let Some(labels) = self.kv_transfer_labels {
             if labels.iter().any(|l| l.is_empty()) {
@@ -571,6 +596,14 @@ impl ServeConfig {
             prefill_error_fallback: Some(options.disagg.prefill_error_fallback),
             conditional_max_new_tokens: options.disagg.conditional.map(|c| c.max_new_tokens),
             conditional_max_new_share: options.disagg.conditional.map(|c| c.max_new_share),
+            conditional_prefill_busy_tokens: options
+                .disagg
+                .conditional
+                .and_then(|c| c.prefill_busy_tokens),
+            conditional_decode_busy_tokens: options
+                .disagg
+                .conditional
+                .and_then(|c| c.decode_busy_tokens),
             kv_transfer_labels: Some(options.disagg.transfer_labels.clone()),
             nats: options.replicas.as_ref().map(|r| r.nats.clone()),
             fleet: options.replicas.as_ref().map(|r| r.fleet.clone()),

@@ -30,9 +30,12 @@
 //!   scheduler's choice).
 //! - `kv_transfer_labels`: label keys a decode worker must share with the chosen prefill worker
 //!   (the KV transfer's topology: a rack, a NVLink domain).
-//! - Conditional disaggregation (`conditional_max_new_tokens`): when the decode worker's cache
-//!   leaves at most that many prompt tokens to compute, and at most `conditional_max_new_share`
-//!   of the prompt, the decode worker serves the request whole.
+//! - Conditional disaggregation (`conditional_max_new_tokens`; the core's rule,
+//!   [`Router::whole_on_decode`]): when the decode worker's cache leaves at most that many
+//!   prompt tokens to compute, and at most `conditional_max_new_share` of the prompt, the
+//!   decode worker serves the request whole; with `conditional_prefill_busy_tokens`, also when
+//!   every prefill worker has that many tokens booked for prefill; with
+//!   `conditional_decode_busy_tokens`, never on a decode worker with more than that booked.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -40,9 +43,10 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+pub use kvroute_core::Conditional;
 use kvroute_core::{
     Admission, Decision, Disaggregation, Mode, Phase, Pinned, RequestGuard, RequestId, RouteHints,
-    RouteRequest, Router, WorkerId,
+    RouteRequest, Router, Whole, WorkerId, WorkerRank,
 };
 use serde_json::{json, Value};
 
@@ -89,15 +93,6 @@ impl std::str::FromStr for Protocol {
             other => Err(format!("pd_protocol {other:?}: vllm or sglang")),
         }
     }
-}
-
-/// When the decode worker serves a request whole instead of taking it from a prefill worker.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Conditional {
-    /// Most prompt tokens its cache may leave to compute.
-    pub max_new_tokens: u64,
-    /// Most of the prompt, as a share in (0, 1], its cache may leave to compute.
-    pub max_new_share: f64,
 }
 
 /// How a fleet with prefill and decode workers serves requests.
@@ -229,11 +224,17 @@ pub(crate) async fn forward(
     }
     let options = &state.options.disagg;
     if let Some(conditional) = options.conditional {
-        if let Some(worker) = local_decode(state, asked.routed, pins, conditional) {
-            count(state, "local");
+        if let Some((rank, why)) = local_decode(state, asked.routed, pins, &conditional) {
+            count(
+                state,
+                match why {
+                    Whole::Cached => "local",
+                    Whole::PrefillBusy => "local_prefill_busy",
+                },
+            );
             let leg = Leg {
                 pinned: Pinned {
-                    backend_instance: Some(worker),
+                    backend_instance: Some(rank.worker),
                     ..Pinned::default()
                 },
                 ..Leg::whole(body)
@@ -272,21 +273,19 @@ fn count(state: &AppState, how: &str) {
     state.metrics.disagg.with_label_values(&[how]).inc();
 }
 
-/// The decode worker that would serve the request, when its cache leaves little enough of
-/// the prompt to compute for it to serve the request whole (see [`Conditional`]).
+/// The decode worker that serves the request whole under conditional disaggregation, and
+/// why ([`Router::whole_on_decode`], among the ready decode workers).
 fn local_decode(
     state: &AppState,
     routed: &Routed,
     pins: Pins,
-    conditional: Conditional,
-) -> Option<WorkerId> {
+    conditional: &Conditional,
+) -> Option<(WorkerRank, Whole)> {
     let pool = ready(state, Role::Decode);
     let request = RouteRequest {
         id: RequestId(state.next_id.fetch_add(1, Ordering::Relaxed)),
         tokens: &routed.tokens,
         hints: RouteHints {
-            phase: Phase::Decode,
-            mode: Mode::QueryOnly,
             pinned: Pinned {
                 decode_worker: pins.decode,
                 ..Pinned::default()
@@ -298,11 +297,7 @@ fn local_decode(
             ..RouteHints::default()
         },
     };
-    let d = state.router.route(&request).ok()?;
-    let new = routed.prompt_len.saturating_sub(d.overlap.cached_tokens);
-    let share = new as f64 / routed.prompt_len.max(1) as f64;
-    (new <= conditional.max_new_tokens && share <= conditional.max_new_share)
-        .then_some(d.worker.worker)
+    state.router.whole_on_decode(&request, conditional)
 }
 
 /// A prefill worker chosen and booked: its decision and the guard that frees it.

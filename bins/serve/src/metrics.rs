@@ -97,7 +97,8 @@ impl Metrics {
                 "kvroute_disagg_requests_total",
                 "Requests in a fleet with prefill and decode workers, by the way they were \
                  served: disaggregated, local (conditional: the decode worker's cache left \
-                 little to compute), whole (no prefill worker ready), prefill_failed, \
+                 little to compute), local_prefill_busy (conditional: every prefill worker \
+                 saturated), whole (no prefill worker ready), prefill_failed, \
                  prefill_fallback (served whole after a prefill failure).",
             ),
             &["how"],

@@ -84,6 +84,7 @@ mod route;
 mod scratch;
 mod sessions;
 mod warm_up;
+mod whole;
 
 pub use self::admission::*;
 pub use self::decision::*;
@@ -92,6 +93,7 @@ pub use self::guard::*;
 pub use self::metrics::*;
 pub use self::replicas::*;
 pub use self::request::*;
+pub use self::whole::*;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;

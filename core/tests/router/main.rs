@@ -21,3 +21,4 @@ mod replicas;
 mod route;
 mod sessions;
 mod warm_up;
+mod whole;

@@ -12,7 +12,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_core::RouterConfig;
+use kvroute_core::{Conditional, RouterConfig};
 use serde::Serialize;
 
 use super::DemoError;
@@ -36,9 +36,8 @@ pub struct DisaggConfig {
     pub slo_ttft_ms: f64,
     /// The inter-token latency objective (a request's mean), ms.
     pub slo_itl_ms: f64,
-    /// Conditional disaggregation: a decode engine whose cache leaves at most this many
-    /// prompt tokens to compute serves the request whole.
-    pub conditional_max_new_tokens: u64,
+    /// Conditional disaggregation's rule, for the conditional modes.
+    pub conditional: Conditional,
     /// Runs at once; at least 1.
     pub threads: usize,
 }
@@ -236,9 +235,7 @@ fn run_mode(
     let split = (mode.prefill_workers > 0).then_some(Split {
         prefill_workers: mode.prefill_workers,
         transfer: config.transfer,
-        local_max_new_tokens: mode
-            .conditional
-            .then_some(config.conditional_max_new_tokens),
+        conditional: mode.conditional.then_some(config.conditional),
     });
     let mut fleet = Fleet::new(FleetConfig {
         workers: config.workers,

@@ -214,7 +214,7 @@ fn run_split(local_max_new_tokens: Option<u64>) -> Fleet {
         split: Some(kvroute_sim::Split {
             prefill_workers: 1,
             transfer: kvroute_sim::KvTransfer::default(),
-            local_max_new_tokens,
+            conditional: local_max_new_tokens.map(kvroute_core::Conditional::new_tokens_at_most),
         }),
     })
     .unwrap();

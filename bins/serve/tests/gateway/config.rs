@@ -33,6 +33,8 @@ fn every_key_has_one_name_in_the_file_the_environment_and_the_flags() {
             conditional: Some(kvroute_serve::disagg::Conditional {
                 max_new_tokens: 64,
                 max_new_share: 0.5,
+                prefill_busy_tokens: Some(5_000),
+                decode_busy_tokens: Some(9_000),
             }),
             ..Default::default()
         },

@@ -441,10 +441,7 @@ async fn pins_transfer_labels_and_conditional_disaggregation_choose_the_workers(
     serve.stop();
     // Conditional: any prompt of at most 64 new tokens is served whole by a decode worker.
     let mut conditional = options(Protocol::Vllm);
-    conditional.disagg.conditional = Some(Conditional {
-        max_new_tokens: 64,
-        max_new_share: 1.0,
-    });
+    conditional.disagg.conditional = Some(Conditional::new_tokens_at_most(64));
     let (serve, url, client) = fleet(conditional, &workers).await;
     let before = (
         p[0].bodies().len() + p[1].bodies().len(),
@@ -463,6 +460,72 @@ async fn pins_transfer_labels_and_conditional_disaggregation_choose_the_workers(
     let (status, _, _) = complete(&client, &url, json!({"prompt": long}), &[]).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(p[0].bodies().len() + p[1].bodies().len(), before.0 + 1);
+    idle(&client, &url).await;
+    serve.stop();
+}
+
+/// With `conditional_prefill_busy_tokens`, a request that would be split is served whole by a
+/// decode worker while every prefill worker is busy computing prompts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturated_prefill_workers_have_a_decode_worker_serve_whole() {
+    let slow = Plays {
+        delay: Duration::from_millis(800),
+        ..Plays::default()
+    };
+    let p = [
+        Engine::start("p1", slow).await,
+        Engine::start("p2", slow).await,
+    ];
+    let d = Engine::start("d1", Plays::default()).await;
+    let mut o = options(Protocol::Vllm);
+    o.disagg.conditional = Some(Conditional {
+        prefill_busy_tokens: Some(1),
+        ..Conditional::new_tokens_at_most(0)
+    });
+    let workers = [
+        (1, &p[0], "prefill", json!({})),
+        (2, &p[1], "prefill", json!({})),
+        (3, &d, "decode", json!({})),
+    ];
+    let (serve, url, client) = fleet(o, &workers).await;
+    // Two split requests, one pinned to each prefill worker, still computing.
+    let split: Vec<_> = [(0, "1"), (1000, "2")]
+        .into_iter()
+        .map(|(first, pin)| {
+            let (client, url) = (client.clone(), url.clone());
+            tokio::spawn(async move {
+                let pin = [("x-kvroute-prefill-worker", pin)];
+                complete(&client, &url, json!({"prompt": prompt(first)}), &pin).await
+            })
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while p.iter().any(|e| e.bodies().is_empty()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "both prefills started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Both busy: the next one is served whole on the decode worker, with no prefill half.
+    let (status, _, worker) = complete(&client, &url, json!({"prompt": prompt(2000)}), &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(worker.as_deref(), Some("3"));
+    assert_eq!(p[0].bodies().len() + p[1].bodies().len(), 2);
+    for s in split {
+        assert_eq!(s.await.unwrap().0, StatusCode::OK);
+    }
+    // Prefill workers free again: split.
+    let (status, _, _) = complete(&client, &url, json!({"prompt": prompt(3000)}), &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(p[0].bodies().len() + p[1].bodies().len(), 3);
+    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
+    for line in [
+        "kvroute_disagg_requests_total{how=\"local_prefill_busy\"} 1",
+        "kvroute_disagg_requests_total{how=\"disaggregated\"} 3",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
     idle(&client, &url).await;
     serve.stop();
 }

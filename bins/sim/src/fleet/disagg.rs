@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_core::{Mode, Phase, Pinned, RequestId, RouteHints, RouteRequest, Router, WorkerId};
+use kvroute_core::{Phase, Pinned, RequestId, RouteHints, RouteRequest, Router, WorkerRank};
 
 use super::{Arrival, Fleet, FleetError, Split};
 use crate::request::{EngineRequest, RequestOutput};
@@ -28,28 +28,23 @@ pub(super) struct Handoff {
 }
 
 impl Fleet {
-    /// The decode engine that serves `arrival` whole under conditional disaggregation: the
-    /// one `router` would choose for its decode, when the index says its cache leaves at
-    /// most `split.local_max_new_tokens` of the prompt to compute.
+    /// The decode engine that serves `arrival` whole under conditional disaggregation
+    /// ([`Router::whole_on_decode`]), as `router` sees the fleet.
     pub(super) fn local_decode(
         &self,
         router: &Router,
         arrival: &Arrival,
         split: Split,
-    ) -> Option<WorkerId> {
-        let cap = split.local_max_new_tokens?;
+    ) -> Option<WorkerRank> {
+        let conditional = split.conditional?;
         let request = RouteRequest {
             id: arrival.id,
             tokens: &arrival.prompt,
-            hints: RouteHints {
-                phase: Phase::Decode,
-                mode: Mode::QueryOnly,
-                ..RouteHints::default()
-            },
+            hints: RouteHints::default(),
         };
-        let d = router.route(&request).ok()?;
-        let new = (arrival.prompt.len() as u64).saturating_sub(d.overlap.cached_tokens);
-        (new <= cap).then_some(d.worker.worker)
+        router
+            .whole_on_decode(&request, &conditional)
+            .map(|(rank, _)| rank)
     }
 
     /// A split arrival: routed by router `replica` to a prefill engine and admitted there for

@@ -39,9 +39,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::{
-    seq_hashes, BlockHasher, Clock, Decision, EventId, IndexConfig, IndexError, LoadError,
-    ManualClock, Pinned, PrefixIndex, RemoteError, RequestGuard, RequestId, RouteError, RouteHints,
-    RouteRequest, Router, RouterConfig, RouterError, WorkerConfig, WorkerRank, WorkerRole,
+    seq_hashes, BlockHasher, Clock, Conditional, Decision, EventId, IndexConfig, IndexError,
+    LoadError, ManualClock, Pinned, PrefixIndex, RemoteError, RequestGuard, RequestId, RouteError,
+    RouteHints, RouteRequest, Router, RouterConfig, RouterError, WorkerConfig, WorkerRank,
+    WorkerRole,
 };
 
 use super::config::EngineConfig;
@@ -76,10 +77,9 @@ pub struct Split {
     pub prefill_workers: usize,
     /// How long a prompt's KV takes to reach its decode engine.
     pub transfer: KvTransfer,
-    /// Conditional disaggregation: a request whose decode engine's cache (as the router's
-    /// index knows it) leaves at most this many prompt tokens to compute is served whole
-    /// there (none: every request is split).
-    pub local_max_new_tokens: Option<u64>,
+    /// Conditional disaggregation: when a request is served whole on its decode engine
+    /// instead ([`Router::whole_on_decode`]; none: every request is split).
+    pub conditional: Option<Conditional>,
 }
 
 /// Chooses the rank for each request in place of the router's policy: a peer's selection
@@ -595,7 +595,7 @@ impl Fleet {
         if let Some(split) = self.split {
             match self.local_decode(&router, &arrival, split) {
                 // Served whole where its decode would go: pinned there.
-                Some(worker) => request.hints.pinned.backend_instance = Some(worker),
+                Some(rank) => request.hints.pinned.backend_instance = Some(rank.worker),
                 None => return self.arrive_split(replica, arrival, oracle_cached, started),
             }
         }
