@@ -173,6 +173,7 @@ pub(super) fn run_disagg_demo(
         slo_itl_ms: args.slo_itl_ms,
         conditional: kvroute_core::Conditional {
             prefill_busy_tokens: args.conditional_prefill_busy_tokens,
+            decode_busy_tokens: args.conditional_decode_busy_tokens,
             ..kvroute_core::Conditional::new_tokens_at_most(args.conditional_max_new_tokens)
         },
         threads: config.threads,

@@ -348,6 +348,10 @@ struct DemoArgs {
     /// prefill (default: never).
     #[arg(long, value_name = "TOKENS")]
     conditional_prefill_busy_tokens: Option<u64>,
+    /// With --disagg: conditional disaggregation serves nothing whole on a decode worker with
+    /// more than this many prompt tokens booked for prefill (default: no limit).
+    #[arg(long, value_name = "TOKENS")]
+    conditional_decode_busy_tokens: Option<u64>,
     /// With --disagg: the link the KV crosses from prefill to decode, in gigabits per
     /// second (the default: a 400 Gb/s RDMA NIC).
     #[arg(long = "kv-link-gbps", default_value_t = 400.0, value_name = "GBIT/S")]
