@@ -814,13 +814,20 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         load_sample_every: Duration::from_secs(1),
         seed: args.seed,
     };
+    // What runs: the modes of --disagg, the routers of --replicas, or the policies.
+    let runs = if args.disagg {
+        "serving whole, split and conditionally split".to_owned()
+    } else if args.replica.replicas != 1 {
+        format!("1 router, then {} replicas", args.replica.replicas)
+    } else {
+        format!("{} policies", config.policies.len())
+    };
     eprintln!(
-        "kvroute demo: {} ({} requests, arrivals ×{}) on {} simulated workers, {} policies, {} at a time",
+        "kvroute demo: {} ({} requests, arrivals ×{}) on {} simulated workers, {runs}, {} at a time",
         workload.name(),
         workload.len(),
         workload.speedup(),
         config.workers,
-        config.policies.len(),
         config.threads
     );
     if !args.sweep_workers.is_empty() {
