@@ -47,6 +47,25 @@ fn small_demo(policies: Vec<DemoPolicy>) -> DemoReport {
     demo::run(&workload, &config, &|_| {}).unwrap()
 }
 
+/// Runs `kvroute demo` with `args` and `--json` into a file named for `name`, checks that it
+/// succeeded, and returns the report (the file removed).
+fn demo_json(name: &str, args: &[&str]) -> serde_json::Value {
+    let json = std::env::temp_dir().join(format!("kvroute-{name}-{}.json", std::process::id()));
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .arg("demo")
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kvroute demo {args:?}");
+    let report = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    report
+}
+
 #[test]
 fn every_policy_serves_every_request_and_hands_back_all_load() {
     let report = small_demo(DemoPolicy::ALL.to_vec());
@@ -184,10 +203,9 @@ fn nothing_to_run_is_an_error_not_a_panic() {
 #[test]
 fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
     let _cores = two_cores();
-    let json = std::env::temp_dir().join(format!("kvroute-live-{}.json", std::process::id()));
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "demo",
+    let report = demo_json(
+        "live",
+        &[
             "--live",
             "--faults",
             "--requests",
@@ -200,16 +218,8 @@ fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
             "4096",
             "--time-scale",
             "5",
-            "--json",
-        ])
-        .arg(&json)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        ],
+    );
     let live = &report["live"];
     let replay = &live["replay"];
     // Every request was answered, a success or an error; none was left hanging.
@@ -253,15 +263,13 @@ fn the_live_demo_survives_its_faults_and_its_index_matches_the_engines() {
         hit > 0.8 * in_process,
         "live {hit} against in process {in_process}"
     );
-    std::fs::remove_file(&json).unwrap();
 }
 
 #[test]
 fn a_sweep_runs_each_fleet_size_with_arrivals_and_requests_scaled() {
-    let json = std::env::temp_dir().join(format!("kvroute-sweep-{}.json", std::process::id()));
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "demo",
+    let report = demo_json(
+        "sweep",
+        &[
             "--sweep-workers",
             "2,4",
             "--workers",
@@ -270,16 +278,8 @@ fn a_sweep_runs_each_fleet_size_with_arrivals_and_requests_scaled() {
             "60",
             "--policies",
             "kv-aware,round-robin",
-            "--json",
-        ])
-        .arg(&json)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        ],
+    );
     let sizes = report["sweep"].as_array().unwrap();
     assert_eq!(sizes.len(), 2);
     // Twice the workers: twice the arrivals a second and twice the requests.
@@ -304,15 +304,13 @@ fn a_sweep_runs_each_fleet_size_with_arrivals_and_requests_scaled() {
         .status()
         .unwrap();
     assert!(!status.success());
-    std::fs::remove_file(&json).unwrap();
 }
 
 #[test]
 fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_gpus() {
-    let json = std::env::temp_dir().join(format!("kvroute-disagg-{}.json", std::process::id()));
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "demo",
+    let report = demo_json(
+        "disagg",
+        &[
             "--disagg",
             "--mix",
             "long",
@@ -322,16 +320,8 @@ fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_g
             "60",
             "--rate",
             "2",
-            "--json",
-        ])
-        .arg(&json)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        ],
+    );
     assert_eq!(report["workload"], "builtin-long");
     assert_eq!(report["slo_ttft_ms"].as_f64(), Some(2_000.0));
     assert_eq!(report["slo_itl_ms"].as_f64(), Some(25.0));
@@ -402,11 +392,9 @@ fn the_live_demo_spreads_requests_over_replicas_that_see_each_others_bookings() 
         return;
     }
     let _cores = two_cores();
-    let json =
-        std::env::temp_dir().join(format!("kvroute-live-replicas-{}.json", std::process::id()));
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "demo",
+    let report = demo_json(
+        "live-replicas",
+        &[
             "--live",
             "--replicas",
             "2",
@@ -420,17 +408,8 @@ fn the_live_demo_spreads_requests_over_replicas_that_see_each_others_bookings() 
             "4096",
             "--time-scale",
             "5",
-            "--json",
-        ])
-        .arg(&json)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    std::fs::remove_file(&json).unwrap();
+        ],
+    );
     // One router, then two replicas: every request answered by each fleet.
     for fleet in ["one_router", "replicas"] {
         let replay = &report[fleet]["replay"];

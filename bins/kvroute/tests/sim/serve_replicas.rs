@@ -15,6 +15,13 @@ use serde_json::{json, Value};
 use super::serve::{ready_engines, ready_serve, signal, Engine};
 use super::{free_port, skip_without_fixtures, Process};
 
+/// A `nats-server` on a free port, the port, and a fleet name of the test's own (none when
+/// `nats-server` is not installed).
+fn nats_on_a_free_port() -> Option<(Process, u16, String)> {
+    let port = free_port();
+    Some((nats_server(port)?, port, format!("t{port}")))
+}
+
 /// A `nats-server` on `port` (the system's package) with JetStream, storing in a directory of
 /// its own, or none when it is not installed.
 fn nats_server(port: u16) -> Option<Process> {
@@ -206,13 +213,11 @@ async fn slow_engines(client: &reqwest::Client, n: usize) -> Vec<Engine> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_see_each_others_requests_and_drop_a_killed_ones() {
-    let nats_port = free_port();
-    let Some(_nats) = nats_server(nats_port) else {
+    let Some((_nats, nats_port, fleet)) = nats_on_a_free_port() else {
         return;
     };
     let client = reqwest::Client::new();
     let engines = slow_engines(&client, 3).await;
-    let fleet = format!("t{nats_port}");
     let (mut a, url_a) = replica(&client, &engines, nats_port, &fleet).await;
     let (_b, url_b) = replica(&client, &engines, nats_port, &fleet).await;
     let (mut c, url_c) = replica(&client, &engines, nats_port, &fleet).await;
@@ -305,13 +310,11 @@ async fn replicas_see_each_others_requests_and_drop_a_killed_ones() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_nats_a_replica_routes_alone_and_takes_the_others_back_when_it_returns() {
-    let nats_port = free_port();
-    let Some(nats) = nats_server(nats_port) else {
+    let Some((nats, nats_port, fleet)) = nats_on_a_free_port() else {
         return;
     };
     let client = reqwest::Client::new();
     let engines = slow_engines(&client, 2).await;
-    let fleet = format!("t{nats_port}");
     let (_a, url_a) = replica(&client, &engines, nats_port, &fleet).await;
     let (_b, url_b) = replica(&client, &engines, nats_port, &fleet).await;
     let _held_a = hold(&client, &url_a, 1).await;
@@ -367,13 +370,11 @@ async fn without_nats_a_replica_routes_alone_and_takes_the_others_back_when_it_r
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_added_or_removed_through_one_replica_reaches_every_replica() {
-    let nats_port = free_port();
-    let Some(_nats) = nats_server(nats_port) else {
+    let Some((_nats, nats_port, fleet)) = nats_on_a_free_port() else {
         return;
     };
     let client = reqwest::Client::new();
     let engines = ready_engines(&client, 2, &[]).await;
-    let fleet = format!("t{nats_port}");
     // Both replicas start with the first engine only.
     let (_a, url_a) = replica(&client, &engines[..1], nats_port, &fleet).await;
     let (mut b, url_b) = replica(&client, &engines[..1], nats_port, &fleet).await;
