@@ -158,6 +158,18 @@ fn bad_values_are_refused_with_their_key() {
         ("header_timeout_s = -1.0", "header_timeout_s"),
         ("policy = \"fastest\"", "fastest"),
         ("worker_networks = [\"10.0.0.0/33\"]", "10.0.0.0/33"),
+        (
+            "conditional_max_new_tokens = 64\nconditional_max_new_share = 0.0",
+            "conditional_max_new_share",
+        ),
+        (
+            "conditional_prefill_busy_tokens = 4096",
+            "conditional_prefill_busy_tokens",
+        ),
+        (
+            "conditional_decode_busy_tokens = 4096",
+            "conditional_decode_busy_tokens",
+        ),
     ] {
         let err = toml::from_str::<ServeConfig>(text)
             .map_err(|e| e.to_string())
