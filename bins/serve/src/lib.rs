@@ -210,8 +210,9 @@ pub(crate) struct AppState {
     draining: Arc<RwLock<HashSet<WorkerId>>>,
     /// Whether disaggregated serving is active now.
     pub disagg: Arc<disagg::Activation>,
-    /// Rests of prompts tokenized in part, being tokenized off the request path.
-    pub rests: Arc<proxy::Rests>,
+    /// Tokenizing off the runtime's threads: long prompts, and rests of prompts tokenized
+    /// in part.
+    pub offload: Arc<proxy::Offload>,
     /// The worker registry shared with the fleet's other replicas (none: no NATS).
     pub registry: Option<Arc<registry::SharedRegistry>>,
 }
@@ -326,10 +327,15 @@ impl RunningServe {
             }
             None => None,
         };
+        // Engines are reached directly: no proxy from the environment (HTTP_PROXY is for a
+        // host's way out, not its own fleet), and a redirect is the engine's answer, passed
+        // back as it is rather than followed with the client's body.
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(256)
             .connect_timeout(options.connect_timeout)
             .tcp_nodelay(true)
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ServeError::Setup(e.to_string()))?;
         let backends = Arc::new(backends::Backends::default());
@@ -367,7 +373,7 @@ impl RunningServe {
             text,
             draining: Arc::default(),
             disagg: Arc::default(),
-            rests: Arc::new(proxy::Rests::new()),
+            offload: Arc::new(proxy::Offload::new()),
             registry: sync.as_ref().map(|_| Arc::default()),
         };
         let registry = match (&sync, &state.registry, &options.replicas) {

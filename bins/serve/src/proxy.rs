@@ -117,7 +117,7 @@ pub(crate) async fn read_prompt_async(
 }
 
 /// `read` on the body: here when it is short or nothing needs tokenizing, else on a blocking
-/// thread.
+/// thread, in its turn ([`Offload`]).
 async fn read_off_thread<T, F>(state: &AppState, body: &Bytes, read: F) -> Result<T, Refusal>
 where
     T: Send + 'static,
@@ -126,6 +126,10 @@ where
     if state.text.is_none() || body.len() <= BLOCKING_BODY_BYTES {
         return read(state, body);
     }
+    // Never closed, so a permit always comes.
+    let Ok(_turn) = state.offload.prompts.acquire().await else {
+        return read(state, body);
+    };
     let (state, body) = (state.clone(), body.clone());
     tokio::task::spawn_blocking(move || read(&state, &body))
         .await
@@ -302,35 +306,38 @@ impl Routed {
     }
 }
 
-/// The rests of prompts tokenized in part being tokenized now, and how many may be at once.
+/// Tokenizing off the runtime's threads, bounded by the machine's cores: long prompts on the
+/// request path, at most one a core at once (more wait their turn without holding a thread),
+/// and the rests of prompts tokenized in part, at most one for every two cores at once (more
+/// are skipped: the request path keeps the rest of the machine).
 #[derive(Debug)]
-pub(crate) struct Rests {
-    busy: AtomicUsize,
-    limit: usize,
+pub(crate) struct Offload {
+    prompts: tokio::sync::Semaphore,
+    rests_busy: AtomicUsize,
+    rests_limit: usize,
 }
 
-impl Rests {
-    /// At most one rest for every two cores at once (at least one): the request path
-    /// keeps the rest of the machine.
+impl Offload {
     pub(crate) fn new() -> Self {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        Rests {
-            busy: AtomicUsize::new(0),
-            limit: cores.div_ceil(2),
+        Offload {
+            prompts: tokio::sync::Semaphore::new(cores),
+            rests_busy: AtomicUsize::new(0),
+            rests_limit: cores.div_ceil(2),
         }
     }
 }
 
 /// Tokenizes the rest of a prompt tokenized only in part (`whole` is all of its text) off the
 /// request path, into the piece cache, so that the conversation's next turn, which the
-/// workers will hold this far, tokenizes only its new text; skipped while [`Rests`]' limit
-/// are under way (the request path comes first).
+/// workers will hold this far, tokenizes only its new text; skipped while [`Offload`]'s
+/// limit of rests are under way (the request path comes first).
 fn tokenize_rest_later(state: &AppState, model: &Arc<ModelText>, whole: String) {
-    let rests = Arc::clone(&state.rests);
+    let offload = Arc::clone(&state.offload);
     let outcome = &state.metrics.prompt_rests;
     // Relaxed: a count, not a guard of other memory; a race only lets one more through.
-    if rests.busy.fetch_add(1, Ordering::Relaxed) >= rests.limit {
-        rests.busy.fetch_sub(1, Ordering::Relaxed);
+    if offload.rests_busy.fetch_add(1, Ordering::Relaxed) >= offload.rests_limit {
+        offload.rests_busy.fetch_sub(1, Ordering::Relaxed);
         outcome.with_label_values(&["skipped"]).inc();
         return;
     }
@@ -338,7 +345,7 @@ fn tokenize_rest_later(state: &AppState, model: &Arc<ModelText>, whole: String) 
     let outcome = outcome.clone();
     tokio::task::spawn_blocking(move || {
         let done = model.tokenizer.warm(&whole).is_ok();
-        rests.busy.fetch_sub(1, Ordering::Relaxed);
+        offload.rests_busy.fetch_sub(1, Ordering::Relaxed);
         outcome
             .with_label_values(&[if done { "done" } else { "failed" }])
             .inc();

@@ -374,10 +374,11 @@ impl PieceTokenizer {
         if piece.is_empty() {
             return Ok(());
         }
-        if let Ok(mut cache) = self.cache.lock() {
-            if let Some(ids) = cache.ids.get(piece).cloned() {
+        if let Ok(mut guard) = self.cache.lock() {
+            let cache = &mut *guard;
+            if let Some(ids) = cache.ids.get(piece) {
+                out.extend_from_slice(ids);
                 cache.hits += 1;
-                out.extend_from_slice(&ids);
                 return Ok(());
             }
         }

@@ -311,3 +311,41 @@ async fn an_engine_gets_no_request_until_its_health_answers() {
     assert!(silent_got.load(Ordering::Relaxed) >= 2);
     serve.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engines_redirect_is_its_answer_not_followed_with_the_body() {
+    // The redirect's target counts what reaches it.
+    let (elsewhere, elsewhere_got, _) = engine(None).await;
+    let target = format!("{elsewhere}/v1/completions");
+    let app = axum::Router::new()
+        .route(
+            "/v1/completions",
+            post(move || {
+                let target = target.clone();
+                async move {
+                    (
+                        StatusCode::TEMPORARY_REDIRECT,
+                        [(reqwest::header::LOCATION, target)],
+                    )
+                        .into_response()
+                }
+            }),
+        )
+        .route("/health", get(|| async { "ok" }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let redirecting = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (serve, url) = gateway(ServeOptions::default()).await;
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    add(&client, &url, 1, &redirecting).await;
+    ready(&client, &url, &[1]).await;
+    assert_eq!(
+        complete(&client, &url, 0).await,
+        StatusCode::TEMPORARY_REDIRECT
+    );
+    assert_eq!(elsewhere_got.load(Ordering::Relaxed), 0);
+    serve.stop();
+}
