@@ -22,7 +22,9 @@
 //! the user's), which serve renders with the model's template before tokenizing.
 //! `--no-rests` turns off serve's tokenizing of a prompt's rest after routing
 //! (`tokenize_rests`); `--no-stream` leaves out the streaming cells. `--serve-threads N` gives
-//! serve's runtime N worker threads (1 pinned, 2 unpinned by default). `serve µs/req` is the
+//! serve's runtime N worker threads (1 pinned, 2 unpinned by default); `--current-thread` runs
+//! serve on one thread with a single-threaded runtime instead (tokio's `current_thread`: one
+//! shard of a gateway with a runtime per core). `serve µs/req` is the
 //! CPU time of serve's threads (from /proc) per request over a kvroute cell's measured seconds:
 //! when it holds as threads are added, requests/s scale with the cores given to serve.
 //!
@@ -330,6 +332,7 @@ fn main() -> Result<()> {
     let mut streams = vec![false, true];
     let mut family = "qwen3".to_owned();
     let mut serve_threads = None;
+    let mut current = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -342,10 +345,12 @@ fn main() -> Result<()> {
             "--no-rests" => rests = false,
             "--no-stream" => streams = vec![false],
             "--tokenizer" => family = args.next().unwrap_or_default(),
+            "--current-thread" => current = true,
             "--serve-threads" => serve_threads = Some(args.next().unwrap_or_default().parse()?),
             other => bail!(
                 "unknown argument {other}; --seconds S, --sglang, --text, --pin, --one-line, \
-                 --chat, --no-rests, --no-stream, --tokenizer FAMILY, --serve-threads N"
+                 --chat, --no-rests, --no-stream, --tokenizer FAMILY, --serve-threads N, \
+                 --current-thread"
             ),
         }
     }
@@ -386,7 +391,7 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     let engine = load_rt.block_on(fake_engine())?;
-    let serve = serve_rt.block_on(RunningServe::start(ServeOptions {
+    let options = ServeOptions {
         listen: "127.0.0.1:0".parse()?,
         workers: vec![BackendSpec {
             id: 0,
@@ -409,7 +414,39 @@ fn main() -> Result<()> {
         }),
         tokenize_rests: rests,
         ..ServeOptions::default()
-    }))?;
+    };
+    let (listen_tx, listen_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut serve_keep = None;
+    if current {
+        // One thread runs serve's runtime and all of its tasks: one shard of a gateway with
+        // a runtime per core. Its blocking threads inherit its CPU.
+        std::thread::Builder::new()
+            .name("serve".into())
+            .spawn(move || {
+                if pin {
+                    pin_to(1)
+                }
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .thread_name("serve")
+                    .enable_all()
+                    .build();
+                let Ok(runtime) = runtime else { return };
+                runtime.block_on(async move {
+                    let Ok(serve) = RunningServe::start(options).await else {
+                        return;
+                    };
+                    let _ = listen_tx.send(serve.listen);
+                    let _ = stop_rx.await;
+                    serve.stop();
+                });
+            })?;
+    } else {
+        let serve = serve_rt.block_on(RunningServe::start(options))?;
+        listen_tx.send(serve.listen)?;
+        serve_keep = Some(serve);
+    }
+    let serve_listen = listen_rx.recv().context("kvroute serve did not start")?;
     let route = if chat {
         "/v1/chat/completions"
     } else {
@@ -417,7 +454,7 @@ fn main() -> Result<()> {
     };
     let mut paths = vec![
         ("direct", format!("http://{engine}{route}")),
-        ("kvroute", format!("http://{}{route}", serve.listen)),
+        ("kvroute", format!("http://{}{route}", serve_listen)),
     ];
     let mut router_process = None;
     if sglang && !text {
@@ -497,6 +534,9 @@ fn main() -> Result<()> {
         let _ = p.kill();
         let _ = p.wait();
     }
-    serve.stop();
+    if let Some(serve) = serve_keep {
+        serve.stop();
+    }
+    let _ = stop_tx.send(());
     Ok(())
 }
