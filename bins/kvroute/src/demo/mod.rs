@@ -112,6 +112,10 @@ pub struct DemoReport {
     pub kv_blocks: u32,
     /// Hit rate with one infinite cache every worker shares: no policy can beat it.
     pub ceiling_hit_rate: f64,
+    /// Hit rate with one cache of the fleet's size (workers × KV blocks) that evicts the least
+    /// recently used, as the engines do: what placement that never caches a block twice, with
+    /// the load even, would hold ([`Workload::ceiling`]).
+    pub fleet_lru_hit_rate: f64,
     /// The highest of the runs' oracle hit rates: at each arrival, the most prompt tokens any
     /// engine held.
     pub oracle_hit_rate: f64,
@@ -173,7 +177,10 @@ pub fn run(
             })
         },
         done,
-        || workload.ceiling(config.engine.block_size),
+        || {
+            let fleet_blocks = config.workers * config.engine.kv_blocks as usize;
+            workload.ceiling(config.engine.block_size, fleet_blocks)
+        },
     );
     let mut policies = Vec::with_capacity(slots.len());
     for slot in slots {
@@ -195,6 +202,7 @@ pub fn run(
         block_size: config.engine.block_size,
         kv_blocks: config.engine.kv_blocks,
         ceiling_hit_rate: ceiling.hit_rate(),
+        fleet_lru_hit_rate: ceiling.lru_hit_rate(),
         oracle_hit_rate: oracle,
         policies,
         wall_seconds: started.elapsed().as_secs_f64(),

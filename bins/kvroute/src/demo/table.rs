@@ -55,6 +55,12 @@ pub(super) fn render(report: &DemoReport) -> String {
     );
     let _ = writeln!(
         out,
+        "fleet-sized LRU (one cache of {} × {} blocks evicting the least recently used: \
+         no block cached twice, load even): hit rate {:.3}",
+        report.workers, report.kv_blocks, report.fleet_lru_hit_rate
+    );
+    let _ = writeln!(
+        out,
         "oracle (the best cache any worker held at each arrival, best run): hit rate {:.3}",
         report.oracle_hit_rate
     );

@@ -84,6 +84,8 @@ fn every_policy_serves_every_request_and_hands_back_all_load() {
         assert_eq!(p.ttft_sorted_ms.len(), 150);
     }
     assert!(report.oracle_hit_rate <= report.ceiling_hit_rate + 1e-12);
+    assert!(report.fleet_lru_hit_rate > 0.0);
+    assert!(report.fleet_lru_hit_rate <= report.ceiling_hit_rate + 1e-12);
     let kv = report.policy("kv-aware").unwrap();
     let rr = report.policy("round-robin").unwrap();
     assert!(
@@ -115,6 +117,7 @@ fn the_json_report_has_the_documented_fields() {
     for key in [
         "workload",
         "ceiling_hit_rate",
+        "fleet_lru_hit_rate",
         "oracle_hit_rate",
         "policies",
     ] {

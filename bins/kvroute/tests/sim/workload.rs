@@ -168,7 +168,8 @@ fn spread_ties_come_evenly_over_the_gap_to_the_next_stamp_in_file_order() {
 #[test]
 fn the_ceiling_of_a_small_trace_is_what_a_hand_count_gives() {
     let rows = read_trace(&trace_file("ceiling.jsonl", &SMALL_TRACE), None).unwrap();
-    let ceiling = Workload::trace("small", rows).ceiling(16);
+    let workload = Workload::trace("small", rows);
+    let ceiling = workload.ceiling(16, 1 << 20);
     // In arrival order: [0,1] finds nothing; [0,2] finds id 0 (512 tokens); [0,1,3] finds ids
     // 0 and 1 (1,024 tokens, under its cap of (1300 - 1) / 16 = 81 blocks).
     assert_eq!(ceiling.requests, 3);
@@ -176,6 +177,30 @@ fn the_ceiling_of_a_small_trace_is_what_a_hand_count_gives() {
     assert_eq!(ceiling.cached_tokens, 512 + 1024);
     assert_eq!(ceiling.output_tokens, 10 + 1 + 5);
     assert!((ceiling.hit_rate() - 1536.0 / 3348.0).abs() < 1e-12);
+    // A cache large enough for every block holds what the infinite one does.
+    assert_eq!(ceiling.lru_cached_tokens, ceiling.cached_tokens);
+}
+
+#[test]
+fn the_fleet_sized_lru_evicts_the_least_recently_used_prompt_blocks() {
+    let rows = read_trace(&trace_file("lru.jsonl", &SMALL_TRACE), None).unwrap();
+    let workload = Workload::trace("small", rows);
+    // 32 blocks of 16 tokens a trace id. 64 blocks: [0,1] fills them; [0,2] finds id 0 and
+    // evicts id 1 (used before id 0 was used again); [0,1,3] finds id 0 only.
+    assert_eq!(workload.ceiling(16, 64).lru_cached_tokens, 512 + 512);
+    // 96 blocks: ids 0, 1 and 2 all fit, as in the infinite cache.
+    assert_eq!(workload.ceiling(16, 96).lru_cached_tokens, 512 + 1024);
+    // An answer's full blocks take room too: the first request's 512 output tokens fill 32
+    // blocks, so [0,2] evicts id 1 from 96 blocks before [0,1,3] comes.
+    let long_answers: Vec<String> = SMALL_TRACE
+        .iter()
+        .map(|l| l.replace("\"output_length\": 10", "\"output_length\": 512"))
+        .collect();
+    let long: Vec<&str> = long_answers.iter().map(String::as_str).collect();
+    let rows = read_trace(&trace_file("lru_answers.jsonl", &long), None).unwrap();
+    let ceiling = Workload::trace("answers", rows).ceiling(16, 96);
+    assert_eq!(ceiling.lru_cached_tokens, 512 + 512);
+    assert_eq!(workload.ceiling(16, 0).lru_cached_tokens, 0);
 }
 
 #[test]

@@ -6,16 +6,18 @@
 //!  ChatConfig ──ChatWorkload──┐
 //!                             ├──▶ Workload::requests(): (arrival, prompt tokens, output tokens)…
 //!  trace.jsonl ──read_trace───┘                                   │
-//!                                                      ceiling(): every earlier prompt cached
+//!                                ceiling(): every earlier prompt cached; the fleet as one LRU
 //! ```
 //!
 //! Module map:
 //!
 //! * `chat.rs`: [`ChatConfig`] and [`ChatWorkload`], the built-in generator.
+//! * `lru.rs`: a set of blocks that evicts the least recently used, for the LRU figure.
 //! * `mooncake.rs`: [`TraceRow`] and [`read_trace`], Mooncake-format traces.
 //! * `tokens.rs`: [`pseudo_token`], the content of every synthetic prompt.
 
 mod chat;
+mod lru;
 mod mooncake;
 mod tokens;
 
@@ -23,7 +25,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_core::{seq_hashes, BlockHasher};
+use kvroute_core::{seq_hashes, BlockHasher, SeqHash};
 
 pub use chat::{ChatConfig, ChatWorkload, Turn};
 pub use mooncake::{block_tokens, read_trace, TraceError, TraceRow, TRACE_BLOCK_TOKENS};
@@ -183,23 +185,52 @@ impl Workload {
     /// of blocks some earlier prompt had, counting a prompt's leading blocks only and leaving
     /// its last token to compute (as an engine does), ÷ prompt tokens. No routing policy can
     /// beat its hit rate.
-    pub fn ceiling(&self, block_size: u32) -> Ceiling {
+    ///
+    /// Beside it, the same count with one cache of `fleet_blocks` blocks that evicts the least
+    /// recently used (as the engines do): the fleet's caches as one, which is what placement
+    /// that never caches a block twice, with the load even, would hold. Each request uses its
+    /// prompt's blocks, then fills fresh blocks with its output, which no prompt finds again
+    /// (a workload's later turns carry their own copy of an answer).
+    pub fn ceiling(&self, block_size: u32, fleet_blocks: usize) -> Ceiling {
         let hasher = BlockHasher::new(block_size as usize);
         let mut seen = HashSet::new();
+        let mut fleet = lru::Lru::new(fleet_blocks);
+        let mut answers = 0u64;
         let mut ceiling = Ceiling::default();
         for request in self.requests() {
             let hashes = seq_hashes(&hasher.local_hashes(&request.prompt));
             let cap = (request.prompt.len() - 1) / block_size as usize;
             let hits = hashes.iter().take(cap).take_while(|h| seen.contains(*h));
             ceiling.cached_tokens += (hits.count() * block_size as usize) as u64;
+            let held = hashes
+                .iter()
+                .take(cap)
+                .take_while(|h| fleet.contains(&Held::Prompt(**h)));
+            ceiling.lru_cached_tokens += (held.count() * block_size as usize) as u64;
             ceiling.prompt_tokens += request.prompt.len() as u64;
             ceiling.output_tokens += u64::from(request.output_tokens);
             ceiling.requests += 1;
             ceiling.span = request.at;
+            for h in &hashes {
+                fleet.touch(Held::Prompt(*h));
+            }
+            let full =
+                (request.prompt.len() + request.output_tokens as usize) / block_size as usize;
+            for _ in hashes.len().min(full)..full {
+                answers += 1;
+                fleet.touch(Held::Answer(answers));
+            }
             seen.extend(hashes);
         }
         ceiling
     }
+}
+
+/// A block of the fleet-sized LRU cache: a prompt's, or one an answer filled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Held {
+    Prompt(SeqHash),
+    Answer(u64),
 }
 
 /// The arrival of each row of `order` (rows sorted by timestamp).
@@ -236,6 +267,8 @@ pub struct Ceiling {
     pub output_tokens: u64,
     /// Prompt tokens an infinite shared cache would have held.
     pub cached_tokens: u64,
+    /// Prompt tokens one least-recently-used cache of the fleet's size would have held.
+    pub lru_cached_tokens: u64,
     /// The last arrival.
     pub span: Duration,
 }
@@ -243,10 +276,19 @@ pub struct Ceiling {
 impl Ceiling {
     /// Cached ÷ prompt tokens (0 for no prompt).
     pub fn hit_rate(&self) -> f64 {
+        self.share(self.cached_tokens)
+    }
+
+    /// Held by the fleet-sized LRU cache ÷ prompt tokens (0 for no prompt).
+    pub fn lru_hit_rate(&self) -> f64 {
+        self.share(self.lru_cached_tokens)
+    }
+
+    fn share(&self, tokens: u64) -> f64 {
         if self.prompt_tokens == 0 {
             0.0
         } else {
-            self.cached_tokens as f64 / self.prompt_tokens as f64
+            tokens as f64 / self.prompt_tokens as f64
         }
     }
 }
