@@ -55,8 +55,8 @@ pub(super) fn render(report: &DemoReport) -> String {
     );
     let _ = writeln!(
         out,
-        "fleet-sized LRU (one cache of {} × {} blocks evicting the least recently used: \
-         no block cached twice, load even): hit rate {:.3}",
+        "fleet-sized LRU (one LRU cache of {} × {} blocks, no block cached twice): \
+         hit rate {:.3}",
         report.workers, report.kv_blocks, report.fleet_lru_hit_rate
     );
     let _ = writeln!(
