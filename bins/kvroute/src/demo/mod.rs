@@ -113,8 +113,8 @@ pub struct DemoReport {
     /// Hit rate with one infinite cache every worker shares: no policy can beat it.
     pub ceiling_hit_rate: f64,
     /// Hit rate with one cache of the fleet's size (workers × KV blocks) that evicts the least
-    /// recently used, as the engines do: what placement that never caches a block twice, with
-    /// the load even, would hold ([`Workload::ceiling`]).
+    /// recently used, as the engines do: a reference for placement that never caches a block
+    /// twice, with the load even ([`Workload::ceiling`]; not a bound).
     pub fleet_lru_hit_rate: f64,
     /// The highest of the runs' oracle hit rates: at each arrival, the most prompt tokens any
     /// engine held.

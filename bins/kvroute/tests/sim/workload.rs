@@ -185,22 +185,33 @@ fn the_ceiling_of_a_small_trace_is_what_a_hand_count_gives() {
 fn the_fleet_sized_lru_evicts_the_least_recently_used_prompt_blocks() {
     let rows = read_trace(&trace_file("lru.jsonl", &SMALL_TRACE), None).unwrap();
     let workload = Workload::trace("small", rows);
-    // 32 blocks of 16 tokens a trace id. 64 blocks: [0,1] fills them; [0,2] finds id 0 and
-    // evicts id 1 (used before id 0 was used again); [0,1,3] finds id 0 only.
+    // 32 blocks of 16 tokens a trace id, used as an engine frees them: a prompt's tail first,
+    // its head last. 64 blocks: [0,1] fills them; [0,2] finds id 0 and evicts id 1 (older
+    // than id 0 within [0,1]); [0,1,3] finds id 0 only.
     assert_eq!(workload.ceiling(16, 64).lru_cached_tokens, 512 + 512);
     // 96 blocks: ids 0, 1 and 2 all fit, as in the infinite cache.
     assert_eq!(workload.ceiling(16, 96).lru_cached_tokens, 512 + 1024);
-    // An answer's full blocks take room too: the first request's 512 output tokens fill 32
-    // blocks, so [0,2] evicts id 1 from 96 blocks before [0,1,3] comes.
+    // An answer's full blocks take room too: 512 output tokens for [0,2] fill 32 blocks, so
+    // its prompt evicts id 1 from 96 blocks before [0,1,3] comes.
     let long_answers: Vec<String> = SMALL_TRACE
         .iter()
-        .map(|l| l.replace("\"output_length\": 10", "\"output_length\": 512"))
+        .map(|l| l.replace("\"output_length\": 0,", "\"output_length\": 512,"))
         .collect();
     let long: Vec<&str> = long_answers.iter().map(String::as_str).collect();
     let rows = read_trace(&trace_file("lru_answers.jsonl", &long), None).unwrap();
-    let ceiling = Workload::trace("answers", rows).ceiling(16, 96);
-    assert_eq!(ceiling.lru_cached_tokens, 512 + 512);
+    let answers = Workload::trace("answers", rows);
+    assert_eq!(answers.ceiling(16, 96).lru_cached_tokens, 512 + 512);
+    assert_eq!(answers.ceiling(16, 128).lru_cached_tokens, 512 + 1024);
     assert_eq!(workload.ceiling(16, 0).lru_cached_tokens, 0);
+    // 48 blocks for [0,1]'s 64: its tail goes, its head stays, so [0,2] still finds id 0.
+    let two = [SMALL_TRACE[0], SMALL_TRACE[3]];
+    let rows = read_trace(&trace_file("lru_head.jsonl", &two), None).unwrap();
+    assert_eq!(
+        Workload::trace("head", rows)
+            .ceiling(16, 48)
+            .lru_cached_tokens,
+        512
+    );
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //!
 //! Each use is logged with its tick; the map keeps every held block's last tick. Eviction pops
 //! the log's front, skipping entries a later use made stale, so a use and an eviction are
-//! amortized O(1). The log is compacted when stale entries outnumber the held blocks.
+//! amortized O(1). The log is compacted when its stale entries outnumber the blocks the set may
+//! hold (or a million).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
@@ -50,7 +51,7 @@ impl<K: Copy + Eq + Hash> Lru<K> {
                 self.last.remove(&old);
             }
         }
-        if self.log.len() > 2 * self.last.len() + 1024 {
+        if self.log.len() > self.last.len() + self.capacity.min(1 << 20) + 1024 {
             let last = &self.last;
             self.log.retain(|(k, t)| last.get(k) == Some(t));
         }

@@ -187,10 +187,12 @@ impl Workload {
     /// beat its hit rate.
     ///
     /// Beside it, the same count with one cache of `fleet_blocks` blocks that evicts the least
-    /// recently used (as the engines do): the fleet's caches as one, which is what placement
-    /// that never caches a block twice, with the load even, would hold. Each request uses its
-    /// prompt's blocks, then fills fresh blocks with its output, which no prompt finds again
-    /// (a workload's later turns carry their own copy of an answer).
+    /// recently used (as the engines do): the fleet's caches as one, a reference for placement
+    /// that never caches a block twice, with the load even (not a bound: it ignores the blocks
+    /// running requests pin, and uneven placement can keep some blocks longer). Each request
+    /// fills fresh blocks with its output, which no prompt finds again (a workload's later
+    /// turns carry their own copy of an answer), and its blocks become the most recently used
+    /// in the order an engine frees them.
     pub fn ceiling(&self, block_size: u32, fleet_blocks: usize) -> Ceiling {
         let hasher = BlockHasher::new(block_size as usize);
         let mut seen = HashSet::new();
@@ -211,14 +213,16 @@ impl Workload {
             ceiling.output_tokens += u64::from(request.output_tokens);
             ceiling.requests += 1;
             ceiling.span = request.at;
-            for h in &hashes {
-                fleet.touch(Held::Prompt(*h));
-            }
+            // In the order an engine frees them when the request ends, last block first: the
+            // answer's, then the prompt's from its tail, so a prompt's head is evicted last.
             let full =
                 (request.prompt.len() + request.output_tokens as usize) / block_size as usize;
             for _ in hashes.len().min(full)..full {
                 answers += 1;
                 fleet.touch(Held::Answer(answers));
+            }
+            for h in hashes.iter().rev() {
+                fleet.touch(Held::Prompt(*h));
             }
             seen.extend(hashes);
         }
