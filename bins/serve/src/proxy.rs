@@ -126,19 +126,24 @@ where
     if state.text.is_none() || body.len() <= BLOCKING_BODY_BYTES {
         return read(state, body);
     }
-    // Never closed, so a permit always comes.
-    let Ok(_turn) = state.offload.prompts.acquire().await else {
+    // Never closed, so a permit always comes. It goes with the work: a request dropped while
+    // its prompt is tokenized still holds its turn until the tokenizing ends.
+    let Ok(turn) = Arc::clone(&state.offload.prompts).acquire_owned().await else {
         return read(state, body);
     };
     let (state, body) = (state.clone(), body.clone());
-    tokio::task::spawn_blocking(move || read(&state, &body))
-        .await
-        .unwrap_or_else(|e| {
-            Err(Refusal::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("reading the prompt failed: {e}"),
-            ))
-        })
+    tokio::task::spawn_blocking(move || {
+        let read = read(&state, &body);
+        drop(turn);
+        read
+    })
+    .await
+    .unwrap_or_else(|e| {
+        Err(Refusal::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading the prompt failed: {e}"),
+        ))
+    })
 }
 
 /// A completion's token ids and output length, or the client's error: its routing fields
@@ -312,7 +317,7 @@ impl Routed {
 /// are skipped: the request path keeps the rest of the machine).
 #[derive(Debug)]
 pub(crate) struct Offload {
-    prompts: tokio::sync::Semaphore,
+    prompts: Arc<tokio::sync::Semaphore>,
     rests_busy: AtomicUsize,
     rests_limit: usize,
 }
@@ -321,7 +326,7 @@ impl Offload {
     pub(crate) fn new() -> Self {
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         Offload {
-            prompts: tokio::sync::Semaphore::new(cores),
+            prompts: Arc::new(tokio::sync::Semaphore::new(cores)),
             rests_busy: AtomicUsize::new(0),
             rests_limit: cores.div_ceil(2),
         }
