@@ -380,16 +380,6 @@ fn main() -> Result<()> {
         })
         .enable_all()
         .build()?;
-    let serve_rt = tokio::runtime::Builder::new_multi_thread()
-        .thread_name("serve")
-        .worker_threads(serve_threads.unwrap_or(if pin { 1 } else { 2 }))
-        .on_thread_start(move || {
-            if pin {
-                pin_to(1)
-            }
-        })
-        .enable_all()
-        .build()?;
     let engine = load_rt.block_on(fake_engine())?;
     let options = ServeOptions {
         listen: "127.0.0.1:0".parse()?,
@@ -415,38 +405,67 @@ fn main() -> Result<()> {
         tokenize_rests: rests,
         ..ServeOptions::default()
     };
-    let (listen_tx, listen_rx) = std::sync::mpsc::channel();
+    let (listen_tx, listen_rx) = std::sync::mpsc::channel::<Result<SocketAddr, String>>();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut serve_keep = None;
+    let mut shard = None;
     if current {
+        if serve_threads.is_some() {
+            bail!("--current-thread runs serve on one thread: leave out --serve-threads");
+        }
         // One thread runs serve's runtime and all of its tasks: one shard of a gateway with
         // a runtime per core. Its blocking threads inherit its CPU.
-        std::thread::Builder::new()
-            .name("serve".into())
-            .spawn(move || {
+        shard = Some(
+            std::thread::Builder::new()
+                .name("serve".into())
+                .spawn(move || {
+                    if pin {
+                        pin_to(1)
+                    }
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .thread_name("serve")
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(runtime) => runtime,
+                        Err(e) => {
+                            let _ = listen_tx.send(Err(e.to_string()));
+                            return;
+                        }
+                    };
+                    runtime.block_on(async move {
+                        match RunningServe::start(options).await {
+                            Ok(serve) => {
+                                let _ = listen_tx.send(Ok(serve.listen));
+                                let _ = stop_rx.await;
+                                serve.stop();
+                            }
+                            Err(e) => {
+                                let _ = listen_tx.send(Err(e.to_string()));
+                            }
+                        }
+                    });
+                })?,
+        );
+    } else {
+        let serve_rt = tokio::runtime::Builder::new_multi_thread()
+            .thread_name("serve")
+            .worker_threads(serve_threads.unwrap_or(if pin { 1 } else { 2 }))
+            .on_thread_start(move || {
                 if pin {
                     pin_to(1)
                 }
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .thread_name("serve")
-                    .enable_all()
-                    .build();
-                let Ok(runtime) = runtime else { return };
-                runtime.block_on(async move {
-                    let Ok(serve) = RunningServe::start(options).await else {
-                        return;
-                    };
-                    let _ = listen_tx.send(serve.listen);
-                    let _ = stop_rx.await;
-                    serve.stop();
-                });
-            })?;
-    } else {
+            })
+            .enable_all()
+            .build()?;
         let serve = serve_rt.block_on(RunningServe::start(options))?;
-        listen_tx.send(serve.listen)?;
-        serve_keep = Some(serve);
+        listen_tx.send(Ok(serve.listen))?;
+        serve_keep = Some((serve_rt, serve));
     }
-    let serve_listen = listen_rx.recv().context("kvroute serve did not start")?;
+    let serve_listen = listen_rx
+        .recv()
+        .context("kvroute serve's thread ended")?
+        .map_err(|e| anyhow::anyhow!("kvroute serve did not start: {e}"))?;
     let route = if chat {
         "/v1/chat/completions"
     } else {
@@ -534,9 +553,12 @@ fn main() -> Result<()> {
         let _ = p.kill();
         let _ = p.wait();
     }
-    if let Some(serve) = serve_keep {
+    if let Some((_runtime, serve)) = serve_keep {
         serve.stop();
     }
     let _ = stop_tx.send(());
+    if let Some(shard) = shard {
+        let _ = shard.join();
+    }
     Ok(())
 }
