@@ -22,7 +22,8 @@ pub enum ClearMode {
     #[default]
     RefuseIfInUse,
     /// Preempt every running request first; they recompute later (vLLM's
-    /// `reset_prefix_cache(reset_running_requests=True)`).
+    /// `reset_prefix_cache(reset_running_requests=True)`). Blocks held for transfers are
+    /// freed too.
     PreemptRunning,
 }
 
@@ -168,6 +169,29 @@ impl Engine {
         Ok(())
     }
 
+    /// Keeps request `id`'s blocks in use once it finishes, until [`Engine::release_held`]:
+    /// a prefill engine's KV waiting for the decode side to read it (vLLM's NixlConnector
+    /// frees a finished prefill's blocks only once they are pulled). They count as in use
+    /// and cannot be evicted meanwhile.
+    pub fn hold_when_finished(&mut self, id: RequestId) -> Result<(), SimError> {
+        if !self.known.contains(&id) {
+            return Err(SimError::UnknownRequest { id });
+        }
+        self.scheduler.hold_when_finished.insert(id);
+        Ok(())
+    }
+
+    /// Frees the blocks held for finished request `id` (last block first; they stay cached,
+    /// evictable); false if none are held.
+    pub fn release_held(&mut self, id: RequestId) -> bool {
+        self.scheduler.release_held(id)
+    }
+
+    /// Requests whose blocks are held after they finished.
+    pub fn held_requests(&self) -> usize {
+        self.scheduler.held.len()
+    }
+
     /// Ends a request now (a client went away): its blocks are freed and its output reports
     /// [`Finish::Aborted`].
     pub fn abort(&mut self, id: RequestId) -> Result<(), SimError> {
@@ -249,6 +273,7 @@ impl Engine {
     pub fn clear_cache(&mut self, mode: ClearMode) -> Result<(), SimError> {
         if mode == ClearMode::PreemptRunning {
             self.scheduler.preempt_all();
+            self.scheduler.release_all_held();
         }
         self.scheduler
             .pool

@@ -16,7 +16,7 @@
 //! the pass that fills them is scheduled. A fully cached prompt still computes its last
 //! token, so its last block is recomputed (vLLM caps a hit at `prompt length − 1` tokens).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use kvroute_core::{BlockHasher, RequestId, SeqHash};
@@ -88,6 +88,11 @@ pub(crate) struct Scheduler {
     pub(crate) log: EventLog,
     pub(crate) admission: Admission,
     pub(crate) counters: Counters,
+    /// Requests whose blocks stay in use when they finish, until released.
+    pub(crate) hold_when_finished: HashSet<RequestId>,
+    /// Finished requests' blocks kept in use, by request: a prefill's KV until its transfer
+    /// ends.
+    pub(crate) held: HashMap<RequestId, Vec<BlockId>>,
 }
 
 impl Scheduler {
@@ -101,6 +106,8 @@ impl Scheduler {
             log: EventLog::default(),
             admission: Admission::Open,
             counters: Counters::default(),
+            hold_when_finished: HashSet::new(),
+            held: HashMap::new(),
         }
     }
 
@@ -290,6 +297,9 @@ impl Scheduler {
         let running = std::mem::take(&mut self.running);
         for mut seq in running {
             if seq.is_done() {
+                if self.hold_when_finished.remove(&seq.id) {
+                    self.held.insert(seq.id, std::mem::take(&mut seq.blocks));
+                }
                 release(&mut seq, &mut self.pool);
             } else {
                 self.running.push(seq);
@@ -306,7 +316,27 @@ impl Scheduler {
             self.running.remove(pos)
         };
         release(&mut seq, &mut self.pool);
+        self.hold_when_finished.remove(&id);
         Some(seq)
+    }
+
+    /// Frees the blocks held for `id`, last block first; false if none are held.
+    pub(crate) fn release_held(&mut self, id: RequestId) -> bool {
+        let Some(blocks) = self.held.remove(&id) else {
+            return false;
+        };
+        for &block in blocks.iter().rev() {
+            self.pool.free(block);
+        }
+        true
+    }
+
+    /// Frees every held block.
+    pub(crate) fn release_all_held(&mut self) {
+        let ids: Vec<RequestId> = self.held.keys().copied().collect();
+        for id in ids {
+            self.release_held(id);
+        }
     }
 
     /// Preempts every running request, most recent first (a cache reset that does not wait).

@@ -253,6 +253,10 @@ fn a_split_fleet_computes_prompts_on_its_prefill_engine_and_decodes_after_the_tr
     assert!(report.hit_rate > 0.3, "{report:?}");
     assert_eq!(report.active_requests, 0, "nothing left booked");
     assert!(fleet.router().total_load().is_idle());
+    // The prefill engine held each prompt's blocks until its transfer ended, and released
+    // every one.
+    assert_eq!(fleet.engines()[0].held_requests(), 0);
+    assert_eq!(fleet.engines()[0].stats().blocks.in_use, 0);
     // The decode engines published the blocks they received: the router's index has them.
     let last = fleet.records().last().unwrap();
     let engine = &fleet.engines()[last.worker.worker.0 as usize];

@@ -192,3 +192,36 @@ fn a_transferred_prompt_computes_only_its_tail_and_publishes_the_blocks_it_recei
     assert_eq!(engine.stats().prefix_hit_tokens, 192);
     assert_eq!(engine.stats().blocks.in_use, 0);
 }
+
+#[test]
+fn a_finished_prefills_blocks_stay_in_use_until_released() {
+    // As the test above, but A's 7 blocks are held for its transfer once it finishes: B's 8
+    // blocks do not fit in the one empty block until they are released.
+    let mut engine = engine(8, 8_192);
+    engine.admit(request(1, tokens(0, 112), 1)).unwrap();
+    engine.hold_when_finished(crate::RequestId(1)).unwrap();
+    let mut t = Transcript::default();
+    run_to_idle(&mut engine, &mut t);
+    assert_eq!(t.count(1), 1, "A finished");
+    assert_eq!(engine.stats().blocks.in_use, 7);
+    assert_eq!(engine.held_requests(), 1);
+    engine.admit(request(2, tokens(5_000, 128), 1)).unwrap();
+    assert!(
+        engine.step().is_none(),
+        "B cannot start while A's KV is held"
+    );
+    assert!(engine.release_held(crate::RequestId(1)));
+    assert!(!engine.release_held(crate::RequestId(1)), "released once");
+    assert_eq!(engine.stats().blocks.idle, 7, "still cached once released");
+    engine.step().unwrap();
+    t.record(engine.take_outputs());
+    assert_eq!(t.count(2), 1);
+    // A request aborted before it finishes holds nothing; an unknown one cannot be held.
+    engine.admit(request(3, tokens(9_000, 40), 4)).unwrap();
+    engine.hold_when_finished(crate::RequestId(3)).unwrap();
+    engine.abort(crate::RequestId(3)).unwrap();
+    run_to_idle(&mut engine, &mut t);
+    assert_eq!(engine.held_requests(), 0);
+    assert_eq!(engine.stats().blocks.in_use, 0);
+    assert!(engine.hold_when_finished(crate::RequestId(42)).is_err());
+}

@@ -4,8 +4,10 @@
 //!
 //! ```text
 //!  arrive_split ──route (prefill phase)──▶ prefill engine: max_tokens 1
-//!       prefill_output (its token): the prefill freed ──▶ transfers (ends at now + link time)
-//!  hand_over ──route (decode phase)──▶ decode engine: admit_transferred ──▶ outputs as usual
+//!       prefill_output (its token): its booking freed, its blocks held ──▶ transfers (ends at
+//!       now + link time)
+//!  hand_over: the prefill engine's blocks released ──route (decode phase)──▶ decode engine:
+//!       admit_transferred ──▶ outputs as usual
 //! ```
 
 use std::sync::Arc;
@@ -16,6 +18,18 @@ use kvroute_core::{Phase, Pinned, RequestId, RouteHints, RouteRequest, Router, W
 use super::{Arrival, Fleet, FleetError, Split};
 use crate::request::{EngineRequest, RequestOutput};
 
+/// How a request enters an engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Admit {
+    /// Served whole there.
+    Whole,
+    /// A split request's prefill: its blocks stay in use after its one token, until its
+    /// transfer ends.
+    Prefill,
+    /// A split request's decode, its prompt's KV handed over.
+    Transferred,
+}
+
 /// A split request between its two engines: what its decode half needs.
 #[derive(Clone, Debug)]
 pub(super) struct Handoff {
@@ -25,6 +39,8 @@ pub(super) struct Handoff {
     arrival: Duration,
     /// The router that routed its prefill, which routes its decode too.
     replica: usize,
+    /// The prefill engine, which holds the prompt's blocks until the transfer ends.
+    prefill: usize,
 }
 
 impl Fleet {
@@ -68,7 +84,8 @@ impl Fleet {
         };
         let router = Arc::clone(&self.routers[replica]);
         let (decision, guard) = self.route_dispatched(router, &request, Some(started))?;
-        self.admit_arrival(decision.worker, &arrival, 1)?;
+        self.admit_arrival(decision.worker, &arrival, Admit::Prefill)?;
+        let prefill = decision.worker.worker.0 as usize;
         self.record(&arrival, &decision, oracle_cached, Some(decision.worker));
         self.guards.insert(arrival.id, guard);
         self.prefilling.insert(
@@ -79,13 +96,14 @@ impl Fleet {
                 max_output_tokens: arrival.max_output_tokens,
                 arrival: at,
                 replica,
+                prefill,
             },
         );
         Ok(())
     }
 
-    /// The prefill engine's token for a split request: the prefill is freed, and the prompt's
-    /// KV starts across the link.
+    /// The prefill engine's token for a split request: its booking is freed, and the prompt's
+    /// KV starts across the link (the engine holds its blocks until the transfer ends).
     pub(super) fn prefill_output(&mut self, output: &RequestOutput) -> Result<(), FleetError> {
         if output.finish.is_none() {
             return Ok(());
@@ -106,6 +124,9 @@ impl Fleet {
             }
         }
         let Some(split) = self.split else {
+            if let Some(engine) = self.engines.get_mut(handoff.prefill) {
+                engine.release_held(handoff.id);
+            }
             return Ok(());
         };
         let block = self.hasher.block_size();
@@ -117,13 +138,16 @@ impl Fleet {
         Ok(())
     }
 
-    /// The first transfer ending at `at`: its request routed to a decode engine and admitted
-    /// there with its KV.
+    /// The first transfer ending at `at`: the prefill engine's blocks released, its request
+    /// routed to a decode engine and admitted there with its KV.
     pub(super) fn hand_over(&mut self, at: Duration) -> Result<(), FleetError> {
         let Some((_, handoff)) = self.transfers.pop_first() else {
             return Ok(());
         };
         self.set_time(at);
+        if let Some(engine) = self.engines.get_mut(handoff.prefill) {
+            engine.release_held(handoff.id);
+        }
         let request = RouteRequest {
             id: handoff.id,
             tokens: &handoff.prompt,
@@ -146,7 +170,7 @@ impl Fleet {
                 arrival: handoff.arrival,
                 cache_salt: None,
             },
-            true,
+            Admit::Transferred,
         )?;
         if let Some(&i) = self.record_of.get(&handoff.id) {
             self.records[i].worker = decision.worker;
@@ -156,13 +180,13 @@ impl Fleet {
         Ok(())
     }
 
-    /// Admits `request` to engine `worker` (with its KV handed over when `transferred`), and
-    /// starts a pass there if it was idle.
+    /// Admits `request` to engine `worker` as `how` says, and starts a pass there if it was
+    /// idle.
     pub(super) fn admit_on(
         &mut self,
         worker: usize,
         request: EngineRequest,
-        transferred: bool,
+        how: Admit,
     ) -> Result<(), FleetError> {
         let now = self.now;
         let idle = !self.in_pass[worker];
@@ -173,10 +197,14 @@ impl Fleet {
             // Idle: its clock stands at its last pass's end; it starts now.
             engine.advance_to(now);
         }
-        if transferred {
-            engine.admit_transferred(request)?;
-        } else {
-            engine.admit(request)?;
+        match how {
+            Admit::Whole => engine.admit(request)?,
+            Admit::Prefill => {
+                let id = request.id;
+                engine.admit(request)?;
+                engine.hold_when_finished(id)?;
+            }
+            Admit::Transferred => engine.admit_transferred(request)?,
         }
         if idle {
             self.start_pass(worker);

@@ -608,7 +608,7 @@ impl Fleet {
             };
         }
         let (decision, guard) = self.route_dispatched(router, &request, Some(started))?;
-        self.admit_arrival(decision.worker, &arrival, arrival.max_output_tokens)?;
+        self.admit_arrival(decision.worker, &arrival, disagg::Admit::Whole)?;
         self.record(&arrival, &decision, oracle_cached, None);
         self.guards.insert(arrival.id, guard);
         Ok(())
@@ -634,13 +634,18 @@ impl Fleet {
         Ok((decision, guard))
     }
 
-    /// Admits `arrival`, arrived now, to the engine of `rank` for `max_output_tokens`.
+    /// Admits `arrival`, arrived now, to the engine of `rank`: whole, for its output, or as a
+    /// split request's prefill, for one token.
     fn admit_arrival(
         &mut self,
         rank: WorkerRank,
         arrival: &Arrival,
-        max_output_tokens: u32,
+        how: disagg::Admit,
     ) -> Result<(), FleetError> {
+        let max_output_tokens = match how {
+            disagg::Admit::Prefill => 1,
+            _ => arrival.max_output_tokens,
+        };
         let request = EngineRequest {
             id: arrival.id,
             prompt: arrival.prompt.clone(),
@@ -648,7 +653,7 @@ impl Fleet {
             arrival: self.now,
             cache_salt: None,
         };
-        self.admit_on(rank.worker.0 as usize, request, false)
+        self.admit_on(rank.worker.0 as usize, request, how)
     }
 
     /// Records an arrival routed by `decision` (split: `prefill_worker` is the prefill engine)
