@@ -327,13 +327,12 @@ pub(crate) async fn models(State(state): State<AppState>) -> Response {
         .into_response();
     }
     for b in state.backends.all() {
-        if let Ok(r) = state
-            .client
-            .get(format!("{}/v1/models", b.spec.url))
-            .send()
-            .await
-        {
-            if let Ok(v) = r.json::<Value>().await {
+        let asked = async {
+            let answer = state.client.get(b.urls.models.clone()).await?;
+            crate::upstream::read_all(answer.into_body()).await
+        };
+        if let Ok(Ok(bytes)) = tokio::time::timeout(state.options.first_byte_timeout, asked).await {
+            if let Ok(v) = serde_json::from_slice::<Value>(&bytes) {
                 return Json(v).into_response();
             }
         }

@@ -14,6 +14,9 @@ use kvroute_transport::{SubscriberConfig, SubscriberStats, Subscription};
 use serde::{Deserialize, Serialize};
 
 use crate::networks::Network;
+use crate::upstream::{engine_uri, Answer, Upstream, UpstreamError};
+use axum::body::Bytes;
+use axum::http::{header, HeaderName, HeaderValue, Uri};
 
 /// One engine as the operator describes it (a `[[workers]]` table, or `POST /v1/workers`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,7 +115,7 @@ pub(crate) struct Backend {
     /// Its OpenAI routes, parsed once: `/v1/completions` and `/v1/chat/completions`.
     pub urls: EngineUrls,
     /// `Bearer <api_key>`, when it has a key.
-    pub authorization: Option<reqwest::header::HeaderValue>,
+    pub authorization: Option<HeaderValue>,
     pub subscriptions: Vec<Subscription>,
     /// Whether its blocks were dropped from the index since it was last seen up.
     pub forgotten: std::sync::atomic::AtomicBool,
@@ -135,23 +138,48 @@ impl Drop for Backend {
     }
 }
 
-/// An engine's OpenAI routes, parsed when it joins rather than per request.
+/// An engine's routes, parsed when it joins rather than per request.
 #[derive(Debug)]
 pub(crate) struct EngineUrls {
-    pub completions: reqwest::Url,
-    pub chat: reqwest::Url,
+    pub completions: Uri,
+    pub chat: Uri,
+    pub health: Uri,
+    pub models: Uri,
 }
 
 impl EngineUrls {
     fn new(base: &str) -> Result<Self, BackendError> {
-        let parse = |path: &str| {
-            reqwest::Url::parse(&format!("{}{path}", base.trim_end_matches('/')))
-                .map_err(|e| BackendError::Invalid(format!("url {base:?}: {e}")))
-        };
+        let parse = |path: &str| engine_uri(base, path).map_err(BackendError::Invalid);
         Ok(EngineUrls {
             completions: parse("/v1/completions")?,
             chat: parse("/v1/chat/completions")?,
+            health: parse("/health")?,
+            models: parse("/v1/models")?,
         })
+    }
+}
+
+/// The header naming the data-parallel rank a request is for ([`crate::headers::DATA_PARALLEL_RANK`]).
+const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+
+impl Backend {
+    /// POSTs a JSON `body` to `uri`, one of this engine's routes, with its key and, on a
+    /// data-parallel engine, the rank chosen (for the engine's own balancer: vLLM and SGLang
+    /// both take it).
+    pub(crate) async fn post(
+        &self,
+        client: &Upstream,
+        uri: &Uri,
+        dp_rank: u32,
+        body: Bytes,
+    ) -> Result<Answer, UpstreamError> {
+        let key = self
+            .authorization
+            .iter()
+            .map(|a| (header::AUTHORIZATION, a.clone()));
+        let rank =
+            (self.spec.dp_size > 1).then(|| (DATA_PARALLEL_RANK, HeaderValue::from(dp_rank)));
+        client.post_json(uri, key.chain(rank), body).await
     }
 }
 
@@ -229,7 +257,7 @@ pub(crate) struct Limits {
 /// A spec that passed every check: what joining it needs, computed before anything changes.
 struct Checked {
     urls: EngineUrls,
-    authorization: Option<reqwest::header::HeaderValue>,
+    authorization: Option<HeaderValue>,
     /// Per rank: its event endpoint and its replay endpoint.
     endpoints: Vec<(String, Option<String>)>,
 }
@@ -247,16 +275,12 @@ async fn check(spec: &BackendSpec, limits: &Limits) -> Result<Checked, BackendEr
             limits.max_kv_blocks
         ));
     }
-    if !(spec.url.starts_with("http://") || spec.url.starts_with("https://")) {
-        return invalid(format!("url {:?} is not http(s)", spec.url));
-    }
     let urls = EngineUrls::new(&spec.url)?;
     let authorization = match &spec.api_key {
         Some(key) => {
-            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
-                .map_err(|_| {
-                    BackendError::Invalid("the api_key is not a valid header value".into())
-                })?;
+            let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+                BackendError::Invalid("the api_key is not a valid header value".into())
+            })?;
             value.set_sensitive(true);
             Some(value)
         }
@@ -274,8 +298,8 @@ async fn check(spec: &BackendSpec, limits: &Limits) -> Result<Checked, BackendEr
         }
     }
     if !limits.networks.is_empty() {
-        let host = urls.completions.host_str().unwrap_or_default().to_owned();
-        let port = urls.completions.port_or_known_default().unwrap_or(80);
+        let host = urls.completions.host().unwrap_or_default().to_owned();
+        let port = urls.completions.port_u16().unwrap_or(80);
         within(&limits.networks, &host, port).await?;
         for endpoint in [&spec.kv_events, &spec.kv_replay].into_iter().flatten() {
             let rest = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
@@ -323,7 +347,7 @@ impl Backends {
     pub(crate) async fn add(
         &self,
         router: &Arc<Router>,
-        client: &reqwest::Client,
+        client: &Upstream,
         spec: BackendSpec,
         limits: &Limits,
     ) -> Result<Arc<Backend>, BackendError> {
@@ -475,18 +499,14 @@ impl Backend {
 
 /// Asks a joined worker's `/health` until it answers (any answer: it is there), every 50 ms
 /// at first, at most every second; stops once it has, or once the worker left.
-async fn bring_up(backend: std::sync::Weak<Backend>, client: reqwest::Client) {
+async fn bring_up(backend: std::sync::Weak<Backend>, client: Upstream) {
     let mut wait = std::time::Duration::from_millis(50);
     loop {
         let Some(b) = backend.upgrade() else {
             return;
         };
-        let health = format!("{}/health", b.spec.url.trim_end_matches('/'));
-        let asked = client
-            .get(health)
-            .timeout(std::time::Duration::from_secs(2))
-            .send();
-        if asked.await.is_ok() {
+        let asked = client.get(b.urls.health.clone());
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(2), asked).await {
             b.health_answered();
             return;
         }

@@ -52,6 +52,7 @@ use serde_json::{json, Value};
 
 use crate::backends::{mark_unreachable, Backend, Role};
 use crate::proxy::{self, Api, Asked, Leg, Pool, Routed};
+use crate::upstream::{read_all, Answer, UpstreamError};
 use crate::AppState;
 
 /// Pins the prefill half of a request to a worker (its id).
@@ -360,33 +361,21 @@ async fn choose_prefill(
     })
 }
 
-/// The engine request for one of a worker's routes, with its key and dp rank.
+/// The engine request for one of a worker's routes, with its key and dp rank: sent when
+/// awaited, on its own (it may outlive the client's request).
 fn engine_request(
     state: &AppState,
-    backend: &Backend,
+    backend: &Arc<Backend>,
     api: Api,
     decision: &Decision,
     body: Vec<u8>,
-) -> reqwest::RequestBuilder {
-    let url = match api {
-        Api::Completions => &backend.urls.completions,
-        Api::Chat => &backend.urls.chat,
-    };
-    let mut upstream = state
-        .client
-        .post(url.clone())
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(body);
-    if let Some(authorization) = &backend.authorization {
-        upstream = upstream.header(header::AUTHORIZATION, authorization.clone());
+) -> impl std::future::Future<Output = Result<Answer, UpstreamError>> + Send + 'static {
+    let (client, backend) = (state.client.clone(), Arc::clone(backend));
+    let rank = decision.worker.dp_rank.0;
+    async move {
+        let uri = api.uri(&backend.urls);
+        backend.post(&client, uri, rank, Bytes::from(body)).await
     }
-    if backend.spec.dp_size > 1 {
-        upstream = upstream.header(
-            crate::headers::DATA_PARALLEL_RANK,
-            decision.worker.dp_rank.0,
-        );
-    }
-    upstream
 }
 
 /// The decode half: routed among the decode workers sharing the prefill worker's transfer
@@ -501,10 +490,10 @@ async fn vllm(
             first.clone(),
         );
         let answered = tokio::time::timeout(state.options.first_byte_timeout, async {
-            let response = sent.send().await?;
+            let response = sent.await?;
             let status = response.status();
-            let bytes = response.bytes().await?;
-            Ok::<_, reqwest::Error>((status, bytes))
+            let bytes = read_all(response.into_body()).await?;
+            Ok::<_, UpstreamError>((status, bytes))
         })
         .await;
         match answered {
@@ -584,7 +573,7 @@ async fn sglang(
         .backend
         .urls
         .completions
-        .host_str()
+        .host()
         .unwrap_or("127.0.0.1")
         .to_owned();
     let port = prefill
@@ -614,10 +603,10 @@ async fn sglang(
     let (outcome, prefilled) = tokio::sync::oneshot::channel::<Result<(), String>>();
     tokio::spawn(async move {
         let answered = tokio::time::timeout(timeout, async {
-            let response = sent.send().await?;
+            let response = sent.await?;
             let status = response.status();
-            response.bytes().await?;
-            Ok::<_, reqwest::Error>(status)
+            read_all(response.into_body()).await?;
+            Ok::<_, UpstreamError>(status)
         })
         .await;
         let result = match answered {
@@ -667,18 +656,12 @@ fn bootstrap_room() -> u64 {
 }
 
 /// An engine's refusal of a request (a 4xx), passed on as it is.
-fn relay_refusal(
-    state: &AppState,
-    route: &str,
-    status: reqwest::StatusCode,
-    body: Bytes,
-) -> Response {
+fn relay_refusal(state: &AppState, route: &str, status: StatusCode, body: Bytes) -> Response {
     state
         .metrics
         .requests
         .with_label_values(&[route, "upstream_client_error"])
         .inc();
-    let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_REQUEST);
     (
         status,
         [(

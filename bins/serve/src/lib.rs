@@ -16,6 +16,7 @@
 //! * `disagg.rs`: disaggregated prefill and decode, in vLLM's and SGLang's protocols.
 //! * `admin.rs`: `/v1/route`, `/v1/workers`, `/v1/models`, `/metrics`, `/ready`.
 //! * `backends.rs`: [`BackendSpec`] and the registry of engines and their subscriptions.
+//! * `upstream.rs`: the HTTP client to the engines (hyper's pooled client).
 //! * `config.rs`: [`ServeConfig`], every key of the file, the environment and the flags.
 //! * `metrics.rs`: the Prometheus registry.
 //! * `headers.rs`: the header names the gateway reads and sets.
@@ -40,6 +41,7 @@ pub mod openai;
 mod proxy;
 mod registry;
 mod replicas;
+mod upstream;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -200,7 +202,7 @@ impl Default for ServeOptions {
 pub(crate) struct AppState {
     pub router: Arc<Router>,
     pub backends: Arc<backends::Backends>,
-    pub client: reqwest::Client,
+    pub client: upstream::Upstream,
     /// Behind one `Arc`: the state is cloned for every request, and the metrics are many
     /// handles.
     pub metrics: Arc<metrics::Metrics>,
@@ -271,7 +273,7 @@ pub enum ServeError {
     /// The tokenizer or chat template could not be loaded.
     #[error(transparent)]
     Text(#[from] kvroute_text::ModelTextError),
-    /// The HTTP client or the metrics could not be built.
+    /// The metrics or the configuration could not be set up.
     #[error("{0}")]
     Setup(String),
     /// The booking sync could not start.
@@ -327,17 +329,10 @@ impl RunningServe {
             }
             None => None,
         };
-        // Engines are reached directly: no proxy from the environment (HTTP_PROXY is for a
+        // Engines are reached directly (no proxy from the environment: HTTP_PROXY is for a
         // host's way out, not its own fleet), and a redirect is the engine's answer, passed
         // back as it is rather than followed with the client's body.
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(256)
-            .connect_timeout(options.connect_timeout)
-            .tcp_nodelay(true)
-            .no_proxy()
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| ServeError::Setup(e.to_string()))?;
+        let client = upstream::Upstream::new(options.connect_timeout, 256);
         let backends = Arc::new(backends::Backends::default());
         for spec in &options.workers {
             backends
@@ -499,7 +494,7 @@ fn check_keys(options: &ServeOptions) -> Result<(), ServeError> {
 async fn probe(
     router: Arc<Router>,
     backends: Arc<backends::Backends>,
-    client: reqwest::Client,
+    client: upstream::Upstream,
     every: Duration,
 ) {
     loop {
@@ -514,22 +509,22 @@ async fn probe(
             if !down {
                 continue;
             }
-            let answer = client
-                .get(format!("{}/health", backend.spec.url))
-                .timeout(Duration::from_secs(2))
-                .send()
-                .await;
+            let answer = tokio::time::timeout(
+                Duration::from_secs(2),
+                client.get(backend.urls.health.clone()),
+            )
+            .await;
             match answer {
-                Ok(r) if r.status().is_success() => {
+                Ok(Ok(r)) if r.status().is_success() => {
                     if router.set_health(id, Health::Healthy).is_ok() {
                         backend.remembered();
                         tracing::info!(worker = id.0, "worker answers again: marked up");
                     }
                 }
                 // It answers, but not well: alive, its cache likely kept.
-                Ok(_) => {}
-                // Not even a connection: its blocks leave the index.
-                Err(_) => backend.forget(),
+                Ok(Ok(_)) => {}
+                // No connection, or no answer in time: its blocks leave the index.
+                Ok(Err(_)) | Err(_) => backend.forget(),
             }
         }
     }

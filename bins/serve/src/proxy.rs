@@ -26,9 +26,10 @@ use kvroute_core::{
 };
 use serde_json::Value;
 
-use super::backends::{mark_unreachable, Role};
+use super::backends::{mark_unreachable, EngineUrls, Role};
 use super::AppState;
 use crate::headers;
+use crate::upstream::{is_event_stream, next_chunk, read_all, Answer, UpstreamError};
 use kvroute_text::{ModelText, ModelTextError, Partial};
 
 /// An error in OpenAI's shape, counted under `route`.
@@ -452,6 +453,16 @@ pub(crate) enum Api {
     Chat,
 }
 
+impl Api {
+    /// The engine's route for this API.
+    pub(crate) fn uri(self, urls: &EngineUrls) -> &axum::http::Uri {
+        match self {
+            Api::Completions => &urls.completions,
+            Api::Chat => &urls.chat,
+        }
+    }
+}
+
 /// A request as the client sent it: which route, and the routing fields read from it.
 #[derive(Clone, Copy)]
 pub(crate) struct Asked<'a> {
@@ -588,32 +599,19 @@ pub(crate) async fn dispatch(state: &AppState, asked: Asked<'_>, leg: Leg) -> Re
             excluded.push(worker);
             continue;
         };
-        let url = match api {
-            Api::Completions => &backend.urls.completions,
-            Api::Chat => &backend.urls.chat,
-        };
-        let mut upstream = state
-            .client
-            .post(url.clone())
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(body.clone());
-        if let Some(authorization) = &backend.authorization {
-            upstream = upstream.header(header::AUTHORIZATION, authorization.clone());
-        }
-        if backend.spec.dp_size > 1 {
-            // The rank chosen, for the engine's own balancer: vLLM and SGLang both take it.
-            upstream = upstream.header(headers::DATA_PARALLEL_RANK, decision.worker.dp_rank.0);
-        }
         // One timer over the answer's head and, when it streams, its first chunk: until the
         // client has seen a byte, a failed engine's request can still go elsewhere.
         let sent = tokio::time::timeout(state.options.first_byte_timeout, async {
-            let mut response = upstream.send().await?;
+            let uri = api.uri(&backend.urls);
+            let mut response = backend
+                .post(&state.client, uri, decision.worker.dp_rank.0, body.clone())
+                .await?;
             let first = if response.status().is_success() && is_event_stream(&response) {
-                Some(response.chunk().await?)
+                Some(next_chunk(response.body_mut()).await?)
             } else {
                 None
             };
-            Ok::<_, reqwest::Error>((response, first))
+            Ok::<_, UpstreamError>((response, first))
         })
         .await;
         let (response, first) = match sent {
@@ -649,7 +647,7 @@ pub(crate) async fn dispatch(state: &AppState, asked: Asked<'_>, leg: Leg) -> Re
             }
         };
         let status = response.status();
-        if status.is_server_error() && status != reqwest::StatusCode::SERVICE_UNAVAILABLE {
+        if status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE {
             // One request can make an engine fail (a prompt it cannot take): the engine is
             // marked down only after several in a row.
             backend.failed(&state.router, state.options.breaker_failures);
@@ -697,15 +695,6 @@ struct Placement {
     decided_in: Option<std::time::Duration>,
     /// How long reading the body's routing fields and tokenizing its prompt took.
     read_in: std::time::Duration,
-}
-
-/// Whether an engine's answer is a server-sent event stream.
-fn is_event_stream(response: &reqwest::Response) -> bool {
-    response
-        .headers()
-        .get(reqwest::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
 /// The workers of `pool` a request may go to now, past those `excluded` (tried already):
@@ -762,7 +751,7 @@ pub(crate) fn allowed_workers(
 async fn relay(
     state: &AppState,
     route: &'static str,
-    (response, first): (reqwest::Response, Option<Option<Bytes>>),
+    (response, first): (Answer, Option<Option<Bytes>>),
     guard: RequestGuard<Arc<Router>>,
     placed: Placement,
 ) -> Response {
@@ -772,12 +761,8 @@ async fn relay(
         decided_in,
         read_in,
     } = placed;
-    let status = StatusCode::from_u16(response.status().as_u16())
-        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let content_type = response
-        .headers()
-        .get(reqwest::header::CONTENT_TYPE)
-        .cloned();
+    let status = response.status();
+    let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
     let streaming = is_event_stream(&response);
     let outcome = if status.is_success() {
         "ok"
@@ -804,12 +789,11 @@ async fn relay(
     let micros = format!("{:.1}", read_in.as_secs_f64() * 1e6);
     builder = builder.header(headers::PROMPT_READ_US, micros);
     if let Some(ct) = content_type {
-        if let Ok(v) = HeaderValue::from_bytes(ct.as_bytes()) {
-            builder = builder.header(header::CONTENT_TYPE, v);
-        }
+        builder = builder.header(header::CONTENT_TYPE, ct);
     }
+    let body = response.into_body();
     if !streaming {
-        let bytes = response.bytes().await;
+        let bytes = read_all(body).await;
         let body = match bytes {
             Ok(b) => {
                 let _ = guard.prefill_done();
@@ -838,7 +822,15 @@ async fn relay(
     if started {
         let _ = guard.prefill_done();
     }
-    let chunks = futures_util::stream::iter(first.map(Ok)).chain(response.bytes_stream());
+    let chunks = futures_util::stream::iter(first.map(Ok)).chain(futures_util::stream::unfold(
+        body,
+        |mut body| async move {
+            next_chunk(&mut body)
+                .await
+                .transpose()
+                .map(|chunk| (chunk, body))
+        },
+    ));
     let body = futures_util::stream::unfold(
         (Box::pin(chunks), Some(guard), started),
         move |(mut chunks, mut guard, mut started)| {

@@ -52,6 +52,10 @@ async fn a_refused_add_leaves_the_registry_and_the_router_as_they_were() {
         // Not the router's block size.
         json!({"id": 2, "url": "http://127.0.0.1:9", "kv_blocks": 64, "block_size": 32}),
         json!({"id": 2, "url": "ftp://127.0.0.1:9", "kv_blocks": 64}),
+        // Engines are reached over plain HTTP: a TLS URL is refused when it joins, not on
+        // every request sent to it.
+        json!({"id": 2, "url": "https://127.0.0.1:9", "kv_blocks": 64}),
+        json!({"id": 2, "url": "http://", "kv_blocks": 64}),
         // The id is taken.
         json!({"id": 1, "url": "http://127.0.0.1:10", "kv_blocks": 64}),
     ];
