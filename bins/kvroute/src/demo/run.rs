@@ -30,6 +30,12 @@ pub struct PolicyReport {
     pub ttft_p99_ms: f64,
     /// Mean inter-token latency, ms.
     pub itl_mean_ms: f64,
+    /// 99th percentile of a request's mean inter-token latency, ms.
+    pub itl_p99_ms: f64,
+    /// The same over each worker's requests, by worker id, ms.
+    pub worker_itl_p99_ms: Vec<f64>,
+    /// The highest of `worker_itl_p99_ms`: the worst worker's decoding, ms.
+    pub worst_worker_itl_p99_ms: f64,
     /// Mean arrival to last token, ms.
     pub e2e_mean_ms: f64,
     /// Output tokens per virtual second.
@@ -150,6 +156,9 @@ pub(super) fn run_replicated(
         ttft_p50_ms: quantile(&ttft, 0.5),
         ttft_p99_ms: report.ttft_p99_ms,
         itl_mean_ms: report.itl_mean_ms,
+        itl_p99_ms: report.itl_p99_ms,
+        worst_worker_itl_p99_ms: report.worker_itl_p99_ms.iter().copied().fold(0.0, f64::max),
+        worker_itl_p99_ms: report.worker_itl_p99_ms,
         e2e_mean_ms: mean(&e2e),
         throughput_tok_s: report.throughput,
         imbalance: report.load_imbalance,

@@ -5,13 +5,14 @@ use std::fmt::Write;
 
 use super::DemoReport;
 
-const HEADER: [&str; 10] = [
+const HEADER: [&str; 11] = [
     "policy",
     "hit rate",
     "of oracle",
     "TTFT mean",
     "TTFT p99",
     "ITL mean",
+    "worst ITL p99",
     "tok/s",
     "imbalance",
     "predicted",
@@ -20,7 +21,7 @@ const HEADER: [&str; 10] = [
 
 /// Renders `report` as an aligned text table.
 pub(super) fn render(report: &DemoReport) -> String {
-    let mut rows: Vec<[String; 10]> = vec![HEADER.map(str::to_owned)];
+    let mut rows: Vec<[String; 11]> = vec![HEADER.map(str::to_owned)];
     for p in &report.policies {
         rows.push([
             p.name.clone(),
@@ -29,6 +30,7 @@ pub(super) fn render(report: &DemoReport) -> String {
             format!("{:.0} ms", p.ttft_mean_ms),
             format!("{:.0} ms", p.ttft_p99_ms),
             format!("{:.1} ms", p.itl_mean_ms),
+            format!("{:.1} ms", p.worst_worker_itl_p99_ms),
             format!("{:.0}", p.throughput_tok_s),
             format!("{:.2}", p.imbalance),
             format!("{:.1}%", p.prediction_accuracy * 100.0),
@@ -66,8 +68,9 @@ pub(super) fn render(report: &DemoReport) -> String {
     );
     let _ = writeln!(
         out,
-        "predicted: decisions whose predicted cached tokens equal the engine's; route: wall time \
-         of one decision. {:.1} s in all.",
+        "worst ITL p99: the slowest-decoding worker's p99 of its requests' mean inter-token \
+         latency; predicted: decisions whose predicted cached tokens equal the engine's; route: \
+         wall time of one decision. {:.1} s in all.",
         report.wall_seconds
     );
     out

@@ -207,6 +207,12 @@ pub struct FleetReport {
     /// Mean time between a request's output tokens after its first, in milliseconds (per
     /// request, then averaged over requests with two tokens or more).
     pub itl_mean_ms: f64,
+    /// 99th percentile (nearest rank) of the same per-request figure, in milliseconds.
+    pub itl_p99_ms: f64,
+    /// By worker id: the 99th percentile of the per-request figure over the requests that
+    /// worker decoded (0 for a worker that decoded none). A worker whose decode batches run
+    /// far above the others' shows here while the fleet's mean hides it.
+    pub worker_itl_p99_ms: Vec<f64>,
     /// Share of decisions whose predicted cached tokens equal the engine's.
     pub prediction_accuracy: f64,
     /// Load imbalance: the busiest worker's active tokens (prompt and generated tokens of the
@@ -781,12 +787,30 @@ fn report(
         .iter()
         .filter(|r| r.predicted_cached == u64::from(r.cached))
         .count();
-    let itl_ms: Vec<f64> = records
+    // Each request's mean gap between output tokens, with the worker that decoded it.
+    let itl: Vec<(usize, f64)> = records
         .iter()
         .filter(|r| r.output_tokens >= 2)
         .filter_map(|r| {
             let gaps = f64::from(r.output_tokens - 1);
-            Some((r.finished? - r.first_token?).as_secs_f64() * 1e3 / gaps)
+            let ms = (r.finished? - r.first_token?).as_secs_f64() * 1e3 / gaps;
+            Some((r.worker.worker.0 as usize, ms))
+        })
+        .collect();
+    let itl_sum: f64 = itl.iter().map(|&(_, ms)| ms).sum();
+    let mut itl_ms: Vec<f64> = itl.iter().map(|&(_, ms)| ms).collect();
+    itl_ms.sort_by(f64::total_cmp);
+    let mut by_worker = vec![Vec::new(); workers];
+    for &(w, ms) in &itl {
+        if let Some(list) = by_worker.get_mut(w) {
+            list.push(ms);
+        }
+    }
+    let worker_itl_p99_ms = by_worker
+        .into_iter()
+        .map(|mut list| {
+            list.sort_by(f64::total_cmp);
+            nearest_rank(&list, 0.99)
         })
         .collect();
     let mut per_worker = vec![0u64; workers];
@@ -805,7 +829,9 @@ fn report(
         ttft_mean_ms: ratio(ttft_ms.iter().sum(), ttft_ms.len() as f64),
         ttft_p99_ms: nearest_rank(&ttft_ms, 0.99),
         throughput: ratio(output as f64, span),
-        itl_mean_ms: ratio(itl_ms.iter().sum(), itl_ms.len() as f64),
+        itl_mean_ms: ratio(itl_sum, itl_ms.len() as f64),
+        itl_p99_ms: nearest_rank(&itl_ms, 0.99),
+        worker_itl_p99_ms,
         prediction_accuracy: ratio(exact as f64, records.len() as f64),
         load_imbalance: ratio(max, mean),
         mean_active_tokens,
@@ -830,4 +856,43 @@ fn nearest_rank(values: &[f64], q: f64) -> f64 {
     }
     let rank = (q * values.len() as f64).ceil() as usize;
     values[rank.clamp(1, values.len()) - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A finished request on `worker` whose `tokens` came `gap_ms` apart after the first.
+    fn record(id: u64, worker: u64, tokens: u32, gap_ms: u64) -> RequestRecord {
+        let first = Duration::from_millis(100);
+        let gaps = u64::from(tokens.saturating_sub(1));
+        RequestRecord {
+            id: RequestId(id),
+            worker: WorkerRank::new(worker, 0),
+            arrival: Duration::ZERO,
+            first_token: Some(first),
+            finished: Some(first + Duration::from_millis(gap_ms * gaps)),
+            prompt_tokens: 64,
+            output_tokens: tokens,
+            predicted_cached: 0,
+            cached: 0,
+            prefill_worker: None,
+            oracle_cached: 0,
+        }
+    }
+
+    #[test]
+    fn inter_token_latency_is_reported_per_worker_and_for_the_fleet() {
+        let records = [
+            record(0, 0, 5, 10),
+            record(1, 0, 3, 30),
+            record(2, 1, 9, 20),
+            // One token: no gap to measure.
+            record(3, 1, 1, 0),
+        ];
+        let r = report(&records, vec![1.0; 3], 0);
+        assert_eq!(r.worker_itl_p99_ms, [30.0, 20.0, 0.0]);
+        assert_eq!(r.itl_p99_ms, 30.0);
+        assert!((r.itl_mean_ms - 20.0).abs() < 1e-9, "{}", r.itl_mean_ms);
+    }
 }
