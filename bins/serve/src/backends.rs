@@ -159,8 +159,7 @@ impl EngineUrls {
     }
 }
 
-/// The header naming the data-parallel rank a request is for ([`crate::headers::DATA_PARALLEL_RANK`]).
-const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static(crate::headers::DATA_PARALLEL_RANK);
 
 impl Backend {
     /// POSTs a JSON `body` to `uri`, one of this engine's routes, with its key and, on a

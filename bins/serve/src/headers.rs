@@ -11,4 +11,4 @@ pub const DECISION_US: &str = "x-kvroute-decision-us";
 /// How long the gateway took to read the request's routing fields and tokenize its prompt, µs.
 pub const PROMPT_READ_US: &str = "x-kvroute-prompt-read-us";
 /// Sends a request to one data-parallel rank of an engine (vLLM's and SGLang's name).
-pub const DATA_PARALLEL_RANK: &str = "X-Data-Parallel-Rank";
+pub const DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";

@@ -1,6 +1,8 @@
 //! The HTTP client serve reaches its engines with: hyper's pooled HTTP/1 client over plain
 //! TCP, with no proxy from the environment and no redirects followed (an engine's answer is
-//! passed back as it is), `TCP_NODELAY` and a connect timeout.
+//! passed back as it is), `TCP_NODELAY`, a connect timeout, and TCP keepalive with a user
+//! timeout, so that an engine whose host vanished without a reset (a power loss, a partition)
+//! breaks its streams and pooled connections within about 30 to 60 seconds rather than never.
 //!
 //! hyper's client directly rather than through reqwest: the request path builds one
 //! `Request` from a URI parsed when the engine joined, where reqwest parses its URL again,
@@ -14,7 +16,11 @@ use axum::http::{header, HeaderValue, Method, Request, Response, Uri};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+/// Idle time before TCP keepalive probes, and between them; unacknowledged data fails the
+/// connection after twice this.
+const KEEPALIVE: Duration = Duration::from_secs(15);
 
 /// An engine's answer, its body still to read.
 pub(crate) type Answer = Response<Incoming>;
@@ -23,11 +29,23 @@ pub(crate) type Answer = Response<Incoming>;
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum UpstreamError {
     /// The request could not be sent, or its answer's head not read.
-    #[error("{0}")]
+    #[error("{}", with_causes(.0))]
     Send(#[from] hyper_util::client::legacy::Error),
     /// The answer's body broke off.
-    #[error("the answer broke off: {0}")]
+    #[error("the answer broke off: {}", with_causes(.0))]
     Body(#[from] hyper::Error),
+}
+
+/// `error` and its causes, outermost first (hyper's own text says only which step failed).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        cause = e.source();
+    }
+    text
 }
 
 impl UpstreamError {
@@ -50,8 +68,14 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
+        connector.set_keepalive(Some(KEEPALIVE));
+        connector.set_keepalive_interval(Some(KEEPALIVE));
+        connector.set_keepalive_retries(Some(3));
+        connector.set_tcp_user_timeout(Some(2 * KEEPALIVE));
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(idle_per_engine)
+            // Idle connections are closed in the background, not only when next taken.
+            .pool_timer(TokioTimer::new())
             .build(connector);
         Upstream { client }
     }
@@ -107,14 +131,38 @@ pub(crate) fn is_event_stream<B>(response: &Response<B>) -> bool {
         .is_some_and(|v| v.starts_with("text/event-stream"))
 }
 
-/// `base` (an engine's `http://host:port`, any path prefix kept) with `path` after it.
+/// `base` (an engine's `http://host:port`, any path prefix kept) with `path` after it: refused
+/// unless it is plain HTTP with a host, a port that is a number when one is given, and no user
+/// information (serve sends an engine's key as a bearer token, `api_key`).
 pub(crate) fn engine_uri(base: &str, path: &str) -> Result<Uri, String> {
     let text = format!("{}{path}", base.trim_end_matches('/'));
     let uri: Uri = text.parse().map_err(|e| format!("url {base:?}: {e}"))?;
-    if uri.scheme_str() != Some("http") || uri.host().is_none() {
-        return Err(format!(
-            "url {base:?}: serve reaches engines over plain http://host:port"
-        ));
+    let refuse = |why: &str| Err(format!("url {base:?}: {why}"));
+    let Some(authority) = uri.authority().map(|a| a.as_str()) else {
+        return refuse("serve reaches engines over plain http://host:port");
+    };
+    if uri.scheme_str() != Some("http") {
+        return refuse("serve reaches engines over plain http://host:port");
+    }
+    if authority.contains('@') {
+        return refuse("user information in a worker's url is not sent; use api_key");
+    }
+    // The host ends at an IPv6 literal's bracket, or else at the port's colon.
+    let host_end = match authority.strip_prefix('[') {
+        Some(rest) => rest.find(']').map_or(authority.len(), |i| i + 2),
+        None => authority.find(':').unwrap_or(authority.len()),
+    };
+    if host_end == 0 {
+        return refuse("no host");
+    }
+    match &authority[host_end..] {
+        "" => {}
+        port => {
+            let number = port.strip_prefix(':').and_then(|p| p.parse::<u16>().ok());
+            if !matches!(number, Some(1..)) {
+                return refuse("the port is not a number from 1 to 65535");
+            }
+        }
     }
     Ok(uri)
 }
