@@ -171,6 +171,7 @@ pub(super) fn run_disagg_demo(
         },
         slo_ttft_ms: args.slo_ttft_ms,
         slo_itl_ms: args.slo_itl_ms,
+        slo_gap_ms: args.slo_gap_ms,
         conditional: kvroute_core::Conditional {
             prefill_busy_tokens: args.conditional_prefill_busy_tokens,
             decode_busy_tokens: args.conditional_decode_busy_tokens,

@@ -39,7 +39,7 @@ struct Cli {
 enum Command {
     /// Route a workload through a simulated fleet (in one process, on a virtual clock) once per
     /// policy, and compare hit rate, latency and balance.
-    Demo(DemoArgs),
+    Demo(Box<DemoArgs>),
     /// A simulated GPU engine behind vLLM's own interfaces: OpenAI HTTP, KV events on vLLM's
     /// ZeroMQ wire (with a replay socket), Prometheus metrics under vLLM's names, and admin
     /// routes that inject faults.
@@ -241,6 +241,11 @@ struct DemoArgs {
     /// KV blocks per worker (default: an H100 serving Llama-3.1-8B, about 393k tokens).
     #[arg(long, value_name = "N")]
     kv_blocks: Option<u32>,
+    /// Tokens one engine pass may compute, prefill chunks and decodes together (vLLM's
+    /// `max_num_batched_tokens`, default 8,192): smaller chunks bound the stall a long prompt
+    /// puts on the decodes sharing its passes, at some prefill speed.
+    #[arg(long, value_name = "TOKENS")]
+    max_batched_tokens: Option<u32>,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: u32,
@@ -339,6 +344,10 @@ struct DemoArgs {
     /// With --disagg: the inter-token latency objective (a request's mean), ms.
     #[arg(long, default_value_t = 25.0, value_name = "MS")]
     slo_itl_ms: f64,
+    /// With --disagg: an objective on a request's longest wait between two tokens, ms (the
+    /// stall of a decode that shares a pass with a prefill chunk; default: none).
+    #[arg(long, value_name = "MS")]
+    slo_gap_ms: Option<f64>,
     /// With --disagg: conditional disaggregation serves a request whole on its decode worker
     /// when that worker's cache leaves at most this many prompt tokens to compute.
     #[arg(long, default_value_t = 512, value_name = "TOKENS")]
@@ -362,7 +371,7 @@ struct DemoArgs {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Demo(args) => run_demo(args),
+        Command::Demo(args) => run_demo(*args),
         Command::Worker(args) => run_worker(args),
         Command::Serve(args) => run_serve(*args),
         Command::Replay(args) => run_replay(args),
@@ -769,6 +778,9 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     let engine = EngineConfig {
         block_size: args.block_size,
         kv_blocks: args.kv_blocks.unwrap_or(defaults.engine.kv_blocks),
+        max_num_batched_tokens: args
+            .max_batched_tokens
+            .unwrap_or(defaults.engine.max_num_batched_tokens),
         timing: TimingModel::from_arg(&args.timing)?,
         ..defaults.engine
     };

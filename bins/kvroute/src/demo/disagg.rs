@@ -36,6 +36,8 @@ pub struct DisaggConfig {
     pub slo_ttft_ms: f64,
     /// The inter-token latency objective (a request's mean), ms.
     pub slo_itl_ms: f64,
+    /// An objective on a request's longest wait between two tokens, ms (none: not counted).
+    pub slo_gap_ms: Option<f64>,
     /// Conditional disaggregation's rule, for the conditional modes.
     pub conditional: Conditional,
     /// Runs at once; at least 1.
@@ -72,7 +74,10 @@ pub struct ModeReport {
     pub itl_mean_ms: f64,
     /// 99th percentile of the same, ms.
     pub itl_p99_ms: f64,
-    /// Requests a virtual second that met both objectives.
+    /// 99th percentile of the requests' longest waits between two tokens, ms: the stalls a
+    /// decode sees when it shares a pass with a prefill chunk.
+    pub gap_p99_ms: f64,
+    /// Requests a virtual second that met the objectives.
     pub goodput_rps: f64,
     /// Output tokens a virtual second.
     pub throughput_tok_s: f64,
@@ -96,6 +101,8 @@ pub struct DisaggReport {
     pub slo_ttft_ms: f64,
     /// The inter-token latency objective, ms.
     pub slo_itl_ms: f64,
+    /// The objective on a request's longest wait between two tokens, ms, when one was set.
+    pub slo_gap_ms: Option<f64>,
     /// Simulated GPUs in every mode.
     pub workers: usize,
     /// Each mode's figures: aggregated first, then each split, then each split conditional.
@@ -112,17 +119,22 @@ impl DisaggReport {
 
     /// The report as the terminal shows it.
     pub fn table(&self) -> String {
+        let gap = self
+            .slo_gap_ms
+            .map(|g| format!(", longest gap ≤ {g:.0} ms"))
+            .unwrap_or_default();
         let mut out = format!(
-            "{} on {} GPUs; objectives: TTFT ≤ {:.0} ms, ITL ≤ {:.0} ms\n\n",
+            "{} on {} GPUs; objectives: TTFT ≤ {:.0} ms, ITL ≤ {:.0} ms{gap}\n\n",
             self.workload, self.workers, self.slo_ttft_ms, self.slo_itl_ms
         );
         out.push_str(&format!(
-            "{:<18} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>7}\n",
+            "{:<18} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>7}\n",
             "mode",
             "TTFT mean",
             "TTFT p99",
             "ITL mean",
             "ITL p99",
+            "gap p99",
             "goodput/s",
             "tok/s",
             "hit",
@@ -130,12 +142,13 @@ impl DisaggReport {
         ));
         for m in &self.modes {
             out.push_str(&format!(
-                "{:<18} {:>9.0} {:>9.0} {:>9.1} {:>9.1} {:>10.2} {:>10.0} {:>7.3} {:>7}\n",
+                "{:<18} {:>9.0} {:>9.0} {:>9.1} {:>9.1} {:>9.0} {:>10.2} {:>10.0} {:>7.3} {:>7}\n",
                 m.name,
                 m.ttft_mean_ms,
                 m.ttft_p99_ms,
                 m.itl_mean_ms,
                 m.itl_p99_ms,
+                m.gap_p99_ms,
                 m.goodput_rps,
                 m.throughput_tok_s,
                 m.hit_rate,
@@ -219,6 +232,7 @@ pub fn run_disagg(
         workload: workload.name().to_owned(),
         slo_ttft_ms: config.slo_ttft_ms,
         slo_itl_ms: config.slo_itl_ms,
+        slo_gap_ms: config.slo_gap_ms,
         workers: config.workers,
         modes: reports,
         wall_seconds: started.elapsed().as_secs_f64(),
@@ -267,7 +281,14 @@ fn run_mode(
                 .is_some_and(|t| ms(t - r.arrival) <= config.slo_ttft_ms)
         })
         .filter(|r| itl(r).is_none_or(|v| v <= config.slo_itl_ms))
+        .filter(|r| config.slo_gap_ms.is_none_or(|g| ms(r.longest_gap) <= g))
         .count();
+    let mut gaps: Vec<f64> = records
+        .iter()
+        .filter(|r| r.output_tokens >= 2)
+        .map(|r| ms(r.longest_gap))
+        .collect();
+    gaps.sort_by(f64::total_cmp);
     let first = records.iter().map(|r| r.arrival).min().unwrap_or_default();
     let last = records.iter().filter_map(|r| r.finished).max();
     let span = last.map_or(0.0, |l| l.saturating_sub(first).as_secs_f64());
@@ -286,6 +307,7 @@ fn run_mode(
         ttft_p99_ms: nearest_rank(&ttft, 0.99),
         itl_mean_ms: mean(&itls),
         itl_p99_ms: nearest_rank(&itls, 0.99),
+        gap_p99_ms: nearest_rank(&gaps, 0.99),
         goodput_rps: if span > 0.0 { good as f64 / span } else { 0.0 },
         throughput_tok_s: report.throughput,
         hit_rate: report.hit_rate,

@@ -358,6 +358,7 @@ fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_g
             "ttft_p99_ms",
             "itl_mean_ms",
             "itl_p99_ms",
+            "gap_p99_ms",
             "goodput_rps",
             "throughput_tok_s",
             "hit_rate",
@@ -371,6 +372,30 @@ fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_g
     }
     // Split, the first token waits for the prefill and the KV's transfer.
     assert!(modes[1]["ttft_mean_ms"].as_f64() > modes[0]["ttft_mean_ms"].as_f64());
+    assert!(report["slo_gap_ms"].is_null());
+    // No request of hundreds of tokens goes without a 1 ms gap between two of them: with
+    // that objective no mode has any goodput.
+    let strict = demo_json(
+        "disagg-gap",
+        &[
+            "--disagg",
+            "--mix",
+            "long",
+            "--workers",
+            "4",
+            "--requests",
+            "60",
+            "--rate",
+            "2",
+            "--slo-gap-ms",
+            "1",
+        ],
+    );
+    assert_eq!(strict["slo_gap_ms"].as_f64(), Some(1.0));
+    for m in strict["modes"].as_array().unwrap() {
+        assert_eq!(m["goodput_rps"].as_f64(), Some(0.0), "{m}");
+        assert!(m["gap_p99_ms"].as_f64().unwrap() > 1.0, "{m}");
+    }
     // A split of every GPU to prefill is refused.
     let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args([

@@ -136,6 +136,53 @@ fn one_engine() -> Fleet {
     .unwrap()
 }
 
+/// The longest gap between request 0's tokens when request 1, a 16,384-token prompt, arrives
+/// while 0 decodes, on one engine that computes at most `budget` tokens a pass.
+fn gap_under_a_long_prefill(budget: u32) -> (Duration, f64) {
+    let mut fleet = Fleet::new(FleetConfig {
+        workers: 1,
+        engine: EngineConfig {
+            kv_blocks: 2_000,
+            max_num_batched_tokens: budget,
+            ..EngineConfig::default()
+        },
+        router: RouterConfig::default(),
+        split: None,
+    })
+    .unwrap();
+    for (i, at, prompt, output) in [
+        (0, 0, (0..64).collect::<Vec<u32>>(), 200),
+        (1, 300, (100_000..116_384).collect(), 1),
+    ] {
+        fleet
+            .submit(Arrival {
+                at: Duration::from_millis(at),
+                id: RequestId(i),
+                prompt,
+                max_output_tokens: output,
+            })
+            .unwrap();
+    }
+    fleet.run_until_idle().unwrap();
+    let decoding = fleet.records()[0];
+    let mean = (decoding.finished.unwrap() - decoding.first_token.unwrap()).as_secs_f64()
+        / f64::from(decoding.output_tokens - 1);
+    (decoding.longest_gap, mean)
+}
+
+#[test]
+fn a_decode_sharing_passes_with_a_long_prefill_records_the_stall_its_mean_hides() {
+    let (whole, mean) = gap_under_a_long_prefill(8_192);
+    // Two passes each carry 8,192 prompt tokens: at about 17 µs a token, each is a stall of
+    // well over 100 ms, where the request's mean stays near a decode pass's.
+    assert!(whole > Duration::from_millis(100), "{whole:?}");
+    assert!(mean < 0.03, "{mean}");
+    // Chunks of 1,024 bound it to a fraction of that.
+    let (chunked, _) = gap_under_a_long_prefill(1_024);
+    assert!(chunked < Duration::from_millis(40), "{chunked:?}");
+    assert!(chunked.as_secs_f64() >= mean, "{chunked:?} {mean}");
+}
+
 /// A 256-token system prompt then 32 tokens of request `i`'s own.
 fn shared_prompt(i: u32) -> Vec<u32> {
     (0..256)

@@ -166,6 +166,11 @@ pub struct RequestRecord {
     pub arrival: Duration,
     /// When its first token came, once it has.
     pub first_token: Option<Duration>,
+    /// When its latest token came, once one has.
+    pub last_token: Option<Duration>,
+    /// The longest wait between two of its tokens (zero until two came): the stall a client
+    /// sees when its decode shares a pass with a long prefill chunk, which a mean hides.
+    pub longest_gap: Duration,
     /// When it ended, once it has.
     pub finished: Option<Duration>,
     /// Its prompt's length.
@@ -566,6 +571,12 @@ impl Fleet {
             if output.first_token_at.is_some() {
                 record.first_token = output.first_token_at;
             }
+            if !output.tokens.is_empty() {
+                if let Some(last) = record.last_token {
+                    record.longest_gap = record.longest_gap.max(output.at.saturating_sub(last));
+                }
+                record.last_token = Some(output.at);
+            }
             if output.finish.is_some() {
                 record.finished = Some(output.at);
             }
@@ -677,6 +688,8 @@ impl Fleet {
             worker: decision.worker,
             arrival: self.now,
             first_token: None,
+            last_token: None,
+            longest_gap: Duration::ZERO,
             finished: None,
             prompt_tokens: arrival.prompt.len() as u32,
             output_tokens: 0,
@@ -871,6 +884,8 @@ mod tests {
             worker: WorkerRank::new(worker, 0),
             arrival: Duration::ZERO,
             first_token: Some(first),
+            last_token: None,
+            longest_gap: Duration::from_millis(gap_ms),
             finished: Some(first + Duration::from_millis(gap_ms * gaps)),
             prompt_tokens: 64,
             output_tokens: tokens,
