@@ -315,22 +315,22 @@ fn a_sweep_runs_each_fleet_size_with_arrivals_and_requests_scaled() {
     assert!(!status.success());
 }
 
+/// `--disagg` on the long mix, 4 GPUs, 60 requests at 2 a second.
+const LONG_MIX_ON_4: [&str; 9] = [
+    "--disagg",
+    "--mix",
+    "long",
+    "--workers",
+    "4",
+    "--requests",
+    "60",
+    "--rate",
+    "2",
+];
+
 #[test]
 fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_gpus() {
-    let report = demo_json(
-        "disagg",
-        &[
-            "--disagg",
-            "--mix",
-            "long",
-            "--workers",
-            "4",
-            "--requests",
-            "60",
-            "--rate",
-            "2",
-        ],
-    );
+    let report = demo_json("disagg", &LONG_MIX_ON_4);
     assert_eq!(report["workload"], "builtin-long");
     assert_eq!(report["slo_ttft_ms"].as_f64(), Some(2_000.0));
     assert_eq!(report["slo_itl_ms"].as_f64(), Some(25.0));
@@ -377,19 +377,7 @@ fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_g
     // that objective no mode has any goodput.
     let strict = demo_json(
         "disagg-gap",
-        &[
-            "--disagg",
-            "--mix",
-            "long",
-            "--workers",
-            "4",
-            "--requests",
-            "60",
-            "--rate",
-            "2",
-            "--slo-gap-ms",
-            "1",
-        ],
+        &[&LONG_MIX_ON_4[..], &["--slo-gap-ms", "1"]].concat(),
     );
     assert_eq!(strict["slo_gap_ms"].as_f64(), Some(1.0));
     for m in strict["modes"].as_array().unwrap() {
