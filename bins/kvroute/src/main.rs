@@ -346,7 +346,7 @@ struct DemoArgs {
     slo_itl_ms: f64,
     /// With --disagg: an objective on a request's longest wait between two tokens, ms (the
     /// stall of a decode that shares a pass with a prefill chunk; default: none).
-    #[arg(long, value_name = "MS")]
+    #[arg(long, value_name = "MS", requires = "disagg")]
     slo_gap_ms: Option<f64>,
     /// With --disagg: conditional disaggregation serves a request whole on its decode worker
     /// when that worker's cache leaves at most this many prompt tokens to compute.
@@ -784,6 +784,13 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
         timing: TimingModel::from_arg(&args.timing)?,
         ..defaults.engine
     };
+    if engine.max_num_batched_tokens < engine.max_num_seqs {
+        // As vLLM requires: a pass must have room for one token of every running request.
+        anyhow::bail!(
+            "--max-batched-tokens must be at least {} (the engines' max_num_seqs)",
+            engine.max_num_seqs
+        );
+    }
     engine.validate()?;
     let router = RouterConfig {
         block_size: args.block_size,

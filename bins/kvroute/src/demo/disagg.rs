@@ -285,7 +285,7 @@ fn run_mode(
         .count();
     let mut gaps: Vec<f64> = records
         .iter()
-        .filter(|r| r.output_tokens >= 2)
+        .filter(|r| r.finished.is_some() && r.output_tokens >= 2)
         .map(|r| ms(r.longest_gap))
         .collect();
     gaps.sort_by(f64::total_cmp);

@@ -146,6 +146,22 @@ fn the_json_report_has_the_documented_fields() {
         policies[0].get("ttft_sorted_ms").is_none(),
         "plot data stays out"
     );
+    // One ITL p99 a worker and the worst of them. With under 100 requests a worker, each p99
+    // is its slowest request, so the worst is at least the busiest worker's mean, and so at
+    // least the fleet's.
+    let per_worker: Vec<f64> = policies[0]["worker_itl_p99_ms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(per_worker.len(), 4);
+    let worst = per_worker.iter().copied().fold(0.0, f64::max);
+    assert_eq!(policies[0]["worst_worker_itl_p99_ms"].as_f64(), Some(worst));
+    assert!(
+        worst >= policies[0]["itl_mean_ms"].as_f64().unwrap(),
+        "{worst}"
+    );
 }
 
 #[test]
@@ -380,6 +396,20 @@ fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_g
         &[&LONG_MIX_ON_4[..], &["--slo-gap-ms", "1"]].concat(),
     );
     assert_eq!(strict["slo_gap_ms"].as_f64(), Some(1.0));
+    // A pass budget without room for one token of every running request is refused, and a
+    // gap objective is for --disagg only.
+    for args in [
+        &["demo", "--max-batched-tokens", "16", "--requests", "10"][..],
+        &["demo", "--slo-gap-ms", "50", "--requests", "10"],
+    ] {
+        let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(!status.success(), "{args:?}");
+    }
     for m in strict["modes"].as_array().unwrap() {
         assert_eq!(m["goodput_rps"].as_f64(), Some(0.0), "{m}");
         assert!(m["gap_p99_ms"].as_f64().unwrap() > 1.0, "{m}");

@@ -764,6 +764,8 @@ fn joined_router(
         };
         router.join_worker(WorkerConfig {
             role,
+            // The router's busy threshold reads the engines' own budget.
+            max_batched_tokens: u64::from(config.engine.max_num_batched_tokens),
             ..WorkerConfig::simple(
                 id as u64,
                 u64::from(config.engine.kv_blocks),
