@@ -63,6 +63,7 @@ pub use backends::{BackendError, BackendSpec, Role, MAX_DP_SIZE};
 pub use config::{parse_worker_flag, ConfigError, ServeConfig};
 pub use networks::{BadNetwork, Network};
 pub use replicas::{ReplicaError, ReplicaOptions};
+pub use upstream::with_causes;
 
 /// How the service is set up.
 #[derive(Clone, Debug)]

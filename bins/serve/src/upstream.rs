@@ -36,8 +36,9 @@ pub(crate) enum UpstreamError {
     Body(#[from] hyper::Error),
 }
 
-/// `error` and its causes, outermost first (hyper's own text says only which step failed).
-fn with_causes(error: &dyn std::error::Error) -> String {
+/// `error` and its causes on one line, outermost first ("client error (Connect): tcp connect
+/// error: Connection refused"): hyper's and reqwest's own text says only which step failed.
+pub fn with_causes(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut cause = error.source();
     while let Some(e) = cause {

@@ -232,7 +232,7 @@ async fn send(
         Some(text) => match text.tokenizer.decode(&request.prompt) {
             Ok(decoded) => Some(decoded),
             Err(e) => {
-                record.error = Some(chain(&e));
+                record.error = Some(kvroute_serve::with_causes(&e));
                 return record;
             }
         },
@@ -254,7 +254,7 @@ async fn send(
     let body = match serde_json::to_value(&sending) {
         Ok(body) => body,
         Err(e) => {
-            record.error = Some(chain(&e));
+            record.error = Some(kvroute_serve::with_causes(&e));
             return record;
         }
     };
@@ -335,7 +335,7 @@ async fn answer(
     let response = match post.send().await {
         Ok(r) => r,
         Err(e) => {
-            record.error = Some(chain(&e));
+            record.error = Some(kvroute_serve::with_causes(&e));
             return record;
         }
     };
@@ -356,7 +356,7 @@ async fn answer(
         let chunk = match chunk {
             Ok(c) => c,
             Err(e) => {
-                record.error = Some(chain(&e));
+                record.error = Some(kvroute_serve::with_causes(&e));
                 return record;
             }
         };
@@ -680,16 +680,4 @@ pub fn table(report: &ReplayReport, name: &str) -> String {
         report.prompt_read_p50_us,
         report.prompt_read_p99_us
     )
-}
-
-/// An error with its causes, outermost first ("error sending request: connection closed").
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
 }
