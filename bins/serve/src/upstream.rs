@@ -173,6 +173,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_error_is_written_with_each_of_its_causes() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("client error (Connect)")]
+        struct Outer(#[source] std::io::Error);
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        assert_eq!(
+            with_causes(&Outer(refused)),
+            "client error (Connect): refused"
+        );
+        assert_eq!(
+            with_causes(&std::fmt::Error),
+            "an error occurred when formatting an argument"
+        );
+    }
+
+    #[test]
     fn engine_uris_keep_the_base_path_and_refuse_what_plain_http_cannot_reach() {
         let uri = engine_uri("http://10.0.0.7:8000/", "/v1/completions").unwrap();
         assert_eq!(uri.to_string(), "http://10.0.0.7:8000/v1/completions");
