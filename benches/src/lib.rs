@@ -13,14 +13,18 @@
 //! - [`replay`]: one timed replay and its figures.
 //! - [`alloc`]: the counting global allocator the benchmark binary installs.
 //! - [`affinity`]: pinning a thread to a CPU.
+//! - [`cpu`]: CPU time from /proc.
 //! - [`fake_engine`]: an engine that answers at once, for the gateway benchmarks.
+//! - [`nats`]: a real `nats-server` on loopback, for the replica benchmarks.
 //!
 //! Figures are defined in `benches/README.md`.
 #![deny(unsafe_code)]
 
 pub mod affinity;
 pub mod alloc;
+pub mod cpu;
 pub mod fake_engine;
+pub mod nats;
 pub mod peers;
 pub mod replay;
 pub mod trace;

@@ -22,7 +22,6 @@
 //!    interpolated within its buckets.
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,6 +30,7 @@ use anyhow::{bail, Context, Result};
 use kvroute_benches::affinity::pin_to;
 use kvroute_benches::fake_engine::fake_engine;
 use kvroute_benches::median;
+use kvroute_benches::nats::NatsServer;
 use kvroute_core::{
     IndexConfig, PrefixIndex, ReplicaId, RequestId, RouteHints, RouteRequest, Router, RouterConfig,
     WorkerConfig,
@@ -292,29 +292,12 @@ async fn drive(url: &str, rate: Option<f64>, seconds: f64) -> Result<u64> {
     Ok(done.load(Ordering::Relaxed))
 }
 
-fn nats_server(port: u16) -> Result<Child> {
-    let child = Command::new("nats-server")
-        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("nats-server (run scripts/fixtures.sh, or install Debian's nats-server)")?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        if Instant::now() > deadline {
-            bail!("nats-server never listened on {port}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(child)
-}
-
-async fn replica(engine: SocketAddr, nats: u16) -> Result<RunningServe> {
+async fn replica(engine: SocketAddr, nats: &str) -> Result<RunningServe> {
     let options = ServeOptions {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         workers: vec![parse_worker_flag(&format!("url=http://{engine}"), 0)?],
         replicas: Some(ReplicaOptions {
-            nats: format!("nats://127.0.0.1:{nats}"),
+            nats: nats.to_owned(),
             fleet: "bench".into(),
         }),
         ..ServeOptions::default()
@@ -324,18 +307,15 @@ async fn replica(engine: SocketAddr, nats: u16) -> Result<RunningServe> {
 
 /// Delivery delays between two replicas through NATS; prints the percentiles per cell.
 fn delivery(seconds: f64) -> Result<()> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let mut nats = nats_server(port)?;
+    let nats = NatsServer::start()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     let result = rt.block_on(async {
         let engine = fake_engine().await?;
-        let a = replica(engine, port).await?;
-        let b = replica(engine, port).await?;
+        let a = replica(engine, &nats.url).await?;
+        let b = replica(engine, &nats.url).await?;
         let (url_a, url_b) = (
             format!("http://{}", a.listen),
             format!("http://{}", b.listen),
@@ -374,8 +354,7 @@ fn delivery(seconds: f64) -> Result<()> {
         b.stop();
         Ok(())
     });
-    let _ = nats.kill();
-    let _ = nats.wait();
+    drop(nats);
     result
 }
 

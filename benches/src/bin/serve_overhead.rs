@@ -51,6 +51,7 @@ use anyhow::{bail, Context, Result};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use axum::body::Bytes;
+use kvroute_benches::cpu::{stat_ticks, ticks_per_second};
 use kvroute_benches::fake_engine::fake_engine;
 use kvroute_serve::{BackendSpec, RunningServe, ServeOptions};
 use serde_json::{json, Value};
@@ -73,26 +74,10 @@ fn serve_cpu_ticks() -> u64 {
         .flatten()
         .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
         .filter_map(|stat| {
-            let (head, rest) = stat.rsplit_once(')')?;
-            let name = head.split_once('(')?.1;
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            // utime and stime: fields 14 and 15 of stat, 12 and 13 after the name.
-            let ticks =
-                fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+            let (name, ticks) = stat_ticks(&stat)?;
             (name == "serve").then_some(ticks)
         })
         .sum()
-}
-
-/// Clock ticks per second.
-fn ticks_per_second() -> f64 {
-    // SAFETY: sysconf reads a configuration value; no memory is passed.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if ticks > 0 {
-        ticks as f64
-    } else {
-        100.0
-    }
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
