@@ -31,13 +31,14 @@ pub(super) struct ReplicaArgs {
     pub(super) replicas: usize,
     /// With --replicas: how late each router learns of the others' bookings, in ms of the
     /// fleet's virtual time, one run each (0: at once; `off`: never, each router counts only
-    /// its own).
+    /// its own). Not with --live, where the delay is the real one through NATS.
     #[arg(
         long,
         value_delimiter = ',',
         value_name = "LIST",
         default_value = "off,0,2",
-        value_parser = demo::parse_booking_sync
+        value_parser = demo::parse_booking_sync,
+        conflicts_with = "live"
     )]
     pub(super) replica_delay_ms: Vec<BookingSync>,
 }
@@ -156,14 +157,18 @@ pub(super) fn run_disagg_demo(
         None => config.router.clone(),
         Some(one) => one.router_config(&config.router),
     };
+    let transfer = kvroute_sim::KvTransfer {
+        link_gbytes_per_s: args.disagg_link_gbps / 8.0,
+        ..kvroute_sim::KvTransfer::default()
+    };
+    if let Err(why) = transfer.check() {
+        anyhow::bail!("--kv-link-gbps: {why}");
+    }
     let disagg = demo::DisaggConfig {
         workers: config.workers,
         engine: config.engine,
         router,
-        transfer: kvroute_sim::KvTransfer {
-            link_gbytes_per_s: args.disagg_link_gbps / 8.0,
-            ..kvroute_sim::KvTransfer::default()
-        },
+        transfer,
         splits: if args.splits.is_empty() {
             demo::DisaggConfig::default_splits(config.workers)
         } else {

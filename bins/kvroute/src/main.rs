@@ -718,9 +718,6 @@ fn worker_disagg(args: &WorkerArgs) -> anyhow::Result<DisaggOptions> {
             role.as_str()
         ),
     };
-    if !(args.kv_link_gbps.is_finite() && args.kv_link_gbps > 0.0) {
-        anyhow::bail!("--kv-link-gbps must be a positive number");
-    }
     if !(args.kv_transfer_latency_ms.is_finite() && args.kv_transfer_latency_ms >= 0.0) {
         anyhow::bail!("--kv-transfer-latency-ms must be a number of at least 0");
     }
@@ -733,9 +730,9 @@ fn worker_disagg(args: &WorkerArgs) -> anyhow::Result<DisaggOptions> {
         link_gbytes_per_s: args.kv_link_gbps / 8.0,
         latency: Duration::from_secs_f64(args.kv_transfer_latency_ms / 1e3),
     };
-    if transfer.bytes_per_token() == 0 {
+    if let Err(why) = transfer.check() {
         anyhow::bail!(
-            "--kv-layers, --kv-heads, --kv-head-dim and --kv-dtype-bytes must be at least 1"
+            "{why} (--kv-link-gbps, --kv-layers, --kv-heads, --kv-head-dim, --kv-dtype-bytes)"
         );
     }
     Ok(DisaggOptions {
@@ -854,6 +851,9 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     }
     if args.disagg {
         return run_disagg_demo(&args, &workload, config);
+    }
+    if !(1..=64).contains(&args.replica.replicas) {
+        anyhow::bail!("--replicas takes 1 to 64 routers");
     }
     if args.live && args.replica.replicas != 1 {
         return run_live_replica_demo(&args, &workload, config);

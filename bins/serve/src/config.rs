@@ -475,10 +475,14 @@ impl ServeConfig {
         let decode_busy = self
             .conditional_decode_busy_tokens
             .or(o.disagg.conditional.and_then(|c| c.decode_busy_tokens));
-        if tokens.is_none() && (prefill_busy.is_some() || decode_busy.is_some()) {
+        if tokens.is_none()
+            && (prefill_busy.is_some()
+                || decode_busy.is_some()
+                || self.conditional_max_new_share.is_some())
+        {
             return Err(ConfigError::Invalid(
-                "conditional_prefill_busy_tokens and conditional_decode_busy_tokens need \
-                 conditional_max_new_tokens"
+                "conditional_max_new_share, conditional_prefill_busy_tokens and \
+                 conditional_decode_busy_tokens need conditional_max_new_tokens"
                     .to_owned(),
             ));
         }
@@ -498,12 +502,17 @@ impl ServeConfig {
         }
         match (self.nats, self.fleet) {
             (Some(nats), fleet) => {
+                if nats.split(',').any(|url| url.trim().is_empty()) {
+                    return Err(ConfigError::Invalid(format!(
+                        "nats {nats:?}: an empty server URL"
+                    )));
+                }
                 let fleet = fleet
                     .or(o.replicas.take().map(|r| r.fleet))
                     .unwrap_or_else(|| "default".to_owned());
                 if !crate::replicas::valid_fleet(&fleet) {
                     return Err(ConfigError::Invalid(format!(
-                        "fleet {fleet:?}: use letters, digits, '-' and '_' only"
+                        "fleet {fleet:?}: use 1 to 200 letters, digits, '-' and '_'"
                     )));
                 }
                 o.replicas = Some(crate::ReplicaOptions { nats, fleet });

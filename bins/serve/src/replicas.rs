@@ -46,7 +46,7 @@ pub struct ReplicaOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicaError {
     /// The fleet's name cannot be part of a NATS subject.
-    #[error("fleet name {0:?}: use letters, digits, '-' and '_' only")]
+    #[error("fleet name {0:?}: use 1 to 200 letters, digits, '-' and '_'")]
     FleetName(String),
     /// The NATS client could not be set up (a bad URL).
     #[error("NATS at {url}: {reason}")]
@@ -149,11 +149,15 @@ impl SyncMetrics {
 
 /// Whether `name` can name a fleet: one NATS subject token of letters, digits, `-` and `_`.
 pub(crate) fn valid_fleet(name: &str) -> bool {
-    !name.is_empty()
+    // JetStream names the registry's stream after it, and takes at most 255 characters.
+    (1..=MAX_FLEET_NAME).contains(&name.len())
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
+
+/// Longest fleet name.
+pub(crate) const MAX_FLEET_NAME: usize = 200;
 
 /// A new replica's id: random, nonzero.
 pub(crate) fn new_replica_id() -> ReplicaId {

@@ -36,6 +36,20 @@ impl Default for KvTransfer {
 }
 
 impl KvTransfer {
+    /// Why this transfer cannot be modelled: a link that is not a positive bandwidth, or a
+    /// cache shape of no bytes.
+    pub fn check(&self) -> Result<(), &'static str> {
+        if !(self.link_gbytes_per_s.is_finite() && self.link_gbytes_per_s > 0.0) {
+            return Err("the KV link's bandwidth must be a positive number");
+        }
+        if self.bytes_per_token() == 0 {
+            return Err(
+                "the KV cache's layers, heads, head size and dtype bytes must be at least 1",
+            );
+        }
+        Ok(())
+    }
+
     /// Bytes of KV cache per token: keys and values of every layer's heads.
     pub fn bytes_per_token(&self) -> u64 {
         2 * u64::from(self.layers)

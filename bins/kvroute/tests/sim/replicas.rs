@@ -438,9 +438,12 @@ fn demo_replicas_writes_a_row_per_mode_and_refuses_what_it_cannot_run() {
     }
     assert_eq!(modes[3]["delay_ms"].as_f64(), Some(2.5));
     std::fs::remove_file(&json).unwrap();
-    // A peer's policy, a delay that is not one, one router, or another comparison beside.
+    // A peer's policy, a delay that is not one, a modelled delay on a live run (whose delay
+    // is NATS's), one router, or another comparison beside.
     assert!(!demo(&["--replicas", "3", "--policies", "sglang-cache-aware"]).success());
     assert!(!demo(&["--replicas", "3", "--replica-delay-ms", "soon"]).success());
+    assert!(!demo(&["--replicas", "3", "--live", "--replica-delay-ms", "0"]).success());
     assert!(!demo(&["--replicas", "0"]).success());
+    assert!(!demo(&["--replicas", "100000"]).success());
     assert!(!demo(&["--replicas", "3", "--disagg"]).success());
 }

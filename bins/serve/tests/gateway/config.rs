@@ -170,6 +170,10 @@ fn bad_values_are_refused_with_their_key() {
             "conditional_decode_busy_tokens = 4096",
             "conditional_decode_busy_tokens",
         ),
+        (
+            "conditional_max_new_share = 0.5",
+            "need conditional_max_new_tokens",
+        ),
     ] {
         let err = toml::from_str::<ServeConfig>(text)
             .map_err(|e| e.to_string())
@@ -212,11 +216,25 @@ fn a_fleet_needs_nats_and_a_name_fit_for_a_nats_subject() {
         .apply(ServeOptions::default())
         .unwrap();
     assert_eq!(alone.router.near_tie, 0.0);
-    for bad in ["", "a.b", "a b", "a*", "x>"] {
+    // JetStream refuses a stream name past 255 characters: a long name is refused here.
+    let long = "f".repeat(201);
+    for bad in ["", "a.b", "a b", "a*", "x>", &long] {
         let c = ServeConfig {
             fleet: Some(bad.into()),
             ..nats.clone()
         };
         assert!(c.apply(ServeOptions::default()).is_err(), "{bad:?}");
+    }
+    let at_most = ServeConfig {
+        fleet: Some("f".repeat(200)),
+        ..nats.clone()
+    };
+    assert!(at_most.apply(ServeOptions::default()).is_ok());
+    for empty in ["", " ", "nats://127.0.0.1:4222,"] {
+        let c = ServeConfig {
+            nats: Some(empty.into()),
+            ..ServeConfig::default()
+        };
+        assert!(c.apply(ServeOptions::default()).is_err(), "{empty:?}");
     }
 }
