@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use axum::Json;
@@ -23,6 +23,7 @@ use super::AppState;
 pub(crate) async fn route(
     State(state): State<AppState>,
     Extension(granted): Extension<Granted>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Response {
     const ROUTE: &str = "route";
@@ -36,9 +37,10 @@ pub(crate) async fn route(
     }
     let mode = if book { Mode::Book } else { Mode::QueryOnly };
     if state.backends.any_split() {
-        // Both halves: the prefill worker (none when serving is not split now) and the decode
-        // worker, each booked with `book`, freed each by its own request id.
-        return match crate::disagg::route_both(&state, &routed, mode) {
+        // Both halves: the prefill worker (none when the request would be served whole) and
+        // the decode worker, each booked with `book`, freed each by its own request id; the
+        // headers' pins are the proxy's.
+        return match crate::disagg::route_both(&state, &routed, &headers, mode) {
             Ok((prefill, decode)) => {
                 ok(&state, ROUTE);
                 let main = prefill.as_ref().unwrap_or(&decode);
@@ -46,17 +48,12 @@ pub(crate) async fn route(
                 v["prompt_tokens"] = json!(routed.prompt_len);
                 v["tokenized_tokens"] = json!(routed.tokens.len());
                 v["booked"] = json!(book);
-                v["disaggregated"] = json!(state.disagg.get() && prefill.is_some());
+                v["disaggregated"] = json!(prefill.is_some());
                 v["prefill"] = prefill.map_or(Value::Null, |d| decision_json(&state, &d));
                 v["decode"] = decision_json(&state, &decode);
                 Json(v).into_response()
             }
-            Err(e) => error(
-                &state,
-                ROUTE,
-                StatusCode::SERVICE_UNAVAILABLE,
-                e.to_string(),
-            ),
+            Err(refusal) => refusal.respond(&state, ROUTE),
         };
     }
     // The workers the proxy would consider now: ready ones first, never a draining one.

@@ -274,6 +274,12 @@ async fn check(spec: &BackendSpec, limits: &Limits) -> Result<Checked, BackendEr
             limits.max_kv_blocks
         ));
     }
+    if spec.bootstrap_port.is_some() && spec.role != Role::Prefill {
+        return invalid(format!(
+            "bootstrap_port is a prefill worker's (this one's role is {})",
+            spec.role.as_str()
+        ));
+    }
     let urls = EngineUrls::new(&spec.url)?;
     let authorization = match &spec.api_key {
         Some(key) => {

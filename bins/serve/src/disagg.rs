@@ -45,8 +45,8 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 pub use kvroute_core::Conditional;
 use kvroute_core::{
-    Admission, Decision, Disaggregation, Mode, Phase, Pinned, RequestGuard, RequestId, RouteHints,
-    RouteRequest, Router, Whole, WorkerId, WorkerRank,
+    Admission, Decision, Disaggregation, Fleet, Label, Mode, Phase, Pinned, RequestGuard,
+    RequestId, RouteHints, RouteRequest, Router, Whole, WorkerId, WorkerRank, WorkerRole,
 };
 use serde_json::{json, Value};
 
@@ -122,6 +122,7 @@ impl Activation {
         self.0.swap(active, Ordering::Relaxed) != active
     }
 
+    #[cfg(test)]
     pub(crate) fn get(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
@@ -136,7 +137,8 @@ pub(crate) struct Pins {
 
 impl Pins {
     /// The pins the request's headers give: each an id of a worker of the right role (a
-    /// prefill pin: `prefill`; a decode pin: `decode` or `both`), else a 400.
+    /// prefill pin: `prefill`; a decode pin: `decode` or `both`, the latter for a request
+    /// served whole or a fleet with no decode worker), else a 400.
     pub(crate) fn read(state: &AppState, headers: &HeaderMap) -> Result<Pins, proxy::Refusal> {
         let pin = |name: &str, roles: &[Role]| -> Result<Option<WorkerId>, proxy::Refusal> {
             let Some(value) = headers.get(name) else {
@@ -168,18 +170,33 @@ impl Pins {
     }
 }
 
-/// The ids of the workers of `role` that may take a request now: ready (health answered,
-/// events flowing), not draining.
-fn ready(state: &AppState, role: Role) -> Vec<WorkerId> {
+/// The roles a decode half may go to: decode workers, or (the router's fallback when there
+/// is none) aggregated ones.
+const DECODE_ROLES: &[Role] = &[Role::Decode, Role::Both];
+
+/// The ids of the workers of `roles` that may take a request now: ready (health answered,
+/// events flowing), not marked down, not draining.
+fn ready(state: &AppState, roles: &[Role]) -> Vec<WorkerId> {
     let draining = state.draining();
+    let fleet = state.router.fleet();
     state
         .backends
         .all()
         .iter()
-        .filter(|b| b.spec.role == role && b.flowing())
+        .filter(|b| roles.contains(&b.spec.role) && b.flowing())
         .map(|b| WorkerId(b.spec.id))
-        .filter(|w| !draining.contains(w))
+        .filter(|w| !draining.contains(w) && up(&fleet, *w))
         .collect()
+}
+
+/// Whether the router counts some rank of `worker` up (not marked down by a refused
+/// connection, failures in a row or silent events).
+fn up(fleet: &Fleet, worker: WorkerId) -> bool {
+    fleet.worker(worker).is_some_and(|w| {
+        fleet.ranks[w.ranks.clone()]
+            .iter()
+            .any(|r| r.state.health().is_healthy())
+    })
 }
 
 /// Records whether serving is disaggregated now, logging a change.
@@ -194,6 +211,164 @@ fn activate(state: &AppState, active: bool) {
     }
 }
 
+/// How a request is served: the one decision [`forward`] and `/v1/route` both follow.
+#[derive(Debug, PartialEq, Eq)]
+enum Plan {
+    /// Whole, on this decode worker's rank (conditional disaggregation) or where the whole
+    /// request's choice puts it; `how` is the metric's label.
+    Whole {
+        rank: Option<WorkerRank>,
+        how: &'static str,
+    },
+    /// Split, the prefill worker chosen among these (each with some decode worker the KV
+    /// transfer can reach).
+    Split(Vec<WorkerId>),
+}
+
+/// Decides how the request is served (the module's rules), before anything is sent.
+fn plan(state: &AppState, routed: &Routed, pins: Pins) -> Result<Plan, proxy::Refusal> {
+    let prefill_pool = ready(state, &[Role::Prefill]);
+    let active = pins.prefill.is_some() || !prefill_pool.is_empty();
+    activate(state, active);
+    if !active {
+        if state.options.router.disaggregation == Disaggregation::Enforced {
+            return Err(proxy::Refusal::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "disaggregated serving is enforced and no prefill worker is ready",
+            ));
+        }
+        return Ok(Plan::Whole {
+            rank: None,
+            how: "whole",
+        });
+    }
+    // A pinned prefill worker is the client's choice: never overridden by the cache rule.
+    if let (Some(conditional), None) = (state.options.disagg.conditional, pins.prefill) {
+        if let Some((rank, why)) = local_decode(state, routed, pins, &conditional) {
+            let how = match why {
+                Whole::Cached => "local",
+                Whole::PrefillBusy => "local_prefill_busy",
+            };
+            return Ok(Plan::Whole {
+                rank: Some(rank),
+                how,
+            });
+        }
+    }
+    partnered(state, pins, prefill_pool).map(Plan::Split)
+}
+
+/// The prefill workers of `pool` (or the pinned one) whose KV cache some decode worker can
+/// take: the pinned decode worker, or any decode worker not marked down or draining, sharing
+/// the prefill worker's `kv_transfer_labels`. Checked before the prefill is sent, so that a
+/// prefill is never computed for a cache nobody can take. Pins that cannot meet are the
+/// client's error (400); no decode worker for any prefill worker is a retryable 503.
+fn partnered(
+    state: &AppState,
+    pins: Pins,
+    pool: Vec<WorkerId>,
+) -> Result<Vec<WorkerId>, proxy::Refusal> {
+    let fleet = state.router.fleet();
+    let draining = state.draining();
+    if let Some(pin) = pins.decode {
+        let aggregated = state
+            .backends
+            .get(pin.0)
+            .is_some_and(|b| b.spec.role == Role::Both);
+        if aggregated && fleet.ranks_of(WorkerRole::Decode) > 0 {
+            return Err(proxy::Refusal::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{DECODE_WORKER}: worker {} is an aggregated worker; split requests decode on \
+                     decode workers while there are some",
+                    pin.0
+                ),
+            ));
+        }
+    }
+    let decoders: Vec<Arc<Backend>> = match pins.decode {
+        Some(pin) => state.backends.get(pin.0).into_iter().collect(),
+        None => state
+            .backends
+            .all()
+            .iter()
+            .filter(|b| DECODE_ROLES.contains(&b.spec.role))
+            .filter(|b| {
+                let w = WorkerId(b.spec.id);
+                !draining.contains(&w) && up(&fleet, w)
+            })
+            .cloned()
+            .collect(),
+    };
+    let reaches = |prefill: WorkerId| {
+        state.backends.get(prefill.0).is_some_and(|p| {
+            let required = required_labels(state, &p);
+            decoders.iter().any(|d| shares(&required, d))
+        })
+    };
+    let candidates = match pins.prefill {
+        Some(pin) => vec![pin],
+        None => pool,
+    };
+    let partnered: Vec<WorkerId> = candidates.iter().copied().filter(|w| reaches(*w)).collect();
+    if !partnered.is_empty() {
+        return Ok(partnered);
+    }
+    Err(match (pins.prefill, pins.decode) {
+        (Some(p), Some(d)) => proxy::Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{DECODE_WORKER}: worker {} cannot take worker {}'s KV cache (kv_transfer_labels differ)",
+                d.0, p.0
+            ),
+        ),
+        (None, Some(d)) => proxy::Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "{DECODE_WORKER}: worker {} shares the kv_transfer_labels of no ready prefill worker",
+                d.0
+            ),
+        ),
+        (_, None) => proxy::Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no decode worker is ready to take a prefill worker's KV cache",
+        ),
+    })
+}
+
+/// The labels (key, value) a decode worker must share with `prefill`: its values of the
+/// configured `kv_transfer_labels` keys (the KV transfer's topology).
+fn required_labels(state: &AppState, prefill: &Backend) -> Vec<(String, String)> {
+    state
+        .options
+        .disagg
+        .transfer_labels
+        .iter()
+        .filter_map(|key| {
+            let value = prefill.spec.labels.get(key)?;
+            Some((key.clone(), value.clone()))
+        })
+        .collect()
+}
+
+/// Whether `decode` carries every label of `required`.
+fn shares(required: &[(String, String)], decode: &Backend) -> bool {
+    required
+        .iter()
+        .all(|(k, v)| decode.spec.labels.get(k) == Some(v))
+}
+
+/// A refusal as the client's answer; a 503 is retryable (`Retry-After`).
+fn refuse(state: &AppState, route: &str, refusal: proxy::Refusal) -> Response {
+    let retry = refusal.status() == StatusCode::SERVICE_UNAVAILABLE;
+    let mut r = refusal.respond(state, route);
+    if retry {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    r
+}
+
 /// Serves the client's request in a fleet with prefill and decode workers (see the module).
 pub(crate) async fn forward(
     state: &AppState,
@@ -201,48 +376,24 @@ pub(crate) async fn forward(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Response {
-    let pins = match Pins::read(state, headers) {
-        Ok(pins) => pins,
-        Err(refusal) => return refusal.respond(state, asked.route),
-    };
-    let prefill_pool = ready(state, Role::Prefill);
-    let active = pins.prefill.is_some() || !prefill_pool.is_empty();
-    activate(state, active);
-    if !active {
-        if state.options.router.disaggregation == Disaggregation::Enforced {
-            let mut r = proxy::error(
-                state,
-                asked.route,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "disaggregated serving is enforced and no prefill worker is ready",
-            );
-            r.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            return r;
-        }
-        count(state, "whole");
-        return proxy::dispatch(state, asked, whole(body, pins)).await;
-    }
-    let options = &state.options.disagg;
-    if let Some(conditional) = options.conditional {
-        if let Some((rank, why)) = local_decode(state, asked.routed, pins, &conditional) {
-            count(
-                state,
-                match why {
-                    Whole::Cached => "local",
-                    Whole::PrefillBusy => "local_prefill_busy",
-                },
-            );
-            let leg = Leg {
-                pinned: Pinned {
+    let plan =
+        Pins::read(state, headers).and_then(|pins| Ok((pins, plan(state, asked.routed, pins)?)));
+    let (pins, pool) = match plan {
+        Ok((pins, Plan::Split(pool))) => (pins, pool),
+        Ok((pins, Plan::Whole { rank, how })) => {
+            count(state, how);
+            let mut leg = whole(body, pins);
+            if let Some(rank) = rank {
+                leg.pinned = Pinned {
                     backend_instance: Some(rank.worker),
+                    dp_rank: Some(rank.dp_rank),
                     ..Pinned::default()
-                },
-                ..Leg::whole(body)
-            };
+                };
+            }
             return proxy::dispatch(state, asked, leg).await;
         }
-    }
+        Err(refusal) => return refuse(state, asked.route, refusal),
+    };
     let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(&body) else {
         // The prompt was read from it, so it is a JSON object.
         return proxy::error(
@@ -252,16 +403,16 @@ pub(crate) async fn forward(
             "the body must be a JSON object",
         );
     };
-    match options.protocol {
-        Protocol::Vllm => vllm(state, asked, request, body, pins, prefill_pool).await,
-        Protocol::Sglang => sglang(state, asked, request, body, pins, prefill_pool).await,
+    match state.options.disagg.protocol {
+        Protocol::Vllm => vllm(state, asked, request, body, pins, pool).await,
+        Protocol::Sglang => sglang(state, asked, request, body, pins, pool).await,
     }
 }
 
 /// The whole request, to a decode worker (or an aggregated one): no prefill worker serves it.
 fn whole(body: Bytes, pins: Pins) -> Leg {
     Leg {
-        pool: Pool::Roles(&[Role::Both, Role::Decode]),
+        pool: Pool::Roles(DECODE_ROLES),
         pinned: Pinned {
             backend_instance: pins.decode,
             ..Pinned::default()
@@ -282,7 +433,7 @@ fn local_decode(
     pins: Pins,
     conditional: &Conditional,
 ) -> Option<(WorkerRank, Whole)> {
-    let pool = ready(state, Role::Decode);
+    let pool = ready(state, DECODE_ROLES);
     let request = RouteRequest {
         id: RequestId(state.next_id.fetch_add(1, Ordering::Relaxed)),
         tokens: &routed.tokens,
@@ -378,40 +529,30 @@ fn engine_request(
     }
 }
 
-/// The decode half: routed among the decode workers sharing the prefill worker's transfer
-/// labels, sent whatever the client does meanwhile.
-async fn decode(
+/// The decode half, on its own task: routed among the decode workers sharing the prefill
+/// worker's transfer labels, and sent whatever the client does meanwhile (dropping the handle
+/// does not stop it; aborting it does). Its answer comes once the decode worker's first byte
+/// has, the cache handed over.
+fn spawn_decode(
     state: &AppState,
     asked: Asked<'_>,
     body: Bytes,
     pins: Pins,
     prefill: &Backend,
-) -> Response {
-    let required: Vec<(String, String)> = state
-        .options
-        .disagg
-        .transfer_labels
-        .iter()
-        .filter_map(|key| {
-            let value = prefill.spec.labels.get(key)?;
-            Some((key.clone(), value.clone()))
-        })
-        .collect();
+) -> tokio::task::JoinHandle<Response> {
     let leg = Leg {
         body,
         phase: Phase::Decode,
-        pool: Pool::Roles(&[Role::Decode]),
+        pool: Pool::Roles(DECODE_ROLES),
         pinned: Pinned {
             decode_worker: pins.decode,
             ..Pinned::default()
         },
-        required,
+        required: required_labels(state, prefill),
     };
-    // Its own task: a client that leaves now does not stop the transfer (the dispatch
-    // returns once the decode worker's first byte has come, the cache handed over).
     let (state, routed) = (state.clone(), asked.routed.clone());
     let (route, api, read_in) = (asked.route, asked.api, asked.read_in);
-    let task = tokio::spawn(async move {
+    tokio::spawn(async move {
         let asked = Asked {
             route,
             api,
@@ -419,9 +560,19 @@ async fn decode(
             read_in,
         };
         proxy::dispatch(&state, asked, leg).await
-    });
-    task.await
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    })
+}
+
+/// The decode half's answer, counted under `how`, or as a failed decode.
+fn decoded(
+    state: &AppState,
+    joined: Result<Response, tokio::task::JoinError>,
+    how: &str,
+) -> Response {
+    let answer = joined.unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    let failed = answer.status().is_server_error();
+    count(state, if failed { "decode_failed" } else { how });
+    answer
 }
 
 /// A prefill worker failed: the request fails with a 502, or is served whole on a decode
@@ -546,103 +697,169 @@ async fn vllm(
     let params = serde_json::from_slice::<Value>(&bytes)
         .ok()
         .and_then(|v| v.get("kv_transfer_params").cloned())
-        .unwrap_or(Value::Null);
+        .filter(|p| !p.is_null());
+    let Some(params) = params else {
+        // An engine without a KV connector: the decode worker would compute the whole
+        // prompt again. Served, but counted and told.
+        tracing::warn!(
+            worker = prefill.spec.id,
+            "the prefill worker answered no kv_transfer_params: is its KV connector set?"
+        );
+        let second = Bytes::from(Value::Object(request).to_string());
+        let joined = spawn_decode(state, asked, second, pins, &prefill).await;
+        return decoded(state, joined, "no_transfer_params");
+    };
     let mut second = request;
     second.insert("kv_transfer_params".to_owned(), params);
     let second = Bytes::from(Value::Object(second).to_string());
-    count(state, "disaggregated");
-    decode(state, asked, second, pins, &prefill).await
+    let joined = spawn_decode(state, asked, second, pins, &prefill).await;
+    decoded(state, joined, "disaggregated")
+}
+
+/// How an SGLang prefill half ended badly (it answered 2xx otherwise: the cache is on its
+/// way).
+enum PrefillEnd {
+    /// The engine refused the request (a 4xx): its answer is the client's.
+    Refused(StatusCode, Bytes),
+    /// Its connection was refused: the next prefill worker may be tried.
+    Unreachable(String),
+    /// It failed otherwise (5xx, a broken answer, nothing in time).
+    Failed(String),
 }
 
 /// SGLang's protocol: both halves at once, meeting at the prefill worker's bootstrap server.
-/// A decode half that fails when its prefill half failed is the prefill's failure (a 502, or
-/// the request served whole with `prefill_error_fallback`).
+/// Whichever ends first decides: a decode answer is the client's (unless it is a 5xx and
+/// the prefill failed); a prefill that ends badly first stops the decode half, waiting for
+/// a cache that will not come, and then its refusal is the client's answer, its failure the
+/// request's (a 502, or served whole with `prefill_error_fallback`), and a refused
+/// connection has both halves sent again with the next prefill worker.
 async fn sglang(
     state: &AppState,
     asked: Asked<'_>,
-    mut request: serde_json::Map<String, Value>,
+    request: serde_json::Map<String, Value>,
     original: Bytes,
     pins: Pins,
-    pool: Vec<WorkerId>,
+    mut pool: Vec<WorkerId>,
 ) -> Response {
-    let prefill = match choose_prefill(state, asked, pins, &pool).await {
-        Ok(p) => p,
-        Err(refusal) => return refusal,
-    };
-    let host = prefill
-        .backend
-        .urls
-        .completions
-        .host()
-        .unwrap_or("127.0.0.1")
-        .to_owned();
-    let port = prefill
-        .backend
-        .spec
-        .bootstrap_port
-        .unwrap_or(SGLANG_BOOTSTRAP_PORT);
-    let room = bootstrap_room();
-    request.insert("bootstrap_host".to_owned(), json!(host));
-    request.insert("bootstrap_port".to_owned(), json!(port));
-    request.insert("bootstrap_room".to_owned(), json!(room));
-    let body = Value::Object(request).to_string().into_bytes();
-    let sent = engine_request(
-        state,
-        &prefill.backend,
-        asked.api,
-        &prefill.decision,
-        body.clone(),
-    );
-    // The prefill half in the background, whatever the client does: its answer is read to
-    // the end and dropped, and frees its booking.
     let timeout = state.options.first_byte_timeout;
-    let (router, breaker) = (Arc::clone(&state.router), state.options.breaker_failures);
-    let backend = Arc::clone(&prefill.backend);
-    let guard = prefill.guard;
-    let worker = prefill.decision.worker.worker;
-    let (outcome, prefilled) = tokio::sync::oneshot::channel::<Result<(), String>>();
-    tokio::spawn(async move {
-        let answered = tokio::time::timeout(timeout, async {
-            let response = sent.await?;
-            let status = response.status();
-            read_all(response.into_body()).await?;
-            Ok::<_, UpstreamError>(status)
-        })
-        .await;
-        let result = match answered {
-            Ok(Ok(status)) if !status.is_server_error() => {
-                backend.answered();
-                let _ = guard.prefill_done();
-                let _ = guard.finish();
-                Ok(())
-            }
-            Ok(Err(e)) if e.is_connect() => {
-                mark_unreachable(&router, worker.0);
-                Err(format!("worker {} refused the connection", worker.0))
-            }
-            failed => {
-                backend.failed(&router, breaker);
-                Err(match failed {
-                    Ok(Ok(status)) => format!("worker {} answered {status}", worker.0),
-                    Ok(Err(e)) => format!("worker {}: {e}", worker.0),
-                    Err(_) => format!("worker {} sent nothing in time", worker.0),
-                })
-            }
+    loop {
+        let prefill = match choose_prefill(state, asked, pins, &pool).await {
+            Ok(p) => p,
+            Err(refusal) => return refusal,
         };
-        if let Err(why) = &result {
-            tracing::debug!(worker = worker.0, error = %why, "SGLang prefill failed");
-        }
-        let _ = outcome.send(result);
-    });
-    let answer = decode(state, asked, Bytes::from(body), pins, &prefill.backend).await;
-    if answer.status().is_server_error() {
-        // The decode half waited for a cache that never came?
-        if let Ok(Ok(Err(why))) = tokio::time::timeout(timeout, prefilled).await {
-            return prefill_failed(state, asked, original, pins, why).await;
+        let host = prefill
+            .backend
+            .urls
+            .completions
+            .host()
+            .unwrap_or("127.0.0.1")
+            .to_owned();
+        let port = prefill
+            .backend
+            .spec
+            .bootstrap_port
+            .unwrap_or(SGLANG_BOOTSTRAP_PORT);
+        let mut halves = request.clone();
+        halves.insert("bootstrap_host".to_owned(), json!(host));
+        halves.insert("bootstrap_port".to_owned(), json!(port));
+        halves.insert("bootstrap_room".to_owned(), json!(bootstrap_room()));
+        let body = Value::Object(halves).to_string().into_bytes();
+        let sent = engine_request(
+            state,
+            &prefill.backend,
+            asked.api,
+            &prefill.decision,
+            body.clone(),
+        );
+        // The prefill half in the background, whatever the client does: its answer is read
+        // to the end and frees its booking.
+        let (router, breaker) = (Arc::clone(&state.router), state.options.breaker_failures);
+        let backend = Arc::clone(&prefill.backend);
+        let guard = prefill.guard;
+        let worker = prefill.decision.worker.worker;
+        let (outcome, mut prefilled) = tokio::sync::oneshot::channel::<Result<(), PrefillEnd>>();
+        tokio::spawn(async move {
+            let answered = tokio::time::timeout(timeout, async {
+                let response = sent.await?;
+                let status = response.status();
+                let bytes = read_all(response.into_body()).await?;
+                Ok::<_, UpstreamError>((status, bytes))
+            })
+            .await;
+            let end = match answered {
+                Ok(Ok((status, _))) if status.is_success() => {
+                    backend.answered();
+                    let _ = guard.prefill_done();
+                    let _ = guard.finish();
+                    Ok(())
+                }
+                Ok(Ok((status, bytes))) if status.is_client_error() => {
+                    backend.answered();
+                    Err(PrefillEnd::Refused(status, bytes))
+                }
+                Ok(Err(e)) if e.is_connect() => {
+                    mark_unreachable(&router, worker.0);
+                    Err(PrefillEnd::Unreachable(format!(
+                        "worker {} refused the connection",
+                        worker.0
+                    )))
+                }
+                failed => {
+                    backend.failed(&router, breaker);
+                    Err(PrefillEnd::Failed(match failed {
+                        Ok(Ok((status, _))) => format!("worker {} answered {status}", worker.0),
+                        Ok(Err(e)) => format!("worker {}: {e}", worker.0),
+                        Err(_) => format!("worker {} sent nothing in time", worker.0),
+                    }))
+                }
+            };
+            if let Err(PrefillEnd::Unreachable(why) | PrefillEnd::Failed(why)) = &end {
+                tracing::debug!(worker = worker.0, error = %why, "SGLang prefill failed");
+            }
+            let _ = outcome.send(end);
+        });
+        let mut decoding = spawn_decode(state, asked, Bytes::from(body), pins, &prefill.backend);
+        let end = tokio::select! {
+            joined = &mut decoding => {
+                let answer = joined.unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+                if !answer.status().is_server_error() {
+                    count(state, "disaggregated");
+                    return answer;
+                }
+                // The decode half waited for a cache that never came?
+                match tokio::time::timeout(timeout, &mut prefilled).await {
+                    Ok(Ok(Err(end))) => end,
+                    _ => {
+                        count(state, "decode_failed");
+                        return answer;
+                    }
+                }
+            }
+            end = &mut prefilled => match end {
+                Ok(Err(end)) => {
+                    decoding.abort();
+                    end
+                }
+                // Done (or its task gone): the decode half goes on.
+                _ => return decoded(state, decoding.await, "disaggregated"),
+            },
+        };
+        match end {
+            PrefillEnd::Refused(status, bytes) => {
+                return relay_refusal(state, asked.route, status, bytes);
+            }
+            PrefillEnd::Unreachable(why) if pins.prefill.is_none() => {
+                state.metrics.retries.with_label_values(&["connect"]).inc();
+                pool.retain(|w| *w != worker);
+                if pool.is_empty() {
+                    return prefill_failed(state, asked, original, pins, why).await;
+                }
+            }
+            PrefillEnd::Unreachable(why) | PrefillEnd::Failed(why) => {
+                return prefill_failed(state, asked, original, pins, why).await;
+            }
         }
     }
-    count(state, "disaggregated");
-    answer
 }
 
 /// A random bootstrap room (SGLang's are 63-bit): the process's random hasher keys, new for
@@ -673,14 +890,19 @@ fn relay_refusal(state: &AppState, route: &str, status: StatusCode, body: Bytes)
         .into_response()
 }
 
-/// The choices `/v1/route` reports in a fleet with prefill and decode workers: the prefill
-/// worker (none when serving is not disaggregated now) and the decode worker, each booked or
-/// not by `mode`.
+/// The choices `/v1/route` reports in a fleet with prefill and decode workers, by the rules
+/// the proxy follows ([`plan`]): the prefill worker (none when the request would be served
+/// whole) and the decode worker, each booked or not by `mode`.
 pub(crate) fn route_both(
     state: &AppState,
     routed: &Routed,
+    headers: &HeaderMap,
     mode: Mode,
-) -> Result<(Option<Decision>, Decision), kvroute_core::RouteError> {
+) -> Result<(Option<Decision>, Decision), proxy::Refusal> {
+    let pins = Pins::read(state, headers)?;
+    let unavailable = |e: kvroute_core::RouteError| {
+        proxy::Refusal::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+    };
     let hints = RouteHints {
         mode,
         prompt_len: Some(routed.prompt_len),
@@ -690,38 +912,75 @@ pub(crate) fn route_both(
         ..RouteHints::default()
     };
     let id = || RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
-    let prefill_pool = ready(state, Role::Prefill);
-    activate(state, !prefill_pool.is_empty());
-    if prefill_pool.is_empty() {
-        let pool =
-            proxy::allowed_workers(state, &[], Pool::Roles(&[Role::Both, Role::Decode])).flatten();
-        let request = RouteRequest {
+    let pool = match plan(state, routed, pins)? {
+        Plan::Split(pool) => pool,
+        Plan::Whole { rank, .. } => {
+            let allowed = proxy::allowed_workers(state, &[], Pool::Roles(DECODE_ROLES)).flatten();
+            let pinned = match rank {
+                Some(rank) => Pinned {
+                    backend_instance: Some(rank.worker),
+                    dp_rank: Some(rank.dp_rank),
+                    ..Pinned::default()
+                },
+                None => Pinned {
+                    backend_instance: pins.decode,
+                    ..Pinned::default()
+                },
+            };
+            let request = RouteRequest {
+                id: id(),
+                tokens: &routed.tokens,
+                hints: RouteHints {
+                    allowed: allowed.as_deref(),
+                    pinned,
+                    ..hints
+                },
+            };
+            return state
+                .router
+                .route(&request)
+                .map(|d| (None, d))
+                .map_err(unavailable);
+        }
+    };
+    let prefill = state
+        .router
+        .route(&RouteRequest {
             id: id(),
             tokens: &routed.tokens,
             hints: RouteHints {
-                allowed: pool.as_deref(),
+                phase: Phase::Prefill,
+                allowed: Some(&pool),
+                pinned: Pinned {
+                    prefill_worker: pins.prefill,
+                    ..Pinned::default()
+                },
+                expected_output_tokens: Some(1),
                 ..hints
             },
-        };
-        return state.router.route(&request).map(|d| (None, d));
-    }
-    let prefill = state.router.route(&RouteRequest {
-        id: id(),
-        tokens: &routed.tokens,
-        hints: RouteHints {
-            phase: Phase::Prefill,
-            allowed: Some(&prefill_pool),
-            expected_output_tokens: Some(1),
-            ..hints
-        },
-    })?;
-    let decode_pool = ready(state, Role::Decode);
+        })
+        .map_err(unavailable)?;
+    let required = state
+        .backends
+        .get(prefill.worker.worker.0)
+        .map(|p| required_labels(state, &p))
+        .unwrap_or_default();
+    let labels: Vec<Label<'_>> = required
+        .iter()
+        .map(|(k, v)| Label { key: k, value: v })
+        .collect();
+    let decode_pool = proxy::allowed_workers(state, &[], Pool::Roles(DECODE_ROLES)).flatten();
     let decode = state.router.route(&RouteRequest {
         id: id(),
         tokens: &routed.tokens,
         hints: RouteHints {
             phase: Phase::Decode,
-            allowed: (!decode_pool.is_empty()).then_some(decode_pool.as_slice()),
+            allowed: decode_pool.as_deref(),
+            required: &labels,
+            pinned: Pinned {
+                decode_worker: pins.decode,
+                ..Pinned::default()
+            },
             ..hints
         },
     });
@@ -731,7 +990,7 @@ pub(crate) fn route_both(
             if mode == Mode::Book {
                 let _ = state.router.free(prefill.request);
             }
-            Err(e)
+            Err(unavailable(e))
         }
     }
 }

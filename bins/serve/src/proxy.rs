@@ -87,6 +87,11 @@ impl Refusal {
         }
     }
 
+    /// Its status.
+    pub(crate) fn status(&self) -> StatusCode {
+        self.status
+    }
+
     /// The refusal as an error response, counted under `route`.
     pub(crate) fn respond(self, state: &AppState, route: &str) -> Response {
         error(state, route, self.status, self.message)

@@ -34,6 +34,9 @@ pub enum Fallback {
     /// enforced) went to a decode worker: the fleet has no aggregated worker, and a decode
     /// worker computes a prompt no prefill worker handed it.
     AggregatedToDecode,
+    /// A decode-phase request went to an aggregated worker: the fleet has no decode worker,
+    /// and an aggregated worker takes the KV a prefill worker handed it.
+    DecodeToAggregated,
 }
 
 /// Whether the decision booked load.

@@ -24,7 +24,9 @@
 //! **Phases.** A prefill-phase request goes to prefill workers; when none has joined it falls
 //! back to aggregated workers (reported as [`Fallback::PrefillToAggregated`]) unless the config
 //! enforces disaggregation ([`Disaggregation::Enforced`]). A whole request in a fleet of prefill
-//! and decode workers only is served by a decode worker ([`Fallback::AggregatedToDecode`]).
+//! and decode workers only is served by a decode worker ([`Fallback::AggregatedToDecode`]), and
+//! a decode-phase request in a fleet with no decode worker by an aggregated one
+//! ([`Fallback::DecodeToAggregated`]).
 //!
 //! **Request metrics** ([`Metrics::On`]; [`Router::request_metrics`]) are recorded only for
 //! requests marked as having reached their worker ([`Router::mark_dispatched`], or the guard's

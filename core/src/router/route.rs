@@ -481,7 +481,7 @@ impl Router {
     /// The role a request of `phase` is served by, and the fallback taken to find it (with
     /// optional disaggregation and no prefill worker, prefill goes to aggregated workers; a
     /// whole request in a fleet with decode workers and no aggregated one goes to a decode
-    /// worker).
+    /// worker; a decode-phase request in a fleet with no decode worker, to an aggregated one).
     pub(super) fn selection_role(
         &self,
         fleet: &Fleet,
@@ -497,6 +497,9 @@ impl Router {
         {
             // A fleet of prefill and decode workers serves a whole request on a decode worker.
             return (WorkerRole::Decode, Some(Fallback::AggregatedToDecode));
+        }
+        if role == WorkerRole::Decode && !has(WorkerRole::Decode) && has(WorkerRole::Aggregated) {
+            return (WorkerRole::Aggregated, Some(Fallback::DecodeToAggregated));
         }
         if role == WorkerRole::Prefill
             && self.config.disaggregation == Disaggregation::Optional

@@ -987,11 +987,20 @@ fn prefill_falls_back_to_aggregated_unless_enforced() {
         })
     );
     assert!(r.total_load().is_idle());
-    // Decode never falls back.
+    // Decode falls back to an aggregated worker only when the fleet has no decode worker.
     let mut qd = req(5, &t);
     qd.hints.phase = Phase::Decode;
     let r = router(RouterConfig::default());
     r.join_worker(WorkerConfig::simple(1, 1000, BS)).unwrap();
+    let d = r.route(&qd).unwrap();
+    assert_eq!(d.fallback, Some(Fallback::DecodeToAggregated));
+    r.join_worker(WorkerConfig {
+        role: WorkerRole::Decode,
+        ..WorkerConfig::simple(2, 1000, BS)
+    })
+    .unwrap();
+    qd.id = RequestId(6);
+    qd.hints.allowed = Some(&[WorkerId(1)]);
     assert!(matches!(r.route(&qd), Err(RouteError::NoWorkers { .. })));
 }
 
@@ -1037,6 +1046,24 @@ fn a_whole_request_in_a_fleet_without_aggregated_workers_goes_to_a_decode_worker
     r.join_worker(WorkerConfig::simple(3, 1000, BS)).unwrap();
     let d = r.route(&req(4, &t)).unwrap();
     assert_eq!((d.worker, d.fallback), (WorkerRank::new(3, 0), None));
+    // With no decode worker, an aggregated one takes a decode-phase request, booked as a
+    // decode (no prompt tokens to compute).
+    let r = router(RouterConfig::default());
+    for (id, role) in [(1, WorkerRole::Prefill), (3, WorkerRole::Aggregated)] {
+        r.join_worker(WorkerConfig {
+            role,
+            ..WorkerConfig::simple(id, 1000, BS)
+        })
+        .unwrap();
+    }
+    let mut q = req(5, &t);
+    q.hints.phase = Phase::Decode;
+    let d = r.route(&q).unwrap();
+    assert_eq!(
+        (d.worker, d.fallback),
+        (WorkerRank::new(3, 0), Some(Fallback::DecodeToAggregated))
+    );
+    assert_eq!(r.load(d.worker).unwrap().prefill_tokens, 0);
 }
 
 /// Two workers, equal but for one running a request with the same 8-block system prompt:

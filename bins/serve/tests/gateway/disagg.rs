@@ -26,6 +26,8 @@ struct Plays {
     /// Answers a 503 to a decode half in SGLang's protocol (its transfer failed), and serves
     /// whole requests.
     fail_split: bool,
+    /// Refuses every completion with a 400 (a prompt past its context, say).
+    refuse: bool,
 }
 
 /// A stand-in engine: records each completion body; a request asking for a remote decode
@@ -34,6 +36,8 @@ struct Plays {
 struct Engine {
     url: String,
     bodies: Arc<Mutex<Vec<Value>>>,
+    /// Stops it: no new connection is taken and idle ones are closed (a killed engine).
+    kill: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
 }
 
 impl Engine {
@@ -47,6 +51,10 @@ impl Engine {
                 tokio::time::sleep(plays.delay).await;
                 if plays.fail {
                     return (StatusCode::INTERNAL_SERVER_ERROR, "engine failed").into_response();
+                }
+                if plays.refuse {
+                    let refusal = json!({"error": {"message": "the prompt is too long"}});
+                    return (StatusCode::BAD_REQUEST, axum::Json(refusal)).into_response();
                 }
                 if plays.fail_split && body.get("bootstrap_room").is_some() {
                     return (StatusCode::SERVICE_UNAVAILABLE, "the KV transfer failed")
@@ -70,8 +78,32 @@ impl Engine {
             .route("/health", get(|| async { "ok" }));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        Engine { url, bodies }
+        let (kill, killed) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = killed.await;
+                })
+                .await
+        });
+        Engine {
+            url,
+            bodies,
+            kill: Mutex::new(Some(kill)),
+        }
+    }
+
+    /// Kills it: later connections are refused.
+    async fn kill(&self) {
+        if let Some(kill) = self.kill.lock().unwrap().take() {
+            let _ = kill.send(());
+        }
+        let addr = self.url.trim_start_matches("http://").to_owned();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while tokio::net::TcpStream::connect(&addr).await.is_ok() {
+            assert!(std::time::Instant::now() < deadline, "{addr} still listens");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     fn bodies(&self) -> Vec<Value> {
@@ -94,12 +126,15 @@ async fn fleet(
     .await;
     let client = reqwest::Client::new();
     for (id, engine, role, labels) in workers {
+        let mut spec = json!({
+            "id": id, "url": engine.url, "kv_blocks": 1024, "role": role, "labels": labels,
+        });
+        if *role == "prefill" {
+            spec["bootstrap_port"] = json!(9100 + id);
+        }
         let r = client
             .post(format!("{url}/v1/workers"))
-            .json(&json!({
-                "id": id, "url": engine.url, "kv_blocks": 1024, "role": role,
-                "bootstrap_port": 9100 + id, "labels": labels,
-            }))
+            .json(&spec)
             .send()
             .await
             .unwrap();
@@ -648,5 +683,192 @@ async fn an_sglang_decode_half_failing_for_its_failed_prefill_is_the_prefills_fa
         metrics.contains("kvroute_disagg_requests_total{how=\"prefill_fallback\"} 1"),
         "{metrics}"
     );
+    serve.stop();
+}
+
+/// A prefill worker the router marks down (its failures, here one in a row) is not ready:
+/// disaggregation deactivates and requests are served whole, until the prober sees it again.
+/// This holds for workers that publish no KV events too, whose events never stop "flowing".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_marked_down_deactivates_disaggregation() {
+    let failing = Plays {
+        fail: true,
+        ..Plays::default()
+    };
+    let p = Engine::start("p1", failing).await;
+    let d = Engine::start("d1", Plays::default()).await;
+    let o = ServeOptions {
+        breaker_failures: 1,
+        probe_every: Duration::from_secs(600),
+        ..options(Protocol::Vllm)
+    };
+    let workers = [(1, &p, "prefill", json!({})), (2, &d, "decode", json!({}))];
+    let (serve, url, client) = fleet(o, &workers).await;
+    let (status, text, _) = complete(&client, &url, json!({"prompt": prompt(0)}), &[]).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{text}");
+    // Marked down: served whole on the decode worker, and /v1/route says so.
+    let (status, text, worker) = complete(&client, &url, json!({"prompt": prompt(100)}), &[]).await;
+    assert_eq!(
+        (status, worker.as_deref()),
+        (StatusCode::OK, Some("2")),
+        "{text}"
+    );
+    assert_eq!(p.bodies().len(), 1, "no second prefill");
+    assert!(d.bodies()[0].get("kv_transfer_params").is_none());
+    let (status, v) = super::post_json(
+        &client,
+        &format!("{url}/v1/route"),
+        &json!({"prompt": prompt(200)}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(
+        (v["disaggregated"].as_bool(), v["prefill"].is_null()),
+        (Some(false), true)
+    );
+    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
+    for line in [
+        "kvroute_disagg_active 0",
+        "kvroute_disagg_requests_total{how=\"whole\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
+    idle(&client, &url).await;
+    serve.stop();
+}
+
+/// The decode half's worker is settled before a prefill is sent: pins that cannot meet are
+/// the client's error, no decode worker for any prefill worker a retryable 503, and nothing
+/// is prefilled for a cache nobody can take. Aggregated workers take decode halves too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_prefill_is_sent_for_a_cache_no_decode_worker_can_take() {
+    let p = Engine::start("pa", Plays::default()).await;
+    let d = Engine::start("db", Plays::default()).await;
+    let mut labelled = options(Protocol::Vllm);
+    labelled.disagg.transfer_labels = vec!["rack".to_owned()];
+    let workers = [
+        (1, &p, "prefill", json!({"rack": "a"})),
+        (2, &d, "decode", json!({"rack": "b"})),
+    ];
+    let (serve, url, client) = fleet(labelled, &workers).await;
+    let r = client
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"prompt": prompt(0)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(r.headers().contains_key("retry-after"));
+    let pins = [
+        ("x-kvroute-prefill-worker", "1"),
+        ("x-kvroute-decode-worker", "2"),
+    ];
+    let (status, text, _) = complete(&client, &url, json!({"prompt": prompt(0)}), &pins).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("kv_transfer_labels"), "{text}");
+    let (status, _) = super::post_json(
+        &client,
+        &format!("{url}/v1/route"),
+        &json!({"prompt": prompt(0)}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        p.bodies().is_empty() && d.bodies().is_empty(),
+        "nothing sent"
+    );
+    idle(&client, &url).await;
+    serve.stop();
+    // Prefill workers and aggregated ones only: the aggregated worker decodes, pinned or not.
+    let a = Engine::start("ab", Plays::default()).await;
+    let workers = [(1, &p, "prefill", json!({})), (3, &a, "both", json!({}))];
+    let (serve, url, client) = fleet(options(Protocol::Vllm), &workers).await;
+    for pins in [&[][..], &[("x-kvroute-decode-worker", "3")][..]] {
+        let (status, text, worker) =
+            complete(&client, &url, json!({"prompt": prompt(500)}), pins).await;
+        assert_eq!(
+            (status, worker.as_deref()),
+            (StatusCode::OK, Some("3")),
+            "{text}"
+        );
+        let last = a.bodies().last().unwrap().clone();
+        assert_eq!(
+            last["kv_transfer_params"]["remote_engine_id"], "pa",
+            "{last}"
+        );
+    }
+    idle(&client, &url).await;
+    serve.stop();
+}
+
+/// SGLang's prefill half refused by its engine (a 4xx): that answer is the client's at
+/// once, not a decode half's timeout, and the decode half waiting for the cache is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_prefill_refused_by_its_engine_is_the_clients_answer() {
+    let refuse = Plays {
+        refuse: true,
+        ..Plays::default()
+    };
+    let waits = Plays {
+        delay: Duration::from_secs(30),
+        ..Plays::default()
+    };
+    let p = Engine::start("p1", refuse).await;
+    let d = Engine::start("d1", waits).await;
+    let workers = [(1, &p, "prefill", json!({})), (2, &d, "decode", json!({}))];
+    let (serve, url, client) = fleet(options(Protocol::Sglang), &workers).await;
+    let started = std::time::Instant::now();
+    let (status, text, _) = complete(&client, &url, json!({"prompt": prompt(0)}), &[]).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("too long"), "{text}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    idle(&client, &url).await;
+    serve.stop();
+}
+
+/// SGLang's protocol, a prefill worker killed: a request that picks it has both halves sent
+/// again with the next prefill worker, as vLLM's does, and it is not picked again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_prefill_worker_killed_has_the_next_one_take_the_request() {
+    let p = [
+        Engine::start("p1", Plays::default()).await,
+        Engine::start("p2", Plays::default()).await,
+    ];
+    let d = Engine::start("d1", Plays::default()).await;
+    let workers = [
+        (1, &p[0], "prefill", json!({})),
+        (2, &p[1], "prefill", json!({})),
+        (3, &d, "decode", json!({})),
+    ];
+    let (serve, url, client) = fleet(options(Protocol::Sglang), &workers).await;
+    p[0].kill().await;
+    // Round robin among the prefill workers: one of the two requests picks the killed one.
+    for first in [0, 1000] {
+        let (status, text, worker) =
+            complete(&client, &url, json!({"prompt": prompt(first)}), &[]).await;
+        assert_eq!(
+            (status, worker.as_deref()),
+            (StatusCode::OK, Some("3")),
+            "{text}"
+        );
+    }
+    assert_eq!(p[1].bodies().len(), 2, "the live prefill worker took both");
+    // The decode half of the failed attempt may have gone out before the prefill's refusal
+    // stopped it; the ones answered met worker 2's bootstrap server.
+    let halves = d.bodies();
+    assert!((2..=3).contains(&halves.len()), "{halves:?}");
+    assert_eq!(halves.last().unwrap()["bootstrap_port"], 9102);
+    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
+    for line in [
+        "kvroute_upstream_failures_total{kind=\"connect\"} 1",
+        "kvroute_disagg_requests_total{how=\"disaggregated\"} 2",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
+    idle(&client, &url).await;
     serve.stop();
 }

@@ -56,6 +56,11 @@ async fn a_refused_add_leaves_the_registry_and_the_router_as_they_were() {
         // every request sent to it.
         json!({"id": 2, "url": "https://127.0.0.1:9", "kv_blocks": 64}),
         json!({"id": 2, "url": "http://", "kv_blocks": 64}),
+        // A bootstrap port on a worker that does not prefill (SGLang's decode servers take
+        // none).
+        json!({"id": 2, "url": "http://127.0.0.1:9", "kv_blocks": 64, "role": "decode",
+               "bootstrap_port": 8998}),
+        json!({"id": 2, "url": "http://127.0.0.1:9", "kv_blocks": 64, "bootstrap_port": 8998}),
         // The id is taken.
         json!({"id": 1, "url": "http://127.0.0.1:10", "kv_blocks": 64}),
     ];
