@@ -31,16 +31,16 @@ pub(super) struct ReplicaArgs {
     pub(super) replicas: usize,
     /// With --replicas: how late each router learns of the others' bookings, in ms of the
     /// fleet's virtual time, one run each (0: at once; `off`: never, each router counts only
-    /// its own). Not with --live, where the delay is the real one through NATS.
+    /// its own; default off,0,2). Not with --live, where the delay is the real one through
+    /// NATS.
     #[arg(
         long,
         value_delimiter = ',',
         value_name = "LIST",
-        default_value = "off,0,2",
         value_parser = demo::parse_booking_sync,
         conflicts_with = "live"
     )]
-    pub(super) replica_delay_ms: Vec<BookingSync>,
+    pub(super) replica_delay_ms: Option<Vec<BookingSync>>,
 }
 
 /// One demo per fleet size of `--sweep-workers`, arrivals and requests scaled with the size.
@@ -211,7 +211,13 @@ pub(super) fn run_replica_demo(
         demo: config,
         policy,
         replicas: args.replica.replicas,
-        syncs: args.replica.replica_delay_ms.clone(),
+        syncs: args.replica.replica_delay_ms.clone().unwrap_or_else(|| {
+            vec![
+                BookingSync::Off,
+                BookingSync::After(std::time::Duration::ZERO),
+                BookingSync::After(std::time::Duration::from_millis(2)),
+            ]
+        }),
         // As `kvroute serve` does: replicas break near-ties at random, one router does not.
         near_tie: args.near_tie.unwrap_or(kvroute_core::REPLICA_NEAR_TIE),
     };

@@ -855,6 +855,9 @@ fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
     if !(1..=64).contains(&args.replica.replicas) {
         anyhow::bail!("--replicas takes 1 to 64 routers");
     }
+    if args.replica.replicas == 1 && args.replica.replica_delay_ms.is_some() {
+        anyhow::bail!("--replica-delay-ms needs --replicas N (2 or more)");
+    }
     if args.live && args.replica.replicas != 1 {
         return run_live_replica_demo(&args, &workload, config);
     }

@@ -17,6 +17,15 @@ use super::backends::BackendSpec;
 use super::proxy::{error, read_prompt_async};
 use super::AppState;
 
+/// Bit 52 of a request id marks a `/v1/route` booking: only those can be freed through its
+/// `DELETE` (a proxied request's booking is its own to free).
+const ROUTE_BOOKING: u64 = 1 << 52;
+
+/// A new id for a decision of `/v1/route`.
+pub(crate) fn route_id(state: &AppState) -> RequestId {
+    RequestId(state.next_id.fetch_add(1, Ordering::Relaxed) | ROUTE_BOOKING)
+}
+
 /// `POST /v1/route`: where a request would go, and what the router predicts it finds there.
 /// `"book": true` books its load as a routed request (free it with
 /// `DELETE /v1/route/{request_id}`).
@@ -58,7 +67,7 @@ pub(crate) async fn route(
     }
     // The workers the proxy would consider now: ready ones first, never a draining one.
     let allowed = crate::proxy::allowed_workers(&state, &[], crate::proxy::Pool::All).flatten();
-    let id = RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
+    let id = route_id(&state);
     let request = RouteRequest {
         id,
         tokens: &routed.tokens,
@@ -129,6 +138,14 @@ fn value_is_chat(body: &[u8]) -> bool {
 
 /// `DELETE /v1/route/{request_id}`: frees a booking made by `/v1/route`.
 pub(crate) async fn free_route(State(state): State<AppState>, Path(id): Path<u64>) -> Response {
+    if id & ROUTE_BOOKING == 0 {
+        return error(
+            &state,
+            "route",
+            StatusCode::NOT_FOUND,
+            format!("request {id} is not a booking of /v1/route"),
+        );
+    }
     match state.router.free(RequestId(id)) {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => error(&state, "route", StatusCode::NOT_FOUND, e.to_string()),
@@ -208,8 +225,7 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
     // Whether workers added or removed here reach the fleet's other replicas.
     let registry = match &state.registry {
         None => "none",
-        Some(r) if r.store().is_some() => "shared",
-        Some(_) => "unreachable",
+        Some(r) => r.state(),
     };
     Json(json!({ "workers": workers, "registry": registry }))
 }
@@ -227,25 +243,50 @@ pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Re
             )
         }
     };
-    let json_spec = serde_json::to_vec(&spec).unwrap_or_default();
+    let store = state.registry.as_ref().and_then(|r| r.store());
+    if let Some(store) = store {
+        if let Err(conflict) = crate::registry::check_add(store, &spec).await {
+            return error(
+                &state,
+                "workers",
+                StatusCode::CONFLICT,
+                conflict.to_string(),
+            );
+        }
+    }
+    let id = spec.id;
     match state
         .backends
-        .add(&state.router, &state.client, spec, &state.options.limits())
+        .add(
+            &state.router,
+            &state.client,
+            spec.clone(),
+            &state.options.limits(),
+        )
         .await
     {
-        Ok(b) => {
+        Ok(_) => {
             // Then the fleet's other replicas, through the shared registry.
-            let shared = match state.registry.as_ref().and_then(|r| r.store()) {
-                Some(store) => store
-                    .put(crate::registry::key(b.spec.id), json_spec.into())
-                    .await
-                    .map_err(|e| tracing::warn!(error = %e, "worker registry: not shared"))
-                    .is_ok(),
-                None => false,
+            let shared = match store {
+                Some(store) => match crate::registry::share_add(store, &spec).await {
+                    Ok(shared) => shared,
+                    Err(conflict) => {
+                        // Another replica wrote another spec meanwhile: it wins.
+                        let _ = state.backends.remove(&state.router, id);
+                        return error(
+                            &state,
+                            "workers",
+                            StatusCode::CONFLICT,
+                            conflict.to_string(),
+                        );
+                    }
+                },
+                None => crate::registry::Shared::No,
             };
+            let (shared, pending) = shared.json();
             (
                 StatusCode::CREATED,
-                Json(json!({"id": b.spec.id, "shared": shared})),
+                Json(json!({"id": id, "shared": shared, "pending": pending})),
             )
                 .into_response()
         }
@@ -268,17 +309,15 @@ pub(crate) async fn remove_worker(State(state): State<AppState>, Path(id): Path<
     state.set_draining(WorkerId(id), true);
     // The fleet's other replicas drain it too, through the shared registry.
     let shared = match state.registry.as_ref().and_then(|r| r.store()) {
-        Some(store) => store
-            .delete(crate::registry::key(id))
-            .await
-            .map_err(|e| tracing::warn!(error = %e, "worker registry: removal not shared"))
-            .is_ok(),
-        None => false,
+        Some(store) => crate::registry::share_removal(store, id).await,
+        None => crate::registry::Shared::No,
     };
+    let (shared, pending) = shared.json();
     match crate::registry::drain_and_remove(&state, &backend).await {
-        Ok(blocks) => {
-            Json(json!({"id": id, "blocks_removed": blocks, "shared": shared})).into_response()
-        }
+        Ok(blocks) => Json(json!({
+            "id": id, "blocks_removed": blocks, "shared": shared, "pending": pending,
+        }))
+        .into_response(),
         Err(e) => error(&state, "workers", StatusCode::NOT_FOUND, e.to_string()),
     }
 }

@@ -911,7 +911,7 @@ pub(crate) fn route_both(
         cache_salt: routed.cache_salt.as_deref(),
         ..RouteHints::default()
     };
-    let id = || RequestId(state.next_id.fetch_add(1, Ordering::Relaxed));
+    let id = || crate::admin::route_id(state);
     let pool = match plan(state, routed, pins)? {
         Plan::Split(pool) => pool,
         Plan::Whole { rank, .. } => {

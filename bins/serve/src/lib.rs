@@ -365,7 +365,12 @@ impl RunningServe {
             client: client.clone(),
             metrics: Arc::clone(&state_metrics),
             options: Arc::new(options.clone()),
-            next_id: Arc::new(AtomicU64::new(0)),
+            // A replica's request ids start at a base of its own (20 bits of its id, then
+            // 32 of count, under 2⁵³ for JSON clients), so that an id booked by
+            // `/v1/route` on one replica names nothing of another's.
+            next_id: Arc::new(AtomicU64::new(
+                replica.map_or(0, |r| (r.0 & 0xf_ffff).max(1) << 32),
+            )),
             text,
             draining: Arc::default(),
             disagg: Arc::default(),

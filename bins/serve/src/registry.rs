@@ -24,16 +24,106 @@ use tokio::task::JoinHandle;
 use super::backends::BackendSpec;
 use super::AppState;
 
-/// The store, once reached.
+/// The store, once reached, and the client it is reached by.
 #[derive(Debug, Default)]
 pub(crate) struct SharedRegistry {
     store: OnceLock<Store>,
+    client: OnceLock<async_nats::Client>,
+}
+
+/// What became of a worker change, for the fleet's other replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shared {
+    /// The registry has it: every replica follows.
+    Yes,
+    /// Not acknowledged (NATS down): the client holds it and writes it when NATS is back,
+    /// while this replica runs.
+    Pending,
+    /// No registry (no NATS, or it was never reached): this replica's own.
+    No,
+}
+
+impl Shared {
+    /// The answer's `"shared"` and `"pending"`.
+    pub(crate) fn json(self) -> (bool, bool) {
+        (self == Shared::Yes, self == Shared::Pending)
+    }
 }
 
 impl SharedRegistry {
     /// The bucket, when it has been reached.
     pub(crate) fn store(&self) -> Option<&Store> {
         self.store.get()
+    }
+
+    /// `"shared"` while the bucket is reached and NATS connected, `"unreachable"` otherwise.
+    pub(crate) fn state(&self) -> &'static str {
+        let connected = self
+            .client
+            .get()
+            .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
+        if self.store().is_some() && connected {
+            "shared"
+        } else {
+            "unreachable"
+        }
+    }
+}
+
+/// Why a worker cannot be added to the fleet's registry.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Conflict {
+    /// The registry holds another worker under the id.
+    #[error(
+        "worker {0} is in the fleet's registry with another spec: remove it first (DELETE \
+         /v1/workers/{0})"
+    )]
+    Taken(u64),
+}
+
+/// Before a worker joins through this replica's API: refused when the registry holds another
+/// spec under its id (it would replace that worker on every replica).
+pub(crate) async fn check_add(store: &Store, spec: &BackendSpec) -> Result<(), Conflict> {
+    match store.entry(key(spec.id)).await {
+        Ok(Some(e)) if e.operation == Operation::Put => {
+            match serde_json::from_slice::<BackendSpec>(&e.value) {
+                Ok(held) if held == *spec => Ok(()),
+                _ => Err(Conflict::Taken(spec.id)),
+            }
+        }
+        // Not there, removed, or not readable now (the create below then decides).
+        _ => Ok(()),
+    }
+}
+
+/// Writes a worker that joined through this replica's API to the registry: created, so that
+/// a spec written meanwhile by another replica is not replaced.
+pub(crate) async fn share_add(store: &Store, spec: &BackendSpec) -> Result<Shared, Conflict> {
+    let value = serde_json::to_vec(spec).unwrap_or_default();
+    match store.create(key(spec.id), value.into()).await {
+        Ok(_) => Ok(Shared::Yes),
+        Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
+            // The same spec already there is shared; another is a conflict.
+            match check_add(store, spec).await {
+                Ok(()) => Ok(Shared::Yes),
+                Err(c) => Err(c),
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, worker = spec.id, "worker registry: not acknowledged");
+            Ok(Shared::Pending)
+        }
+    }
+}
+
+/// Removes a worker from the registry (its removal through this replica's API).
+pub(crate) async fn share_removal(store: &Store, id: u64) -> Shared {
+    match store.delete(key(id)).await {
+        Ok(()) => Shared::Yes,
+        Err(e) => {
+            tracing::warn!(error = %e, worker = id, "worker registry: removal not acknowledged");
+            Shared::Pending
+        }
     }
 }
 
@@ -60,6 +150,7 @@ pub(crate) fn start(
     shared: Arc<SharedRegistry>,
 ) -> JoinHandle<()> {
     let name = bucket(fleet);
+    let _ = shared.client.set(client.clone());
     tokio::spawn(async move {
         let js = async_nats::jetstream::new(client);
         let mut warned = false;
@@ -172,28 +263,33 @@ async fn apply(state: &AppState, entry: Entry) {
                 tracing::warn!(key = %entry.key, id = spec.id, "worker registry: key and id differ");
                 return;
             }
-            if let Some(b) = state.backends.get(id) {
-                if b.spec == spec {
-                    return;
+            let state = state.clone();
+            // Its own task: a changed worker drains first, and the watch goes on meanwhile.
+            tokio::spawn(async move {
+                if let Some(b) = state.backends.get(id) {
+                    if b.spec == spec {
+                        return;
+                    }
+                    tracing::warn!(
+                        worker = id,
+                        "worker's spec differs in the fleet's registry: drained, then rejoining \
+                         as the registry has it"
+                    );
+                    let _ = drain_and_remove(&state, &b).await;
                 }
-                tracing::info!(
-                    worker = id,
-                    "worker changed in the fleet's registry: rejoining"
-                );
-                let _ = state.backends.remove(&state.router, id);
-            }
-            match state
-                .backends
-                .add(&state.router, &state.client, spec, &state.options.limits())
-                .await
-            {
-                Ok(_) => tracing::info!(worker = id, "worker joined from the fleet's registry"),
-                Err(e) => tracing::warn!(
-                    worker = id,
-                    error = %e,
-                    "worker from the fleet's registry refused"
-                ),
-            }
+                match state
+                    .backends
+                    .add(&state.router, &state.client, spec, &state.options.limits())
+                    .await
+                {
+                    Ok(_) => tracing::info!(worker = id, "worker joined from the fleet's registry"),
+                    Err(e) => tracing::warn!(
+                        worker = id,
+                        error = %e,
+                        "worker from the fleet's registry refused"
+                    ),
+                }
+            });
         }
         Operation::Delete | Operation::Purge => spawn_removal(state, id),
     }

@@ -88,7 +88,7 @@ impl SyncMetrics {
                 "kvroute_replica_sync",
                 "The booking sync since the start: messages sent and heard, deltas applied and \
                  refused, malformed and foreign messages, gaps, snapshots sent and taken, \
-                 replicas lost, own deltas lost.",
+                 replicas lost, own deltas lost, messages NATS would not take.",
             ),
             &["kind"],
         )?;
@@ -275,6 +275,8 @@ impl ReplicaSync {
             sent: 0,
             lost_deltas: 0,
             snapshots_sent: 0,
+            failed: 0,
+            warned: None,
         };
         let listener = Listener {
             router: Arc::clone(router),
@@ -361,6 +363,10 @@ struct Publisher {
     sent: u64,
     lost_deltas: u64,
     snapshots_sent: u64,
+    /// Messages NATS would not take (past the server's `max_payload`, or the client gone).
+    failed: u64,
+    /// When a failed publish was last logged.
+    warned: Option<Instant>,
 }
 
 impl Publisher {
@@ -402,6 +408,10 @@ impl Publisher {
                 }
                 Some(link) = links.recv() => {
                     if let Link::Up = link {
+                        // Messages the server takes: half its max_payload leaves room for
+                        // the sizes' estimates.
+                        let max_payload = self.client.server_info().max_payload;
+                        self.outbox.set_max_bytes(max_payload / 2);
                         // Others may have dropped this replica meanwhile: its book, then a
                         // request for theirs.
                         self.snapshot().await;
@@ -423,9 +433,27 @@ impl Publisher {
 
     async fn publish(&mut self, msgs: Vec<Vec<u8>>) {
         for m in msgs {
+            let bytes = m.len();
             match self.client.publish(self.subject.clone(), m.into()).await {
                 Ok(()) => self.sent += 1,
-                Err(e) => tracing::debug!(error = %e, "booking sync: publish failed"),
+                Err(e) => {
+                    self.failed += 1;
+                    self.metrics.set("publish_failed", self.failed);
+                    // Told at most every 10 s: a server that takes none would flood the log.
+                    if self
+                        .warned
+                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(10))
+                    {
+                        self.warned = Some(Instant::now());
+                        tracing::warn!(
+                            error = %e,
+                            bytes,
+                            failed = self.failed,
+                            "booking sync: a message NATS would not take (the other replicas \
+                             ask for this one's book when they see the gap)"
+                        );
+                    }
+                }
             }
         }
     }
@@ -451,8 +479,21 @@ impl Listener {
     ) {
         let mut sweep = tokio::time::interval(HEARTBEAT);
         sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // NATS unreachable from the start is said as a link lost later is.
+        let first_link = tokio::time::sleep(SILENT_AFTER);
+        tokio::pin!(first_link);
+        let mut linked = false;
         loop {
             tokio::select! {
+                () = &mut first_link, if !linked => {
+                    linked = true;
+                    if self.metrics.up.get() == 0 {
+                        tracing::warn!(
+                            "booking sync not connected (NATS unreachable): routing on this \
+                             replica's own bookings until it is"
+                        );
+                    }
+                }
                 msg = subscriber.next() => {
                     let Some(msg) = msg else { return };
                     self.take(&msg.payload).await;

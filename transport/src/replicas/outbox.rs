@@ -22,6 +22,8 @@ pub struct Outbox {
     pending: Vec<WireDelta>,
     /// Some deltas never reached the outbox: the next flush sends a snapshot instead.
     lost: bool,
+    /// Largest message built, about (batches and snapshots are split to fit).
+    max_bytes: usize,
 }
 
 impl Outbox {
@@ -34,7 +36,14 @@ impl Outbox {
             book: HashMap::new(),
             pending: Vec::new(),
             lost: false,
+            max_bytes: MAX_MESSAGE_BYTES,
         }
+    }
+
+    /// Builds messages of at most about `bytes` (at least 1 KiB, at most
+    /// [`MAX_MESSAGE_BYTES`]): what the NATS server takes, which tells its `max_payload`.
+    pub fn set_max_bytes(&mut self, bytes: usize) {
+        self.max_bytes = bytes.clamp(1 << 10, MAX_MESSAGE_BYTES);
     }
 
     /// The router it speaks for.
@@ -61,6 +70,11 @@ impl Outbox {
     pub fn push(&mut self, delta: &BookingDelta<'_>) {
         let wire = match *delta {
             BookingDelta::Booked(b) => {
+                // A prompt whose hashes alone pass the message size keeps its leading blocks
+                // (the rest of its load stands in its token counts): a message NATS refuses
+                // would be asked for again and again.
+                let fits = self.max_bytes.saturating_sub(256) / 8;
+                let hashes = &b.block_hashes[..b.block_hashes.len().min(fits)];
                 let w = WireBooking {
                     request: b.request.0,
                     worker: b.rank.worker.0,
@@ -69,7 +83,7 @@ impl Outbox {
                     prompt_tokens: b.prompt_tokens,
                     cached_tokens: b.cached_tokens,
                     expected_output_tokens: b.expected_output_tokens,
-                    hashes: b.block_hashes.iter().map(|h| h.0).collect(),
+                    hashes: hashes.iter().map(|h| h.0).collect(),
                     prefill_done: false,
                     output_blocks: 0,
                     generated: 0,
@@ -137,7 +151,7 @@ impl Outbox {
                 _ => 32,
             };
             match batches.last_mut() {
-                Some(batch) if bytes + size <= MAX_MESSAGE_BYTES => batch.push(d),
+                Some(batch) if bytes + size <= self.max_bytes => batch.push(d),
                 _ => {
                     batches.push(vec![d]);
                     bytes = 0;
@@ -163,7 +177,7 @@ impl Outbox {
         let mut bytes = 0;
         for b in self.book.values() {
             let size = b.size_hint();
-            if bytes + size > MAX_MESSAGE_BYTES && parts.last().is_some_and(|p| !p.is_empty()) {
+            if bytes + size > self.max_bytes && parts.last().is_some_and(|p| !p.is_empty()) {
                 parts.push(Vec::new());
                 bytes = 0;
             }

@@ -175,6 +175,43 @@ fn a_large_book_travels_in_parts_that_fit_a_message() {
     assert!(r.iter().any(|r| r.ask_resync.is_some() || r.dropped > 0));
 }
 
+/// A server with a small `max_payload`: batches and snapshots fit it, and a prompt whose
+/// hashes alone would not keeps its leading blocks, so that every message is one NATS takes.
+#[test]
+fn messages_fit_a_small_server_and_a_long_prompt_keeps_its_leading_blocks() {
+    let mut a = Sender::new(1);
+    a.outbox.set_max_bytes(1024);
+    let b = router();
+    let mut inbox = Inbox::new(ReplicaId(2), BS);
+    // 250 blocks: 2,000 bytes of hashes alone.
+    a.route(1, 16 * 250);
+    for id in 2..=20 {
+        a.route(id, 16 * 20);
+    }
+    let msgs = a.flush();
+    assert!(msgs.len() > 1, "{} messages", msgs.len());
+    assert!(
+        msgs.iter().all(|m| m.len() <= 2048),
+        "{:?}",
+        msgs.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    let parts = a.outbox.snapshot(1);
+    assert!(parts.iter().all(|m| m.len() <= 2048));
+    deliver(&mut inbox, &b, &parts);
+    assert_eq!(b.remote_requests(), 20);
+    // The long prompt's load is the same on both: its blocks count from its tokens, the
+    // hashes that fit only name the leading ones.
+    let rank = a.router.fleet().ranks.iter().map(|r| r.rank).find(|r| {
+        a.router
+            .load(*r)
+            .is_some_and(|l| l.prefill_tokens >= 16 * 250)
+    });
+    let rank = rank.unwrap();
+    let (mine, theirs) = (a.router.load(rank).unwrap(), b.load(rank).unwrap());
+    assert_eq!(theirs.prefill_tokens, mine.prefill_tokens);
+    assert_eq!(theirs, mine, "its blocks count from its tokens");
+}
+
 #[test]
 fn quiet_peers_are_dropped_and_own_messages_ignored() {
     let mut a = Sender::new(1);

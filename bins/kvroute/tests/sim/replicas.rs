@@ -445,5 +445,6 @@ fn demo_replicas_writes_a_row_per_mode_and_refuses_what_it_cannot_run() {
     assert!(!demo(&["--replicas", "3", "--live", "--replica-delay-ms", "0"]).success());
     assert!(!demo(&["--replicas", "0"]).success());
     assert!(!demo(&["--replicas", "100000"]).success());
+    assert!(!demo(&["--replica-delay-ms", "5"]).success());
     assert!(!demo(&["--replicas", "3", "--disagg"]).success());
 }

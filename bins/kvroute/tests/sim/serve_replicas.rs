@@ -26,6 +26,8 @@ fn nats_on_a_free_port() -> Option<(Process, u16, String)> {
 /// its own, or none when it is not installed.
 fn nats_server(port: u16) -> Option<Process> {
     let store = std::env::temp_dir().join(format!("kvroute-nats-{port}"));
+    // A store left by an earlier run on this port would hand its fleet's workers on.
+    let _ = std::fs::remove_dir_all(&store);
     let child = Command::new("nats-server")
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
         .arg(&store)
@@ -398,7 +400,7 @@ async fn a_worker_added_or_removed_through_one_replica_reaches_every_replica() {
         .json()
         .await
         .unwrap();
-    assert_eq!(added, json!({"id": 7, "shared": true}));
+    assert_eq!(added, json!({"id": 7, "shared": true, "pending": false}));
     let t = Instant::now();
     eventually(
         Duration::from_secs(1),
@@ -408,6 +410,26 @@ async fn a_worker_added_or_removed_through_one_replica_reaches_every_replica() {
     )
     .await;
     eprintln!("worker added through A ready on B after {:?}", t.elapsed());
+    // Another spec under the same id, through B: refused, not swapped in on every replica.
+    let other = client
+        .post(format!("{url_b}/v1/workers"))
+        .json(&spec(7, &engines[0]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), reqwest::StatusCode::CONFLICT);
+    let url_of_7 = |v: Value| {
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["id"] == 7)
+            .map(|w| w["url"].clone())
+    };
+    for url in [&url_a, &url_b] {
+        let held = url_of_7(workers_json(&client, url).await);
+        assert_eq!(held, Some(json!(engines[1].url)), "{url}");
+    }
 
     // B restarts with its old configuration: the registry gives it the worker back.
     signal(&b, "KILL");

@@ -48,6 +48,7 @@ async fn a_booking_nobody_frees_expires_and_its_load_returns() {
     let freed = book(1).await;
     let _left = book(2).await;
     assert_eq!(serve.router().load(rank).unwrap().requests, 2);
+    assert!((1 << 52..1 << 53).contains(&freed), "{freed}");
     let delete = client
         .delete(format!("{url}/v1/route/{freed}"))
         .send()
@@ -72,5 +73,59 @@ async fn a_booking_nobody_frees_expires_and_its_load_returns() {
         "{metrics}"
     );
     assert!(serve.router().fleet().worker(WorkerId(1)).is_some());
+    serve.stop();
+}
+
+/// `DELETE /v1/route/{id}` frees `/v1/route`'s bookings only: a proxied request in flight
+/// (whose id is the gateway's count, without the route's mark) keeps its booking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_route_frees_its_own_bookings_not_a_proxied_requests() {
+    let slow = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(|| async {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            axum::Json(json!({"choices": []}))
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, slow).await });
+    let (serve, url) = gateway(ServeOptions::default()).await;
+    let client = reqwest::Client::new();
+    let added = client
+        .post(format!("{url}/v1/workers"))
+        .json(&json!({"id": 1, "url": engine, "kv_blocks": 64}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), StatusCode::CREATED);
+    let rank = WorkerRank::new(1, 0);
+    let in_flight = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move {
+            client
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({"prompt": (0..64).collect::<Vec<u32>>()}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while serve.router().load(rank).unwrap().requests == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never booked");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The gateway's first request is number 0.
+    let refused = client
+        .delete(format!("{url}/v1/route/0"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), StatusCode::NOT_FOUND);
+    assert_eq!(serve.router().load(rank).unwrap().requests, 1);
+    assert_eq!(in_flight.await.unwrap(), StatusCode::OK);
+    assert_eq!(serve.router().load(rank).unwrap().requests, 0);
     serve.stop();
 }

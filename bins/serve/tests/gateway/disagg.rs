@@ -4,6 +4,7 @@
 //! a failing prefill worker; pins; transfer labels; conditional disaggregation; a client that
 //! leaves after the prefill; and `/v1/route`'s two choices.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,6 +37,10 @@ struct Plays {
 struct Engine {
     url: String,
     bodies: Arc<Mutex<Vec<Value>>>,
+    /// Completions fail with a 500 while set (from `Plays::fail`).
+    failing: Arc<AtomicBool>,
+    /// `/health` answers 503 while set.
+    sick: Arc<AtomicBool>,
     /// Stops it: no new connection is taken and idle ones are closed (a killed engine).
     kill: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
 }
@@ -44,12 +49,15 @@ impl Engine {
     async fn start(name: &'static str, plays: Plays) -> Engine {
         let bodies = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&bodies);
+        let failing = Arc::new(AtomicBool::new(plays.fail));
+        let sick = Arc::new(AtomicBool::new(false));
+        let (fails, ill) = (Arc::clone(&failing), Arc::clone(&sick));
         let answer = move |axum::Json(body): axum::Json<Value>| {
-            let seen = Arc::clone(&seen);
+            let (seen, fails) = (Arc::clone(&seen), Arc::clone(&fails));
             async move {
                 seen.lock().unwrap().push(body.clone());
                 tokio::time::sleep(plays.delay).await;
-                if plays.fail {
+                if fails.load(Ordering::Relaxed) {
                     return (StatusCode::INTERNAL_SERVER_ERROR, "engine failed").into_response();
                 }
                 if plays.refuse {
@@ -75,7 +83,19 @@ impl Engine {
         let app = axum::Router::new()
             .route("/v1/completions", post(answer.clone()))
             .route("/v1/chat/completions", post(answer))
-            .route("/health", get(|| async { "ok" }));
+            .route(
+                "/health",
+                get(move || {
+                    let sick = ill.load(Ordering::Relaxed);
+                    async move {
+                        if sick {
+                            StatusCode::SERVICE_UNAVAILABLE
+                        } else {
+                            StatusCode::OK
+                        }
+                    }
+                }),
+            );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (kill, killed) = tokio::sync::oneshot::channel::<()>();
@@ -89,6 +109,8 @@ impl Engine {
         Engine {
             url,
             bodies,
+            failing,
+            sick,
             kill: Mutex::new(Some(kill)),
         }
     }
@@ -699,11 +721,13 @@ async fn a_prefill_worker_marked_down_deactivates_disaggregation() {
     let d = Engine::start("d1", Plays::default()).await;
     let o = ServeOptions {
         breaker_failures: 1,
-        probe_every: Duration::from_secs(600),
+        probe_every: Duration::from_millis(100),
         ..options(Protocol::Vllm)
     };
     let workers = [(1, &p, "prefill", json!({})), (2, &d, "decode", json!({}))];
-    let (serve, url, client) = fleet(o, &workers).await;
+    let (serve, url, client) = fleet(o.clone(), &workers).await;
+    // Down, and its health says so: the prober does not bring it back.
+    p.sick.store(true, Ordering::Relaxed);
     let (status, text, _) = complete(&client, &url, json!({"prompt": prompt(0)}), &[]).await;
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{text}");
     // Marked down: served whole on the decode worker, and /v1/route says so.
@@ -733,6 +757,54 @@ async fn a_prefill_worker_marked_down_deactivates_disaggregation() {
     ] {
         assert!(metrics.contains(line), "{line}: {metrics}");
     }
+    // Back: once the prober sees it answer, requests are split again.
+    p.failing.store(false, Ordering::Relaxed);
+    p.sick.store(false, Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, v) = super::post_json(
+            &client,
+            &format!("{url}/v1/route"),
+            &json!({"prompt": prompt(300)}),
+        )
+        .await;
+        if v["disaggregated"] == true {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never reactivated: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, text, _) = complete(&client, &url, json!({"prompt": prompt(400)}), &[]).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(p.bodies().len(), 2, "split again");
+    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
+    assert!(metrics.contains("kvroute_disagg_active 1"), "{metrics}");
+    idle(&client, &url).await;
+    serve.stop();
+    // Enforced: a fleet whose prefill workers are all down refuses, retryably.
+    p.failing.store(true, Ordering::Relaxed);
+    let enforced = ServeOptions {
+        router: kvroute_core::RouterConfig {
+            disaggregation: kvroute_core::Disaggregation::Enforced,
+            ..o.router.clone()
+        },
+        ..o
+    };
+    let (serve, url, client) = fleet(enforced, &workers).await;
+    p.sick.store(true, Ordering::Relaxed);
+    let (status, _, _) = complete(&client, &url, json!({"prompt": prompt(500)}), &[]).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    let r = client
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"prompt": prompt(600)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(r.headers().contains_key("retry-after"));
     idle(&client, &url).await;
     serve.stop();
 }
