@@ -172,6 +172,9 @@ pub(crate) async fn list_workers(State(state): State<AppState>) -> Json<Value> {
                         "dp_rank": r,
                         "health": entry.map(|e| format!("{:?}", e.state.health())),
                         "index_blocks": entry.map(|e| e.state.reported_blocks()),
+                        // KV blocks the engine says are in use, while they count (the booking
+                        // sync down); 0 otherwise.
+                        "engine_blocks": entry.map(|e| e.state.engine_blocks()),
                         "load": load.map(|l| json!({
                             "requests": l.requests,
                             "prefill_tokens": l.prefill_tokens,

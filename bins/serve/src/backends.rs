@@ -145,6 +145,7 @@ pub(crate) struct EngineUrls {
     pub chat: Uri,
     pub health: Uri,
     pub models: Uri,
+    pub metrics: Uri,
 }
 
 impl EngineUrls {
@@ -155,6 +156,7 @@ impl EngineUrls {
             chat: parse("/v1/chat/completions")?,
             health: parse("/health")?,
             models: parse("/v1/models")?,
+            metrics: parse("/metrics")?,
         })
     }
 }

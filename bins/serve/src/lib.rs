@@ -32,6 +32,7 @@ mod auth;
 mod backends;
 mod config;
 pub mod disagg;
+mod engine_load;
 mod handlers;
 pub mod headers;
 mod listener;
@@ -292,6 +293,8 @@ pub struct RunningServe {
     server: JoinHandle<std::io::Result<()>>,
     prober: JoinHandle<()>,
     expirer: JoinHandle<()>,
+    /// The engines' reported load, read while the booking sync is down (replicas only).
+    engine_load: Option<JoinHandle<()>>,
     sync: Option<replicas::ReplicaSync>,
     registry: Option<JoinHandle<()>>,
 }
@@ -423,6 +426,15 @@ impl RunningServe {
             Arc::clone(&state_metrics),
             options.expire_every,
         ));
+        let engine_load = sync.as_ref().map(|_| {
+            let sync_metrics = state_metrics.replica.clone();
+            engine_load::start(
+                Arc::clone(&router),
+                Arc::clone(&backends),
+                client.clone(),
+                move || !sync_metrics.is_up(),
+            )
+        });
         let prober = tokio::spawn(probe(
             Arc::clone(&router),
             backends,
@@ -436,6 +448,7 @@ impl RunningServe {
             server,
             prober,
             expirer,
+            engine_load,
             sync,
             registry,
         })
@@ -459,6 +472,9 @@ impl RunningServe {
         };
         self.prober.abort();
         self.expirer.abort();
+        if let Some(engine_load) = self.engine_load.take() {
+            engine_load.abort();
+        }
         if let Some(registry) = self.registry.take() {
             registry.abort();
         }

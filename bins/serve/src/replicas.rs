@@ -141,6 +141,11 @@ impl SyncMetrics {
         self.scrape(router);
     }
 
+    /// Whether this replica hears the fleet's other replicas now (NATS connected).
+    pub(crate) fn is_up(&self) -> bool {
+        self.up.get() == 1
+    }
+
     /// What is read at each scrape.
     pub(crate) fn scrape(&self, router: &Router) {
         self.remote_requests.set(router.remote_requests() as i64);

@@ -131,6 +131,10 @@ pub struct RankState {
     warm_until_ns: AtomicU64,
     /// Device blocks the worker reported through its events (stored less removed).
     reported_blocks: AtomicU64,
+    /// KV blocks the engine itself says its requests hold (0: not told), set by the embedder
+    /// while the router's own bookings are not the whole of the rank's load
+    /// ([`RankState::selection_load`]).
+    engine_blocks: AtomicU64,
 }
 
 impl RankState {
@@ -161,6 +165,7 @@ impl RankState {
             no_events: AtomicBool::new(false),
             warm_until_ns: AtomicU64::new(0),
             reported_blocks: AtomicU64::new(0),
+            engine_blocks: AtomicU64::new(0),
         }
     }
 
@@ -182,6 +187,32 @@ impl RankState {
             requests: l.requests.load(Ordering::Relaxed),
             context_blocks: l.context_blocks.load(Ordering::Relaxed),
         }
+    }
+
+    /// The load selection weighs: [`RankState::load`], with the KV blocks its engine says
+    /// are in use past what the router has booked counted as unshared prompt blocks (the
+    /// requests of routers it does not hear from).
+    #[inline]
+    pub fn selection_load(&self) -> LoadView {
+        let mut view = self.load();
+        let engine = self.engine_blocks.load(Ordering::Relaxed);
+        let held = view.prompt_blocks + view.output_blocks;
+        if engine > held {
+            let unseen = engine - held;
+            view.prompt_blocks += unseen;
+            view.context_blocks += unseen;
+        }
+        view
+    }
+
+    /// KV blocks its engine says are in use (0: not told).
+    pub fn engine_blocks(&self) -> u64 {
+        self.engine_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Sets the KV blocks its engine says are in use (0: forget them).
+    pub fn set_engine_blocks(&self, blocks: u64) {
+        self.engine_blocks.store(blocks, Ordering::Relaxed);
     }
 
     /// The context its decodes read, in blocks ([`LoadView::context_load`]): two relaxed

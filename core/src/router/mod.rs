@@ -375,6 +375,28 @@ impl Router {
         Ok(previous)
     }
 
+    /// Tells the router how many KV blocks `rank`'s engine says its requests hold, from the
+    /// engine's own metrics: past this router's bookings on the rank, they weigh in its
+    /// selection as unshared prompt blocks (0 forgets them). For a router that cannot hear
+    /// the fleet's other routers (the booking sync down); false for an unknown rank.
+    pub fn set_engine_blocks(&self, rank: WorkerRank, blocks: u64) -> bool {
+        let fleet = self.registry.load();
+        match fleet.rank_index(rank) {
+            Some(i) => {
+                fleet.ranks[i].state.set_engine_blocks(blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forgets every rank's engine-reported blocks ([`Router::set_engine_blocks`]).
+    pub fn clear_engine_blocks(&self) {
+        for r in &self.registry.load().ranks {
+            r.state.set_engine_blocks(0);
+        }
+    }
+
     /// A rank's load, if the rank exists.
     pub fn load(&self, rank: WorkerRank) -> Option<LoadView> {
         let fleet = self.registry.load();

@@ -511,7 +511,7 @@ impl Scorer<'_> {
             if targets.cannot_win(floor - preference) {
                 return;
             }
-            let load = r.state.load();
+            let load = r.state.selection_load();
             let cost = CostTerms::total_of(self.weights, self.shape, &load, credit, 0) - preference;
             // The bound itself, now that the load is read: the rest of the scoring (busy and
             // health marks) is not done for a rank that cannot win.
@@ -546,7 +546,7 @@ impl Scorer<'_> {
         (own_credit, blocks): (f64, u32),
     ) -> Scored {
         let r = &self.fleet.ranks[i];
-        let load = r.state.load();
+        let load = r.state.selection_load();
         let cost = self.cost_with::<EXTRAS>(r, &load, own_credit, blocks);
         self.scored::<EXTRAS>(i, r, load, cost, blocks)
     }

@@ -391,3 +391,52 @@ fn near_ties_spread_the_choices_of_routers_blind_to_each_other() {
         "with near ties they spread: {spread} of 40 alike"
     );
 }
+
+/// A router that cannot hear the others (the sync down) is told its engines' own KV usage:
+/// blocks past its bookings weigh in selection, its own bookings and load stay as they are,
+/// and blocks it has booked itself are not counted twice.
+#[test]
+fn engine_reported_blocks_past_the_bookings_weigh_in_selection_only() {
+    let r = router();
+    let (busy, idle) = (WorkerRank::new(0, 0), WorkerRank::new(1, 0));
+    assert!(r.set_engine_blocks(busy, 10_000));
+    assert!(r.set_engine_blocks(WorkerRank::new(2, 0), 10_000));
+    assert!(
+        !r.set_engine_blocks(WorkerRank::new(9, 0), 1),
+        "an unknown rank"
+    );
+    // Every fresh prompt goes to the one engine that says it is idle.
+    for id in 1..=3 {
+        assert_eq!(
+            route(&r, id, &prompt(id as u32, 0, 64, id), None),
+            Some(idle)
+        );
+    }
+    assert_eq!(
+        r.load(busy).unwrap(),
+        LoadView::default(),
+        "the bookings are the router's own"
+    );
+    // Forgotten: the engines' word no longer counts, and the busy ranks are chosen again.
+    r.clear_engine_blocks();
+    let chosen: Vec<_> = (4..=9)
+        .map(|id| route(&r, id, &prompt(id as u32, 0, 64, id), None).unwrap())
+        .collect();
+    assert!(chosen.contains(&busy), "{chosen:?}");
+    // Reported blocks no more than booked ones change nothing.
+    let booked = r.load(idle).unwrap().decode_blocks();
+    assert!(booked > 0);
+    r.set_engine_blocks(idle, booked);
+    let fleet = r.fleet();
+    let i = fleet.rank_index(idle).unwrap();
+    assert_eq!(
+        fleet.ranks[i].state.selection_load(),
+        fleet.ranks[i].state.load()
+    );
+    r.set_engine_blocks(idle, booked + 5);
+    let lifted = fleet.ranks[i].state.selection_load();
+    assert_eq!(
+        lifted.prompt_blocks,
+        fleet.ranks[i].state.load().prompt_blocks + 5
+    );
+}

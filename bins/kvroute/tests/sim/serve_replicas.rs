@@ -19,18 +19,22 @@ use super::{free_port, skip_without_fixtures, Process};
 /// `nats-server` is not installed).
 fn nats_on_a_free_port() -> Option<(Process, u16, String)> {
     let port = free_port();
+    // A store left by an earlier run on this port would hand its fleet's workers on.
+    let _ = std::fs::remove_dir_all(store(port));
     Some((nats_server(port)?, port, format!("t{port}")))
+}
+
+/// Where the server on `port` stores JetStream's streams.
+fn store(port: u16) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("kvroute-nats-{port}"))
 }
 
 /// A `nats-server` on `port` (the system's package) with JetStream, storing in a directory of
 /// its own, or none when it is not installed.
 fn nats_server(port: u16) -> Option<Process> {
-    let store = std::env::temp_dir().join(format!("kvroute-nats-{port}"));
-    // A store left by an earlier run on this port would hand its fleet's workers on.
-    let _ = std::fs::remove_dir_all(&store);
     let child = Command::new("nats-server")
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-        .arg(&store)
+        .arg(store(port))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn();
@@ -185,6 +189,17 @@ async fn eventually<T: std::fmt::Debug, F: std::future::Future<Output = T>>(
         assert!(Instant::now() < deadline, "{what}: still {v:?}");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// The KV blocks each rank's engine reports in use, as the replica at `url` counts them.
+async fn engine_blocks(client: &reqwest::Client, url: &str) -> Vec<u64> {
+    workers_json(client, url).await["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|w| w["ranks"].as_array().unwrap().clone())
+        .map(|r| r["engine_blocks"].as_u64().unwrap())
+        .collect()
 }
 
 /// A long streamed completion through `url`, held open once its first token arrived.
@@ -346,6 +361,14 @@ async fn without_nats_a_replica_routes_alone_and_takes_the_others_back_when_it_r
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    // ...and weighs the engines' own word on their KV blocks, A's request's among them.
+    eventually(
+        Duration::from_secs(5),
+        "B reads the engines' load",
+        || engine_blocks(&client, &url_b),
+        |b| b.iter().sum::<u64>() > 0,
+    )
+    .await;
 
     // NATS is back on the same port: both reconnect, and B takes A's request back.
     let Some(_nats) = nats_server(nats_port) else {
@@ -356,6 +379,13 @@ async fn without_nats_a_replica_routes_alone_and_takes_the_others_back_when_it_r
         "B takes A's booking back",
         || view(&client, &url_b),
         |v| *v == (1.0, 1.0),
+    )
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "B sets the engines' word aside",
+        || engine_blocks(&client, &url_b),
+        |b| b.iter().all(|n| *n == 0),
     )
     .await;
 
