@@ -41,6 +41,9 @@ struct Engine {
     failing: Arc<AtomicBool>,
     /// `/health` answers 503 while set.
     sick: Arc<AtomicBool>,
+    /// The bodies of the completions it answered to the end (their connection still open
+    /// once its delay was over).
+    finished: Arc<Mutex<Vec<Value>>>,
     /// Stops it: no new connection is taken and idle ones are closed (a killed engine).
     kill: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
 }
@@ -52,11 +55,14 @@ impl Engine {
         let failing = Arc::new(AtomicBool::new(plays.fail));
         let sick = Arc::new(AtomicBool::new(false));
         let (fails, ill) = (Arc::clone(&failing), Arc::clone(&sick));
+        let finished = Arc::new(Mutex::new(Vec::new()));
+        let done = Arc::clone(&finished);
         let answer = move |axum::Json(body): axum::Json<Value>| {
-            let (seen, fails) = (Arc::clone(&seen), Arc::clone(&fails));
+            let (seen, fails, done) = (Arc::clone(&seen), Arc::clone(&fails), Arc::clone(&done));
             async move {
                 seen.lock().unwrap().push(body.clone());
                 tokio::time::sleep(plays.delay).await;
+                done.lock().unwrap().push(body.clone());
                 if fails.load(Ordering::Relaxed) {
                     return (StatusCode::INTERNAL_SERVER_ERROR, "engine failed").into_response();
                 }
@@ -111,6 +117,7 @@ impl Engine {
             bodies,
             failing,
             sick,
+            finished,
             kill: Mutex::new(Some(kill)),
         }
     }
@@ -621,7 +628,15 @@ async fn a_client_that_leaves_after_the_prefill_does_not_stop_the_decode_half() 
         d.bodies()[0]["kv_transfer_params"]["remote_engine_id"],
         "p1"
     );
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // ...and was answered to its end, its connection kept open after the client left.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while d.finished.lock().unwrap().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the decode half was cut off"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     idle(&client, &url).await;
     serve.stop();
 }
@@ -941,6 +956,61 @@ async fn an_sglang_prefill_worker_killed_has_the_next_one_take_the_request() {
     ] {
         assert!(metrics.contains(line), "{line}: {metrics}");
     }
+    idle(&client, &url).await;
+    serve.stop();
+}
+
+/// Backpressure while the prefill worker is chosen: with every prefill worker busy and the
+/// admission queue full, the request is a 429 with `Retry-After` and the queue's figures, not
+/// a fallback that serves it whole on a decode worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_for_the_prefill_workers_is_a_429_not_a_fallback() {
+    let slow = Plays {
+        delay: Duration::from_millis(800),
+        ..Plays::default()
+    };
+    let p = Engine::start("p1", slow).await;
+    let d = Engine::start("d1", Plays::default()).await;
+    let mut o = options(Protocol::Vllm);
+    o.disagg.prefill_error_fallback = true;
+    o.router.busy.prefill_tokens_fraction = Some(0.001);
+    o.router.queue = kvroute_core::Queueing::On {
+        max_queued_tokens: 1,
+        order: kvroute_core::QueueOrder::Fcfs,
+    };
+    let workers = [(1, &p, "prefill", json!({})), (2, &d, "decode", json!({}))];
+    let (serve, url, client) = fleet(o, &workers).await;
+    // One request in prefill makes the prefill worker busy.
+    let first = {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(
+            async move { complete(&client, &url, json!({"prompt": prompt(0)}), &[]).await },
+        )
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while p.bodies().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first prefill started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let r = client
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"prompt": prompt(1000)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.headers().contains_key("retry-after"));
+    let text = r.text().await.unwrap();
+    assert!(
+        text.contains("already queued") && text.contains("cap 1"),
+        "{text}"
+    );
+    assert_eq!(first.await.unwrap().0, StatusCode::OK);
+    assert_eq!(d.bodies().len(), 1, "only the first request's decode half");
+    assert_eq!(p.bodies().len(), 1);
     idle(&client, &url).await;
     serve.stop();
 }
