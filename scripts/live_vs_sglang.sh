@@ -24,13 +24,20 @@ start_workers() {
     $K worker --listen 127.0.0.1:2110$i --kv-events tcp://127.0.0.1:2120$i \
       --kv-replay tcp://127.0.0.1:2130$i --speedup "$SCALE" --kv-blocks "$KV_BLOCKS" --tokenizer $TOK \
       > /dev/null 2>&1 &
+    PIDS+=($!)
   done
   for i in 0 1 2; do until curl -s -o /dev/null localhost:2110$i/health; do sleep 0.1; done; done
 }
+# Every process this script starts runs in a process group of its own (job control on), so
+# that stop_all ends exactly those, children included (SGLang's router runs under Python).
+set -m
+PIDS=()
 stop_all() {
-  pkill -f "kvroute worker"; pkill -f "kvroute serve"; pkill -f sglang_router; pkill -f "sglang::router"
-  sleep 1
+  for p in "${PIDS[@]}"; do kill -- "-$p" 2>/dev/null; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
+  PIDS=()
 }
+trap stop_all EXIT
 workers=""
 for i in 0 1 2; do
   workers="$workers --worker url=http://127.0.0.1:2110$i,events=tcp://127.0.0.1:2120$i,replay=tcp://127.0.0.1:2130$i,kv_blocks=$KV_BLOCKS"
@@ -52,6 +59,7 @@ stop_all
 start_workers
 # shellcheck disable=SC2086
 $K serve --listen 127.0.0.1:21080 --tokenizer $TOK ${SERVE_EXTRA:-} $workers > /dev/null 2>&1 &
+PIDS+=($!)
 until curl -s -o /dev/null localhost:21080/health; do sleep 0.1; done
 sleep 0.5
 echo "== kvroute serve"
@@ -63,6 +71,7 @@ start_workers
 target/bench-venv/bin/python -m sglang_router.launch_router --host 127.0.0.1 --port 21081 \
   --worker-urls http://127.0.0.1:21100 http://127.0.0.1:21101 http://127.0.0.1:21102 \
   --policy cache_aware --prometheus-port 21089 --log-level warn > /dev/null 2>&1 &
+PIDS+=($!)
 until curl -s -o /dev/null localhost:21081/health; do sleep 0.2; done
 sleep 1
 echo "== sglang-router 0.3.2, cache_aware"
