@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The NATS server, from the system's packages.
-if ! command -v nats-server >/dev/null 2>&1; then
+if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
   if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo="sudo"; else sudo="none"; fi
   if [ "$sudo" != none ] && command -v apt-get >/dev/null 2>&1; then
     $sudo apt-get update -qq && $sudo apt-get install -y -qq nats-server >/dev/null

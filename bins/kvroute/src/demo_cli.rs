@@ -324,7 +324,7 @@ pub(super) fn run_live_replica_demo(
     }
     let policy = live_policy(&config)?;
     // Before the first fleet's run, not after it.
-    if std::process::Command::new("nats-server")
+    if std::process::Command::new(kvroute_serve::nats_server_program())
         .arg("--version")
         .output()
         .is_err()

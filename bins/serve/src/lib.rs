@@ -63,7 +63,7 @@ use tokio::task::JoinHandle;
 pub use backends::{BackendError, BackendSpec, Role, MAX_DP_SIZE};
 pub use config::{parse_worker_flag, ConfigError, ServeConfig};
 pub use networks::{BadNetwork, Network};
-pub use replicas::{ReplicaError, ReplicaOptions};
+pub use replicas::{nats_server_program, ReplicaError, ReplicaOptions};
 pub use upstream::with_causes;
 
 /// How the service is set up.

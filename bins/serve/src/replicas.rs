@@ -161,6 +161,20 @@ pub(crate) fn valid_fleet(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
+/// The `nats-server` program to start (the tests, the live demo and the benches start one):
+/// the one on `PATH`, else Debian's `/usr/sbin/nats-server`, which a user's `PATH` may lack.
+pub fn nats_server_program() -> std::path::PathBuf {
+    let debian = std::path::Path::new("/usr/sbin/nats-server");
+    let on_path = std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|dir| dir.join("nats-server").is_file())
+    });
+    if !on_path && debian.is_file() {
+        debian.to_path_buf()
+    } else {
+        std::path::PathBuf::from("nats-server")
+    }
+}
+
 /// Longest fleet name.
 pub(crate) const MAX_FLEET_NAME: usize = 200;
 

@@ -185,7 +185,7 @@ impl NatsServer {
         let port = free_port()?;
         let store =
             std::env::temp_dir().join(format!("kvroute-demo-nats-{}-{port}", std::process::id()));
-        let child = Command::new("nats-server")
+        let child = Command::new(kvroute_serve::nats_server_program())
             .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
             .arg(&store)
             .stdout(Stdio::null())

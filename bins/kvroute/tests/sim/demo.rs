@@ -435,7 +435,7 @@ fn the_disaggregation_demo_compares_every_split_with_serving_whole_on_the_same_g
 
 #[test]
 fn the_live_demo_spreads_requests_over_replicas_that_see_each_others_bookings() {
-    if std::process::Command::new("nats-server")
+    if std::process::Command::new(kvroute_serve::nats_server_program())
         .arg("--version")
         .output()
         .is_err()

@@ -32,7 +32,7 @@ fn store(port: u16) -> std::path::PathBuf {
 /// A `nats-server` on `port` (the system's package) with JetStream, storing in a directory of
 /// its own, or none when it is not installed.
 fn nats_server(port: u16) -> Option<Process> {
-    let child = Command::new("nats-server")
+    let child = Command::new(kvroute_serve::nats_server_program())
         .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
         .arg(store(port))
         .stdout(Stdio::null())
