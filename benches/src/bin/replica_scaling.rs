@@ -11,6 +11,7 @@
 //!
 //! Cells, alternating in each round; each starts its routers anew:
 //! - `1 router`: one `kvroute serve`, no NATS;
+//! - `1 replica, alone`: one with `--nats --fleet`, publishing its bookings to a fleet of one;
 //! - `N replicas`: N replicas with `--nats --fleet`, sharing bookings and the worker registry
 //!   through one `nats-server` with JetStream (the system's package; `scripts/fixtures.sh`
 //!   installs it);
@@ -369,15 +370,19 @@ fn main() -> Result<()> {
         let engines = engines.join(",");
         let names = [
             "1 router".to_owned(),
+            "1 replica, alone".to_owned(),
             format!("{replicas} replicas"),
             format!("{replicas} routers, no sync"),
         ];
-        let mut cells: Vec<Vec<Cell>> = (0..3).map(|_| Vec::new()).collect();
+        let mut cells: Vec<Vec<Cell>> = (0..names.len()).map(|_| Vec::new()).collect();
+        let runs = [
+            (1, None),
+            (1, Some(url.as_str())),
+            (replicas, Some(url.as_str())),
+            (replicas, None),
+        ];
         for round in 0..rounds {
-            for (c, (count, nats)) in [(1, None), (replicas, Some(url.as_str())), (replicas, None)]
-                .into_iter()
-                .enumerate()
-            {
+            for (c, (count, nats)) in runs.into_iter().enumerate() {
                 let tag = format!("{round}-{c}");
                 let got = cell(&engines, count, nats, quota, seconds, &tag).await?;
                 eprintln!(
@@ -410,10 +415,12 @@ fn main() -> Result<()> {
                 med(c, |c| c.load_cpu),
             );
         }
-        let ratios: Vec<String> = (0..rounds)
-            .map(|r| format!("{:.2}", cells[1][r].rps / cells[0][r].rps))
-            .collect();
-        println!("{} replicas / 1 router by round: {}", replicas, ratios.join(", "));
+        for (base, name) in [(0, "1 router"), (1, "1 replica")] {
+            let ratios: Vec<String> = (0..rounds)
+                .map(|r| format!("{:.2}", cells[2][r].rps / cells[base][r].rps))
+                .collect();
+            println!("{replicas} replicas / {name} by round: {}", ratios.join(", "));
+        }
         Ok(())
     });
     drop(nats);

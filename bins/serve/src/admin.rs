@@ -62,7 +62,7 @@ pub(crate) async fn route(
                 v["decode"] = decision_json(&state, &decode);
                 Json(v).into_response()
             }
-            Err(refusal) => refusal.respond(&state, ROUTE),
+            Err(refusal) => crate::disagg::refuse(&state, ROUTE, refusal),
         };
     }
     // The workers the proxy would consider now: ready ones first, never a draining one.
@@ -274,8 +274,11 @@ pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Re
                 Some(store) => match crate::registry::share_add(store, &spec).await {
                     Ok(shared) => shared,
                     Err(conflict) => {
-                        // Another replica wrote another spec meanwhile: it wins.
-                        let _ = state.backends.remove(&state.router, id);
+                        // Another replica wrote another spec meanwhile: it wins. Ours leaves,
+                        // unless the registry's watch has already put that one in its place.
+                        if state.backends.get(id).is_some_and(|b| b.spec == spec) {
+                            let _ = state.backends.remove(&state.router, id);
+                        }
                         return error(
                             &state,
                             "workers",

@@ -286,13 +286,20 @@ fn partnered(
             ));
         }
     }
+    // The roles the router sends a decode half to: decode workers, or `both` ones in a fleet
+    // with none (the core's `DecodeToAggregated`).
+    let decode_role = if fleet.ranks_of(WorkerRole::Decode) > 0 {
+        Role::Decode
+    } else {
+        Role::Both
+    };
     let decoders: Vec<Arc<Backend>> = match pins.decode {
         Some(pin) => state.backends.get(pin.0).into_iter().collect(),
         None => state
             .backends
             .all()
             .iter()
-            .filter(|b| DECODE_ROLES.contains(&b.spec.role))
+            .filter(|b| b.spec.role == decode_role)
             .filter(|b| {
                 let w = WorkerId(b.spec.id);
                 !draining.contains(&w) && up(&fleet, w)
@@ -359,7 +366,7 @@ fn shares(required: &[(String, String)], decode: &Backend) -> bool {
 }
 
 /// A refusal as the client's answer; a 503 is retryable (`Retry-After`).
-fn refuse(state: &AppState, route: &str, refusal: proxy::Refusal) -> Response {
+pub(crate) fn refuse(state: &AppState, route: &str, refusal: proxy::Refusal) -> Response {
     let retry = refusal.status() == StatusCode::SERVICE_UNAVAILABLE;
     let mut r = refusal.respond(state, route);
     if retry {
@@ -728,11 +735,11 @@ enum PrefillEnd {
 }
 
 /// SGLang's protocol: both halves at once, meeting at the prefill worker's bootstrap server.
-/// Whichever ends first decides: a decode answer is the client's (unless it is a 5xx and
-/// the prefill failed); a prefill that ends badly first stops the decode half, waiting for
-/// a cache that will not come, and then its refusal is the client's answer, its failure the
-/// request's (a 502, or served whole with `prefill_error_fallback`), and a refused
-/// connection has both halves sent again with the next prefill worker.
+/// A decode answer is the client's unless it is a 5xx and the prefill failed: then the
+/// prefill's failure is the request's (a 502, or served whole with `prefill_error_fallback`).
+/// A prefill refused by its engine (its 4xx is the client's answer) or never reached (both
+/// halves go again with the next prefill worker) stops the decode half at once, which would
+/// wait for a cache that will not come.
 async fn sglang(
     state: &AppState,
     asked: Asked<'_>,
@@ -820,6 +827,8 @@ async fn sglang(
         });
         let mut decoding = spawn_decode(state, asked, Bytes::from(body), pins, &prefill.backend);
         let end = tokio::select! {
+            // A decode answer ready at once is taken first: it is the client's.
+            biased;
             joined = &mut decoding => {
                 let answer = joined.unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
                 if !answer.status().is_server_error() {
@@ -836,8 +845,22 @@ async fn sglang(
                 }
             }
             end = &mut prefilled => match end {
-                Ok(Err(end)) => {
+                // Refused, or never reached: no cache will come, and the decode half waiting
+                // for it is stopped.
+                Ok(Err(end @ (PrefillEnd::Refused(..) | PrefillEnd::Unreachable(_)))) => {
                     decoding.abort();
+                    end
+                }
+                // Failed after it was reached: the cache may have been handed over already,
+                // so the decode half decides, as when it answers first.
+                Ok(Err(end @ PrefillEnd::Failed(_))) => {
+                    let answer = decoding
+                        .await
+                        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+                    if !answer.status().is_server_error() {
+                        count(state, "disaggregated");
+                        return answer;
+                    }
                     end
                 }
                 // Done (or its task gone): the decode half goes on.

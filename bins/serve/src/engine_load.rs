@@ -62,11 +62,12 @@ pub(crate) fn start(
                 tracing::info!("booking sync down: the engines' reported load counts");
                 told = true;
             }
-            for backend in backends.all() {
-                if let Some(usage) = read(&client, &backend).await {
-                    for (rank, blocks) in blocks_by_rank(&usage, &backend) {
-                        router.set_engine_blocks(WorkerRank::new(backend.spec.id, rank), blocks);
-                    }
+            // All at once: an engine that hangs holds up none of the others.
+            let all = backends.all();
+            let read = futures_util::future::join_all(all.iter().map(|b| read(&client, b))).await;
+            for (backend, usage) in all.iter().zip(read) {
+                for (rank, blocks) in usage.map_or_else(Vec::new, |u| blocks_by_rank(&u, backend)) {
+                    router.set_engine_blocks(WorkerRank::new(backend.spec.id, rank), blocks);
                 }
             }
         }

@@ -368,11 +368,12 @@ impl RunningServe {
             client: client.clone(),
             metrics: Arc::clone(&state_metrics),
             options: Arc::new(options.clone()),
-            // A replica's request ids start at a base of its own (20 bits of its id, then
-            // 32 of count, under 2⁵³ for JSON clients), so that an id booked by
-            // `/v1/route` on one replica names nothing of another's.
+            // A replica's request ids start at a base of its own (19 bits of its id, then
+            // 32 of count: under bit 52, which marks `/v1/route`'s bookings, and 2⁵³ for JSON
+            // clients), so that an id booked by `/v1/route` on one replica names nothing of
+            // another's (but for replicas whose ids share their 19 low bits).
             next_id: Arc::new(AtomicU64::new(
-                replica.map_or(0, |r| (r.0 & 0xf_ffff).max(1) << 32),
+                replica.map_or(0, |r| (r.0 & 0x7_ffff).max(1) << 32),
             )),
             text,
             draining: Arc::default(),

@@ -29,6 +29,10 @@ use super::AppState;
 pub(crate) struct SharedRegistry {
     store: OnceLock<Store>,
     client: OnceLock<async_nats::Client>,
+    /// The latest change the watch has seen per worker id: its revision, and whether it
+    /// removed the worker. A change applied in a task of its own (a worker drained before it
+    /// rejoins) checks it is still the latest before it acts.
+    latest: std::sync::Mutex<std::collections::HashMap<u64, (u64, bool)>>,
 }
 
 /// What became of a worker change, for the fleet's other replicas.
@@ -51,6 +55,17 @@ impl Shared {
 }
 
 impl SharedRegistry {
+    fn note(&self, id: u64, revision: u64, removed: bool) {
+        if let Ok(mut latest) = self.latest.lock() {
+            latest.insert(id, (revision, removed));
+        }
+    }
+
+    /// The latest change seen for worker `id`.
+    fn latest(&self, id: u64) -> Option<(u64, bool)> {
+        self.latest.lock().ok()?.get(&id).copied()
+    }
+
     /// The bucket, when it has been reached.
     pub(crate) fn store(&self) -> Option<&Store> {
         self.store.get()
@@ -183,7 +198,7 @@ pub(crate) fn start(
                 Ok(mut watch) => {
                     while let Some(entry) = watch.next().await {
                         match entry {
-                            Ok(entry) => apply(&state, entry).await,
+                            Ok(entry) => apply(&state, &shared, entry),
                             Err(e) => {
                                 tracing::warn!(error = %e, "worker registry: watch failed");
                                 break;
@@ -245,13 +260,18 @@ async fn register_configured(state: &AppState, store: &Store) {
     }
 }
 
-/// Applies one change of the bucket to this replica's workers.
-async fn apply(state: &AppState, entry: Entry) {
+/// Applies one change of the bucket to this replica's workers, in the watch's order: each is
+/// noted as the worker's latest before anything is done, and a join that waits (a changed
+/// worker drained first, or the join itself) is dropped, or undone, when a later change of
+/// the same worker was seen meanwhile.
+fn apply(state: &AppState, shared: &Arc<SharedRegistry>, entry: Entry) {
     let Some(id) = id_of(&entry.key) else {
         return;
     };
+    let revision = entry.revision;
     match entry.operation {
         Operation::Put => {
+            shared.note(id, revision, false);
             let spec: BackendSpec = match serde_json::from_slice(&entry.value) {
                 Ok(s) => s,
                 Err(e) => {
@@ -263,8 +283,12 @@ async fn apply(state: &AppState, entry: Entry) {
                 tracing::warn!(key = %entry.key, id = spec.id, "worker registry: key and id differ");
                 return;
             }
-            let state = state.clone();
-            // Its own task: a changed worker drains first, and the watch goes on meanwhile.
+            let (state, shared) = (state.clone(), Arc::clone(shared));
+            let latest = move |id| shared.latest(id);
+            let still_latest = {
+                let latest = latest.clone();
+                move || latest(id) == Some((revision, false))
+            };
             tokio::spawn(async move {
                 if let Some(b) = state.backends.get(id) {
                     if b.spec == spec {
@@ -277,12 +301,22 @@ async fn apply(state: &AppState, entry: Entry) {
                     );
                     let _ = drain_and_remove(&state, &b).await;
                 }
+                if !still_latest() {
+                    return;
+                }
                 match state
                     .backends
                     .add(&state.router, &state.client, spec, &state.options.limits())
                     .await
                 {
-                    Ok(_) => tracing::info!(worker = id, "worker joined from the fleet's registry"),
+                    Ok(b) => match latest(id) {
+                        // Removed while it joined: the removal stands (its own task found
+                        // nothing to remove yet). A later spec's task replaces it itself.
+                        Some((_, true)) => {
+                            let _ = drain_and_remove(&state, &b).await;
+                        }
+                        _ => tracing::info!(worker = id, "worker joined from the fleet's registry"),
+                    },
                     Err(e) => tracing::warn!(
                         worker = id,
                         error = %e,
@@ -291,7 +325,10 @@ async fn apply(state: &AppState, entry: Entry) {
                 }
             });
         }
-        Operation::Delete | Operation::Purge => spawn_removal(state, id),
+        Operation::Delete | Operation::Purge => {
+            shared.note(id, revision, true);
+            spawn_removal(state, id);
+        }
     }
 }
 

@@ -190,17 +190,16 @@ impl RankState {
     }
 
     /// The load selection weighs: [`RankState::load`], with the KV blocks its engine says
-    /// are in use past what the router has booked counted as unshared prompt blocks (the
-    /// requests of routers it does not hear from).
+    /// are in use past what the router has booked counted as prompt blocks (the requests of
+    /// routers it does not hear from). Not as context: the hot-load term compares a rank's
+    /// context with the fleet's mean, which counts bookings only.
     #[inline]
     pub fn selection_load(&self) -> LoadView {
         let mut view = self.load();
         let engine = self.engine_blocks.load(Ordering::Relaxed);
         let held = view.prompt_blocks + view.output_blocks;
         if engine > held {
-            let unseen = engine - held;
-            view.prompt_blocks += unseen;
-            view.context_blocks += unseen;
+            view.prompt_blocks += engine - held;
         }
         view
     }
@@ -210,9 +209,9 @@ impl RankState {
         self.engine_blocks.load(Ordering::Relaxed)
     }
 
-    /// Sets the KV blocks its engine says are in use (0: forget them).
-    pub fn set_engine_blocks(&self, blocks: u64) {
-        self.engine_blocks.store(blocks, Ordering::Relaxed);
+    /// Sets the KV blocks its engine says are in use (0: forget them); the previous figure.
+    pub fn set_engine_blocks(&self, blocks: u64) -> u64 {
+        self.engine_blocks.swap(blocks, Ordering::Relaxed)
     }
 
     /// The context its decodes read, in blocks ([`LoadView::context_load`]): two relaxed

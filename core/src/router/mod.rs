@@ -381,19 +381,24 @@ impl Router {
     /// the fleet's other routers (the booking sync down); false for an unknown rank.
     pub fn set_engine_blocks(&self, rank: WorkerRank, blocks: u64) -> bool {
         let fleet = self.registry.load();
-        match fleet.rank_index(rank) {
-            Some(i) => {
-                fleet.ranks[i].state.set_engine_blocks(blocks);
-                true
-            }
-            None => false,
+        let Some(i) = fleet.rank_index(rank) else {
+            return false;
+        };
+        if fleet.ranks[i].state.set_engine_blocks(blocks) > blocks {
+            // Less load: a request queued for a busy rank may fit now.
+            self.load_freed();
         }
+        true
     }
 
     /// Forgets every rank's engine-reported blocks ([`Router::set_engine_blocks`]).
     pub fn clear_engine_blocks(&self) {
+        let mut fell = false;
         for r in &self.registry.load().ranks {
-            r.state.set_engine_blocks(0);
+            fell |= r.state.set_engine_blocks(0) > 0;
+        }
+        if fell {
+            self.load_freed();
         }
     }
 

@@ -44,6 +44,23 @@ impl Outbox {
     /// [`MAX_MESSAGE_BYTES`]): what the NATS server takes, which tells its `max_payload`.
     pub fn set_max_bytes(&mut self, bytes: usize) {
         self.max_bytes = bytes.clamp(1 << 10, MAX_MESSAGE_BYTES);
+        // What was booked under a larger limit fits the new one too (a snapshot NATS refused
+        // would be asked for again and again).
+        let fits = self.hashes_that_fit();
+        for b in self.book.values_mut() {
+            b.hashes.truncate(fits);
+        }
+        for d in &mut self.pending {
+            if let WireDelta::Booked(b) = d {
+                b.hashes.truncate(fits);
+            }
+        }
+    }
+
+    /// Most block hashes one booking carries: a message of one booking stays within the
+    /// limit.
+    fn hashes_that_fit(&self) -> usize {
+        self.max_bytes.saturating_sub(256) / 8
     }
 
     /// The router it speaks for.
@@ -73,7 +90,7 @@ impl Outbox {
                 // A prompt whose hashes alone pass the message size keeps its leading blocks
                 // (the rest of its load stands in its token counts): a message NATS refuses
                 // would be asked for again and again.
-                let fits = self.max_bytes.saturating_sub(256) / 8;
+                let fits = self.hashes_that_fit();
                 let hashes = &b.block_hashes[..b.block_hashes.len().min(fits)];
                 let w = WireBooking {
                     request: b.request.0,

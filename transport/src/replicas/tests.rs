@@ -180,6 +180,11 @@ fn a_large_book_travels_in_parts_that_fit_a_message() {
 #[test]
 fn messages_fit_a_small_server_and_a_long_prompt_keeps_its_leading_blocks() {
     let mut a = Sender::new(1);
+    // Booked before the server's limit is known (its first connection), then told it.
+    a.route(21, 16 * 300);
+    for d in a.queue.lock().unwrap().drain(..) {
+        a.outbox.push(&d.as_delta());
+    }
     a.outbox.set_max_bytes(1024);
     let b = router();
     let mut inbox = Inbox::new(ReplicaId(2), BS);
@@ -198,7 +203,7 @@ fn messages_fit_a_small_server_and_a_long_prompt_keeps_its_leading_blocks() {
     let parts = a.outbox.snapshot(1);
     assert!(parts.iter().all(|m| m.len() <= 2048));
     deliver(&mut inbox, &b, &parts);
-    assert_eq!(b.remote_requests(), 20);
+    assert_eq!(b.remote_requests(), 21);
     // The long prompt's load is the same on both: its blocks count from its tokens, the
     // hashes that fit only name the leading ones.
     let rank = a.router.fleet().ranks.iter().map(|r| r.rank).find(|r| {

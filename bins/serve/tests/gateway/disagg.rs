@@ -866,6 +866,22 @@ async fn no_prefill_is_sent_for_a_cache_no_decode_worker_can_take() {
     );
     idle(&client, &url).await;
     serve.stop();
+    // An aggregated worker sharing the prefill worker's rack is no partner while the fleet
+    // has decode workers: decode halves go to those.
+    let both = Engine::start("aa", Plays::default()).await;
+    let mut labelled = options(Protocol::Vllm);
+    labelled.disagg.transfer_labels = vec!["rack".to_owned()];
+    let workers = [
+        (1, &p, "prefill", json!({"rack": "a"})),
+        (2, &d, "decode", json!({"rack": "b"})),
+        (4, &both, "both", json!({"rack": "a"})),
+    ];
+    let (serve, url, client) = fleet(labelled, &workers).await;
+    let (status, text, _) = complete(&client, &url, json!({"prompt": prompt(0)}), &[]).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    assert!(p.bodies().is_empty(), "no prefill for a cache nobody takes");
+    idle(&client, &url).await;
+    serve.stop();
     // Prefill workers and aggregated ones only: the aggregated worker decodes, pinned or not.
     let a = Engine::start("ab", Plays::default()).await;
     let workers = [(1, &p, "prefill", json!({})), (3, &a, "both", json!({}))];
