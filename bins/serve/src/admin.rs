@@ -1,8 +1,6 @@
 //! The operator's routes: the decision alone (`/v1/route`), the workers (`/v1/workers`),
 //! metrics, liveness and readiness.
 
-use std::sync::atomic::Ordering;
-
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -16,15 +14,6 @@ use super::auth::{refuse, Granted};
 use super::backends::BackendSpec;
 use super::proxy::{error, read_prompt_async};
 use super::AppState;
-
-/// Bit 52 of a request id marks a `/v1/route` booking: only those can be freed through its
-/// `DELETE` (a proxied request's booking is its own to free).
-const ROUTE_BOOKING: u64 = 1 << 52;
-
-/// A new id for a decision of `/v1/route`.
-pub(crate) fn route_id(state: &AppState) -> RequestId {
-    RequestId(state.next_id.fetch_add(1, Ordering::Relaxed) | ROUTE_BOOKING)
-}
 
 /// `POST /v1/route`: where a request would go, and what the router predicts it finds there.
 /// `"book": true` books its load as a routed request (free it with
@@ -67,7 +56,7 @@ pub(crate) async fn route(
     }
     // The workers the proxy would consider now: ready ones first, never a draining one.
     let allowed = crate::proxy::allowed_workers(&state, &[], crate::proxy::Pool::All).flatten();
-    let id = route_id(&state);
+    let id = state.route_id();
     let request = RouteRequest {
         id,
         tokens: &routed.tokens,
@@ -138,7 +127,7 @@ fn value_is_chat(body: &[u8]) -> bool {
 
 /// `DELETE /v1/route/{request_id}`: frees a booking made by `/v1/route`.
 pub(crate) async fn free_route(State(state): State<AppState>, Path(id): Path<u64>) -> Response {
-    if id & ROUTE_BOOKING == 0 {
+    if id & crate::ROUTE_BOOKING == 0 {
         return error(
             &state,
             "route",

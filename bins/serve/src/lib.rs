@@ -13,7 +13,7 @@
 //!   split.
 //! * `proxy.rs`: a request's way to an engine: the prompt's tokens (chat rendered by the
 //!   model's template), routing, forwarding, retries, the request lifecycle.
-//! * `disagg.rs`: disaggregated prefill and decode, in vLLM's and SGLang's protocols.
+//! * `disagg/`: disaggregated prefill and decode, in vLLM's protocol and SGLang's (`sglang.rs`).
 //! * `admin.rs`: `/v1/route`, `/v1/workers`, `/v1/models`, `/metrics`, `/ready`.
 //! * `backends.rs`: [`BackendSpec`] and the registry of engines and their subscriptions.
 //! * `upstream.rs`: the HTTP client to the engines (hyper's pooled client).
@@ -221,7 +221,20 @@ pub(crate) struct AppState {
     pub registry: Option<Arc<registry::SharedRegistry>>,
 }
 
+/// Bit 52 of a request id marks a `/v1/route` booking: only those can be freed through its
+/// `DELETE` (a proxied request's booking is its own to free).
+pub(crate) const ROUTE_BOOKING: u64 = 1 << 52;
+
 impl AppState {
+    /// A new id for a decision of `/v1/route` (marked with [`ROUTE_BOOKING`]).
+    pub(crate) fn route_id(&self) -> kvroute_core::RequestId {
+        kvroute_core::RequestId(
+            self.next_id
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                | ROUTE_BOOKING,
+        )
+    }
+
     /// The longest prompt the engines take, in tokens: `max_model_len`, else the tokenizer
     /// config's `model_max_length`.
     pub(crate) fn max_prompt_tokens(&self) -> Option<u64> {
