@@ -208,6 +208,18 @@ async fn hold(
     url: &str,
     family: u32,
 ) -> impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin {
+    held_on(client, url, family).await.1
+}
+
+/// [`hold`], and the worker that serves it (`x-kvroute-worker`).
+async fn held_on(
+    client: &reqwest::Client,
+    url: &str,
+    family: u32,
+) -> (
+    String,
+    impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin,
+) {
     let prompt: Vec<u32> = (family * 10_000..family * 10_000 + 300).collect();
     let body =
         json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 3000, "stream": true});
@@ -218,9 +230,13 @@ async fn hold(
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
+    let worker = response.headers()["x-kvroute-worker"]
+        .to_str()
+        .unwrap()
+        .to_owned();
     let mut stream = response.bytes_stream();
     stream.next().await.unwrap().unwrap();
-    stream
+    (worker, stream)
 }
 
 /// Engines at real time, so that a long answer stays in flight while the test looks.
@@ -440,6 +456,23 @@ async fn a_worker_added_or_removed_through_one_replica_reaches_every_replica() {
     )
     .await;
     eprintln!("worker added through A ready on B after {:?}", t.elapsed());
+    // B routes to it: two long answers at once through B go one to each worker.
+    let (first, held) = held_on(&client, &url_b, 3).await;
+    let (second, also_held) = held_on(&client, &url_b, 4).await;
+    let mut served = [first, second];
+    served.sort();
+    assert_eq!(served, ["0", "7"], "B uses the worker added through A");
+    drop((held, also_held));
+    // Left by their client: freed on B, and so on A.
+    for url in [&url_a, &url_b] {
+        eventually(
+            Duration::from_secs(5),
+            "the held requests are freed everywhere",
+            || requests(&client, url),
+            |r| r.iter().all(|n| *n == 0),
+        )
+        .await;
+    }
     // Another spec under the same id, through B: refused, not swapped in on every replica.
     let other = client
         .post(format!("{url_b}/v1/workers"))
