@@ -238,6 +238,9 @@ impl ReplicaSync {
         let (to_sub, sub_links) = mpsc::unbounded_channel::<Link>();
         let client = async_nats::ConnectOptions::new()
             .name(format!("kvroute serve {:016x}", id.0))
+            // A replica's own messages are not sent back to it: it would read and drop a third
+            // of what a fleet of three hears.
+            .no_echo()
             .retry_on_initial_connect()
             .max_reconnects(None)
             .reconnect_delay_callback(|attempts| {
