@@ -30,6 +30,16 @@ pub mod replay;
 pub mod trace;
 pub mod workload;
 
+/// The number after `flag` in `args` (`--rounds 5`), or `default` when it is absent or not a
+/// number.
+pub fn flag_value(args: &[String], flag: &str, default: f64) -> f64 {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// The median of `values` (the upper of the middle two for an even count); `None` for none.
 pub fn median(mut values: Vec<f64>) -> Option<f64> {
     if values.is_empty() {
@@ -41,6 +51,20 @@ pub fn median(mut values: Vec<f64>) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_flags_value_is_the_number_after_it() {
+        let args: Vec<String> = ["bench", "--rounds", "7", "--quota", "x"]
+            .map(str::to_owned)
+            .to_vec();
+        assert_eq!(super::flag_value(&args, "--rounds", 3.0), 7.0);
+        assert_eq!(
+            super::flag_value(&args, "--quota", 0.25),
+            0.25,
+            "not a number"
+        );
+        assert_eq!(super::flag_value(&args, "--seconds", 5.0), 5.0, "absent");
+    }
+
     #[test]
     fn the_median_of_an_even_count_is_the_upper_middle() {
         assert_eq!(super::median(vec![4.0, 1.0, 3.0, 2.0]), Some(3.0));

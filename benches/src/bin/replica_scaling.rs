@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use kvroute_benches::cpu::{ticks_of, ticks_per_second};
 use kvroute_benches::fake_engine::fake_engine;
-use kvroute_benches::median;
 use kvroute_benches::nats::NatsServer;
+use kvroute_benches::{flag_value, median};
 use kvroute_serve::{parse_worker_flag, ReplicaOptions, RunningServe, ServeOptions};
 use serde_json::json;
 
@@ -343,13 +343,7 @@ fn main() -> Result<()> {
     if args.iter().any(|a| a == "--as-replica") {
         return as_replica(&args);
     }
-    let value = |flag: &str, default: f64| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
+    let value = |flag: &str, default: f64| flag_value(&args, flag, default);
     let quota = value("--quota", 0.25);
     let seconds = value("--seconds", 5.0);
     let rounds = value("--rounds", 3.0) as usize;

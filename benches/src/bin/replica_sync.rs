@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use kvroute_benches::affinity::pin_to;
 use kvroute_benches::fake_engine::fake_engine;
-use kvroute_benches::median;
 use kvroute_benches::nats::NatsServer;
+use kvroute_benches::{flag_value, median};
 use kvroute_core::{
     IndexConfig, PrefixIndex, ReplicaId, RequestId, RouteHints, RouteRequest, Router, RouterConfig,
     WorkerConfig,
@@ -360,13 +360,7 @@ fn delivery(seconds: f64) -> Result<()> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let value = |flag: &str, default: f64| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
+    let value = |flag: &str, default: f64| flag_value(&args, flag, default);
     let seconds = value("--seconds", 3.0);
     let rounds = value("--rounds", 5.0) as usize;
     route_cost(rounds)?;

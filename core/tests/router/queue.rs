@@ -267,3 +267,23 @@ fn cancel_removes_exactly_once_and_the_future_wakes_and_resolves() {
     r.free(RequestId(5)).unwrap();
     assert!(r.total_load().is_idle());
 }
+
+/// The engine's own word can make a rank busy (a replica cut off from the others): a request
+/// waits, and is released when that word falls, with no free of this router's to wake it.
+#[test]
+fn engine_reported_blocks_queue_a_request_until_they_fall() {
+    let r = busy_router(QueueOrder::Fcfs, 10_000);
+    let rank = WorkerRank::new(1, 0);
+    assert!(r.set_engine_blocks(rank, 8));
+    let a = toks(1, 32);
+    let t = queued(r.submit(&req(1, &a)).unwrap());
+    assert!(r.take_released(t.request).is_none());
+    // Still over the threshold: nothing moves.
+    r.set_engine_blocks(rank, 7);
+    assert!(r.take_released(t.request).is_none());
+    r.clear_engine_blocks();
+    let d = r.take_released(t.request).unwrap().unwrap();
+    assert_eq!(d.worker, rank);
+    r.free(RequestId(1)).unwrap();
+    assert!(r.total_load().is_idle());
+}

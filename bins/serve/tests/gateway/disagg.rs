@@ -243,6 +243,14 @@ async fn idle(client: &reqwest::Client, url: &str) {
     }
 }
 
+/// Asserts that the gateway's `/metrics` has each of `lines`.
+async fn metrics_have(client: &reqwest::Client, url: &str, lines: &[&str]) {
+    let metrics = super::get_text(client, &format!("{url}/metrics")).await;
+    for line in lines {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_prefill_then_decode_with_the_parameters_the_prefill_answered() {
     let p = [
@@ -306,12 +314,15 @@ async fn vllm_prefill_then_decode_with_the_parameters_the_prefill_answered() {
         );
     }
     idle(&client, &url).await;
-    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
-    assert!(
-        metrics.contains("kvroute_disagg_requests_total{how=\"disaggregated\"} 2"),
-        "{metrics}"
-    );
-    assert!(metrics.contains("kvroute_disagg_active 1"));
+    metrics_have(
+        &client,
+        &url,
+        &[
+            "kvroute_disagg_requests_total{how=\"disaggregated\"} 2",
+            "kvroute_disagg_active 1",
+        ],
+    )
+    .await;
     serve.stop();
 }
 
@@ -452,8 +463,8 @@ async fn a_failing_prefill_fails_the_request_or_falls_back_when_configured() {
         "served whole"
     );
     idle(&client, &url).await;
-    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
-    assert!(metrics.contains("kvroute_disagg_requests_total{how=\"prefill_fallback\"} 1"));
+    let fallback = "kvroute_disagg_requests_total{how=\"prefill_fallback\"} 1";
+    metrics_have(&client, &url, &[fallback]).await;
     serve.stop();
 }
 
@@ -583,13 +594,15 @@ async fn saturated_prefill_workers_have_a_decode_worker_serve_whole() {
     let (status, _, _) = complete(&client, &url, json!({"prompt": prompt(3000)}), &[]).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(p[0].bodies().len() + p[1].bodies().len(), 3);
-    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
-    for line in [
-        "kvroute_disagg_requests_total{how=\"local_prefill_busy\"} 1",
-        "kvroute_disagg_requests_total{how=\"disaggregated\"} 3",
-    ] {
-        assert!(metrics.contains(line), "{line}: {metrics}");
-    }
+    metrics_have(
+        &client,
+        &url,
+        &[
+            "kvroute_disagg_requests_total{how=\"local_prefill_busy\"} 1",
+            "kvroute_disagg_requests_total{how=\"disaggregated\"} 3",
+        ],
+    )
+    .await;
     idle(&client, &url).await;
     serve.stop();
 }
@@ -715,11 +728,8 @@ async fn an_sglang_decode_half_failing_for_its_failed_prefill_is_the_prefills_fa
     let last = d.bodies().last().unwrap().clone();
     assert!(last.get("bootstrap_room").is_none(), "served whole: {last}");
     idle(&client, &url).await;
-    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
-    assert!(
-        metrics.contains("kvroute_disagg_requests_total{how=\"prefill_fallback\"} 1"),
-        "{metrics}"
-    );
+    let fallback = "kvroute_disagg_requests_total{how=\"prefill_fallback\"} 1";
+    metrics_have(&client, &url, &[fallback]).await;
     serve.stop();
 }
 
@@ -765,13 +775,15 @@ async fn a_prefill_worker_marked_down_deactivates_disaggregation() {
         (v["disaggregated"].as_bool(), v["prefill"].is_null()),
         (Some(false), true)
     );
-    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
-    for line in [
-        "kvroute_disagg_active 0",
-        "kvroute_disagg_requests_total{how=\"whole\"} 1",
-    ] {
-        assert!(metrics.contains(line), "{line}: {metrics}");
-    }
+    metrics_have(
+        &client,
+        &url,
+        &[
+            "kvroute_disagg_active 0",
+            "kvroute_disagg_requests_total{how=\"whole\"} 1",
+        ],
+    )
+    .await;
     // Back: once the prober sees it answer, requests are split again.
     p.failing.store(false, Ordering::Relaxed);
     p.sick.store(false, Ordering::Relaxed);
@@ -795,8 +807,7 @@ async fn a_prefill_worker_marked_down_deactivates_disaggregation() {
     let (status, text, _) = complete(&client, &url, json!({"prompt": prompt(400)}), &[]).await;
     assert_eq!(status, StatusCode::OK, "{text}");
     assert_eq!(p.bodies().len(), 2, "split again");
-    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
-    assert!(metrics.contains("kvroute_disagg_active 1"), "{metrics}");
+    metrics_have(&client, &url, &["kvroute_disagg_active 1"]).await;
     idle(&client, &url).await;
     serve.stop();
     // Enforced: a fleet whose prefill workers are all down refuses, retryably.
@@ -965,13 +976,15 @@ async fn an_sglang_prefill_worker_killed_has_the_next_one_take_the_request() {
     let halves = d.bodies();
     assert!((2..=3).contains(&halves.len()), "{halves:?}");
     assert_eq!(halves.last().unwrap()["bootstrap_port"], 9102);
-    let metrics = super::get_text(&client, &format!("{url}/metrics")).await;
-    for line in [
-        "kvroute_upstream_failures_total{kind=\"connect\"} 1",
-        "kvroute_disagg_requests_total{how=\"disaggregated\"} 2",
-    ] {
-        assert!(metrics.contains(line), "{line}: {metrics}");
-    }
+    metrics_have(
+        &client,
+        &url,
+        &[
+            "kvroute_upstream_failures_total{kind=\"connect\"} 1",
+            "kvroute_disagg_requests_total{how=\"disaggregated\"} 2",
+        ],
+    )
+    .await;
     idle(&client, &url).await;
     serve.stop();
 }
