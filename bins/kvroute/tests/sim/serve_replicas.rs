@@ -3,7 +3,9 @@
 //! A replica sees the others' requests in flight, drops a killed one's within seconds, routes
 //! on its own bookings while NATS is down and takes the others' back when it returns, and a
 //! replica started late catches up. Workers added or removed through one replica's API reach
-//! every replica through the registry in NATS JetStream's key-value store.
+//! every replica through the registry in NATS JetStream's key-value store. Three replicas on
+//! four workers serve a workload spread over them with one router's hit rate, through NATS
+//! killed and restarted in the middle, and leave no booking behind.
 
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
@@ -98,18 +100,17 @@ async fn replica_with(
     nats: u16,
     fleet: &str,
 ) -> (Process, String) {
-    let mut args: Vec<String> = vec![
-        "--model".into(),
-        "kvroute-sim".into(),
-        "--nats".into(),
-        format!("nats://127.0.0.1:{nats}"),
-        "--fleet".into(),
-        fleet.into(),
-        // The cheapest worker exactly (replicas default to near-ties drawn at random), so that
-        // the tests can tell where each request goes.
-        "--near-tie".into(),
-        "0".into(),
-    ];
+    let mut args = fleet_args(engines, ids);
+    args.extend(sync_args(nats, fleet));
+    // The cheapest worker exactly (replicas default to near-ties drawn at random), so that
+    // the tests can tell where each request goes.
+    args.extend(["--near-tie".into(), "0".into()]);
+    ready_serve(client, &args).await
+}
+
+/// A router's flags for the model and `engines`, under worker ids `ids`.
+fn fleet_args(engines: &[Engine], ids: &[u64]) -> Vec<String> {
+    let mut args: Vec<String> = vec!["--model".into(), "kvroute-sim".into()];
     for (e, id) in engines.iter().zip(ids) {
         args.push("--worker".into());
         args.push(format!(
@@ -117,7 +118,17 @@ async fn replica_with(
             e.url, e.events, e.replay
         ));
     }
-    ready_serve(client, &args).await
+    args
+}
+
+/// The flags that make a router a replica of `fleet` through the NATS server on `nats`.
+fn sync_args(nats: u16, fleet: &str) -> Vec<String> {
+    vec![
+        "--nats".into(),
+        format!("nats://127.0.0.1:{nats}"),
+        "--fleet".into(),
+        fleet.into(),
+    ]
 }
 
 /// A GET answered.
@@ -536,4 +547,177 @@ async fn a_worker_added_or_removed_through_one_replica_reaches_every_replica() {
     )
     .await;
     assert_eq!(workers(&client, &url_a).await, vec![(0, true)]);
+}
+
+/// Waits until the router at `url` has `n` workers, every one ready.
+async fn all_ready(client: &reqwest::Client, url: &str, n: usize) {
+    eventually(
+        Duration::from_secs(10),
+        "every worker ready",
+        || workers(client, url),
+        |w| w.len() == n && w.iter().all(|x| x.1),
+    )
+    .await;
+}
+
+/// Prompt families of [`workload`]: each request shares its family's first 512 tokens.
+const FAMILIES: u32 = 8;
+
+/// What a workload's answers said: the worker each request went to, and prompt tokens sent
+/// and found cached by the engines (`usage.prompt_tokens_details.cached_tokens`).
+#[derive(Debug, Default)]
+struct Served {
+    per_worker: std::collections::BTreeMap<String, u32>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+impl Served {
+    fn hit_rate(&self) -> f64 {
+        self.cached_tokens as f64 / self.prompt_tokens.max(1) as f64
+    }
+
+    /// The busiest worker's requests over the mean's, over `workers` workers.
+    fn imbalance(&self, workers: usize) -> f64 {
+        let total: u32 = self.per_worker.values().sum();
+        let max = self.per_worker.values().copied().max().unwrap_or(0);
+        max as f64 * workers as f64 / total.max(1) as f64
+    }
+}
+
+/// Requests `first..last` of a workload of [`FAMILIES`] prompt families (numbered from
+/// `base`), taken in turn, four in flight, request `i` sent to `urls[i % urls.len()]`; each
+/// must be answered 200.
+async fn workload(
+    client: &reqwest::Client,
+    urls: &[String],
+    base: u32,
+    requests: std::ops::Range<u32>,
+    served: &mut Served,
+) {
+    let answers: Vec<(u32, reqwest::Response)> = futures_util::stream::iter(requests)
+        .map(|i| {
+            let family = base + i % FAMILIES;
+            let mut prompt: Vec<u32> = (family * 2_000..family * 2_000 + 512).collect();
+            prompt.extend(40_000 + i * 64..40_000 + i * 64 + 64);
+            let body = json!({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 4});
+            let url = format!("{}/v1/completions", urls[i as usize % urls.len()]);
+            let client = client.clone();
+            async move { (i, client.post(url).json(&body).send().await.unwrap()) }
+        })
+        .buffer_unordered(4)
+        .collect()
+        .await;
+    for (i, r) in answers {
+        assert_eq!(r.status(), 200, "request {i}");
+        let worker = r.headers()["x-kvroute-worker"].to_str().unwrap().to_owned();
+        *served.per_worker.entry(worker).or_default() += 1;
+        let v: Value = r.json().await.unwrap();
+        served.prompt_tokens += v["usage"]["prompt_tokens"].as_u64().unwrap();
+        served.cached_tokens += v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_four_workers_serve_as_one_router_through_a_nats_restart() {
+    let Some((nats, nats_port, fleet)) = nats_on_a_free_port() else {
+        return;
+    };
+    let client = reqwest::Client::new();
+    let engines = ready_engines(&client, 4, &[]).await;
+    let ids: Vec<u64> = (0..4).collect();
+    const N: u32 = 96;
+
+    // One router, alone, on families 0..8.
+    let (one, url) = ready_serve(&client, &fleet_args(&engines, &ids)).await;
+    all_ready(&client, &url, 4).await;
+    let mut alone = Served::default();
+    workload(&client, &[url], 0, 0..N, &mut alone).await;
+    drop(one);
+
+    // Three replicas with the replicas' defaults, on families 8..16 of the same shape, the
+    // requests handed to them in turn.
+    let mut args = fleet_args(&engines, &ids);
+    args.extend(sync_args(nats_port, &fleet));
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(ready_serve(&client, &args).await);
+    }
+    let urls: Vec<String> = replicas.iter().map(|r| r.1.clone()).collect();
+    for url in &urls {
+        all_ready(&client, url, 4).await;
+    }
+    let all_synced = |peers: f64| {
+        let (client, urls) = (&client, &urls);
+        async move {
+            for url in urls {
+                eventually(
+                    Duration::from_secs(10),
+                    "every replica shares its view",
+                    || async {
+                        (
+                            metric(client, url, "kvroute_replica_sync_up").await,
+                            metric(client, url, "kvroute_replica_peers").await,
+                        )
+                    },
+                    |v| *v == (1.0, peers),
+                )
+                .await;
+            }
+        }
+    };
+    all_synced(2.0).await;
+    let mut spread = Served::default();
+    workload(&client, &urls, FAMILIES, 0..N / 3, &mut spread).await;
+    // NATS dies mid-run: every request is still answered, each replica on its own view.
+    drop(nats);
+    for url in &urls {
+        eventually(
+            Duration::from_secs(5),
+            "the view is local",
+            || view(&client, url),
+            |v| *v == (0.0, 0.0),
+        )
+        .await;
+    }
+    workload(&client, &urls, FAMILIES, N / 3..2 * N / 3, &mut spread).await;
+    // It comes back: the replicas share their view again and finish the run.
+    let Some(_nats) = nats_server(nats_port) else {
+        return;
+    };
+    all_synced(2.0).await;
+    workload(&client, &urls, FAMILIES, 2 * N / 3..N, &mut spread).await;
+
+    eprintln!(
+        "one router: hit rate {:.3}, imbalance {:.2} {:?}; three replicas: {:.3}, {:.2} {:?}",
+        alone.hit_rate(),
+        alone.imbalance(4),
+        alone.per_worker,
+        spread.hit_rate(),
+        spread.imbalance(4),
+        spread.per_worker
+    );
+    // Every family's later requests find its prefix wherever it was served first, through
+    // the replicas as through one router.
+    assert!(alone.hit_rate() > 0.7, "{alone:?}");
+    assert!(
+        spread.hit_rate() >= 0.97 * alone.hit_rate(),
+        "replicas {spread:?} against one router {alone:?}"
+    );
+    // Not herded onto one worker (that would be 4). Eight families on four workers, each
+    // request brief, may clump by chance through one router as through three (2 is four
+    // families on one worker).
+    assert!(spread.imbalance(4) <= 3.0, "{spread:?}");
+    // Nothing booked is left behind on any replica, the outage's requests included.
+    for url in &urls {
+        eventually(
+            Duration::from_secs(5),
+            "every replica's load back to zero",
+            || requests(&client, url),
+            |r| r.iter().all(|n| *n == 0),
+        )
+        .await;
+    }
 }
