@@ -13,8 +13,12 @@
 //!    that another thread takes every 200 µs into an `Outbox` and encodes, as serve's
 //!    collector and publisher do), and with the log taken but never read (the appends
 //!    alone). Rounds alternate; the medians and their ratios are printed. The routing thread
-//!    runs on CPU 0 and the collectors on CPU 1. `--cost-only` stops here.
-//! 2. **Delivery.** `nats-server` (the system's package; `scripts/fixtures.sh` installs it),
+//!    runs on CPU 0 and the collectors on CPU 1.
+//! 2. **Apply cost.** Another replica's messages as its outbox builds them (each 1,024-token
+//!    request booked, then freed, in batches of 32 changes), taken by this router's `Inbox`:
+//!    ns per remote request (its booking and its free read and applied). `--cost-only` stops
+//!    here.
+//! 3. **Delivery.** `nats-server` (the system's package; `scripts/fixtures.sh` installs it),
 //!    a fake engine that answers at once, and two replicas A and B (`RunningServe` with
 //!    `--nats`) in this process. Token-id completions go to A at 1 and 64 in flight for
 //!    `--seconds` each; B's `kvroute_replica_delay_seconds` histogram (from the booking
@@ -31,12 +35,13 @@ use kvroute_benches::affinity::pin_to;
 use kvroute_benches::fake_engine::fake_engine;
 use kvroute_benches::nats::NatsServer;
 use kvroute_benches::{flag_value, median};
+use kvroute_core::OwnedDelta;
 use kvroute_core::{
     IndexConfig, PrefixIndex, ReplicaId, RequestId, RouteHints, RouteRequest, Router, RouterConfig,
     WorkerConfig,
 };
 use kvroute_serve::{parse_worker_flag, ReplicaOptions, RunningServe, ServeOptions};
-use kvroute_transport::replicas::{DeltaLog, Outbox, Replayer};
+use kvroute_transport::replicas::{DeltaLog, Inbox, Outbox, Replayer};
 use serde_json::json;
 
 #[global_allocator]
@@ -183,6 +188,55 @@ fn route_cost(rounds: usize) -> Result<()> {
     println!(
         "  with the log unread:   {c:>8.0} ns   ({:.3}×: the appends alone, no other core reading them)",
         c / a
+    );
+    Ok(())
+}
+
+/// ns per remote request applied: another replica's bookings and frees of the prompts, as
+/// its outbox sends them, read by a fresh inbox each round; prints the median.
+fn apply_cost(rounds: usize) -> Result<()> {
+    let prompts = prompts();
+    // The other replica's changes: each prompt routed there, then freed.
+    let sender = router()?;
+    let changes = Arc::new(std::sync::Mutex::new(Vec::<OwnedDelta>::new()));
+    let sink = Arc::clone(&changes);
+    sender.on_booking(move |d| sink.lock().unwrap().push(OwnedDelta::from(d)));
+    route_round(&sender, &prompts, prompts.len(), 0);
+    let changes = std::mem::take(&mut *changes.lock().unwrap());
+    let mut outbox = Outbox::new(ReplicaId(7), 16);
+    let mut messages = outbox.snapshot(0);
+    for batch in changes.chunks(32) {
+        for d in batch {
+            outbox.push(&d.as_delta());
+        }
+        messages.extend(outbox.flush(0));
+    }
+    let receiver = router()?;
+    // The receiver's index knows the prompts (the engines' events would have told it).
+    route_round(&receiver, &prompts, prompts.len(), 0);
+    let requests = prompts.len() as f64;
+    let mut ns = Vec::new();
+    for _ in 0..=rounds {
+        let mut inbox = Inbox::new(ReplicaId(1), 16);
+        let start = Instant::now();
+        let mut applied = 0;
+        for m in &messages {
+            applied += inbox
+                .receive(&receiver, m, Instant::now(), 0)
+                .map_or(0, |r| r.applied);
+        }
+        let elapsed = start.elapsed().as_nanos() as f64;
+        if applied as usize != changes.len() || receiver.remote_requests() != 0 {
+            bail!("applied {applied} of {} changes", changes.len());
+        }
+        ns.push(elapsed / requests);
+    }
+    // The first round warmed the inbox's buffers and the ledger.
+    ns.remove(0);
+    println!(
+        "apply another replica's request (booked, then freed; {} messages of 32 changes), median of {rounds}: {:.0} ns",
+        messages.len() - 1,
+        median(ns).unwrap_or(0.0)
     );
     Ok(())
 }
@@ -364,6 +418,7 @@ fn main() -> Result<()> {
     let seconds = value("--seconds", 3.0);
     let rounds = value("--rounds", 5.0) as usize;
     route_cost(rounds)?;
+    apply_cost(rounds)?;
     if args.iter().any(|a| a == "--cost-only") {
         return Ok(());
     }

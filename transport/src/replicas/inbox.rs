@@ -10,7 +10,9 @@ use kvroute_core::{
     WorkerRank,
 };
 
-use super::wire::{decode, Body, WireBooking, WireDelta, WireError};
+use rkyv::util::AlignedVec;
+
+use super::wire::{access, ArchivedBody, ArchivedWireBooking, ArchivedWireDelta, WireError};
 
 /// Least time between two requests for the same peer's snapshot.
 pub const RESYNC_EVERY: Duration = Duration::from_secs(1);
@@ -67,12 +69,20 @@ pub struct InboxCounts {
 }
 
 /// The other routers as this one hears them.
+///
+/// Messages are read where they lie (rkyv's validated access): one copy into an aligned
+/// buffer the inbox keeps, and nothing allocated per message or per booking once its buffers
+/// have grown.
 #[derive(Debug)]
 pub struct Inbox {
     me: ReplicaId,
     block_size: u32,
     peers: HashMap<ReplicaId, Peer>,
     counts: InboxCounts,
+    /// The message being read, aligned for access (kept between messages).
+    aligned: AlignedVec<16>,
+    /// A booking's hashes as the router takes them (kept between bookings).
+    hashes: Vec<LocalHash>,
 }
 
 impl Inbox {
@@ -83,6 +93,8 @@ impl Inbox {
             block_size,
             peers: HashMap::new(),
             counts: InboxCounts::default(),
+            aligned: AlignedVec::new(),
+            hashes: Vec::new(),
         }
     }
 
@@ -109,7 +121,22 @@ impl Inbox {
         now: Instant,
         now_unix_ns: u64,
     ) -> Result<Received, WireError> {
-        let e = match decode(bytes) {
+        let mut aligned = std::mem::take(&mut self.aligned);
+        aligned.clear();
+        aligned.extend_from_slice(bytes);
+        let out = self.receive_aligned(router, &aligned, now, now_unix_ns);
+        self.aligned = aligned;
+        out
+    }
+
+    fn receive_aligned(
+        &mut self,
+        router: &Router,
+        bytes: &[u8],
+        now: Instant,
+        now_unix_ns: u64,
+    ) -> Result<Received, WireError> {
+        let e = match access(bytes) {
             Ok(e) => e,
             Err(err) => {
                 match err {
@@ -119,22 +146,24 @@ impl Inbox {
                 return Err(err);
             }
         };
+        let (replica, block_size) = (e.replica.to_native(), e.block_size.to_native());
+        let seq = e.seq.to_native();
         let mut out = Received::default();
-        if e.replica == self.me.0 {
+        if replica == self.me.0 {
             return Ok(out);
         }
-        if e.replica == 0 || e.block_size != self.block_size {
+        if replica == 0 || block_size != self.block_size {
             self.counts.foreign += 1;
             return Err(WireError::Malformed(format!(
-                "replica {} with block size {} (this router's: {})",
-                e.replica, e.block_size, self.block_size
+                "replica {replica} with block size {block_size} (this router's: {})",
+                self.block_size
             )));
         }
         self.counts.messages += 1;
-        let from = ReplicaId(e.replica);
+        let from = ReplicaId(replica);
         out.from = Some(from);
         out.delay = now_unix_ns
-            .checked_sub(e.sent_unix_ns)
+            .checked_sub(e.sent_unix_ns.to_native())
             .map(Duration::from_nanos);
         let peer = self.peers.entry(from).or_insert(Peer {
             synced: false,
@@ -143,44 +172,45 @@ impl Inbox {
             asked_at: None,
         });
         peer.last_heard = now;
-        match e.body {
-            Body::Bye => {
+        match &e.body {
+            ArchivedBody::Bye => {
                 out.dropped = router.drop_replica(from) as u64;
                 self.peers.remove(&from);
                 self.counts.peers_lost += 1;
                 return Ok(out);
             }
-            Body::Resync { target } => {
+            ArchivedBody::Resync { target } => {
+                let target = target.to_native();
                 out.snapshot_wanted = target == 0 || target == self.me.0;
                 if !peer.synced {
                     self.want_resync(from, now, &mut out);
                 }
             }
-            Body::Heartbeat => {
-                if !peer.synced || e.seq != peer.last_seq {
+            ArchivedBody::Heartbeat => {
+                if !peer.synced || seq != peer.last_seq {
                     self.gap(router, from, now, &mut out);
                 }
             }
-            Body::Snapshot {
+            ArchivedBody::Snapshot {
                 first, bookings, ..
             } => {
-                if first {
+                if *first {
                     out.dropped = router.drop_replica(from) as u64;
                     peer.synced = true;
-                    peer.last_seq = e.seq;
+                    peer.last_seq = seq;
                     self.counts.snapshots += 1;
-                    for b in &bookings {
+                    for b in bookings.iter() {
                         self.apply_booking(router, from, b, true, &mut out);
                     }
-                } else if self.in_step(router, from, e.seq, now, &mut out) {
-                    for b in &bookings {
+                } else if self.in_step(router, from, seq, now, &mut out) {
+                    for b in bookings.iter() {
                         self.apply_booking(router, from, b, true, &mut out);
                     }
                 }
             }
-            Body::Deltas(deltas) => {
-                if self.in_step(router, from, e.seq, now, &mut out) {
-                    for d in &deltas {
+            ArchivedBody::Deltas(deltas) => {
+                if self.in_step(router, from, seq, now, &mut out) {
+                    for d in deltas.iter() {
                         self.apply_delta(router, from, d, &mut out);
                     }
                 }
@@ -237,20 +267,28 @@ impl Inbox {
         }
     }
 
-    fn apply_delta(&mut self, router: &Router, from: ReplicaId, d: &WireDelta, out: &mut Received) {
-        let delta = match *d {
-            WireDelta::Booked(ref b) => return self.apply_booking(router, from, b, false, out),
-            WireDelta::PrefillDone(r) => BookingDelta::PrefillDone(RequestId(r)),
-            WireDelta::OutputBlocks {
+    fn apply_delta(
+        &mut self,
+        router: &Router,
+        from: ReplicaId,
+        d: &ArchivedWireDelta,
+        out: &mut Received,
+    ) {
+        let delta = match d {
+            ArchivedWireDelta::Booked(b) => return self.apply_booking(router, from, b, false, out),
+            ArchivedWireDelta::PrefillDone(r) => {
+                BookingDelta::PrefillDone(RequestId(r.to_native()))
+            }
+            ArchivedWireDelta::OutputBlocks {
                 request,
                 blocks,
                 generated,
             } => BookingDelta::OutputBlocks {
-                request: RequestId(request),
-                blocks,
-                generated,
+                request: RequestId(request.to_native()),
+                blocks: blocks.to_native(),
+                generated: generated.to_native(),
             },
-            WireDelta::Freed(r) => BookingDelta::Freed(RequestId(r)),
+            ArchivedWireDelta::Freed(r) => BookingDelta::Freed(RequestId(r.to_native())),
         };
         self.count(router.apply_remote(from, &delta).is_ok(), out);
     }
@@ -260,25 +298,28 @@ impl Inbox {
         &mut self,
         router: &Router,
         from: ReplicaId,
-        b: &WireBooking,
+        b: &ArchivedWireBooking,
         with_progress: bool,
         out: &mut Received,
     ) {
-        let hashes: Vec<LocalHash> = b.hashes.iter().map(|&h| LocalHash(h)).collect();
-        let request = RequestId(b.request);
+        let mut hashes = std::mem::take(&mut self.hashes);
+        hashes.clear();
+        hashes.extend(b.hashes.iter().map(|h| LocalHash(h.to_native())));
+        let request = RequestId(b.request.to_native());
         let booked = BookingDelta::Booked(RemoteBooking {
             request,
             rank: WorkerRank {
-                worker: WorkerId(b.worker),
-                dp_rank: DpRank(b.dp_rank),
+                worker: WorkerId(b.worker.to_native()),
+                dp_rank: DpRank(b.dp_rank.to_native()),
             },
-            prefill_tokens: b.prefill_tokens,
+            prefill_tokens: b.prefill_tokens.to_native(),
             block_hashes: &hashes,
-            prompt_tokens: b.prompt_tokens,
-            cached_tokens: b.cached_tokens,
-            expected_output_tokens: b.expected_output_tokens,
+            prompt_tokens: b.prompt_tokens.to_native(),
+            cached_tokens: b.cached_tokens.to_native(),
+            expected_output_tokens: b.expected_output_tokens.as_ref().map(|t| t.to_native()),
         });
         let ok = router.apply_remote(from, &booked).is_ok();
+        self.hashes = hashes;
         self.count(ok, out);
         if !(ok && with_progress) {
             return;
@@ -291,8 +332,8 @@ impl Inbox {
                 from,
                 &BookingDelta::OutputBlocks {
                     request,
-                    blocks: b.output_blocks,
-                    generated: b.generated,
+                    blocks: b.output_blocks.to_native(),
+                    generated: b.generated.to_native(),
                 },
             );
         }

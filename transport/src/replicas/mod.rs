@@ -31,7 +31,7 @@ pub mod wire;
 pub use inbox::{Inbox, InboxCounts, Received, RESYNC_EVERY};
 pub use log::{DeltaLog, Replayer, Taken, LOG_ROOM, MAX_LOG_WORDS, RECYCLE_AFTER};
 pub use outbox::{resync, Outbox};
-pub use wire::{decode, encode, Body, Envelope, WireBooking, WireDelta, WireError};
+pub use wire::{access, decode, encode, Body, Envelope, WireBooking, WireDelta, WireError};
 
 #[cfg(test)]
 mod tests;

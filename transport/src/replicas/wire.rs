@@ -137,7 +137,19 @@ pub fn encode(e: &Envelope) -> Vec<u8> {
     }
 }
 
-/// Reads a message, validated before use; refuses another version.
+/// The message in `bytes` as it lies there, validated before use (no copy, nothing
+/// allocated); refuses another version. `bytes` must be aligned to 16 (an rkyv `AlignedVec`).
+pub fn access(bytes: &[u8]) -> Result<&ArchivedEnvelope, WireError> {
+    let e = rkyv::access::<ArchivedEnvelope, rkyv::rancor::Error>(bytes)
+        .map_err(|e| WireError::Malformed(e.to_string()))?;
+    let version = e.version.to_native();
+    if version != SYNC_VERSION {
+        return Err(WireError::Version(version));
+    }
+    Ok(e)
+}
+
+/// Reads a message into owned values, validated before use; refuses another version.
 pub fn decode(bytes: &[u8]) -> Result<Envelope, WireError> {
     let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
     aligned.extend_from_slice(bytes);
