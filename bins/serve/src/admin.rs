@@ -276,6 +276,9 @@ pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Re
                         );
                     }
                 },
+                // Created when the bucket is first reached (a replica of a fleet), or
+                // this replica's own (no NATS).
+                None if state.registry.is_some() => crate::registry::Shared::Pending,
                 None => crate::registry::Shared::No,
             };
             let (shared, pending) = shared.json();
@@ -303,8 +306,8 @@ pub(crate) async fn remove_worker(State(state): State<AppState>, Path(id): Path<
     // Marked draining first, so that this replica's own registry watch leaves it to us.
     state.set_draining(WorkerId(id), true);
     // The fleet's other replicas drain it too, through the shared registry.
-    let shared = match state.registry.as_ref().and_then(|r| r.store()) {
-        Some(store) => crate::registry::share_removal(store, id).await,
+    let shared = match &state.registry {
+        Some(registry) => crate::registry::share_removal(registry, &backend.spec).await,
         None => crate::registry::Shared::No,
     };
     let (shared, pending) = shared.json();

@@ -10,7 +10,10 @@
 //! The engines stay the source of truth for caches; the bucket holds only who the workers are.
 //! A replica whose registry is not reachable (NATS down, or a server without JetStream) keeps
 //! its workers and changes them through its own API alone, and says so (`"shared": false` in
-//! the answer, a log line); it follows the bucket once it can. Workers' `api_key`s are in the
+//! the answer, a log line); it follows the bucket once it can. What its API changed before the
+//! bucket was first reached is written then (`"pending": true` in the answer): workers added
+//! are created unless the bucket holds their ids, workers removed are deleted unless the
+//! bucket holds another spec under their ids. Workers' `api_key`s are in the
 //! bucket: NATS access to it must be guarded as the configuration file is.
 
 use std::sync::{Arc, OnceLock};
@@ -33,6 +36,9 @@ pub(crate) struct SharedRegistry {
     /// removed the worker. A change applied in a task of its own (a worker drained before it
     /// rejoins) checks it is still the latest before it acts.
     latest: std::sync::Mutex<std::collections::HashMap<u64, (u64, bool)>>,
+    /// Workers removed through this replica's API before the bucket was first reached, to
+    /// delete from it then; `store` is set under this lock, so none is missed.
+    removed_early: std::sync::Mutex<Vec<BackendSpec>>,
 }
 
 /// What became of a worker change, for the fleet's other replicas.
@@ -40,8 +46,8 @@ pub(crate) struct SharedRegistry {
 pub(crate) enum Shared {
     /// The registry has it: every replica follows.
     Yes,
-    /// Not acknowledged (NATS down): the client holds it and writes it when NATS is back,
-    /// while this replica runs.
+    /// Not acknowledged (NATS down), or the bucket not reached yet: written when NATS is
+    /// back, while this replica runs.
     Pending,
     /// No registry (no NATS, or it was never reached): this replica's own.
     No,
@@ -131,8 +137,23 @@ pub(crate) async fn share_add(store: &Store, spec: &BackendSpec) -> Result<Share
     }
 }
 
-/// Removes a worker from the registry (its removal through this replica's API).
-pub(crate) async fn share_removal(store: &Store, id: u64) -> Shared {
+/// Removes a worker from the registry (its removal through this replica's API); before the
+/// bucket was first reached, kept to remove once it is.
+pub(crate) async fn share_removal(registry: &SharedRegistry, spec: &BackendSpec) -> Shared {
+    let store = {
+        let mut early = registry
+            .removed_early
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match registry.store() {
+            Some(store) => store.clone(),
+            None => {
+                early.push(spec.clone());
+                return Shared::Pending;
+            }
+        }
+    };
+    let id = spec.id;
     match store.delete(key(id)).await {
         Ok(()) => Shared::Yes,
         Err(e) => {
@@ -190,8 +211,16 @@ pub(crate) fn start(
                 }
             }
         };
-        let _ = shared.store.set(store.clone());
+        let removed_early = {
+            let mut early = shared
+                .removed_early
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let _ = shared.store.set(store.clone());
+            std::mem::take(&mut *early)
+        };
         tracing::info!(bucket = %name, "worker registry shared");
+        remove_early(&store, &removed_early).await;
         register_configured(&state, &store).await;
         loop {
             match store.watch_with_history(">").await {
@@ -233,6 +262,38 @@ async fn create_bucket(
     })
     .await?;
     Ok(js.get_key_value(name).await?)
+}
+
+/// The workers removed through this replica's API before the bucket was reached leave it
+/// too, unless it holds another spec under their ids (a worker added since, elsewhere).
+async fn remove_early(store: &Store, removed: &[BackendSpec]) {
+    for spec in removed {
+        let id = spec.id;
+        let ours = match store.entry(key(id)).await {
+            Ok(None) => true,
+            Ok(Some(e)) if e.operation == Operation::Put => {
+                serde_json::from_slice::<BackendSpec>(&e.value).is_ok_and(|held| held == *spec)
+            }
+            // Removed already.
+            Ok(Some(_)) => false,
+            Err(e) => {
+                tracing::warn!(worker = id, error = %e, "worker registry: cannot read");
+                false
+            }
+        };
+        if !ours {
+            continue;
+        }
+        match store.delete(key(id)).await {
+            Ok(()) => tracing::info!(
+                worker = id,
+                "worker removed here while the registry was unreachable: removed from the fleet's"
+            ),
+            Err(e) => {
+                tracing::warn!(worker = id, error = %e, "worker registry: removal not written")
+            }
+        }
+    }
 }
 
 /// Each of this replica's workers is created in the bucket unless it is there; one the bucket

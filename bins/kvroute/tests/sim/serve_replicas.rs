@@ -721,3 +721,65 @@ async fn three_replicas_on_four_workers_serve_as_one_router_through_a_nats_resta
         .await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_removed_before_the_registry_was_reached_stays_removed_once_it_is() {
+    let client = reqwest::Client::new();
+    let engines = ready_engines(&client, 2, &[]).await;
+    // No NATS server yet on the fleet's port.
+    let port = free_port();
+    let _ = std::fs::remove_dir_all(store(port));
+    let fleet = format!("t{port}");
+    let (_b, url_b) = replica(&client, &engines, port, &fleet).await;
+    assert_eq!(registry(&client, &url_b).await, "unreachable");
+    // Removed through B while it has no registry: to be written once there is one.
+    let removed: Value = client
+        .delete(format!("{url_b}/v1/workers/1"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (&removed["shared"], &removed["pending"]),
+        (&json!(false), &json!(true))
+    );
+    eventually(
+        Duration::from_secs(5),
+        "B drops the worker",
+        || workers(&client, &url_b),
+        |w| w.iter().map(|x| x.0).collect::<Vec<_>>() == vec![0],
+    )
+    .await;
+
+    // NATS starts, and A, configured with both workers, joins the fleet: whichever of A and
+    // B reaches the registry first, the removal stands on both.
+    let Some(_nats) = nats_server(port) else {
+        return;
+    };
+    let (_a, url_a) = replica(&client, &engines, port, &fleet).await;
+    for url in [&url_a, &url_b] {
+        eventually(
+            Duration::from_secs(10),
+            "the registry is shared",
+            || registry(&client, url),
+            |r| r == "shared",
+        )
+        .await;
+    }
+    for url in [&url_a, &url_b] {
+        eventually(
+            Duration::from_secs(5),
+            "the removal made before the registry was reached stands",
+            || workers(&client, url),
+            |w| w.iter().map(|x| x.0).collect::<Vec<_>>() == vec![0],
+        )
+        .await;
+    }
+    // And stays: nothing brings worker 1 back a moment later.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for url in [&url_a, &url_b] {
+        assert_eq!(workers(&client, url).await, vec![(0, true)], "{url}");
+    }
+}
