@@ -309,7 +309,8 @@ pub struct RunningServe {
     /// The engines' reported load, read while the booking sync is down (replicas only).
     engine_load: Option<JoinHandle<()>>,
     sync: Option<replicas::ReplicaSync>,
-    registry: Option<JoinHandle<()>>,
+    /// The registry's watch, and what its changes started.
+    registry: Option<(JoinHandle<()>, Arc<registry::SharedRegistry>)>,
 }
 
 impl RunningServe {
@@ -395,10 +396,8 @@ impl RunningServe {
             registry: sync.as_ref().map(|_| Arc::default()),
         };
         let registry = match (&sync, &state.registry, &options.replicas) {
-            (Some(sync), Some(shared), Some(r)) => Some(registry::start(
-                state.clone(),
-                sync.client(),
-                &r.fleet,
+            (Some(sync), Some(shared), Some(r)) => Some((
+                registry::start(state.clone(), sync.client(), &r.fleet, Arc::clone(shared)),
                 Arc::clone(shared),
             )),
             _ => None,
@@ -489,8 +488,9 @@ impl RunningServe {
         if let Some(engine_load) = self.engine_load.take() {
             engine_load.abort();
         }
-        if let Some(registry) = self.registry.take() {
-            registry.abort();
+        if let Some((watch, shared)) = self.registry.take() {
+            watch.abort();
+            shared.abort_tasks();
         }
         if let Some(sync) = self.sync.take() {
             sync.leave().await;

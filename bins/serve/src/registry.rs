@@ -39,6 +39,9 @@ pub(crate) struct SharedRegistry {
     /// Workers removed through this replica's API before the bucket was first reached, to
     /// delete from it then; `store` is set under this lock, so none is missed.
     removed_early: std::sync::Mutex<Vec<BackendSpec>>,
+    /// The drains and joins the bucket's changes started: aborted with the registry's watch
+    /// when the server stops.
+    tasks: std::sync::Mutex<tokio::task::JoinSet<()>>,
 }
 
 /// What became of a worker change, for the fleet's other replicas.
@@ -61,6 +64,21 @@ impl Shared {
 }
 
 impl SharedRegistry {
+    /// Runs `task` (a drain, a join) until it ends or the registry stops.
+    fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(task);
+    }
+
+    /// Stops every drain and join the registry started (the server is stopping).
+    pub(crate) fn abort_tasks(&self) {
+        self.tasks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .abort_all();
+    }
+
     fn note(&self, id: u64, revision: u64, removed: bool) {
         if let Ok(mut latest) = self.latest.lock() {
             latest.insert(id, (revision, removed));
@@ -221,7 +239,7 @@ pub(crate) fn start(
         };
         tracing::info!(bucket = %name, "worker registry shared");
         remove_early(&store, &removed_early).await;
-        register_configured(&state, &store).await;
+        register_configured(&state, &shared, &store).await;
         loop {
             match store.watch_with_history(">").await {
                 Ok(mut watch) => {
@@ -298,7 +316,7 @@ async fn remove_early(store: &Store, removed: &[BackendSpec]) {
 
 /// Each of this replica's workers is created in the bucket unless it is there; one the bucket
 /// says was removed leaves this replica too.
-async fn register_configured(state: &AppState, store: &Store) {
+async fn register_configured(state: &AppState, shared: &SharedRegistry, store: &Store) {
     for b in state.backends.all() {
         let id = b.spec.id;
         match store.entry(key(id)).await {
@@ -307,7 +325,7 @@ async fn register_configured(state: &AppState, store: &Store) {
                     worker = id,
                     "worker removed from the fleet's registry: leaving"
                 );
-                spawn_removal(state, id);
+                spawn_removal(state, shared, id);
             }
             Ok(Some(_)) => {}
             Ok(None) => {
@@ -344,13 +362,13 @@ fn apply(state: &AppState, shared: &Arc<SharedRegistry>, entry: Entry) {
                 tracing::warn!(key = %entry.key, id = spec.id, "worker registry: key and id differ");
                 return;
             }
-            let (state, shared) = (state.clone(), Arc::clone(shared));
-            let latest = move |id| shared.latest(id);
+            let (state, held) = (state.clone(), Arc::clone(shared));
+            let latest = move |id| held.latest(id);
             let still_latest = {
                 let latest = latest.clone();
                 move || latest(id) == Some((revision, false))
             };
-            tokio::spawn(async move {
+            shared.spawn(async move {
                 if let Some(b) = state.backends.get(id) {
                     if b.spec == spec {
                         return;
@@ -388,13 +406,13 @@ fn apply(state: &AppState, shared: &Arc<SharedRegistry>, entry: Entry) {
         }
         Operation::Delete | Operation::Purge => {
             shared.note(id, revision, true);
-            spawn_removal(state, id);
+            spawn_removal(state, shared, id);
         }
     }
 }
 
 /// Drains worker `id` and removes it, unless it is gone or being drained already.
-fn spawn_removal(state: &AppState, id: u64) {
+fn spawn_removal(state: &AppState, shared: &SharedRegistry, id: u64) {
     if state.draining().contains(&WorkerId(id)) {
         return;
     }
@@ -402,7 +420,7 @@ fn spawn_removal(state: &AppState, id: u64) {
         return;
     };
     let state = state.clone();
-    tokio::spawn(async move {
+    shared.spawn(async move {
         match drain_and_remove(&state, &backend).await {
             Ok(blocks) => tracing::info!(
                 worker = id,
