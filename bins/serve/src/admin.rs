@@ -258,9 +258,10 @@ pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Re
         .await
     {
         Ok(_) => {
-            // Then the fleet's other replicas, through the shared registry.
-            let shared = match store {
-                Some(store) => match crate::registry::share_add(store, &spec).await {
+            // Then the fleet's other replicas, through the shared registry (reached now, or
+            // later: the bucket is read again, as it may have been reached meanwhile).
+            let shared = match &state.registry {
+                Some(registry) => match crate::registry::share_join(registry, &spec).await {
                     Ok(shared) => shared,
                     Err(conflict) => {
                         // Another replica wrote another spec meanwhile: it wins. Ours leaves,
@@ -276,9 +277,6 @@ pub(crate) async fn add_worker(State(state): State<AppState>, body: Bytes) -> Re
                         );
                     }
                 },
-                // Created when the bucket is first reached (a replica of a fleet), or
-                // this replica's own (no NATS).
-                None if state.registry.is_some() => crate::registry::Shared::Pending,
                 None => crate::registry::Shared::No,
             };
             let (shared, pending) = shared.json();

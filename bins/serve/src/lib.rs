@@ -489,7 +489,9 @@ impl RunningServe {
             engine_load.abort();
         }
         if let Some((watch, shared)) = self.registry.take() {
+            // The watch stopped first: a change it was applying cannot start a task after.
             watch.abort();
+            let _ = watch.await;
             shared.abort_tasks();
         }
         if let Some(sync) = self.sync.take() {

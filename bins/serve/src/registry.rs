@@ -49,10 +49,10 @@ pub(crate) struct SharedRegistry {
 pub(crate) enum Shared {
     /// The registry has it: every replica follows.
     Yes,
-    /// Not acknowledged (NATS down), or the bucket not reached yet: written when NATS is
-    /// back, while this replica runs.
+    /// Not acknowledged (NATS down), or the bucket not reached yet: written when it is,
+    /// while this replica runs (never, from a server without JetStream: the log says so).
     Pending,
-    /// No registry (no NATS, or it was never reached): this replica's own.
+    /// No registry (serve runs without NATS): this replica's own.
     No,
 }
 
@@ -135,9 +135,34 @@ pub(crate) async fn check_add(store: &Store, spec: &BackendSpec) -> Result<(), C
     }
 }
 
+/// Shares a worker that joined through this replica's API: written to the bucket now, or,
+/// before the bucket was first reached, created when it is (a removal of the same id made
+/// before then is forgotten).
+pub(crate) async fn share_join(
+    registry: &SharedRegistry,
+    spec: &BackendSpec,
+) -> Result<Shared, Conflict> {
+    let store = {
+        let mut early = registry
+            .removed_early
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match registry.store() {
+            Some(store) => store.clone(),
+            None => {
+                // The worker is among this replica's by now: created with the others once the
+                // bucket is reached.
+                early.retain(|removed| removed.id != spec.id);
+                return Ok(Shared::Pending);
+            }
+        }
+    };
+    share_add(&store, spec).await
+}
+
 /// Writes a worker that joined through this replica's API to the registry: created, so that
 /// a spec written meanwhile by another replica is not replaced.
-pub(crate) async fn share_add(store: &Store, spec: &BackendSpec) -> Result<Shared, Conflict> {
+async fn share_add(store: &Store, spec: &BackendSpec) -> Result<Shared, Conflict> {
     let value = serde_json::to_vec(spec).unwrap_or_default();
     match store.create(key(spec.id), value.into()).await {
         Ok(_) => Ok(Shared::Yes),
@@ -238,7 +263,13 @@ pub(crate) fn start(
             std::mem::take(&mut *early)
         };
         tracing::info!(bucket = %name, "worker registry shared");
-        remove_early(&store, &removed_early).await;
+        let mut removed_early = removed_early;
+        while !removed_early.is_empty() {
+            removed_early = remove_early(&store, removed_early).await;
+            if !removed_early.is_empty() {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
         register_configured(&state, &shared, &store).await;
         loop {
             match store.watch_with_history(">").await {
@@ -284,19 +315,22 @@ async fn create_bucket(
 
 /// The workers removed through this replica's API before the bucket was reached leave it
 /// too, unless it holds another spec under their ids (a worker added since, elsewhere).
-async fn remove_early(store: &Store, removed: &[BackendSpec]) {
+/// Returns those it could not read or write, to try again.
+async fn remove_early(store: &Store, removed: Vec<BackendSpec>) -> Vec<BackendSpec> {
+    let mut again = Vec::new();
     for spec in removed {
         let id = spec.id;
         let ours = match store.entry(key(id)).await {
             Ok(None) => true,
             Ok(Some(e)) if e.operation == Operation::Put => {
-                serde_json::from_slice::<BackendSpec>(&e.value).is_ok_and(|held| held == *spec)
+                serde_json::from_slice::<BackendSpec>(&e.value).is_ok_and(|held| held == spec)
             }
             // Removed already.
             Ok(Some(_)) => false,
             Err(e) => {
                 tracing::warn!(worker = id, error = %e, "worker registry: cannot read");
-                false
+                again.push(spec);
+                continue;
             }
         };
         if !ours {
@@ -308,10 +342,12 @@ async fn remove_early(store: &Store, removed: &[BackendSpec]) {
                 "worker removed here while the registry was unreachable: removed from the fleet's"
             ),
             Err(e) => {
-                tracing::warn!(worker = id, error = %e, "worker registry: removal not written")
+                tracing::warn!(worker = id, error = %e, "worker registry: removal not written");
+                again.push(spec);
             }
         }
     }
+    again
 }
 
 /// Each of this replica's workers is created in the bucket unless it is there; one the bucket

@@ -32,27 +32,33 @@ fn store(port: u16) -> std::path::PathBuf {
 }
 
 /// A `nats-server` on `port` (the system's package) with JetStream, storing in a directory of
-/// its own, or none when it is not installed.
+/// its own, or none when it is not installed. Started again while it exits at once (the port
+/// held a moment by another socket).
 fn nats_server(port: u16) -> Option<Process> {
-    let child = Command::new(kvroute_serve::nats_server_program())
-        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-        .arg(store(port))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn();
-    match child {
-        Ok(c) => {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while TcpStream::connect(("127.0.0.1", port)).is_err() {
-                assert!(Instant::now() < deadline, "nats-server never listened");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Some(Process(c))
-        }
-        Err(_) => {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let child = Command::new(kvroute_serve::nats_server_program())
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(store(port))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let Ok(child) = child else {
             skip_without_fixtures("no nats-server on PATH: run scripts/fixtures.sh");
-            None
+            return None;
+        };
+        let mut server = Process(child);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nats-server never listened");
+            if server.0.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
+        if server.0.try_wait().unwrap().is_none() {
+            return Some(server);
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
@@ -725,7 +731,7 @@ async fn three_replicas_on_four_workers_serve_as_one_router_through_a_nats_resta
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_removed_before_the_registry_was_reached_stays_removed_once_it_is() {
     let client = reqwest::Client::new();
-    let engines = ready_engines(&client, 2, &[]).await;
+    let engines = ready_engines(&client, 3, &[]).await;
     // No NATS server yet on the fleet's port.
     let port = free_port();
     let _ = std::fs::remove_dir_all(store(port));
@@ -745,16 +751,34 @@ async fn a_worker_removed_before_the_registry_was_reached_stays_removed_once_it_
         (&removed["shared"], &removed["pending"]),
         (&json!(false), &json!(true))
     );
+    // Worker 2 removed and added again: it stays.
+    let removed = client
+        .delete(format!("{url_b}/v1/workers/2"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(removed.status(), 200);
+    let added: Value = client
+        .post(format!("{url_b}/v1/workers"))
+        .json(&spec(2, &engines[2]))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(added, json!({"id": 2, "shared": false, "pending": true}));
     eventually(
         Duration::from_secs(5),
-        "B drops the worker",
+        "B drops worker 1",
         || workers(&client, &url_b),
-        |w| w.iter().map(|x| x.0).collect::<Vec<_>>() == vec![0],
+        |w| w.iter().map(|x| x.0).collect::<Vec<_>>() == vec![0, 2],
     )
     .await;
 
-    // NATS starts, and A, configured with both workers, joins the fleet: whichever of A and
-    // B reaches the registry first, the removal stands on both.
+    // NATS starts, and A, configured with every worker, joins the fleet: whichever of A and B
+    // reaches the registry first, the removal stands on both, and so does the worker added
+    // again.
     let Some(_nats) = nats_server(port) else {
         return;
     };
@@ -773,13 +797,14 @@ async fn a_worker_removed_before_the_registry_was_reached_stays_removed_once_it_
             Duration::from_secs(5),
             "the removal made before the registry was reached stands",
             || workers(&client, url),
-            |w| w.iter().map(|x| x.0).collect::<Vec<_>>() == vec![0],
+            |w| w.iter().map(|x| x.0).collect::<Vec<_>>() == vec![0, 2],
         )
         .await;
     }
-    // And stays: nothing brings worker 1 back a moment later.
+    // And stays: nothing brings worker 1 back, or takes worker 2 away, a moment later.
     tokio::time::sleep(Duration::from_millis(500)).await;
     for url in [&url_a, &url_b] {
-        assert_eq!(workers(&client, url).await, vec![(0, true)], "{url}");
+        let ids: Vec<u64> = workers(&client, url).await.iter().map(|x| x.0).collect();
+        assert_eq!(ids, vec![0, 2], "{url}");
     }
 }
