@@ -7,6 +7,7 @@
 //! ```text
 //! cargo run --release -p kvroute-benches --bin replica-scaling
 //! cargo run --release -p kvroute-benches --bin replica-scaling -- --quota 0.25 --seconds 5 --rounds 3
+//! cargo run --release -p kvroute-benches --bin replica-scaling -- --sync-batch-us 1000
 //! ```
 //!
 //! Cells, alternating in each round; each starts its routers anew:
@@ -70,8 +71,10 @@ fn as_replica(args: &[String]) -> Result<()> {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         workers,
         replicas: value("--nats").map(|nats| ReplicaOptions {
-            nats,
-            fleet: "scaling".into(),
+            batch: value("--sync-batch-us")
+                .and_then(|us| us.parse().ok())
+                .map_or(kvroute_serve::SYNC_BATCH, Duration::from_micros),
+            ..ReplicaOptions::new(nats, "scaling")
         }),
         ..ServeOptions::default()
     };
@@ -158,6 +161,11 @@ impl Router {
         cmd.args(["--as-replica", "--engines", engines]);
         if let Some(nats) = nats {
             cmd.args(["--nats", nats]);
+            // The batch window asked of this run, for every replica.
+            let args: Vec<String> = std::env::args().collect();
+            if let Some(us) = args.windows(2).find(|w| w[0] == "--sync-batch-us") {
+                cmd.args(["--sync-batch-us", &us[1]]);
+            }
         }
         let mut child = cmd
             .stdin(Stdio::piped())

@@ -5,12 +5,13 @@
 //! cargo run --release -p kvroute-benches --bin replica-sync
 //! cargo run --release -p kvroute-benches --bin replica-sync -- --seconds 5 --rounds 7
 //! cargo run --release -p kvroute-benches --bin replica-sync -- --cost-only
+//! cargo run --release -p kvroute-benches --bin replica-sync -- --sync-batch-us 200
 //! ```
 //!
 //! 1. **Route cost.** One core `Router` (8 workers), prompts of 1,024 tokens (16 shared
 //!    prefixes of 960 tokens, then 64 of their own), each routed then freed: ns per route and
 //!    free, without a booking sink and with serve's (each change appended to a `DeltaLog`
-//!    that another thread takes every 200 µs into an `Outbox` and encodes, as serve's
+//!    that another thread takes every 500 µs into an `Outbox` and encodes, as serve's
 //!    collector and publisher do), and with the log taken but never read (the appends
 //!    alone). Rounds alternate; the medians and their ratios are printed. The routing thread
 //!    runs on CPU 0 and the collectors on CPU 1.
@@ -20,7 +21,8 @@
 //!    here.
 //! 3. **Delivery.** `nats-server` (the system's package; `scripts/fixtures.sh` installs it),
 //!    a fake engine that answers at once, and two replicas A and B (`RunningServe` with
-//!    `--nats`) in this process. Token-id completions go to A at 1 and 64 in flight for
+//!    `--nats`, their batch window `--sync-batch-us`, default serve's) in this process.
+//!    Token-id completions go to A at 1 and 64 in flight for
 //!    `--seconds` each; B's `kvroute_replica_delay_seconds` histogram (from the booking
 //!    change on A, the oldest of its message, to B receiving it) gives the percentiles,
 //!    interpolated within its buckets.
@@ -46,9 +48,6 @@ use serde_json::json;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// How often the collector takes the log, in µs (serve's `COLLECT_EVERY`).
-const COLLECT_US: u64 = 200;
 
 fn router() -> Result<Router> {
     let r = Router::new(
@@ -89,7 +88,7 @@ fn route_round(r: &Router, prompts: &[Vec<u32>], n: usize, first_id: u64) -> f64
     start.elapsed().as_nanos() as f64 / n as f64
 }
 
-/// A router with serve's booking sink, and its collector on CPU 1: every 200 µs it takes the
+/// A router with serve's booking sink, and its collector on CPU 1: every 500 µs it takes the
 /// log and, when `read`, replays it into an [`Outbox`] and encodes it, as serve's collector
 /// and publisher do. Without `read` the batch is handed back unread: what remains is the
 /// routing thread's own appending, without another core reading what it wrote.
@@ -127,7 +126,7 @@ impl Synced {
                     }
                 }
                 log.recycle(taken.words);
-                std::thread::sleep(Duration::from_micros(COLLECT_US));
+                std::thread::sleep(kvroute_serve::SYNC_BATCH);
             }
         });
         Ok(Synced {
@@ -347,13 +346,13 @@ async fn drive(url: &str, rate: Option<f64>, seconds: f64) -> Result<u64> {
     Ok(done.load(Ordering::Relaxed))
 }
 
-async fn replica(engine: SocketAddr, nats: &str) -> Result<RunningServe> {
+async fn replica(engine: SocketAddr, nats: &str, batch: Duration) -> Result<RunningServe> {
     let options = ServeOptions {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         workers: vec![parse_worker_flag(&format!("url=http://{engine}"), 0)?],
         replicas: Some(ReplicaOptions {
-            nats: nats.to_owned(),
-            fleet: "bench".into(),
+            batch,
+            ..ReplicaOptions::new(nats, "bench")
         }),
         ..ServeOptions::default()
     };
@@ -361,7 +360,7 @@ async fn replica(engine: SocketAddr, nats: &str) -> Result<RunningServe> {
 }
 
 /// Delivery delays between two replicas through NATS; prints the percentiles per cell.
-fn delivery(seconds: f64) -> Result<()> {
+fn delivery(seconds: f64, batch: Duration) -> Result<()> {
     let nats = NatsServer::start()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -369,8 +368,8 @@ fn delivery(seconds: f64) -> Result<()> {
         .build()?;
     let result = rt.block_on(async {
         let engine = fake_engine().await?;
-        let a = replica(engine, &nats.url).await?;
-        let b = replica(engine, &nats.url).await?;
+        let a = replica(engine, &nats.url, batch).await?;
+        let b = replica(engine, &nats.url, batch).await?;
         let (url_a, url_b) = (
             format!("http://{}", a.listen),
             format!("http://{}", b.listen),
@@ -423,5 +422,6 @@ fn main() -> Result<()> {
     if args.iter().any(|a| a == "--cost-only") {
         return Ok(());
     }
-    delivery(seconds)
+    let batch = Duration::from_micros(value("--sync-batch-us", 500.0) as u64);
+    delivery(seconds, batch)
 }

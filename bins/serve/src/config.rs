@@ -253,6 +253,12 @@ pub struct ServeConfig {
     #[arg(long, value_name = "NAME", env = "KVROUTE_FLEET")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fleet: Option<String>,
+    /// With `nats`: how often, while bookings change, their changes are sent to the other
+    /// replicas as one message, in µs (default 500; 50 to 100,000). Longer costs less CPU
+    /// (fewer messages) and delivers later.
+    #[arg(long, value_name = "MICROSECONDS", env = "KVROUTE_SYNC_BATCH_US")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_batch_us: Option<u64>,
     /// The engines, as `[[workers]]` tables in the file.
     #[arg(skip)]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -500,6 +506,23 @@ impl ServeConfig {
             }
             o.disagg.transfer_labels = labels;
         }
+        let batch = match self.sync_batch_us {
+            Some(us) => {
+                let batch = std::time::Duration::from_micros(us);
+                if !crate::replicas::SYNC_BATCH_RANGE.contains(&batch) {
+                    return Err(ConfigError::Invalid(format!(
+                        "sync_batch_us {us}: take 50 to 100000"
+                    )));
+                }
+                if self.nats.is_none() && o.replicas.is_none() {
+                    return Err(ConfigError::Invalid(
+                        "sync_batch_us is the replicas' booking sync's: set nats too".to_owned(),
+                    ));
+                }
+                Some(batch)
+            }
+            None => None,
+        };
         match (self.nats, self.fleet) {
             (Some(nats), fleet) => {
                 if nats.split(',').any(|url| url.trim().is_empty()) {
@@ -507,18 +530,27 @@ impl ServeConfig {
                         "nats {nats:?}: an empty server URL"
                     )));
                 }
+                let earlier = o.replicas.take();
+                let batch = batch
+                    .or(earlier.as_ref().map(|r| r.batch))
+                    .unwrap_or(crate::replicas::SYNC_BATCH);
                 let fleet = fleet
-                    .or(o.replicas.take().map(|r| r.fleet))
+                    .or(earlier.map(|r| r.fleet))
                     .unwrap_or_else(|| "default".to_owned());
                 if !crate::replicas::valid_fleet(&fleet) {
                     return Err(ConfigError::Invalid(format!(
                         "fleet {fleet:?}: use 1 to 200 letters, digits, '-' and '_'"
                     )));
                 }
-                o.replicas = Some(crate::ReplicaOptions { nats, fleet });
+                o.replicas = Some(crate::ReplicaOptions { nats, fleet, batch });
             }
             (None, Some(fleet)) => match o.replicas.as_mut() {
-                Some(r) => r.fleet = fleet,
+                Some(r) => {
+                    r.fleet = fleet;
+                    if let Some(batch) = batch {
+                        r.batch = batch;
+                    }
+                }
                 None => {
                     return Err(ConfigError::Invalid(
                         "fleet names the replicas sharing bookings over NATS: set nats too"
@@ -526,7 +558,11 @@ impl ServeConfig {
                     ))
                 }
             },
-            (None, None) => {}
+            (None, None) => {
+                if let (Some(batch), Some(r)) = (batch, o.replicas.as_mut()) {
+                    r.batch = batch;
+                }
+            }
         }
         if o.replicas.is_some() && self.near_tie.is_none() && o.router.near_tie == 0.0 {
             o.router.near_tie = kvroute_core::REPLICA_NEAR_TIE;
@@ -616,6 +652,10 @@ impl ServeConfig {
             kv_transfer_labels: Some(options.disagg.transfer_labels.clone()),
             nats: options.replicas.as_ref().map(|r| r.nats.clone()),
             fleet: options.replicas.as_ref().map(|r| r.fleet.clone()),
+            sync_batch_us: options
+                .replicas
+                .as_ref()
+                .map(|r| r.batch.as_micros() as u64),
             workers: options
                 .workers
                 .iter()

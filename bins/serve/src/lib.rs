@@ -63,7 +63,9 @@ use tokio::task::JoinHandle;
 pub use backends::{BackendError, BackendSpec, Role, MAX_DP_SIZE};
 pub use config::{parse_worker_flag, ConfigError, ServeConfig};
 pub use networks::{BadNetwork, Network};
-pub use replicas::{nats_server_program, ReplicaError, ReplicaOptions};
+pub use replicas::{
+    nats_server_program, ReplicaError, ReplicaOptions, SYNC_BATCH, SYNC_BATCH_RANGE,
+};
 pub use upstream::with_causes;
 
 /// How the service is set up.

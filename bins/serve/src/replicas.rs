@@ -2,7 +2,7 @@
 //! over NATS core, on one subject per fleet (`kvroute.<fleet>.bookings`).
 //!
 //! ```text
-//!  Router::on_booking ──▶ DeltaLog ──collector thread, every 200 µs──▶ publisher task: Outbox
+//!  Router::on_booking ──▶ DeltaLog ──collector thread, every 500 µs──▶ publisher task: Outbox
 //!  publisher task ──publish──▶ NATS subject   (heartbeat every 500 ms, snapshot when asked)
 //!  NATS subject ──▶ subscriber task: Inbox::receive ──▶ Router::apply_remote
 //!                    quiet peers dropped after 2 s; NATS lost ──▶ every peer dropped (local view)
@@ -28,8 +28,12 @@ use tokio::task::JoinHandle;
 pub(crate) const HEARTBEAT: Duration = Duration::from_millis(500);
 /// A replica not heard for this long is dropped with its bookings.
 pub(crate) const SILENT_AFTER: Duration = Duration::from_secs(2);
-/// How often the collector takes the routing threads' changes while they come.
-const COLLECT_EVERY: Duration = Duration::from_micros(200);
+/// How often, by default, the collector takes the routing threads' changes while they come
+/// ([`ReplicaOptions::batch`]).
+pub const SYNC_BATCH: Duration = Duration::from_micros(500);
+/// The shortest and longest batch window taken.
+pub const SYNC_BATCH_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_micros(50)..=Duration::from_millis(100);
 /// Polls that find nothing before the collector parks until the next change.
 const IDLE_POLLS: u32 = 50;
 
@@ -40,6 +44,22 @@ pub struct ReplicaOptions {
     pub nats: String,
     /// The fleet's name: replicas with the same name share their bookings.
     pub fleet: String,
+    /// While bookings change, how often their changes are taken and sent, as one message
+    /// ([`SYNC_BATCH`] by default, within [`SYNC_BATCH_RANGE`]): longer sends fewer messages
+    /// (each costs every replica a wake-up and a system call or two) for later delivery. The
+    /// first change after 50 windows without one is sent at once.
+    pub batch: Duration,
+}
+
+impl ReplicaOptions {
+    /// Replicas of `fleet` meeting at `nats`, with the default batch window.
+    pub fn new(nats: impl Into<String>, fleet: impl Into<String>) -> Self {
+        ReplicaOptions {
+            nats: nats.into(),
+            fleet: fleet.into(),
+            batch: SYNC_BATCH,
+        }
+    }
 }
 
 /// Why the sync could not start.
@@ -279,9 +299,12 @@ impl ReplicaSync {
         let (sink, collected) = (Arc::clone(&log), Arc::clone(&log));
         router.on_booking(move |d| sink.append(d));
         let (batches, queue) = mpsc::channel::<Taken>(64);
+        let batch = options
+            .batch
+            .clamp(*SYNC_BATCH_RANGE.start(), *SYNC_BATCH_RANGE.end());
         std::thread::Builder::new()
             .name("kvroute-sync".into())
-            .spawn(move || collect(&collected, &batches))
+            .spawn(move || collect(&collected, &batches, batch))
             .map_err(|e| ReplicaError::Nats {
                 url: options.nats.clone(),
                 reason: format!("cannot start the collector thread: {e}"),
@@ -350,10 +373,10 @@ impl ReplicaSync {
     }
 }
 
-/// The collector thread: takes the log every [`COLLECT_EVERY`] while changes come, parks
+/// The collector thread: takes the log every `every` while changes come, parks
 /// when none came for [`IDLE_POLLS`] polls, and hands each batch to the publisher (waiting
 /// while the publisher is behind). Ends when the publisher has, or the log is closed.
-fn collect(log: &DeltaLog, batches: &mpsc::Sender<Taken>) {
+fn collect(log: &DeltaLog, batches: &mpsc::Sender<Taken>, every: Duration) {
     let mut idle = 0;
     while !log.is_closed() {
         let taken = log.take();
@@ -363,7 +386,7 @@ fn collect(log: &DeltaLog, batches: &mpsc::Sender<Taken>) {
                 log.wait();
                 idle = 0;
             } else {
-                std::thread::sleep(COLLECT_EVERY);
+                std::thread::sleep(every);
             }
             continue;
         }
@@ -371,7 +394,7 @@ fn collect(log: &DeltaLog, batches: &mpsc::Sender<Taken>) {
         if batches.blocking_send(taken).is_err() {
             return;
         }
-        std::thread::sleep(COLLECT_EVERY);
+        std::thread::sleep(every);
     }
 }
 

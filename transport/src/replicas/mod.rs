@@ -2,7 +2,7 @@
 //! carries the messages (serve: over NATS core, one subject per fleet).
 //!
 //! ```text
-//!  Router::on_booking ──▶ DeltaLog (words) ──taken every 200 µs by a collector──▶ Outbox
+//!  Router::on_booking ──▶ DeltaLog (words) ──taken by a collector every batch window──▶ Outbox
 //!  Outbox ──flush: Deltas (seq n, n+1, …)──────────────────────▶ every other router
 //!         ──heartbeat (last seq)───────────────────────────────▶
 //!         ──snapshot (its whole book) on a Resync, or after loss─▶

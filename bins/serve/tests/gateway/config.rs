@@ -25,10 +25,10 @@ fn every_key_has_one_name_in_the_file_the_environment_and_the_flags() {
         max_model_len: Some(8),
         model: Some("m".into()),
         tokenizer: Some("t".into()),
-        replicas: Some(kvroute_serve::ReplicaOptions {
-            nats: "nats://127.0.0.1:4222".into(),
-            fleet: "f".into(),
-        }),
+        replicas: Some(kvroute_serve::ReplicaOptions::new(
+            "nats://127.0.0.1:4222",
+            "f",
+        )),
         disagg: kvroute_serve::disagg::DisaggOptions {
             conditional: Some(kvroute_serve::disagg::Conditional {
                 max_new_tokens: 64,
@@ -197,7 +197,30 @@ fn a_fleet_needs_nats_and_a_name_fit_for_a_nats_subject() {
         ..ServeConfig::default()
     };
     let options = nats.clone().apply(ServeOptions::default()).unwrap();
-    assert_eq!(options.replicas.unwrap().fleet, "default");
+    let replicas = options.replicas.clone().unwrap();
+    assert_eq!(replicas.fleet, "default");
+    assert_eq!(replicas.batch, kvroute_serve::SYNC_BATCH);
+    // The batch window: with nats, within 50 µs to 100 ms.
+    let batched = ServeConfig {
+        sync_batch_us: Some(1_000),
+        ..nats.clone()
+    };
+    let batch = batched
+        .apply(ServeOptions::default())
+        .unwrap()
+        .replicas
+        .unwrap()
+        .batch;
+    assert_eq!(batch, std::time::Duration::from_millis(1));
+    for (us, with_nats) in [(49, true), (100_001, true), (0, true), (500, false)] {
+        let c = ServeConfig {
+            sync_batch_us: Some(us),
+            nats: nats.nats.clone().filter(|_| with_nats),
+            ..ServeConfig::default()
+        };
+        let err = c.apply(ServeOptions::default()).unwrap_err().to_string();
+        assert!(err.contains("sync_batch_us"), "{us}: {err}");
+    }
     // Replicas break near-ties at random unless told otherwise; a router alone does not.
     assert_eq!(options.router.near_tie, kvroute_core::REPLICA_NEAR_TIE);
     let exact = ServeConfig {
