@@ -70,12 +70,13 @@ fn as_replica(args: &[String]) -> Result<()> {
     let options = ServeOptions {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         workers,
-        replicas: value("--nats").map(|nats| ReplicaOptions {
-            batch: value("--sync-batch-us")
-                .and_then(|us| us.parse().ok())
-                .map_or(kvroute_serve::SYNC_BATCH, Duration::from_micros),
-            ..ReplicaOptions::new(nats, "scaling")
-        }),
+        replicas: match value("--nats") {
+            Some(nats) => Some(ReplicaOptions {
+                batch: sync_batch(args)?,
+                ..ReplicaOptions::new(nats, "scaling")
+            }),
+            None => None,
+        },
         ..ServeOptions::default()
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -346,6 +347,19 @@ async fn cell(
     })
 }
 
+/// The replicas' batch window: `--sync-batch-us`, serve's default without it; refused outside
+/// the range serve takes (it would clamp it, and the run be filed under the wrong window).
+fn sync_batch(args: &[String]) -> Result<Duration> {
+    let Some(us) = args.windows(2).find(|w| w[0] == "--sync-batch-us") else {
+        return Ok(kvroute_serve::SYNC_BATCH);
+    };
+    let batch = Duration::from_micros(us[1].parse().context("--sync-batch-us: microseconds")?);
+    if !kvroute_serve::SYNC_BATCH_RANGE.contains(&batch) {
+        bail!("--sync-batch-us takes 50 to 100000");
+    }
+    Ok(batch)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--as-replica") {
@@ -359,6 +373,7 @@ fn main() -> Result<()> {
     if !(0.05..=64.0).contains(&quota) || replicas < 2 || rounds == 0 {
         bail!("--quota takes 0.05–64 CPUs, --replicas 2 or more, --rounds 1 or more");
     }
+    let batch = sync_batch(&args)?;
     let nats = NatsServer::start()?;
     let url = nats.url.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -404,7 +419,8 @@ fn main() -> Result<()> {
         let one = med(0, |c| c.rps);
         println!(
             "{rounds} rounds of {seconds} s; every router limited to {quota} CPU; {ENGINES} fake \
-             engines; {IN_FLIGHT} in flight a router; medians"
+             engines; {IN_FLIGHT} in flight a router; the replicas' batch window {} µs; medians",
+            batch.as_micros()
         );
         println!("cell                       req/s  × 1 router  router CPU  load CPU  failed");
         for (c, name) in names.iter().enumerate() {

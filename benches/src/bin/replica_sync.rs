@@ -21,7 +21,8 @@
 //!    here.
 //! 3. **Delivery.** `nats-server` (the system's package; `scripts/fixtures.sh` installs it),
 //!    a fake engine that answers at once, and two replicas A and B (`RunningServe` with
-//!    `--nats`, their batch window `--sync-batch-us`, default serve's) in this process.
+//!    `--nats`, their batch window `--sync-batch-us`, default serve's; the flag sets only
+//!    these cells') in this process.
 //!    Token-id completions go to A at 1 and 64 in flight for
 //!    `--seconds` each; B's `kvroute_replica_delay_seconds` histogram (from the booking
 //!    change on A, the oldest of its message, to B receiving it) gives the percentiles,
@@ -422,6 +423,8 @@ fn main() -> Result<()> {
     if args.iter().any(|a| a == "--cost-only") {
         return Ok(());
     }
-    let batch = Duration::from_micros(value("--sync-batch-us", 500.0) as u64);
+    // The delivery cells' window (the route-cost collector takes serve's default).
+    let default_us = kvroute_serve::SYNC_BATCH.as_micros() as f64;
+    let batch = Duration::from_micros(value("--sync-batch-us", default_us) as u64);
     delivery(seconds, batch)
 }

@@ -652,10 +652,10 @@ impl ServeConfig {
             kv_transfer_labels: Some(options.disagg.transfer_labels.clone()),
             nats: options.replicas.as_ref().map(|r| r.nats.clone()),
             fleet: options.replicas.as_ref().map(|r| r.fleet.clone()),
-            sync_batch_us: options
-                .replicas
-                .as_ref()
-                .map(|r| r.batch.as_micros() as u64),
+            sync_batch_us: options.replicas.as_ref().map(|r| {
+                let range = &crate::replicas::SYNC_BATCH_RANGE;
+                r.batch.clamp(*range.start(), *range.end()).as_micros() as u64
+            }),
             workers: options
                 .workers
                 .iter()

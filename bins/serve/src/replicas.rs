@@ -34,8 +34,8 @@ pub const SYNC_BATCH: Duration = Duration::from_micros(500);
 /// The shortest and longest batch window taken.
 pub const SYNC_BATCH_RANGE: std::ops::RangeInclusive<Duration> =
     Duration::from_micros(50)..=Duration::from_millis(100);
-/// Polls that find nothing before the collector parks until the next change.
-const IDLE_POLLS: u32 = 50;
+/// How long the collector polls without finding a change before it parks until the next.
+const IDLE_AFTER: Duration = Duration::from_millis(10);
 
 /// Where the replicas meet.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,7 +47,7 @@ pub struct ReplicaOptions {
     /// While bookings change, how often their changes are taken and sent, as one message
     /// ([`SYNC_BATCH`] by default, within [`SYNC_BATCH_RANGE`]): longer sends fewer messages
     /// (each costs every replica a wake-up and a system call or two) for later delivery. The
-    /// first change after 50 windows without one is sent at once.
+    /// first change after 10 ms (or a window, if longer) without one is sent at once.
     pub batch: Duration,
 }
 
@@ -374,15 +374,17 @@ impl ReplicaSync {
 }
 
 /// The collector thread: takes the log every `every` while changes come, parks
-/// when none came for [`IDLE_POLLS`] polls, and hands each batch to the publisher (waiting
-/// while the publisher is behind). Ends when the publisher has, or the log is closed.
+/// when none came for [`IDLE_AFTER`] (at least one poll), and hands each batch to the
+/// publisher (waiting while the publisher is behind). Ends when the publisher has, or the log
+/// is closed.
 fn collect(log: &DeltaLog, batches: &mpsc::Sender<Taken>, every: Duration) {
+    let idle_polls = (IDLE_AFTER.as_micros() / every.as_micros().max(1)).max(1);
     let mut idle = 0;
     while !log.is_closed() {
         let taken = log.take();
         if taken.words.is_empty() && !taken.lost {
             idle += 1;
-            if idle >= IDLE_POLLS {
+            if idle >= idle_polls {
                 log.wait();
                 idle = 0;
             } else {

@@ -28,9 +28,11 @@ const FREED: u64 = 4;
 /// Most words the log holds before changes are dropped (and the loss reported): 64 MiB.
 pub const MAX_LOG_WORDS: usize = 8 << 20;
 
-/// Words of room a new log buffer is given (128 KiB: a 200 µs batch at a million bookings a
-/// second, each with 6 blocks no recent booking carried), so that the routing thread seldom
-/// grows it.
+/// Words of room a new log buffer is given (128 KiB: a 500 µs batch, serve's default window,
+/// at a million requests a second, each booked with 6 blocks no recent booking carried, its
+/// first token and its free), so that the routing thread seldom grows it. A buffer keeps what
+/// it grew to when it is recycled: under longer windows the routing thread grows buffers
+/// only until each has grown once.
 pub const LOG_ROOM: usize = 16 << 10;
 
 /// Buffers handed back ([`DeltaLog::recycle`]) that wait before the log writes into them
