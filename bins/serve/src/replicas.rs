@@ -120,8 +120,8 @@ impl SyncMetrics {
                  with synchronised clocks).",
             )
             .buckets(vec![
-                5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 0.1,
-                1.0,
+                5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2,
+                5e-2, 0.1, 0.2, 0.5, 1.0,
             ]),
         )?;
         registry.register(Box::new(up.clone()))?;
