@@ -79,6 +79,17 @@ impl SharedRegistry {
             .abort_all();
     }
 
+    /// The bucket, when it has been reached; before, `early` changes the removals kept for
+    /// then, under the lock the bucket is set under (so none is missed).
+    fn reached_or(&self, early: impl FnOnce(&mut Vec<BackendSpec>)) -> Option<Store> {
+        let mut removed = self.removed_early.lock().unwrap_or_else(|p| p.into_inner());
+        let store = self.store().cloned();
+        if store.is_none() {
+            early(&mut removed);
+        }
+        store
+    }
+
     fn note(&self, id: u64, revision: u64, removed: bool) {
         if let Ok(mut latest) = self.latest.lock() {
             latest.insert(id, (revision, removed));
@@ -142,22 +153,13 @@ pub(crate) async fn share_join(
     registry: &SharedRegistry,
     spec: &BackendSpec,
 ) -> Result<Shared, Conflict> {
-    let store = {
-        let mut early = registry
-            .removed_early
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        match registry.store() {
-            Some(store) => store.clone(),
-            None => {
-                // The worker is among this replica's by now: created with the others once the
-                // bucket is reached.
-                early.retain(|removed| removed.id != spec.id);
-                return Ok(Shared::Pending);
-            }
-        }
-    };
-    share_add(&store, spec).await
+    // The worker is among this replica's by now: created with the others once the bucket is
+    // reached.
+    let reached = registry.reached_or(|early| early.retain(|removed| removed.id != spec.id));
+    match reached {
+        Some(store) => share_add(&store, spec).await,
+        None => Ok(Shared::Pending),
+    }
 }
 
 /// Writes a worker that joined through this replica's API to the registry: created, so that
@@ -183,18 +185,8 @@ async fn share_add(store: &Store, spec: &BackendSpec) -> Result<Shared, Conflict
 /// Removes a worker from the registry (its removal through this replica's API); before the
 /// bucket was first reached, kept to remove once it is.
 pub(crate) async fn share_removal(registry: &SharedRegistry, spec: &BackendSpec) -> Shared {
-    let store = {
-        let mut early = registry
-            .removed_early
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        match registry.store() {
-            Some(store) => store.clone(),
-            None => {
-                early.push(spec.clone());
-                return Shared::Pending;
-            }
-        }
+    let Some(store) = registry.reached_or(|early| early.push(spec.clone())) else {
+        return Shared::Pending;
     };
     let id = spec.id;
     match store.delete(key(id)).await {

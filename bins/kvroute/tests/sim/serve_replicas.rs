@@ -86,6 +86,29 @@ fn spec(id: u64, e: &Engine) -> Value {
     json!({"id": id, "url": e.url, "kv_events": e.events, "kv_replay": e.replay, "kv_blocks": 4096})
 }
 
+/// Adds a worker through a replica's API; its answer.
+async fn add_worker(client: &reqwest::Client, url: &str, spec: Value) -> Value {
+    let r = client
+        .post(format!("{url}/v1/workers"))
+        .json(&spec)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    r.json().await.unwrap()
+}
+
+/// Removes a worker through a replica's API; its answer.
+async fn remove_worker(client: &reqwest::Client, url: &str, id: u64) -> Value {
+    let r = client
+        .delete(format!("{url}/v1/workers/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
 /// A replica of the fleet `fleet` in front of `engines`, sharing bookings through the NATS
 /// server on `nats`.
 async fn replica(
@@ -454,15 +477,7 @@ async fn a_worker_added_or_removed_through_one_replica_reaches_every_replica() {
     }
 
     // Added through A: B has it, ready, within a second.
-    let added: Value = client
-        .post(format!("{url_a}/v1/workers"))
-        .json(&spec(7, &engines[1]))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let added = add_worker(&client, &url_a, spec(7, &engines[1])).await;
     assert_eq!(added, json!({"id": 7, "shared": true, "pending": false}));
     let t = Instant::now();
     eventually(
@@ -524,14 +539,7 @@ async fn a_worker_added_or_removed_through_one_replica_reaches_every_replica() {
     .await;
 
     // Removed through B: A drops it within a second.
-    let removed: Value = client
-        .delete(format!("{url_b}/v1/workers/7"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let removed = remove_worker(&client, &url_b, 7).await;
     assert_eq!(removed["shared"], true, "{removed}");
     eventually(
         Duration::from_secs(1),
@@ -739,34 +747,14 @@ async fn a_worker_removed_before_the_registry_was_reached_stays_removed_once_it_
     let (_b, url_b) = replica(&client, &engines, port, &fleet).await;
     assert_eq!(registry(&client, &url_b).await, "unreachable");
     // Removed through B while it has no registry: to be written once there is one.
-    let removed: Value = client
-        .delete(format!("{url_b}/v1/workers/1"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let removed = remove_worker(&client, &url_b, 1).await;
     assert_eq!(
         (&removed["shared"], &removed["pending"]),
         (&json!(false), &json!(true))
     );
     // Worker 2 removed and added again: it stays.
-    let removed = client
-        .delete(format!("{url_b}/v1/workers/2"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(removed.status(), 200);
-    let added: Value = client
-        .post(format!("{url_b}/v1/workers"))
-        .json(&spec(2, &engines[2]))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    assert_eq!(remove_worker(&client, &url_b, 2).await["id"], 2);
+    let added = add_worker(&client, &url_b, spec(2, &engines[2])).await;
     assert_eq!(added, json!({"id": 2, "shared": false, "pending": true}));
     eventually(
         Duration::from_secs(5),
